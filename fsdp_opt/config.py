@@ -1,0 +1,245 @@
+"""Run configuration: one dataclass per concern, the CLI generated from them, validation in one place.
+
+Each field's `help` metadata is its flag's help text; the flag is `--<field name>`. Validation raises
+`ConfigError` naming the flag, before anything is built or written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from .errors import ConfigError
+
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
+PRECISIONS = ("auto", "fp16", "bf16", "fp32")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+DEVICES = ("auto", "cuda", "cpu")
+STATE_DICT_TYPES = ("full", "sharded")
+
+
+def _opt(default: Any, help: str, **argparse_kwargs: Any) -> Any:
+    return field(default=default, metadata={"help": help, **argparse_kwargs})
+
+
+def parse_bool(text: str | bool) -> bool:
+    if isinstance(text, bool):
+        return text
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def parse_duration(text: str | None) -> float | None:
+    """'11h30m', '90m', '45s', '2h' or plain seconds -> seconds."""
+    if text is None or text == "":
+        return None
+    m = re.fullmatch(r"\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*(?:(\d+(?:\.\d+)?)s?)?\s*", text)
+    if not m or not any(m.groups()):
+        raise ConfigError(f"--time_limit {text!r}: use a duration such as 11h30m, 90m or 3600")
+    h, mnt, s = (float(g) if g else 0.0 for g in m.groups())
+    return h * 3600 + mnt * 60 + s
+
+
+@dataclass
+class ModelConfig:
+    model: str = _opt("facebook/opt-1.3b", "Hugging Face hub id, local model folder, or the built-in 'tiny-opt'.")
+    attn_implementation: str = _opt(
+        "sdpa", "Attention kernel: 'sdpa' (PyTorch scaled-dot-product) or 'eager'.", choices=("sdpa", "eager")
+    )
+
+
+@dataclass
+class DataConfig:
+    dataset: str = _opt(
+        "ash001/arxiv-abstract",
+        "Hub dataset id, a local .jsonl/.json/.csv/.parquet/.txt file or folder, or the built-in 'python-docs'.",
+    )
+    text_column: str = _opt("text", "Column holding the training text.")
+    start_idx: int = _opt(0, "First row of the slice to train on (inclusive).")
+    end_idx: int | None = _opt(None, "End of the slice (exclusive). Default: the end of the dataset.")
+    max_length: int = _opt(512, "Tokens per training sequence.")
+    pad_to_max_length: bool = _opt(
+        False, "Pad every row to max_length (the original recipe) instead of packing rows into full blocks."
+    )
+
+    def __post_init__(self) -> None:
+        if self.start_idx < 0:
+            raise ConfigError(f"--start_idx {self.start_idx}: must be 0 or more")
+        if self.end_idx is not None and self.end_idx <= self.start_idx:
+            raise ConfigError(f"--end_idx {self.end_idx}: must be greater than --start_idx {self.start_idx}")
+        if self.max_length < 2:
+            raise ConfigError(f"--max_length {self.max_length}: must be at least 2")
+        if not self.text_column:
+            raise ConfigError("--text_column: must not be empty")
+
+
+@dataclass
+class TrainConfig:
+    num_epochs: int = _opt(1, "Epochs this invocation runs over the slice, counting one that a resume finishes.")
+    initial_epoch: int = _opt(0, "Epoch number to start counting from when not resuming.")
+    batch_size: int = _opt(4, "Micro-batch size per rank (sequences per forward pass).")
+    accum_steps: int = _opt(1, "Micro-batches per optimizer step. Global batch = batch_size x ranks x accum_steps.")
+    lr: float = _opt(5e-6, "Peak learning rate (AdamW).")
+    warmup_steps: int = _opt(0, "Linear warm-up steps, counted in global optimizer steps.")
+    lr_schedule: str = _opt(
+        "constant",
+        "After warm-up: 'constant', or 'linear'/'cosine' decay to min_lr_ratio*lr over lr_decay_steps.",
+        choices=LR_SCHEDULES,
+    )
+    lr_decay_steps: int = _opt(0, "Global steps (after warm-up) over which linear/cosine decay runs.")
+    min_lr_ratio: float = _opt(0.0, "Final learning rate of a decay schedule, as a fraction of lr.")
+    weight_decay: float = _opt(0.0, "AdamW weight decay, applied to matrices and embeddings only.")
+    max_grad_norm: float = _opt(1.0, "Clip the global gradient norm to this value; 0 disables clipping.")
+    seed: int = _opt(42, "Seed for model init, data order and dropout.")
+
+    def __post_init__(self) -> None:
+        for name in ("num_epochs", "batch_size", "accum_steps"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ConfigError(f"--{name} {value}: must be 1 or more")
+        if self.initial_epoch < 0:
+            raise ConfigError(f"--initial_epoch {self.initial_epoch}: must be 0 or more")
+        if not self.lr > 0:
+            raise ConfigError(f"--lr {self.lr}: must be greater than 0")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"--warmup_steps {self.warmup_steps}: must be 0 or more")
+        if self.lr_schedule != "constant" and self.lr_decay_steps < 1:
+            raise ConfigError(f"--lr_schedule {self.lr_schedule}: needs --lr_decay_steps of 1 or more")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"--min_lr_ratio {self.min_lr_ratio}: must be between 0 and 1")
+        if self.weight_decay < 0:
+            raise ConfigError(f"--weight_decay {self.weight_decay}: must be 0 or more")
+        if self.max_grad_norm < 0:
+            raise ConfigError(f"--max_grad_norm {self.max_grad_norm}: must be 0 (off) or more")
+
+
+@dataclass
+class ParallelConfig:
+    sharding_strategy: str = _opt(
+        "FULL_SHARD",
+        "FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2: keep gathered weights until backward), "
+        "HYBRID_SHARD (shard within a node, replicate across nodes) or NO_SHARD (DDP-like replication).",
+        type=str.upper,
+        choices=STRATEGIES,
+    )
+    precision: str = _opt(
+        "auto",
+        "Compute precision. auto: bf16 on GPUs that support it, fp16 on others (e.g. T4), fp32 on CPU.",
+        type=str.lower,
+        choices=PRECISIONS,
+    )
+    activation_checkpointing: bool = _opt(True, "Recompute each decoder layer in backward to save memory.")
+    cpu_offload: bool = _opt(False, "Keep sharded parameters, gradients and optimizer state in CPU memory.")
+    reduce_every_microbatch: bool = _opt(
+        False,
+        "Reduce-scatter gradients after every micro-batch instead of only the last one of a step: "
+        "less memory (no unsharded fp32 gradient buffer), more communication.",
+    )
+    device: str = _opt("auto", "auto (CUDA when available), cuda or cpu.", type=str.lower, choices=DEVICES)
+
+
+@dataclass
+class CheckpointConfig:
+    output_dir: str = _opt("outputs", "Folder for checkpoints and metrics.jsonl.")
+    save_every_steps: int = _opt(0, "Also save a mid-epoch checkpoint every N optimizer steps (0: epoch ends only).")
+    resume_file: str | None = _opt(None, "Checkpoint to resume from: a path or a file name in --output_dir.")
+
+    def __post_init__(self) -> None:
+        if self.save_every_steps < 0:
+            raise ConfigError(f"--save_every_steps {self.save_every_steps}: must be 0 or more")
+        if not self.output_dir:
+            raise ConfigError("--output_dir: must not be empty")
+
+
+@dataclass
+class HubConfig:
+    hf_repo: str | None = _opt(None, "Hugging Face repo (user/name) that checkpoints are pushed to.")
+
+    def __post_init__(self) -> None:
+        if self.hf_repo is not None and not re.fullmatch(r"[\w.-]+/[\w.-]+", self.hf_repo):
+            raise ConfigError(f"--hf_repo {self.hf_repo!r}: expected the form user/name")
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "parallel": ParallelConfig,
+    "checkpoint": CheckpointConfig,
+    "hub": HubConfig,
+}
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    hub: HubConfig = field(default_factory=HubConfig)
+
+    def flat(self) -> dict[str, Any]:
+        """Every flag and its value: what is printed and stored in checkpoints."""
+        out: dict[str, Any] = {}
+        for section in SECTIONS:
+            out.update(dataclasses.asdict(getattr(self, section)))
+        return out
+
+    @classmethod
+    def from_flat(cls, values: dict[str, Any]) -> "Config":
+        sections = {}
+        for name, section_cls in SECTIONS.items():
+            names = {f.name for f in dataclasses.fields(section_cls)}
+            sections[name] = section_cls(**{k: v for k, v in values.items() if k in names})
+        return cls(**sections)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        # NOTE: one line instead of argparse's usage dump, like every other user error.
+        raise ConfigError(message)
+
+
+def _field_type(f: dataclasses.Field) -> Any:
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    if "bool" in kind:
+        return parse_bool
+    if "int" in kind:
+        return int
+    if "float" in kind:
+        return float
+    return str
+
+
+def build_parser(prog: str = "fsdp_finetune.py", description: str | None = None) -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=prog,
+        description=description,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
+    for section, section_cls in SECTIONS.items():
+        group = parser.add_argument_group(section)
+        for f in dataclasses.fields(section_cls):
+            meta = dict(f.metadata)
+            help_text = meta.pop("help")
+            kind = meta.pop("type", None) or _field_type(f)
+            kwargs: dict[str, Any] = {"default": f.default, "help": help_text, "type": kind}
+            if kind is parse_bool:
+                kwargs.update(nargs="?", const=True, metavar="BOOL")
+            kwargs.update(meta)
+            group.add_argument(f"--{f.name}", **kwargs)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Config:
+    namespace = build_parser().parse_args(argv)
+    return Config.from_flat(vars(namespace))

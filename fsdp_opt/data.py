@@ -1,0 +1,233 @@
+"""Rows -> tokens -> fixed-length blocks -> a rank-independent sequence of global batches.
+
+Every rank builds the same blocks and the same order. The order of an epoch depends only on the seed
+and the epoch; an optimizer step takes the next `global_batch` samples of that order. Which rank
+computes which sample changes with the rank count; the samples of each step, and the step's loss,
+do not. That is what lets a run continue on another number of GPUs.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+from .errors import DataError
+
+BUILTIN_DATASET = "python-docs"
+LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+IGNORE_INDEX = -100
+
+
+def python_docs_texts(min_chars: int = 200) -> list[str]:
+    """Paragraphs of Python's own documentation topics (pydoc_data): text with no download."""
+    from pydoc_data.topics import topics
+
+    rows = []
+    for key in sorted(topics):
+        for para in re.split(r"\n\s*\n", topics[key]):
+            text = " ".join(para.split())
+            if len(text) >= min_chars:
+                rows.append(text)
+    return rows
+
+
+def _looks_like_path(spec: str) -> bool:
+    return spec.startswith((".", "/", "~")) or Path(spec).suffix.lower() in LOCAL_FORMATS or spec.count("/") > 1
+
+
+def load_rows(spec: str):
+    """The raw dataset as a `datasets.Dataset` (train split)."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    if spec == BUILTIN_DATASET:
+        return datasets.Dataset.from_dict({"text": python_docs_texts()})
+    path = Path(spec).expanduser()
+    try:
+        if path.is_file():
+            fmt = LOCAL_FORMATS.get(path.suffix.lower())
+            if fmt is None:
+                known = ", ".join(sorted(LOCAL_FORMATS))
+                raise DataError(f"--dataset {spec}: unsupported file type {path.suffix!r} (use one of {known})")
+            return datasets.load_dataset(fmt, data_files=str(path), split="train")
+        if path.is_dir():
+            if (path / "dataset_info.json").is_file() and (path / "state.json").is_file():
+                return datasets.load_from_disk(str(path))
+            return datasets.load_dataset(str(path), split="train")
+    except DataError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a damaged file is a user error: one line, no traceback
+        raise DataError(f"--dataset {spec}: cannot read it ({_first_line(exc)})") from None
+    if _looks_like_path(spec):
+        raise DataError(f"--dataset {spec}: no such file or folder")
+    try:
+        return datasets.load_dataset(spec, split="train")
+    except Exception as exc:  # noqa: BLE001
+        raise DataError(
+            f"--dataset {spec}: cannot load it from the Hugging Face Hub ({_first_line(exc)}). "
+            f"Check the id and the network, or use --dataset {BUILTIN_DATASET} or a local file."
+        ) from None
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:200]
+
+
+def select_texts(ds, text_column: str, start_idx: int, end_idx: int | None) -> tuple[list[str], int]:
+    """Rows [start_idx, end_idx) of the raw data, empty ones dropped. Returns (texts, resolved end_idx)."""
+    if text_column not in ds.column_names:
+        raise DataError(f"--text_column {text_column}: no such column (the dataset has: {', '.join(ds.column_names)})")
+    total = len(ds)
+    if total == 0:
+        raise DataError("--dataset: the dataset has no rows")
+    end = total if end_idx is None else end_idx
+    if start_idx >= total:
+        raise DataError(f"--start_idx {start_idx}: past the end of the dataset ({total} rows)")
+    if end > total:
+        raise DataError(f"--end_idx {end}: past the end of the dataset ({total} rows)")
+    column = ds.select(range(start_idx, end))[text_column]
+    texts = [t for t in column if isinstance(t, str) and t.strip()]
+    if not texts:
+        raise DataError(f"--start_idx {start_idx} --end_idx {end}: every row of this slice is empty")
+    return texts, end
+
+
+def tokenize(texts: Sequence[str], tokenizer, batch: int = 1000) -> list[list[int]]:
+    """Token ids per row, EOS appended, no BOS: rows are separated by EOS once packed."""
+    eos = tokenizer.eos_token_id
+    out: list[list[int]] = []
+    for i in range(0, len(texts), batch):
+        ids = tokenizer(list(texts[i : i + batch]), add_special_tokens=False)["input_ids"]
+        out.extend(row + [eos] for row in ids)
+    return out
+
+
+@dataclass
+class Blocks:
+    """Fixed-length training sequences, right-padded; `lengths` counts the real tokens of each."""
+
+    input_ids: torch.Tensor  # [n, max_length] int32
+    lengths: torch.Tensor  # [n] int64
+    pad_id: int
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def max_length(self) -> int:
+        return self.input_ids.shape[1]
+
+    def target_counts(self) -> torch.Tensor:
+        """Predicted tokens per block: every real token but the first."""
+        return (self.lengths - 1).clamp(min=0)
+
+    def batch(self, index: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
+        """Rows `index` as model inputs; index -1 is a filler row that has no targets."""
+        real = index >= 0
+        rows = self.input_ids[index.clamp(min=0)].long()
+        lengths = torch.where(real, self.lengths[index.clamp(min=0)], 0)
+        pos = torch.arange(self.max_length)
+        valid = pos[None, :] < lengths[:, None]
+        rows = torch.where(valid, rows, self.pad_id)
+        labels = torch.where(valid, rows, IGNORE_INDEX)
+        # NOTE: filler rows attend normally (mask 1) so no softmax row is all -inf; their labels are all ignored.
+        attention_mask = (valid | ~real[:, None]).long()
+        return {
+            "input_ids": rows.to(device, non_blocking=True),
+            "attention_mask": attention_mask.to(device, non_blocking=True),
+            "labels": labels.to(device, non_blocking=True),
+        }
+
+
+def pack(rows: Sequence[Sequence[int]], max_length: int, pad_id: int) -> Blocks:
+    """Concatenate rows in order and cut into max_length blocks; the last block is padded, nothing is dropped."""
+    flat = torch.tensor([t for row in rows for t in row], dtype=torch.int32)
+    n = -(-flat.numel() // max_length)
+    ids = torch.full((n * max_length,), pad_id, dtype=torch.int32)
+    ids[: flat.numel()] = flat
+    lengths = torch.full((n,), max_length, dtype=torch.int64)
+    if n:
+        lengths[-1] = flat.numel() - (n - 1) * max_length
+    return Blocks(ids.view(n, max_length), lengths, pad_id)
+
+
+def pad_rows(rows: Sequence[Sequence[int]], max_length: int, pad_id: int) -> Blocks:
+    """One block per row, truncated to max_length and right-padded (the original recipe)."""
+    ids = torch.full((len(rows), max_length), pad_id, dtype=torch.int32)
+    lengths = torch.empty(len(rows), dtype=torch.int64)
+    for i, row in enumerate(rows):
+        row = row[:max_length]
+        ids[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        lengths[i] = len(row)
+    return Blocks(ids, lengths, pad_id)
+
+
+def build_blocks(texts: Sequence[str], tokenizer, max_length: int, packing: bool) -> Blocks:
+    rows = tokenize(texts, tokenizer)
+    pad_id = tokenizer.pad_token_id
+    blocks = pack(rows, max_length, pad_id) if packing else pad_rows(rows, max_length, pad_id)
+    if int(blocks.target_counts().sum()) == 0:
+        raise DataError("--dataset: the slice has no tokens to train on")
+    return blocks
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """One optimizer step as this rank sees it."""
+
+    epoch: int
+    step_in_epoch: int
+    micro_batches: list[torch.Tensor]  # this rank's sample indices per micro-batch (-1 = filler)
+    samples: int  # samples in the whole step, all ranks
+    target_tokens: int  # predicted tokens in the whole step, all ranks: the loss denominator
+    end_offset: int  # samples of this epoch consumed once the step is done
+
+
+class StepPlan:
+    """The global batches of each epoch, and this rank's share of each."""
+
+    def __init__(self, blocks: Blocks, *, batch_size: int, accum_steps: int, rank: int, world_size: int, seed: int):
+        self.num_samples = len(blocks)
+        self.batch_size = batch_size
+        self.accum_steps = accum_steps
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.micro_global = batch_size * world_size
+        self.global_batch = self.micro_global * accum_steps
+        self._targets = blocks.target_counts()
+
+    def steps_per_epoch(self, start_offset: int = 0) -> int:
+        return -(-(self.num_samples - start_offset) // self.global_batch)
+
+    def epoch_order(self, epoch: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.num_samples, generator=g)
+
+    def steps(self, epoch: int, start_offset: int = 0) -> Iterator[StepBatch]:
+        order = self.epoch_order(epoch)
+        first_step = start_offset // self.global_batch
+        for k, begin in enumerate(range(start_offset, self.num_samples, self.global_batch)):
+            samples = order[begin : begin + self.global_batch]
+            yield StepBatch(
+                epoch=epoch,
+                step_in_epoch=first_step + k,
+                micro_batches=self._rank_share(samples),
+                samples=samples.numel(),
+                target_tokens=int(self._targets[samples].sum()),
+                end_offset=begin + samples.numel(),
+            )
+
+    def _rank_share(self, samples: torch.Tensor) -> list[torch.Tensor]:
+        # Micro-batch m of rank r takes positions [m*G + r*B, m*G + (r+1)*B) of the step; a short last
+        # step is topped up with filler rows so every rank runs the same number of passes.
+        n_micro = -(-samples.numel() // self.micro_global)
+        padded = torch.full((n_micro * self.micro_global,), -1, dtype=torch.long)
+        padded[: samples.numel()] = samples
+        grid = padded.view(n_micro, self.world_size, self.batch_size)
+        return [grid[m, self.rank] for m in range(n_micro)]

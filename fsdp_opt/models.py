@@ -1,0 +1,137 @@
+"""Where a model comes from: a hub id, a local folder, or the built-in `tiny-opt`.
+
+Only rank 0 ever holds full weights. Every rank builds the model skeleton on the meta device; the
+parallelize step shards it and then receives its shards from rank 0.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+from transformers import PreTrainedTokenizerBase
+
+from .errors import ModelError
+
+BUILTIN_MODEL = "tiny-opt"
+ASSETS = Path(__file__).resolve().parent / "assets"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    name: str  # what the user passed to --model
+    location: str  # folder path or hub id handed to from_pretrained
+    kind: str  # "builtin" | "local" | "hub"
+
+    @property
+    def pretrained_weights(self) -> bool:
+        """The built-in model is initialised from the seed; the others load their weights."""
+        return self.kind != "builtin"
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name or Path(name).exists()
+
+
+def resolve_model(name: str) -> ModelSource:
+    if name == BUILTIN_MODEL:
+        return ModelSource(name, str(ASSETS / BUILTIN_MODEL), "builtin")
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"--model {name}: folder has no config.json (expected a Hugging Face model folder)")
+        return ModelSource(name, str(path), "local")
+    if _looks_like_path(name):
+        raise ModelError(f"--model {name}: no such folder (use a model folder, a hub id, or '{BUILTIN_MODEL}')")
+    if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name):
+        raise ModelError(f"--model {name!r}: not a hub id, a folder, or '{BUILTIN_MODEL}'")
+    return ModelSource(name, name, "hub")
+
+
+def model_tag(name: str) -> str:
+    """Short clean name used in checkpoint names: facebook/opt-1.3b -> opt_1.3B."""
+    base = Path(name.rstrip("/\\")).name or name
+    m = re.fullmatch(r"opt-(\d+(?:\.\d+)?)([mb])", base.lower())
+    if m:
+        return f"opt_{m.group(1)}{m.group(2).upper()}"
+    return re.sub(r"[^A-Za-z0-9.]+", "_", base).strip("_") or "model"
+
+
+def _fetch_error(source: ModelSource, exc: Exception) -> ModelError:
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if source.kind == "hub":
+        return ModelError(
+            f"--model {source.name}: cannot fetch it from the Hugging Face Hub ({reason[:200]}). "
+            f"Check the id and the network, or use --model {BUILTIN_MODEL} or a local model folder."
+        )
+    return ModelError(f"--model {source.name}: cannot load it ({reason[:200]})")
+
+
+def load_model_config(source: ModelSource, attn_implementation: str = "sdpa") -> PretrainedConfig:
+    try:
+        config = AutoConfig.from_pretrained(source.location)
+    except Exception as exc:  # noqa: BLE001 - any failure to fetch is reported as one line
+        raise _fetch_error(source, exc) from None
+    config._attn_implementation = attn_implementation
+    config.use_cache = False  # training never reads a KV cache
+    return config
+
+
+def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.location)
+    except Exception as exc:  # noqa: BLE001
+        raise _fetch_error(source, exc) from None
+    if tokenizer.eos_token_id is None:
+        raise ModelError(f"--model {source.name}: its tokenizer has no EOS token")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def build_meta_model(config: PretrainedConfig) -> PreTrainedModel:
+    """The model skeleton with no storage: every rank shards this."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model
+
+
+def load_full_state_dict(
+    source: ModelSource, config: PretrainedConfig, seed: int, *, weights: bool = True
+) -> tuple[dict[str, torch.Tensor] | None, dict[str, torch.Tensor]]:
+    """Full fp32 weights (or None when `weights` is False) and the non-persistent buffers, on CPU.
+
+    Called on rank 0 only. The built-in model is initialised from `seed`; the others load their weights.
+    """
+    if source.pretrained_weights and weights:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(source.location, config=config, dtype=torch.float32)
+        except Exception as exc:  # noqa: BLE001
+            raise _fetch_error(source, exc) from None
+    else:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    own = dict(model.named_buffers())
+    buffers = {n: own[n].detach().clone() for n in non_persistent_buffer_names(model)}
+    return (model.state_dict() if weights else None), buffers
+
+
+def non_persistent_buffer_names(model: nn.Module) -> list[str]:
+    """Buffers that state_dict() leaves out (e.g. rotary tables): they must be sent separately."""
+    names = []
+    for mod_name, module in model.named_modules():
+        for b in sorted(getattr(module, "_non_persistent_buffers_set", ())):
+            names.append(f"{mod_name}.{b}" if mod_name else b)
+    return names
+
+
+def max_positions(config: PretrainedConfig) -> int | None:
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None

@@ -1,0 +1,207 @@
+"""Sharding: wrap policy, mesh, mixed precision, activation checkpointing, FSDP2, weight loading.
+
+Setup order (every rank): skeleton on meta -> activation checkpointing -> shard each block, then the root
+-> allocate local shards -> receive full weights from rank 0 by broadcast -> check the tie and that
+nothing is left on meta.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from .distributed import DistEnv
+from .errors import ConfigError, ModelError
+from .models import non_persistent_buffer_names
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """'auto' -> bf16 on GPUs that have it, fp16 on other GPUs (T4), fp32 on CPU."""
+    if device.type == "cuda":
+        has_bf16 = torch.cuda.get_device_capability(device)[0] >= 8
+        if precision == "auto":
+            return "bf16" if has_bf16 else "fp16"
+        if precision == "bf16" and not has_bf16:
+            name = torch.cuda.get_device_name(device)
+            raise ConfigError(f"--precision bf16: {name} has no bf16 support (use fp16 or auto)")
+        return precision
+    return "fp32" if precision == "auto" else precision
+
+
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
+    # NOTE: fp32 reduce: fp16 reduce-scatter loses gradient bits and can overflow across ranks.
+    compute = DTYPES[precision]
+    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+
+
+def find_block_classes(model: nn.Module) -> set[type[nn.Module]]:
+    """Classes named by the model's `_no_split_modules` that occur in it (OPTDecoderLayer for OPT)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    found = {type(m) for m in model.modules() if type(m).__name__ in names}
+    if not found:
+        listed = ", ".join(sorted(names)) or "nothing"
+        raise ModelError(
+            f"--model: no transformer block to shard: the model's _no_split_modules lists {listed}, "
+            f"and no module of {type(model).__name__} matches"
+        )
+    return found
+
+
+def find_blocks(model: nn.Module, classes: set[type[nn.Module]]) -> list[nn.Module]:
+    """Outermost modules of the block classes, in model order."""
+    blocks: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():
+        if id(module) in inside:
+            continue
+        if type(module) in classes:
+            blocks.append(module)
+            inside.update(id(m) for m in module.modules())
+    return blocks
+
+
+def check_no_shared_params(model: nn.Module, blocks: list[nn.Module]) -> None:
+    """A weight used both inside a block and outside it cannot be sharded in two units (torch refuses)."""
+    for i, block in enumerate(blocks):
+        inside = {id(m) for m in block.modules()}
+        mine = {id(p) for p in block.parameters()}
+        for name, module in model.named_modules():
+            if id(module) not in inside and any(id(p) in mine for p in module.parameters(recurse=False)):
+                raise ModelError(
+                    f"--model: block {i} ({type(block).__name__}) shares a weight with {name}; "
+                    "tied weights must stay in one FSDP unit"
+                )
+
+
+def apply_activation_checkpointing(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
+    """Recompute each block's activations in backward. Returns the blocks to shard.
+
+    Transformers' own per-layer checkpointing is used where the model has it: it keeps parameter names
+    unchanged and is written to sit inside FSDP2's layer subclasses. Other models get torch's wrapper.
+    """
+    if getattr(model, "supports_gradient_checkpointing", False):
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        return blocks
+    targets = {id(b) for b in blocks}
+    wrapped: list[nn.Module] = []
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if id(child) in targets:
+                w = checkpoint_wrapper(child, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+                setattr(parent, name, w)
+                wrapped.append(w)
+    order = {id(b): i for i, b in enumerate(blocks)}
+    wrapped.sort(key=lambda w: order[id(w._checkpoint_wrapped_module)])
+    return wrapped
+
+
+def build_mesh(strategy: str, env: DistEnv) -> DeviceMesh:
+    device_type = env.device.type
+    if strategy == "NO_SHARD":
+        # Replicate everywhere: a shard dimension of size 1 makes FSDP an all-reduce, as in DDP.
+        return init_device_mesh(device_type, (env.world_size, 1), mesh_dim_names=("replicate", "shard"))
+    if strategy == "HYBRID_SHARD":
+        per_node = env.local_world_size
+        if env.world_size % per_node:
+            raise ConfigError(
+                f"--sharding_strategy HYBRID_SHARD: {env.world_size} ranks do not split into nodes of {per_node}"
+            )
+        return init_device_mesh(
+            device_type, (env.world_size // per_node, per_node), mesh_dim_names=("replicate", "shard")
+        )
+    return init_device_mesh(device_type, (env.world_size,), mesh_dim_names=("shard",))
+
+
+def apply_fsdp(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    mesh: DeviceMesh,
+    *,
+    strategy: str,
+    mp_policy: MixedPrecisionPolicy,
+    offload: bool,
+) -> nn.Module:
+    """Shard each block as its own unit, then the root (embeddings, tied lm_head, final norm)."""
+    offload_policy: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
+    # FULL_SHARD frees gathered weights after forward; SHARD_GRAD_OP keeps them until backward.
+    reshard = strategy in ("FULL_SHARD", "HYBRID_SHARD")
+    common = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=reshard, **common)
+    fully_shard(model, reshard_after_forward=False, **common)
+    # NOTE: transformers' decoder layers return views; nothing here modifies a block output in place,
+    # which is the only case FSDP2's warning is about.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # Gradients are summed, not averaged, across ranks: the loss is already divided by the
+            # global token count of the step. Sum-only collectives also keep gloo (no PREMUL_SUM) working.
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def materialize(model: nn.Module, env: DistEnv, buffers: dict[str, torch.Tensor] | None) -> None:
+    """Allocate this rank's shards; copy rank 0's non-persistent buffers (not in any state dict) to all ranks."""
+    model.to_empty(device=env.device)
+    own = dict(model.named_buffers())
+    for name in non_persistent_buffer_names(model):
+        buf = own[name]
+        if env.is_main and buffers is not None:
+            buf.copy_(buffers[_clean(name)].to(env.device))
+        if env.world_size > 1:
+            dist.broadcast(buf, src=0)
+
+
+def _clean(name: str) -> str:
+    return name.replace("_checkpoint_wrapped_module.", "")
+
+
+def load_weights(model: nn.Module, full_state: dict[str, torch.Tensor] | None, env: DistEnv) -> None:
+    """Fill the local shards from rank 0's full state dict by broadcast."""
+    set_model_state_dict(
+        model,
+        full_state if env.is_main else {},
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+    )
+
+
+def tie_and_check(model: nn.Module) -> None:
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "tie_word_embeddings", False):
+        inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+        if inp is not None and out is not None and out.weight is not inp.weight:
+            out.weight = inp.weight
+    left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
+    if left:
+        raise RuntimeError(f"still on the meta device after loading: {left[:5]}")
+
+
+def local_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Bytes this rank holds for parameters, gradients and optimizer state (local shards only)."""
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    params = sum(local(p).numel() * local(p).element_size() for p in model.parameters())
+    grads = sum(local(p.grad).numel() * local(p.grad).element_size() for p in model.parameters() if p.grad is not None)
+    optim = 0
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    optim += local(v).numel() * local(v).element_size()
+    return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}

@@ -1,0 +1,384 @@
+"""The training run: set up in a fixed order, then a short loop over optimizer steps.
+
+setup():  flags -> process group -> tokenizer + data (validated) -> checkpoint (validated) -> model on meta
+          -> activation checkpointing -> shard -> weights -> optimizer, scaler, schedule, position
+train():  for each step: micro-batches forward/backward -> global norm -> unscale+clip -> step -> log -> save
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from . import checkpoint as ckpt
+from . import parallelize as par
+from .config import Config
+from .data import IGNORE_INDEX, Blocks, StepBatch, StepPlan, build_blocks, load_rows, select_texts
+from .distributed import DistEnv, all_ranks_ok, init_distributed, print0, rank0_first, teardown
+from .errors import ConfigError
+from .models import (
+    build_meta_model,
+    load_full_state_dict,
+    load_model_config,
+    load_tokenizer,
+    max_positions,
+    model_tag,
+    non_persistent_buffer_names,
+    resolve_model,
+)
+from .optim import LossScaler, LRSchedule, build_optimizer, global_grad_norm, unscale_and_clip_
+from .tracking import (
+    MetricsWriter,
+    Progress,
+    count_params,
+    flops_per_token,
+    format_summary,
+    peak_flops,
+    peak_memory_bytes,
+)
+
+
+@dataclass
+class Session:
+    """Everything the loop needs, built once by setup()."""
+
+    config: Config
+    env: DistEnv
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    schedule: LRSchedule
+    scaler: LossScaler
+    blocks: Blocks
+    plan: StepPlan
+    state: ckpt.TrainState
+    writer: MetricsWriter
+    tag: str
+    end_idx: int
+    precision: str
+    flops_per_token: float
+    peak_flops: float | None
+    out_dir: Path
+    params: list[nn.Parameter] = field(default_factory=list)
+    last_loss: float = float("nan")
+
+
+def run(config: Config) -> None:
+    env = init_distributed(config.parallel.device)
+    try:
+        session = setup(config, env)
+        train(session)
+    finally:
+        teardown()
+
+
+# ---------------------------------------------------------------- setup
+
+
+def setup(config: Config, env: DistEnv) -> Session:
+    mc, dc, tc, pc, cc = config.model, config.data, config.train, config.parallel, config.checkpoint
+    source = all_ranks_ok(lambda: resolve_model(mc.model))
+    precision = all_ranks_ok(lambda: par.resolve_precision(pc.precision, env.device))
+    if pc.cpu_offload and env.device.type != "cuda":
+        raise ConfigError("--cpu_offload: only useful with CUDA devices (the run is on CPU already)")
+    model_config, tokenizer = rank0_first(lambda: (load_model_config(source, mc.attn_implementation), load_tokenizer(source)))
+    positions = max_positions(model_config)
+    if positions is not None and dc.max_length > positions:
+        raise ConfigError(f"--max_length {dc.max_length}: {mc.model} has only {positions} positions")
+
+    texts, end_idx = rank0_first(lambda: select_texts(load_rows(dc.dataset), dc.text_column, dc.start_idx, dc.end_idx))
+    blocks = all_ranks_ok(lambda: build_blocks(texts, tokenizer, dc.max_length, packing=not dc.pad_to_max_length))
+    out_dir = Path(cc.output_dir)
+    payload = all_ranks_ok(lambda: _read_resume(cc.resume_file, out_dir) if env.is_main else None)
+
+    model = build_meta_model(model_config)
+    block_classes = all_ranks_ok(lambda: par.find_block_classes(model))
+    blocks_mods = par.find_blocks(model, block_classes)
+    all_ranks_ok(lambda: par.check_no_shared_params(model, blocks_mods))
+    if cc.resume_file:
+        all_ranks_ok(lambda: ckpt.check_compatible(payload, model, Path(payload["_path"])) if env.is_main else None)
+    n_params = count_params(model)
+    fpt = flops_per_token(model, dc.max_length)
+    if pc.activation_checkpointing:
+        blocks_mods = par.apply_activation_checkpointing(model, blocks_mods)
+    mesh = par.build_mesh(pc.sharding_strategy, env)
+    par.apply_fsdp(
+        model,
+        blocks_mods,
+        mesh,
+        strategy=pc.sharding_strategy,
+        mp_policy=par.mixed_precision_policy(precision),
+        offload=pc.cpu_offload,
+    )
+
+    resuming = bool(cc.resume_file)
+    need_init = not resuming or bool(non_persistent_buffer_names(model))
+    init = all_ranks_ok(
+        lambda: load_full_state_dict(source, model_config, tc.seed, weights=not resuming)
+        if env.is_main and need_init
+        else None
+    )
+    full_state, buffers = init if init is not None else (None, None)
+    par.materialize(model, env, buffers)
+    if not resuming:
+        par.load_weights(model, full_state, env)
+    del full_state, init
+    optimizer = build_optimizer(model, tc.lr, tc.weight_decay, env.device)
+    scaler = LossScaler(enabled=precision == "fp16")
+    torch.manual_seed(tc.seed + 7919 * env.rank)  # dropout masks: per rank, reproducible
+    state = ckpt.TrainState(epoch=tc.initial_epoch)
+    if resuming:
+        state = _restore(model, optimizer, scaler, payload, config, env, end_idx, len(blocks))
+    par.tie_and_check(model)
+    model.train()
+
+    plan = StepPlan(
+        blocks, batch_size=tc.batch_size, accum_steps=tc.accum_steps, rank=env.rank, world_size=env.world_size, seed=tc.seed
+    )
+    session = Session(
+        config=config,
+        env=env,
+        model=model,
+        optimizer=optimizer,
+        schedule=LRSchedule(tc.lr, tc.warmup_steps, tc.lr_schedule, tc.lr_decay_steps, tc.min_lr_ratio),
+        scaler=scaler,
+        blocks=blocks,
+        plan=plan,
+        state=state,
+        writer=MetricsWriter(out_dir, enabled=env.is_main),
+        tag=model_tag(mc.model),
+        end_idx=end_idx,
+        precision=precision,
+        flops_per_token=fpt,
+        peak_flops=peak_flops(env.device),
+        out_dir=out_dir,
+        params=[p for p in model.parameters() if p.requires_grad],
+    )
+    _print_summary(session, block_classes, len(blocks_mods), n_params)
+    return session
+
+
+def _read_resume(resume_file: str | None, out_dir: Path) -> dict[str, Any] | None:
+    if not resume_file:
+        return None
+    path = ckpt.find_checkpoint(out_dir, resume_file)
+    payload = ckpt.read_checkpoint(path)
+    payload["_path"] = str(path)
+    return payload
+
+
+def _slice_key(config: Config, end_idx: int, num_samples: int) -> dict[str, Any]:
+    """What must match for a resume to continue inside the same slice."""
+    dc = config.data
+    return {
+        "dataset": dc.dataset,
+        "start_idx": dc.start_idx,
+        "end_idx": end_idx,
+        "text_column": dc.text_column,
+        "max_length": dc.max_length,
+        "packing": not dc.pad_to_max_length,
+        "seed": config.train.seed,
+        "num_samples": num_samples,
+    }
+
+
+def _restore(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: LossScaler,
+    payload: dict[str, Any] | None,
+    config: Config,
+    env: DistEnv,
+    end_idx: int,
+    num_samples: int,
+) -> ckpt.TrainState:
+    """Load a checkpoint held by rank 0 into every rank and work out where training continues."""
+    has_optim = env.is_main and payload is not None and payload.get("optimizer") is not None
+    header = None
+    if env.is_main:
+        header = {k: payload.get(k) for k in ("train_state", "slice", "scaler", "rng", "_path", ckpt.STEP_KEY, ckpt.EPOCHS_KEY)}
+        header["has_optimizer"] = has_optim
+    header = _broadcast(header, env)
+    ckpt.load_into(model, optimizer, payload, env, load_optimizer=header["has_optimizer"])
+    if header["scaler"]:
+        scaler.load_state_dict(header["scaler"])
+    here = _slice_key(config, end_idx, num_samples)
+    ts = header["train_state"] or {"global_step": int(header[ckpt.STEP_KEY]), "epoch": 0, "offset": 0}
+    same_slice = header["slice"] == here
+    rngs = header["rng"] or []
+    if same_slice and len(rngs) == env.world_size:
+        ckpt.set_rng_state(rngs[env.rank])
+    if same_slice:
+        state = ckpt.TrainState(ts["global_step"], ts["epoch"], ts["offset"])
+        if state.offset >= num_samples:
+            state.epoch, state.offset = state.epoch + 1, 0
+        where = f"epoch {state.epoch}, sample {state.offset} of {num_samples}"
+    else:
+        state = ckpt.TrainState(ts["global_step"], config.train.initial_epoch, 0)
+        where = f"the first batch of slice [{config.data.start_idx}, {end_idx})"
+    print0(f"resumed {header['_path']} at global step {state.global_step}; continuing at {where}")
+    if not header["has_optimizer"]:
+        print0("  (the checkpoint has no optimizer state: AdamW moments start from zero)")
+    return state
+
+
+def _broadcast(obj: Any, env: DistEnv) -> Any:
+    if env.world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _print_summary(s: Session, classes: set[type], units: int, n_params: int) -> None:
+    c = s.config
+    global_batch = s.plan.global_batch
+    print0("fsdp-opt run")
+    print0(
+        format_summary(
+            {
+                "model": f"{c.model.model} ({n_params:,} parameters, tag {s.tag})",
+                "strategy": f"{c.parallel.sharding_strategy}, wrapped {', '.join(sorted(k.__name__ for k in classes))} x {units} + root = {units + 1} units",
+                "precision": f"{s.precision} compute, fp32 master weights and gradient reduction"
+                + (", dynamic loss scaling" if s.scaler.enabled else ""),
+                "activation ckpt": c.parallel.activation_checkpointing,
+                "world": f"{s.env.world_size} rank(s) on {s.env.device.type}, {s.env.num_nodes} node(s)",
+                "data": f"{c.data.dataset} rows [{c.data.start_idx}, {s.end_idx}) -> {len(s.blocks)} "
+                f"{'padded rows' if c.data.pad_to_max_length else 'packed blocks'} of {c.data.max_length} tokens",
+                "batch": f"{c.train.batch_size} per rank x {s.env.world_size} ranks x {c.train.accum_steps} accum = {global_batch} sequences per step",
+                "steps/epoch": s.plan.steps_per_epoch(),
+                "start": f"global step {s.state.global_step}, epoch {s.state.epoch}",
+                "output": str(s.out_dir),
+            }
+        )
+    )
+    print0("config: " + " ".join(f"--{k} {v}" for k, v in c.flat().items() if v is not None))
+
+
+# ---------------------------------------------------------------- loop
+
+
+def train(s: Session) -> None:
+    tc, cc = s.config.train, s.config.checkpoint
+    t0 = time.perf_counter()
+    first_epoch = s.state.epoch
+    for epoch in range(first_epoch, first_epoch + tc.num_epochs):
+        s.state.epoch = epoch
+        progress = Progress(s.env.is_main, s.plan.steps_per_epoch(s.state.offset), f"epoch {epoch + 1}")
+        for step in s.plan.steps(epoch, s.state.offset):
+            record = train_step(s, step)
+            s.state.offset = step.end_offset
+            record["elapsed"] = round(time.perf_counter() - t0, 3)
+            s.writer.write(record)
+            progress.update(record["loss"], record["tokens_per_second"])
+            epoch_done = step.end_offset >= s.plan.num_samples
+            if cc.save_every_steps and s.state.global_step % cc.save_every_steps == 0 and not epoch_done:
+                save(s, epoch_end=False)
+        progress.close()
+        s.state.epoch, s.state.offset = epoch + 1, 0
+        save(s, epoch_end=True)
+
+
+def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum (not mean) of next-token cross-entropy over the targets; fp32 for the softmax."""
+    return F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+        labels[:, 1:].reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+
+
+def train_step(s: Session, step: StepBatch) -> dict[str, Any]:
+    started = time.perf_counter()
+    model, env = s.model, s.env
+    lr = s.schedule(s.state.global_step)
+    for group in s.optimizer.param_groups:
+        group["lr"] = lr
+    scale = s.scaler.scale
+    # Divide by the step's global target count so the summed gradients are the token mean of the step.
+    weight = scale / max(1, step.target_tokens)
+    loss_sum = torch.zeros((), device=env.device, dtype=torch.float32)
+    n_micro = len(step.micro_batches)
+    for i, index in enumerate(step.micro_batches):
+        last = i == n_micro - 1
+        if not s.config.parallel.reduce_every_microbatch:
+            model.set_requires_gradient_sync(last)
+        batch = s.blocks.batch(index, env.device)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+        loss = causal_lm_loss_sum(logits, batch["labels"])
+        (loss * weight).backward()
+        loss_sum += loss.detach()
+    scaled_norm = global_grad_norm(s.params)
+    if env.world_size > 1:
+        dist.all_reduce(loss_sum)
+    # The one host sync of the step: loss for the log, norm for the skip decision (same on all ranks).
+    loss_total, norm_scaled = torch.stack([loss_sum, scaled_norm.float().to(loss_sum.device)]).tolist()
+    finite = math.isfinite(loss_total) and math.isfinite(norm_scaled)
+    if finite:
+        unscale_and_clip_(s.params, scaled_norm, scale, s.config.train.max_grad_norm)
+        s.optimizer.step()
+    s.optimizer.zero_grad(set_to_none=True)
+    s.scaler.update(finite)
+    s.state.global_step += 1
+    seconds = time.perf_counter() - started
+    tokens_per_second = step.target_tokens / seconds if seconds > 0 else 0.0
+    loss_mean = loss_total / max(1, step.target_tokens)
+    s.last_loss = loss_mean
+    record: dict[str, Any] = {
+        "step": s.state.global_step,
+        "epoch": step.epoch,
+        "loss": loss_mean,
+        "lr": lr,
+        "grad_norm": norm_scaled / scale,
+        "loss_scale": scale,
+        "tokens": step.target_tokens,
+        "tokens_per_second": tokens_per_second,
+        "elapsed": 0.0,
+        "skipped": not finite,
+        "skipped_steps": s.scaler.skipped_steps,
+    }
+    if s.peak_flops:
+        record["mfu"] = tokens_per_second * s.flops_per_token / (s.peak_flops * env.world_size)
+    mem = peak_memory_bytes(env.device)
+    if mem is not None:
+        record["peak_memory_bytes"] = mem
+    if not finite and not s.scaler.enabled:
+        print0(f"warning: step {s.state.global_step}: non-finite loss or gradient norm; the update was skipped")
+    return record
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def save(s: Session, *, epoch_end: bool) -> Path:
+    dc = s.config.data
+    if epoch_end:
+        name = ckpt.checkpoint_name(s.tag, dc.start_idx, s.end_idx, s.state.epoch)
+        epochs_run = s.state.epoch
+    else:
+        name = ckpt.checkpoint_name(s.tag, dc.start_idx, s.end_idx, s.state.epoch + 1, s.state.global_step)
+        epochs_run = s.state.epoch
+    path = s.out_dir / name
+    extra = {
+        "slice": _slice_key(s.config, s.end_idx, len(s.blocks)),
+        "scaler": s.scaler.state_dict(),
+        "lr_schedule": s.schedule.state_dict(),
+        "config": s.config.flat(),
+        "model_name": s.config.model.model,
+        "world_size": s.env.world_size,
+        "global_batch": s.plan.global_batch,
+        "last_loss": s.last_loss,
+        "wandb_run_id": None,
+    }
+    info = ckpt.save_checkpoint(path, s.env, s.model, s.optimizer, state=s.state, epochs_run=epochs_run, extra=extra)
+    if info is not None:
+        print0(f"saved {path} ({info['bytes'] / 2**20:,.1f} MiB in {info['seconds']:.1f} s)")
+    return path
