@@ -135,13 +135,15 @@ class Blocks:
         valid = pos[None, :] < lengths[:, None]
         rows = torch.where(valid, rows, self.pad_id)
         labels = torch.where(valid, rows, IGNORE_INDEX)
-        # NOTE: filler rows attend normally (mask 1) so no softmax row is all -inf; their labels are all ignored.
-        attention_mask = (valid | ~real[:, None]).long()
-        return {
+        out = {
             "input_ids": rows.to(device, non_blocking=True),
-            "attention_mask": attention_mask.to(device, non_blocking=True),
             "labels": labels.to(device, non_blocking=True),
         }
+        if not bool(valid.all()):
+            # NOTE: filler rows attend normally (mask 1) so no softmax row is all -inf; their labels are
+            # all ignored. Full blocks pass no mask at all, which keeps SDPA on its causal fast path.
+            out["attention_mask"] = (valid | ~real[:, None]).long().to(device, non_blocking=True)
+        return out
 
 
 def pack(rows: Sequence[Sequence[int]], max_length: int, pad_id: int) -> Blocks:

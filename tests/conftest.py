@@ -1,0 +1,110 @@
+"""Shared helpers: run the real CLI (torchrun or plain python) in a sandboxed environment."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ENTRY = ROOT / "fsdp_finetune.py"
+ASSETS = ROOT / "fsdp_opt" / "assets" / "tiny-opt"
+# A port nothing listens on: any Hub request fails at once instead of waiting on a network.
+DEAD_ENDPOINT = "http://127.0.0.1:9"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sandbox_env(tmp: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "WANDB_", "RANK", "WORLD_SIZE", "MASTER_"))}
+    env.update(
+        HF_HOME=str(tmp / "hf_home"),
+        HF_ENDPOINT=DEAD_ENDPOINT,
+        HF_HUB_DISABLE_TELEMETRY="1",
+        WANDB_MODE="disabled",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(ROOT),
+    )
+    env.update(extra)
+    return env
+
+
+def torchrun_cmd(nproc: int, script: Path | str = ENTRY, nnodes: int = 1, node_rank: int = 0, port: int | None = None) -> list[str]:
+    if nnodes == 1:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nnodes}",
+        f"--node_rank={node_rank}",
+        f"--nproc_per_node={nproc}",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=127.0.0.1:{port}",
+        "--rdzv_id=fsdp-opt-test",
+        str(script),
+    ]
+
+
+def run_cli(
+    args: list[str], tmp: Path, nproc: int = 0, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """nproc=0: plain `python fsdp_finetune.py`; otherwise torchrun with nproc workers."""
+    cmd = [sys.executable, str(ENTRY)] if nproc == 0 else torchrun_cmd(nproc)
+    return subprocess.run(
+        cmd + args, cwd=tmp, env=env or sandbox_env(tmp), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def make_local_model(dest: Path, seed: int = 0, **overrides) -> Path:
+    """A local OPT model folder (config, safetensors weights, tokenizer) from the tiny-opt config."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(ASSETS)
+    for k, v in overrides.items():
+        setattr(config, k, v)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(dest)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ASSETS / name, dest / name)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def det_model(tmp_path_factory) -> Path:
+    """tiny-opt shape with dropout off: runs on different rank counts are comparable number for number."""
+    return make_local_model(tmp_path_factory.mktemp("det_model") / "tiny-det", dropout=0.0)
+
+
+def assert_clean_failure(proc: subprocess.CompletedProcess, *needles: str) -> str:
+    """Non-zero exit, the project's one error line naming the problem, and no Python traceback from a worker."""
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("error: ")]
+    assert len(lines) == 1, proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    worker_traceback = [l for l in proc.stderr.splitlines() if l.startswith(("Traceback", "[rank"))]
+    if "torch.distributed.run" not in " ".join(proc.args):
+        assert not worker_traceback, proc.stderr
+    else:
+        # torchrun prints its own ChildFailedError report; the workers must not print tracebacks.
+        assert not [l for l in worker_traceback if l.startswith("[rank")], proc.stderr
+    return lines[0]
