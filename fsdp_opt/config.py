@@ -98,6 +98,7 @@ class TrainConfig:
     weight_decay: float = _opt(0.0, "AdamW weight decay, applied to matrices and embeddings only.")
     max_grad_norm: float = _opt(1.0, "Clip the global gradient norm to this value; 0 disables clipping.")
     seed: int = _opt(42, "Seed for model init, data order and dropout.")
+    init_loss_scale: float = _opt(2.0**16, "Starting loss scale for fp16 (halved on overflow, doubled after 2000 good steps).")
 
     def __post_init__(self) -> None:
         for name in ("num_epochs", "batch_size", "accum_steps"):
@@ -116,6 +117,8 @@ class TrainConfig:
             raise ConfigError(f"--min_lr_ratio {self.min_lr_ratio}: must be between 0 and 1")
         if self.weight_decay < 0:
             raise ConfigError(f"--weight_decay {self.weight_decay}: must be 0 or more")
+        if not self.init_loss_scale >= 1:
+            raise ConfigError(f"--init_loss_scale {self.init_loss_scale}: must be 1 or more")
         if self.max_grad_norm < 0:
             raise ConfigError(f"--max_grad_norm {self.max_grad_norm}: must be 0 (off) or more")
 

@@ -15,7 +15,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .errors import DataError
+from .errors import DataError, quiet_hub_logs
 
 BUILTIN_DATASET = "python-docs"
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
@@ -65,7 +65,8 @@ def load_rows(spec: str):
     if _looks_like_path(spec):
         raise DataError(f"--dataset {spec}: no such file or folder")
     try:
-        return datasets.load_dataset(spec, split="train")
+        with quiet_hub_logs():
+            return datasets.load_dataset(spec, split="train")
     except Exception as exc:  # noqa: BLE001
         raise DataError(
             f"--dataset {spec}: cannot load it from the Hugging Face Hub ({_first_line(exc)}). "

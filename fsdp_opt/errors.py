@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from typing import Iterator
+
 
 class ConfigError(Exception):
     """A flag, file or input the user supplied is unusable. The message names it and says what to do."""
@@ -17,3 +21,17 @@ class ModelError(ConfigError):
 
 class CheckpointError(ConfigError):
     """A checkpoint file is missing, damaged or does not belong to this run."""
+
+
+@contextlib.contextmanager
+def quiet_hub_logs() -> Iterator[None]:
+    """Hide the Hub client's per-retry warnings: a failure ends in one error line of ours instead."""
+    loggers = [logging.getLogger(n) for n in ("huggingface_hub", "transformers", "datasets")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)

@@ -15,7 +15,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 from transformers import PreTrainedTokenizerBase
 
-from .errors import ModelError
+from .errors import ModelError, quiet_hub_logs
 
 BUILTIN_MODEL = "tiny-opt"
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -73,7 +73,8 @@ def _fetch_error(source: ModelSource, exc: Exception) -> ModelError:
 
 def load_model_config(source: ModelSource, attn_implementation: str = "sdpa") -> PretrainedConfig:
     try:
-        config = AutoConfig.from_pretrained(source.location)
+        with quiet_hub_logs():
+            config = AutoConfig.from_pretrained(source.location)
     except Exception as exc:  # noqa: BLE001 - any failure to fetch is reported as one line
         raise _fetch_error(source, exc) from None
     config._attn_implementation = attn_implementation
@@ -83,7 +84,8 @@ def load_model_config(source: ModelSource, attn_implementation: str = "sdpa") ->
 
 def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source.location)
+        with quiet_hub_logs():
+            tokenizer = AutoTokenizer.from_pretrained(source.location)
     except Exception as exc:  # noqa: BLE001
         raise _fetch_error(source, exc) from None
     if tokenizer.eos_token_id is None:

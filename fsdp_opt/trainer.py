@@ -131,7 +131,7 @@ def setup(config: Config, env: DistEnv) -> Session:
         par.load_weights(model, full_state, env)
     del full_state, init
     optimizer = build_optimizer(model, tc.lr, tc.weight_decay, env.device)
-    scaler = LossScaler(enabled=precision == "fp16")
+    scaler = LossScaler(enabled=precision == "fp16", init_scale=tc.init_loss_scale)
     torch.manual_seed(tc.seed + 7919 * env.rank)  # dropout masks: per rank, reproducible
     state = ckpt.TrainState(epoch=tc.initial_epoch)
     if resuming:

@@ -1,0 +1,152 @@
+"""The real CLI end to end: the demo, fp16 with loss scaling, and bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import DEAD_ENDPOINT, ROOT, assert_clean_failure, read_jsonl, run_cli, sandbox_env
+from fsdp_opt.checkpoint import MODEL_KEY, STEP_KEY, checkpoint_name
+from fsdp_opt.tracking import METRICS_FIELDS
+
+
+def test_demo_trains_and_loss_falls(tmp_path):
+    """The README's Quick start demo: 2 CPU processes, tiny-opt, python-docs."""
+    out = tmp_path / "demo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "fsdp_opt.demo", "--output_dir", str(out)],
+        cwd=ROOT, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert len(rows) >= 150
+    assert all(tuple(r)[: len(METRICS_FIELDS)] == METRICS_FIELDS for r in rows)
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    first = sum(r["loss"] for r in rows[:10]) / 10
+    last = sum(r["loss"] for r in rows[-10:]) / 10
+    # Random init starts near ln(vocab) = ln(4096) = 8.3; learning must take a clear bite out of that.
+    assert first > 7.5 and last < first - 1.5, (first, last)
+    # Summary lines a user reads.
+    assert "wrapped OPTDecoderLayer x 4 + root = 5 units" in proc.stdout
+    assert "world           : 2 rank(s) on cpu" in proc.stdout
+    # Epoch checkpoints named like the original script, loadable with weights_only.
+    per_epoch = len(rows) // 3
+    assert [r["epoch"] for r in rows] == [0] * per_epoch + [1] * per_epoch + [2] * per_epoch
+    for epoch in (1, 2, 3):
+        payload = torch.load(out / checkpoint_name("tiny_opt", 0, _end(proc.stdout), epoch), weights_only=True)
+        assert payload[STEP_KEY] == per_epoch * epoch and "model.decoder.embed_tokens.weight" in payload[MODEL_KEY]
+
+
+def _end(stdout: str) -> int:
+    # "data : python-docs rows [0, N) -> ..." : N depends on the Python version's pydoc topics.
+    line = next(l for l in stdout.splitlines() if l.strip().startswith("data "))
+    return int(line.split("[0, ")[1].split(")")[0])
+
+
+def test_fp16_with_loss_scaling_trains_and_counts_skipped_steps(tmp_path):
+    # A loss scale of 2^32 overflows fp16 gradients at first: those steps must be skipped and counted.
+    args = [
+        "--model", "tiny-opt", "--dataset", "python-docs", "--end_idx", "300", "--max_length", "64",
+        "--batch_size", "4", "--lr", "3e-3", "--precision", "fp16", "--init_loss_scale", str(2.0**32),
+        "--output_dir", str(tmp_path / "out"),
+    ]  # fmt: skip
+    proc = run_cli(args, tmp_path, nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "fp16 compute" in proc.stdout and "dynamic loss scaling" in proc.stdout
+    rows = read_jsonl(tmp_path / "out" / "metrics.jsonl")
+    skipped = [r for r in rows if r["skipped"]]
+    assert len(skipped) >= 5 and rows[-1]["skipped_steps"] == len(skipped)
+    # Each overflow halves the scale; the first good step runs at a scale fp16 can carry.
+    assert [r["loss_scale"] for r in skipped] == [2.0**32 / 2**i for i in range(len(skipped))]
+    good = [r for r in rows if not r["skipped"]]
+    assert good and good[-1]["loss"] < rows[0]["loss"] - 1.0
+
+
+def _no_outputs(tmp_path):
+    assert not (tmp_path / "out").exists(), "a failed start must not create output files"
+
+
+BAD_INPUT = [
+    (["--end_idx", "5", "--start_idx", "5"], ["--end_idx 5"]),
+    (["--end_idx", "100000"], ["--end_idx 100000", "past the end"]),
+    (["--batch_size", "0"], ["--batch_size 0"]),
+    (["--accum_steps", "0"], ["--accum_steps 0"]),
+    (["--sharding_strategy", "ZERO9"], ["--sharding_strategy"]),
+    (["--precision", "fp8"], ["--precision"]),
+    (["--text_column", "body"], ["--text_column body", "text"]),
+    (["--model", "./no/such/model"], ["--model ./no/such/model", "no such folder"]),
+    (["--max_length", "4096"], ["--max_length 4096", "512 positions"]),
+]
+
+
+@pytest.mark.parametrize("extra,needles", BAD_INPUT, ids=[" ".join(e) for e, _ in BAD_INPUT])
+def test_bad_input_fails_fast_with_one_line(tmp_path, extra, needles):
+    args = ["--model", "tiny-opt", "--dataset", "python-docs", "--output_dir", str(tmp_path / "out")]
+    proc = run_cli(args + extra, tmp_path, timeout=120)
+    assert_clean_failure(proc, *needles)
+    assert proc.returncode == 2
+    _no_outputs(tmp_path)
+
+
+def test_empty_dataset_is_refused(tmp_path):
+    data = tmp_path / "empty.jsonl"
+    data.write_text("\n".join(json.dumps({"text": t}) for t in ["", "  ", ""]))
+    proc = run_cli(["--model", "tiny-opt", "--dataset", str(data), "--output_dir", str(tmp_path / "out")], tmp_path)
+    assert_clean_failure(proc, "empty")
+    _no_outputs(tmp_path)
+
+
+@pytest.mark.parametrize("extra,needles", [
+    (["--end_idx", "100000"], ["--end_idx 100000"]),
+    (["--model", "./no/such/model"], ["--model ./no/such/model"]),
+    (["--text_column", "body"], ["--text_column body"]),
+])  # fmt: skip
+def test_bad_input_under_torchrun_does_not_hang_the_other_rank(tmp_path, extra, needles):
+    args = ["--model", "tiny-opt", "--dataset", "python-docs", "--output_dir", str(tmp_path / "out")]
+    proc = run_cli(args + extra, tmp_path, nproc=2, timeout=120)
+    assert_clean_failure(proc, *needles)
+    _no_outputs(tmp_path)
+
+
+def test_unreachable_hub_ids_say_so_and_point_to_builtins(tmp_path):
+    # The Hub endpoint is a closed local port: the real download path fails (after its retries).
+    env = sandbox_env(tmp_path, HF_ENDPOINT=DEAD_ENDPOINT)
+    proc = run_cli(["--model", "facebook/opt-125m", "--dataset", "python-docs", "--output_dir", str(tmp_path / "out")],
+                   tmp_path, env=env, timeout=180)  # fmt: skip
+    assert_clean_failure(proc, "--model facebook/opt-125m", "Hugging Face Hub", "tiny-opt")
+    env_offline = sandbox_env(tmp_path, HF_HUB_OFFLINE="1")
+    proc = run_cli(["--model", "tiny-opt", "--dataset", "someone/abstracts", "--output_dir", str(tmp_path / "out")],
+                   tmp_path, env=env_offline, timeout=180)  # fmt: skip
+    assert_clean_failure(proc, "--dataset someone/abstracts", "python-docs")
+    _no_outputs(tmp_path)
+
+
+def test_bf16_on_a_gpu_without_it_is_refused(monkeypatch):
+    # No GPU here: stand in for a T4's answers to the two questions the check asks.
+    from fsdp_opt.errors import ConfigError
+    from fsdp_opt.parallelize import resolve_precision
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    cuda = torch.device("cuda", 0)
+    assert resolve_precision("auto", cuda) == "fp16"
+    with pytest.raises(ConfigError, match="--precision bf16: Tesla T4 has no bf16"):
+        resolve_precision("bf16", cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert resolve_precision("auto", cuda) == "bf16"
+    assert resolve_precision("auto", torch.device("cpu")) == "fp32"
+
+
+def test_help_lists_every_flag():
+    proc = subprocess.run([sys.executable, str(ROOT / "fsdp_finetune.py"), "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0
+    for flag in ("--num_epochs", "--start_idx", "--end_idx", "--batch_size", "--accum_steps", "--hf_repo",
+                 "--resume_file", "--initial_epoch", "--model", "--dataset", "--text_column", "--max_length",
+                 "--lr", "--warmup_steps", "--weight_decay", "--max_grad_norm", "--precision",
+                 "--sharding_strategy", "--activation_checkpointing", "--cpu_offload", "--pad_to_max_length",
+                 "--seed", "--output_dir", "--save_every_steps"):  # fmt: skip
+        assert flag in proc.stdout, flag

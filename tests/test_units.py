@@ -1,0 +1,189 @@
+"""In-process checks of pure pieces: flags, wrap policy, names, schedule, scaler, clipping, FLOPs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoConfig, GPT2Config, LlamaConfig, OPTConfig
+
+from conftest import ASSETS
+from fsdp_opt.config import Config, build_parser, parse_args
+from fsdp_opt.errors import ConfigError, ModelError
+from fsdp_opt.models import build_meta_model, model_tag, resolve_model
+from fsdp_opt.optim import LossScaler, LRSchedule, unscale_and_clip_
+from fsdp_opt.parallelize import check_no_shared_params, find_block_classes, find_blocks
+from fsdp_opt.tracking import flops_per_token
+
+
+# ------------------------------------------------------------------ flags
+
+
+def test_original_flags_keep_their_meaning():
+    c = parse_args(
+        "--num_epochs 1 --start_idx 0 --end_idx 5000 --batch_size 4 --accum_steps 16 --hf_repo user/repo".split()
+    )
+    assert (c.train.num_epochs, c.data.start_idx, c.data.end_idx) == (1, 0, 5000)
+    assert (c.train.batch_size, c.train.accum_steps, c.hub.hf_repo) == (4, 16, "user/repo")
+    assert c.model.model == "facebook/opt-1.3b" and c.data.dataset == "ash001/arxiv-abstract"
+    assert (c.data.max_length, c.train.lr, c.train.max_grad_norm) == (512, 5e-6, 1.0)
+    assert c.parallel.sharding_strategy == "FULL_SHARD" and c.parallel.activation_checkpointing
+
+
+def test_boolean_flags_take_optional_values():
+    assert parse_args(["--pad_to_max_length"]).data.pad_to_max_length is True
+    assert parse_args(["--activation_checkpointing", "false"]).parallel.activation_checkpointing is False
+    assert parse_args(["--sharding_strategy", "shard_grad_op"]).parallel.sharding_strategy == "SHARD_GRAD_OP"
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        ("--start_idx 10 --end_idx 10", "--end_idx"),
+        ("--batch_size 0", "--batch_size"),
+        ("--accum_steps 0", "--accum_steps"),
+        ("--sharding_strategy ZERO9", "--sharding_strategy"),
+        ("--precision fp8", "--precision"),
+        ("--lr_schedule cosine", "--lr_decay_steps"),
+        ("--hf_repo nonsense", "--hf_repo"),
+        ("--bogus 1", "--bogus"),
+    ],
+)
+def test_bad_flags_raise_one_line_naming_the_flag(argv, needle):
+    with pytest.raises(ConfigError) as err:
+        parse_args(argv.split())
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_every_flag_has_help_and_config_round_trips():
+    parser = build_parser()
+    for action in parser._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help and len(action.help) > 10, action.dest
+    c = parse_args(["--lr", "0.01", "--model", "tiny-opt"])
+    assert Config.from_flat(c.flat()) == c
+
+
+# ------------------------------------------------------------------ models and wrap policy
+
+
+def test_model_tags():
+    assert model_tag("facebook/opt-1.3b") == "opt_1.3B"
+    assert model_tag("facebook/opt-350m") == "opt_350M"
+    assert model_tag("tiny-opt") == "tiny_opt"
+    assert model_tag("/data/models/My Model/") == "My_Model"
+
+
+def test_resolve_model_sources(tmp_path):
+    assert resolve_model("tiny-opt").kind == "builtin"
+    assert resolve_model("facebook/opt-1.3b").kind == "hub"
+    with pytest.raises(ModelError, match="no such folder"):
+        resolve_model(str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelError, match="config.json"):
+        resolve_model(str(tmp_path / "empty"))
+
+
+def _meta(config):
+    config._attn_implementation = "sdpa"
+    return build_meta_model(config)
+
+
+def test_wrap_policy_finds_opt_layers_and_keeps_tied_head_in_root():
+    model = _meta(AutoConfig.from_pretrained(ASSETS))
+    classes = find_block_classes(model)
+    assert {c.__name__ for c in classes} == {"OPTDecoderLayer"}
+    blocks = find_blocks(model, classes)
+    assert len(blocks) == model.config.num_hidden_layers
+    assert model.lm_head.weight is model.model.decoder.embed_tokens.weight
+    block_params = {id(p) for b in blocks for p in b.parameters()}
+    assert id(model.lm_head.weight) not in block_params
+    check_no_shared_params(model, blocks)
+
+
+@pytest.mark.parametrize(
+    "config,block",
+    [
+        (GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64), "GPT2Block"),
+        (
+            LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                        num_key_value_heads=2, vocab_size=100),
+            "LlamaDecoderLayer",
+        ),
+    ],
+)  # fmt: skip
+def test_wrap_policy_finds_blocks_of_other_architectures(config, block):
+    model = _meta(config)
+    classes = find_block_classes(model)
+    assert {c.__name__ for c in classes} == {block}
+    assert len(find_blocks(model, classes)) == 2
+
+
+def test_wrap_policy_says_when_nothing_matches():
+    model = _meta(OPTConfig(num_hidden_layers=1, hidden_size=16, ffn_dim=32, num_attention_heads=2, vocab_size=50,
+                            word_embed_proj_dim=16))  # fmt: skip
+    model._no_split_modules = ["NoSuchLayer"]
+    with pytest.raises(ModelError, match="NoSuchLayer"):
+        find_block_classes(model)
+
+
+def test_shared_weight_across_units_is_refused():
+    model = _meta(AutoConfig.from_pretrained(ASSETS))
+    blocks = find_blocks(model, find_block_classes(model))
+    blocks[0].fc1.weight = model.model.decoder.layers[1].fc1.weight
+    with pytest.raises(ModelError, match="tied weights"):
+        check_no_shared_params(model, blocks)
+
+
+def test_flops_per_token_matches_the_opt_1_3b_figure():
+    config = OPTConfig(hidden_size=2048, num_hidden_layers=24, ffn_dim=8192, num_attention_heads=32,
+                       vocab_size=50272, max_position_embeddings=2048, word_embed_proj_dim=2048)  # fmt: skip
+    model = _meta(config)
+    assert sum(p.numel() for p in model.parameters()) == 1_315_758_080
+    # 6N + 12*L*H*Q*T with N = 1.3B - embeddings + lm_head; about 8.17 GFLOP at T=512.
+    assert flops_per_token(model, 512) == pytest.approx(8.17e9, rel=0.005)
+
+
+# ------------------------------------------------------------------ optimisation pieces
+
+
+def test_lr_schedule_depends_on_global_step_only():
+    s = LRSchedule(1e-3, warmup_steps=10)
+    assert s(0) == pytest.approx(1e-4) and s(9) == pytest.approx(1e-3) and s(500) == 1e-3
+    cos = LRSchedule(1.0, warmup_steps=0, kind="cosine", decay_steps=100, min_lr_ratio=0.1)
+    assert cos(0) == pytest.approx(1.0) and cos(50) == pytest.approx(0.55) and cos(100) == pytest.approx(0.1)
+    lin = LRSchedule(1.0, warmup_steps=10, kind="linear", decay_steps=10)
+    assert lin(15) == pytest.approx(0.5) and lin(40) == pytest.approx(0.0)
+
+
+def test_loss_scaler_backs_off_counts_skips_and_grows():
+    s = LossScaler(enabled=True, init_scale=1024.0, growth_interval=3)
+    s.update(False)
+    s.update(False)
+    assert s.scale == 256.0 and s.skipped_steps == 2
+    for _ in range(3):
+        s.update(True)
+    assert s.scale == 512.0
+    r = LossScaler(enabled=True)
+    r.load_state_dict(s.state_dict())
+    assert (r.scale, r.skipped_steps) == (512.0, 2)
+    off = LossScaler(enabled=False)
+    off.update(False)
+    assert off.scale == 1.0 and off.skipped_steps == 1
+
+
+def test_unscale_and_clip_matches_torch_clip_grad_norm():
+    torch.manual_seed(0)
+    a = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(3)]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    for pa, pb in zip(a, b):
+        g = torch.randn_like(pa) * 3
+        pa.grad, pb.grad = g * 128.0, g.clone()
+    scaled_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in a]))
+    norm = unscale_and_clip_(a, scaled_norm, 128.0, max_norm=1.0)
+    ref = torch.nn.utils.clip_grad_norm_(b, 1.0)
+    assert norm.item() == pytest.approx(ref.item(), rel=1e-6)
+    for pa, pb in zip(a, b):
+        torch.testing.assert_close(pa.grad, pb.grad)
+    assert math.isclose(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in a])).item(), 1.0, rel_tol=1e-5)
