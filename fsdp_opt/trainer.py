@@ -162,6 +162,9 @@ def setup(config: Config, env: DistEnv) -> Session:
         params=[p for p in model.parameters() if p.requires_grad],
     )
     _print_summary(session, block_classes, len(blocks_mods), n_params)
+    if config.hub.hf_repo:
+        print0(f"note: --hf_repo {config.hub.hf_repo}: pushing to the Hub is not implemented in this version; "
+               f"checkpoints stay in {out_dir}")
     return session
 
 

@@ -82,3 +82,31 @@ def _expected_targets(model_dir) -> int:
     n_tokens = sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) + 1 for t in texts)
     n_blocks = -(-n_tokens // MAX_LEN)
     return n_tokens - n_blocks  # the first token of each block is input only
+
+
+def test_hybrid_shard_across_two_nodes_matches_reference(tmp_path, det_model, reference):
+    """HYBRID_SHARD as 2 nodes x 1 process on localhost, through a c10d rendezvous."""
+    import subprocess
+
+    from conftest import free_port, sandbox_env, torchrun_cmd
+
+    port = free_port()
+    args = COMMON + [
+        "--model", str(det_model), "--batch_size", "2", "--accum_steps", "2",
+        "--sharding_strategy", "HYBRID_SHARD", "--output_dir", str(tmp_path / "out"),
+    ]  # fmt: skip
+    env = sandbox_env(tmp_path)
+    procs = [
+        subprocess.Popen(torchrun_cmd(1, nnodes=2, node_rank=r, port=port) + args, cwd=tmp_path, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]  # fmt: skip
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    assert "HYBRID_SHARD" in outs[0][0] and "2 node(s)" in outs[0][0]
+    rows = read_jsonl(tmp_path / "out" / "metrics.jsonl")
+    assert len(rows) == len(reference)
+    for r, (ref_loss, ref_norm) in zip(rows, reference):
+        assert r["loss"] == pytest.approx(ref_loss, rel=1e-4)
+        assert r["grad_norm"] == pytest.approx(ref_norm, rel=1e-4)

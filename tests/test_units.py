@@ -56,6 +56,15 @@ def test_bad_flags_raise_one_line_naming_the_flag(argv, needle):
     assert needle in str(err.value) and "\n" not in str(err.value)
 
 
+def test_readme_documents_every_flag():
+    from conftest import ROOT
+
+    readme = (ROOT / "README.md").read_text()
+    for action in build_parser()._actions:
+        if action.option_strings and action.dest != "help":
+            assert f"| `--{action.dest}` |" in readme, action.dest
+
+
 def test_every_flag_has_help_and_config_round_trips():
     parser = build_parser()
     for action in parser._actions:

@@ -1,0 +1,29 @@
+"""FULL_SHARD must hold about half the parameter and optimizer bytes per rank of NO_SHARD on 2 ranks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+from conftest import ROOT, sandbox_env, torchrun_cmd
+from fsdp_opt.models import build_meta_model, load_model_config, resolve_model
+
+
+def test_full_shard_halves_per_rank_state(tmp_path):
+    out = tmp_path / "state.json"
+    cmd = torchrun_cmd(2, ROOT / "tests" / "workers" / "state_bytes.py") + [str(out), "FULL_SHARD", "NO_SHARD"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"state.json.rank{r}").read_text()) for r in range(2)]
+    # Independent size: the model's unique fp32 parameters, counted on an unsharded skeleton.
+    model = build_meta_model(load_model_config(resolve_model("tiny-opt")))
+    full_bytes = 4 * sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    for rep in ranks:
+        assert rep["NO_SHARD"]["params"] == full_bytes
+        assert rep["NO_SHARD"]["optimizer"] == 2 * full_bytes  # Adam m and v
+    for kind in ("params", "optimizer"):
+        total_sharded = sum(rep["FULL_SHARD"][kind] for rep in ranks)
+        # Shards add up to one full copy (dim-0 padding aside), split about evenly.
+        assert abs(total_sharded - ranks[0]["NO_SHARD"][kind]) <= 0.01 * ranks[0]["NO_SHARD"][kind]
+        for rep in ranks:
+            assert rep["FULL_SHARD"][kind] <= 0.55 * rep["NO_SHARD"][kind]

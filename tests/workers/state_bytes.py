@@ -1,0 +1,33 @@
+"""Run by torchrun from the tests: one optimizer step per strategy, then report this rank's state bytes."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from fsdp_opt.config import parse_args
+from fsdp_opt.distributed import init_distributed, teardown
+from fsdp_opt.parallelize import local_state_bytes
+from fsdp_opt.trainer import setup, train_step
+
+
+def main() -> None:
+    out_path, strategies = sys.argv[1], sys.argv[2:]
+    env = init_distributed("cpu")
+    report = {}
+    for strategy in strategies:
+        config = parse_args(
+            ["--model", "tiny-opt", "--dataset", "python-docs", "--end_idx", "40", "--max_length", "64",
+             "--batch_size", "2", "--sharding_strategy", strategy, "--output_dir", os.path.dirname(out_path)]
+        )  # fmt: skip
+        session = setup(config, env)
+        train_step(session, next(session.plan.steps(0)))
+        report[strategy] = local_state_bytes(session.model, session.optimizer)
+    with open(f"{out_path}.rank{env.rank}", "w") as f:
+        json.dump(report, f)
+    teardown()
+
+
+if __name__ == "__main__":
+    main()
