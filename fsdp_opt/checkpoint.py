@@ -11,6 +11,9 @@ import os
 import pickle
 import random
 import re
+import shutil
+import signal
+import threading
 import time
 import zipfile
 from dataclasses import dataclass
@@ -28,21 +31,22 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from .distributed import DistEnv
+from .distributed import DistEnv, all_ranks_ok, barrier
 from .errors import CheckpointError
 
 FORMAT = "fsdp-opt/1"
 SUFFIX = ".pt"
 # {tag}_{start}-{end}-epoch-{epoch}.pt, or ...-epoch-{epoch}-step-{global_step}.pt mid-epoch.
-NAME_RE = re.compile(r"^(?P<tag>.+)_(?P<start>\d+)-(?P<end>\d+)-epoch-(?P<epoch>\d+)(?:-step-(?P<step>\d+))?\.pt$")
+NAME_RE = re.compile(r"^(?P<tag>.+)_(?P<start>\d+)-(?P<end>\d+)-epoch-(?P<epoch>\d+)(?:-step-(?P<step>\d+))?(?:\.pt)?$")
+META_FILE = "fsdp_opt_meta.pt"  # inside a sharded checkpoint folder: everything but the tensors of model and optimizer
 # Keys of the original script's checkpoints, kept so old readers still work.
 MODEL_KEY, STEP_KEY, EPOCHS_KEY = "MODEL_STATE", "GLOBAL_STEP", "EPOCHS_RUN"
 
 
-def checkpoint_name(tag: str, start: int, end: int, epoch: int, step: int | None = None) -> str:
-    """`epoch` is 1-based: the epoch finished (or, with `step`, in progress)."""
-    base = f"{tag}_{start}-{end}-epoch-{epoch}"
-    return f"{base}-step-{step}{SUFFIX}" if step is not None else f"{base}{SUFFIX}"
+def checkpoint_name(tag: str, start: int, end: int, epoch: int, step: int | None = None, sharded: bool = False) -> str:
+    """`epoch` is 1-based: the epoch finished (or, with `step`, in progress). Sharded checkpoints are folders."""
+    base = f"{tag}_{start}-{end}-epoch-{epoch}" + (f"-step-{step}" if step is not None else "")
+    return base if sharded else base + SUFFIX
 
 
 def parse_name(name: str) -> dict[str, Any] | None:
@@ -83,9 +87,26 @@ def _as_tuple(x: Any) -> Any:
     return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
+def _fmt_bytes(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
 def atomic_save(obj: Any, path: Path) -> None:
     """Write to a temporary name in the same folder, fsync, then rename: never a half file under `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGXFSZ"):
+        # A file-size limit should fail the write (EFBIG), not kill the process mid-file.
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
@@ -93,14 +114,37 @@ def atomic_save(obj: Any, path: Path) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        _fsync_dir(path.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_or_explain(obj: Any, path: Path) -> None:
+    """atomic_save, turning a full disk into one line that names the path and the space needed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    needed = tensor_bytes(obj)
+    free = shutil.disk_usage(path.parent).free
+    if needed > free:
+        raise CheckpointError(
+            f"cannot save {path}: about {_fmt_bytes(needed)} needed, {_fmt_bytes(free)} free there "
+            "(free space, or use --save_optimizer false / a smaller --keep_last); earlier checkpoints are kept"
+        )
+    try:
+        atomic_save(obj, path)
+    except OSError as exc:
+        raise CheckpointError(
+            f"cannot save {path}: {exc.strerror or exc} (about {_fmt_bytes(needed)} needed, "
+            f"{_fmt_bytes(shutil.disk_usage(path.parent).free)} free there); earlier checkpoints are kept"
+        ) from None
 
 
 def gather_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict | None]:
@@ -108,7 +152,20 @@ def gather_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None)
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_sd = get_model_state_dict(model, options=opts)
     optim_sd = get_optimizer_state_dict(model, optimizer, options=opts) if optimizer is not None else None
+    # Tied weights (OPT's lm_head and embed_tokens) arrive as two copies: alias them so a save stores one.
+    for names in tied_names(model):
+        present = [n for n in names if n in model_sd]
+        for n in present[1:]:
+            model_sd[n] = model_sd[present[0]]
     return model_sd, optim_sd
+
+
+def tied_names(model: nn.Module) -> list[list[str]]:
+    """Groups of state-dict names that are one parameter."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name.replace("_checkpoint_wrapped_module.", ""))
+    return [g for g in groups.values() if len(g) > 1]
 
 
 def save_checkpoint(
@@ -121,65 +178,147 @@ def save_checkpoint(
     epochs_run: int,
     extra: dict[str, Any],
     save_optimizer: bool = True,
+    sharded: bool = False,
 ) -> dict[str, float] | None:
-    """Gather on every rank, write on rank 0. Returns {'bytes', 'seconds'} on rank 0."""
+    """Every rank calls this. Full: gather, rank 0 writes one file. Sharded: each rank writes its shard.
+
+    Returns {'bytes', 'seconds'} on rank 0. A failed write raises CheckpointError on every rank.
+    """
     start = time.perf_counter()
-    model_sd, optim_sd = gather_full_state(model, optimizer if save_optimizer else None)
     rngs: list[Any] = [None] * env.world_size
     if env.world_size > 1:
         dist.all_gather_object(rngs, rng_state())
     else:
         rngs = [rng_state()]
-    info = None
+    meta = {
+        "format": FORMAT,
+        STEP_KEY: state.global_step,
+        EPOCHS_KEY: epochs_run,
+        "train_state": state.state_dict(),
+        "rng": rngs,
+        "has_optimizer": save_optimizer,
+        **extra,
+    }
+    if sharded:
+        _save_sharded(path, env, model, optimizer if save_optimizer else None, meta)
+    else:
+        model_sd, optim_sd = gather_full_state(model, optimizer if save_optimizer else None)
+        all_ranks_ok(lambda: save_or_explain({**meta, MODEL_KEY: model_sd, "optimizer": optim_sd}, path) if env.is_main else None)
+        del model_sd, optim_sd
+    if not env.is_main:
+        return None
+    return {"bytes": float(_size_on_disk(path)), "seconds": time.perf_counter() - start}
+
+
+def _size_on_disk(path: Path) -> int:
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return path.stat().st_size
+
+
+def _save_sharded(path: Path, env: DistEnv, model: nn.Module, optimizer: torch.optim.Optimizer | None, meta: dict) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    tmp = path.with_name(f".{path.name}.tmp")
     if env.is_main:
-        payload = {
-            "format": FORMAT,
-            MODEL_KEY: model_sd,
-            STEP_KEY: state.global_step,
-            EPOCHS_KEY: epochs_run,
-            "optimizer": optim_sd,
-            "train_state": state.state_dict(),
-            "rng": rngs,
-            **extra,
-        }
-        atomic_save(payload, path)
-        info = {"bytes": float(path.stat().st_size), "seconds": time.perf_counter() - start}
-    del model_sd, optim_sd
-    return info
-
-
-def read_checkpoint(path: Path) -> dict[str, Any]:
-    """Load a checkpoint of ours on CPU, refusing anything else with a one-line CheckpointError."""
-    if not path.is_file():
-        raise CheckpointError(f"--resume_file {path}: no such file")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    tensors: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        tensors["optim"] = get_optimizer_state_dict(model, optimizer)
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as exc:
-        reason = str(exc).strip().splitlines()[0][:160]
-        raise CheckpointError(
-            f"--resume_file {path}: refused: it holds objects that need code to load ({reason})"
-        ) from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as exc:
-        reason = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"--resume_file {path}: not a readable checkpoint, truncated or damaged ({reason})") from None
+        dcp.save(tensors, checkpoint_id=str(tmp))
+    except Exception as exc:  # noqa: BLE001 - DCP raises the same error on every rank
+        if env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"cannot save {path}: {_first_line(exc)}; earlier checkpoints are kept") from None
+
+    def finish() -> None:
+        if not env.is_main:
+            return
+        save_or_explain(meta, tmp / META_FILE)
+        old = path.with_name(f".{path.name}.old")
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
+        _fsync_dir(path.parent)
+        shutil.rmtree(old, ignore_errors=True)
+
+    all_ranks_ok(finish)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:200]
+
+
+def read_checkpoint(path: Path, flag: str = "--resume_file") -> dict[str, Any]:
+    """Load a checkpoint of ours on CPU (a file, or a sharded folder's metadata), refusing anything else."""
+    if path.is_dir():
+        return _read_sharded_meta(path, flag)
+    if not path.is_file():
+        raise CheckpointError(f"{flag} {path}: no such file")
+    payload = _load_weights_only(path, flag)
     if not isinstance(payload, dict) or MODEL_KEY not in payload:
-        raise CheckpointError(f"--resume_file {path}: not an fsdp-opt checkpoint (no {MODEL_KEY})")
+        raise CheckpointError(f"{flag} {path}: not an fsdp-opt checkpoint (no {MODEL_KEY})")
     return payload
 
 
-def check_compatible(payload: dict[str, Any], model: nn.Module, path: Path) -> None:
+def _load_weights_only(path: Path, flag: str) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(
+            f"{flag} {path}: refused: it holds objects that need code to load, which is never run "
+            f"({_first_line(exc)[:120]})"
+        ) from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as exc:
+        raise CheckpointError(f"{flag} {path}: not a readable checkpoint, truncated or damaged ({_first_line(exc)[:120]})") from None
+
+
+def _read_sharded_meta(path: Path, flag: str) -> dict[str, Any]:
+    meta_path = path / META_FILE
+    if not meta_path.is_file() or not (path / ".metadata").is_file():
+        raise CheckpointError(f"{flag} {path}: not a sharded fsdp-opt checkpoint (no {META_FILE} or .metadata)")
+    meta = _load_weights_only(meta_path, flag)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{flag} {path}: {META_FILE} is not fsdp-opt checkpoint metadata")
+    meta["_sharded"] = True
+    return meta
+
+
+def _sharded_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(str(path)).read_metadata()
+    return {
+        k[len("model."):]: tuple(v.size)
+        for k, v in metadata.state_dict_metadata.items()
+        if k.startswith("model.") and isinstance(v, TensorStorageMetadata)
+    }
+
+
+def check_compatible(payload: dict[str, Any], model: nn.Module, path: Path, flag: str = "--resume_file") -> None:
     """The checkpoint's weights must have the names and shapes of `model` (a meta or sharded skeleton)."""
     expected = {k: tuple(v.shape) for k, v in get_model_state_dict(model).items()}
-    got = {k: tuple(v.shape) for k, v in payload[MODEL_KEY].items()}
+    if payload.get("_sharded"):
+        try:
+            got = _sharded_shapes(path)
+        except Exception as exc:  # noqa: BLE001
+            raise CheckpointError(f"{flag} {path}: sharded metadata unreadable ({_first_line(exc)})") from None
+    else:
+        got = {k: tuple(v.shape) for k, v in payload[MODEL_KEY].items()}
     missing = sorted(set(expected) - set(got))
     unexpected = sorted(set(got) - set(expected))
     if missing or unexpected:
         what = f"missing {missing[:2]}" if missing else f"unexpected {unexpected[:2]}"
-        raise CheckpointError(f"--resume_file {path}: weights of another architecture ({what})")
+        raise CheckpointError(f"{flag} {path}: weights of another architecture ({what})")
     for k, shape in expected.items():
         if got[k] != shape:
             raise CheckpointError(
-                f"--resume_file {path}: {k} has shape {list(got[k])}, the model has {list(shape)} "
+                f"{flag} {path}: {k} has shape {list(got[k])}, the model has {list(shape)} "
                 "(another model size or vocabulary)"
             )
 
@@ -191,12 +330,64 @@ def load_into(
     env: DistEnv,
     *,
     load_optimizer: bool,
+    sharded_path: Path | None = None,
 ) -> None:
-    """Rank 0 holds `payload`; every rank ends with the same model and optimizer state."""
+    """Every rank ends with the same model and optimizer state: a full file is read by rank 0 and
+    broadcast; a sharded folder is read by every rank, each taking its own part (any rank count)."""
+    if sharded_path is not None:
+        _load_sharded(model, optimizer, sharded_path, load_optimizer)
+        return
     opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, payload[MODEL_KEY] if env.is_main else {}, options=opts)
     if load_optimizer:
         set_optimizer_state_dict(model, optimizer, payload["optimizer"] if env.is_main else {}, options=opts)
+
+
+def _load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path, load_optimizer: bool) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    tensors: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if load_optimizer:
+        tensors["optim"] = get_optimizer_state_dict(model, optimizer)
+    try:
+        dcp.load(tensors, checkpoint_id=str(path))
+    except Exception as exc:  # noqa: BLE001 - DCP raises on every rank
+        raise CheckpointError(f"--resume_file {path}: sharded checkpoint does not match this model ({_first_line(exc)})") from None
+    set_model_state_dict(model, tensors["model"])
+    if load_optimizer:
+        set_optimizer_state_dict(model, optimizer, tensors["optim"])
+
+
+def load_full_payload(path: Path, flag: str = "checkpoint") -> dict[str, Any]:
+    """A checkpoint as one in-memory payload on CPU (MODEL_KEY, optimizer, metadata), file or folder.
+
+    For a sharded folder this needs no process group: DCP reads every shard into full tensors.
+    """
+    payload = read_checkpoint(path, flag)
+    if not payload.get("_sharded"):
+        return payload
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        flat_path = Path(tmp) / "full.pt"
+        dcp_to_torch_save(str(path), str(flat_path))
+        tensors = torch.load(flat_path, map_location="cpu", weights_only=True)
+    payload = {k: v for k, v in payload.items() if k != "_sharded"}
+    payload[MODEL_KEY] = tensors["model"]
+    payload["optimizer"] = tensors.get("optim")
+    return payload
+
+
+def _is_checkpoint(p: Path) -> bool:
+    if not NAME_RE.match(p.name) or p.name.startswith("."):
+        return False
+    return p.is_file() and p.suffix == SUFFIX or p.is_dir() and (p / META_FILE).is_file()
+
+
+def list_checkpoints(output_dir: Path) -> list[Path]:
+    return sorted(p for p in output_dir.iterdir() if _is_checkpoint(p)) if output_dir.is_dir() else []
 
 
 def find_checkpoint(output_dir: Path, name: str) -> Path:
@@ -207,12 +398,12 @@ def find_checkpoint(output_dir: Path, name: str) -> Path:
             raise CheckpointError(f"--resume_file latest: no checkpoint in {output_dir}")
         return found
     as_path = Path(name).expanduser()
-    if as_path.is_file():
+    if as_path.exists():
         return as_path
     inside = output_dir / name
-    if inside.is_file():
+    if inside.exists():
         return inside
-    present = sorted(p.name for p in output_dir.glob(f"*{SUFFIX}")) if output_dir.is_dir() else []
+    present = [p.name for p in list_checkpoints(output_dir)]
     listing = ", ".join(present[:10]) if present else "none"
     raise CheckpointError(f"--resume_file {name}: not found as a path or in {output_dir} (checkpoints there: {listing})")
 
@@ -222,16 +413,40 @@ def checkpoint_step(path: Path) -> int:
     if parsed and parsed["step"] is not None:
         return parsed["step"]
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        payload = read_checkpoint(path)
         return int(payload[STEP_KEY])
     except Exception:  # noqa: BLE001 - an unreadable file is never "latest"
         return -1
 
 
 def latest_checkpoint(output_dir: Path) -> Path | None:
-    if not output_dir.is_dir():
-        return None
-    candidates = [p for p in output_dir.glob(f"*{SUFFIX}") if parse_name(p.name)]
-    scored = [(checkpoint_step(p), p.stat().st_mtime, p) for p in candidates]
+    scored = [(checkpoint_step(p), p.stat().st_mtime, p) for p in list_checkpoints(output_dir)]
     scored = [s for s in scored if s[0] >= 0]
     return max(scored)[2] if scored else None
+
+
+def prune(output_dir: Path, keep_last: int, keep: Path) -> list[Path]:
+    """Delete all but the newest `keep_last` checkpoints (by global step). Never `keep`, the one just written."""
+    if keep_last <= 0:
+        return []
+    ranked = sorted(((checkpoint_step(p), p.stat().st_mtime, p) for p in list_checkpoints(output_dir)), reverse=True)
+    removed = []
+    for _, _, p in ranked[keep_last:]:
+        if p.resolve() == keep.resolve():
+            continue
+        if p.is_dir():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+        removed.append(p)
+    return removed
+
+
+def remove_stale_temp(output_dir: Path) -> list[Path]:
+    """Temporary files and folders a killed save left behind (never under a checkpoint's final name)."""
+    if not output_dir.is_dir():
+        return []
+    stale = [p for p in output_dir.iterdir() if p.name.startswith(".") and (".tmp" in p.name or p.name.endswith(".old"))]
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    return stale

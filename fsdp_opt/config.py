@@ -152,13 +152,36 @@ class ParallelConfig:
 class CheckpointConfig:
     output_dir: str = _opt("outputs", "Folder for checkpoints and metrics.jsonl.")
     save_every_steps: int = _opt(0, "Also save a mid-epoch checkpoint every N optimizer steps (0: epoch ends only).")
-    resume_file: str | None = _opt(None, "Checkpoint to resume from: a path or a file name in --output_dir.")
+    resume_file: str | None = _opt(
+        None, "Checkpoint to resume from: a path, a checkpoint name in --output_dir, or 'latest' (highest global step)."
+    )
+    time_limit: str | None = _opt(
+        None, "Wall-clock budget such as 11h30m: save and exit 0 before it runs out, printing the resume command."
+    )
+    keep_last: int = _opt(2, "Keep the newest K checkpoints of output_dir, deleting older ones after a save (0: keep all).")
+    state_dict_type: str = _opt(
+        "full",
+        "full: one .pt file gathered on rank 0. sharded: one folder per checkpoint, each rank writing its own shard.",
+        choices=STATE_DICT_TYPES,
+    )
+    save_optimizer: bool = _opt(True, "Include the optimizer state (false: weights only, about a third of the size).")
+    export_hf: str | None = _opt(
+        None, "After training, write a Hugging Face model folder (safetensors, tokenizer) to this directory."
+    )
+    export_dtype: str = _opt("fp16", "Weight dtype of --export_hf: fp16, bf16 or fp32.", choices=("fp16", "bf16", "fp32"))
 
     def __post_init__(self) -> None:
         if self.save_every_steps < 0:
             raise ConfigError(f"--save_every_steps {self.save_every_steps}: must be 0 or more")
+        if self.keep_last < 0:
+            raise ConfigError(f"--keep_last {self.keep_last}: must be 0 (keep all) or more")
         if not self.output_dir:
             raise ConfigError("--output_dir: must not be empty")
+        parse_duration(self.time_limit)
+
+    @property
+    def time_limit_seconds(self) -> float | None:
+        return parse_duration(self.time_limit)
 
 
 @dataclass

@@ -103,7 +103,7 @@ def tokenize(texts: Sequence[str], tokenizer, batch: int = 1000) -> list[list[in
     eos = tokenizer.eos_token_id
     out: list[list[int]] = []
     for i in range(0, len(texts), batch):
-        ids = tokenizer(list(texts[i : i + batch]), add_special_tokens=False)["input_ids"]
+        ids = tokenizer(list(texts[i : i + batch]), add_special_tokens=False, verbose=False)["input_ids"]
         out.extend(row + [eos] for row in ids)
     return out
 

@@ -8,6 +8,9 @@ train():  for each step: micro-batches forward/backward -> global norm -> unscal
 from __future__ import annotations
 
 import math
+import os
+import shlex
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +37,7 @@ from .models import (
     non_persistent_buffer_names,
     resolve_model,
 )
+from .stopping import StopControl
 from .optim import LossScaler, LRSchedule, build_optimizer, global_grad_norm, unscale_and_clip_
 from .tracking import (
     MetricsWriter,
@@ -66,8 +70,12 @@ class Session:
     flops_per_token: float
     peak_flops: float | None
     out_dir: Path
+    model_config: Any = None
+    tokenizer: Any = None
     params: list[nn.Parameter] = field(default_factory=list)
     last_loss: float = float("nan")
+    last_save_seconds: float = 0.0
+    last_saved_step: int = -1
 
 
 def run(config: Config) -> None:
@@ -160,6 +168,8 @@ def setup(config: Config, env: DistEnv) -> Session:
         peak_flops=peak_flops(env.device),
         out_dir=out_dir,
         params=[p for p in model.parameters() if p.requires_grad],
+        model_config=model_config,
+        tokenizer=tokenizer,
     )
     _print_summary(session, block_classes, len(blocks_mods), n_params)
     if config.hub.hf_repo:
@@ -203,13 +213,19 @@ def _restore(
     num_samples: int,
 ) -> ckpt.TrainState:
     """Load a checkpoint held by rank 0 into every rank and work out where training continues."""
-    has_optim = env.is_main and payload is not None and payload.get("optimizer") is not None
+    has_optim = env.is_main and payload is not None and (
+        payload.get("optimizer") is not None or bool(payload.get("_sharded") and payload.get("has_optimizer"))
+    )
     header = None
     if env.is_main:
-        header = {k: payload.get(k) for k in ("train_state", "slice", "scaler", "rng", "_path", ckpt.STEP_KEY, ckpt.EPOCHS_KEY)}
+        header = {
+            k: payload.get(k)
+            for k in ("train_state", "slice", "scaler", "rng", "_path", "_sharded", ckpt.STEP_KEY, ckpt.EPOCHS_KEY)
+        }
         header["has_optimizer"] = has_optim
     header = _broadcast(header, env)
-    ckpt.load_into(model, optimizer, payload, env, load_optimizer=header["has_optimizer"])
+    sharded_path = Path(header["_path"]) if header["_sharded"] else None
+    ckpt.load_into(model, optimizer, payload, env, load_optimizer=header["has_optimizer"], sharded_path=sharded_path)
     if header["scaler"]:
         scaler.load_state_dict(header["scaler"])
     here = _slice_key(config, end_idx, num_samples)
@@ -271,22 +287,84 @@ def _print_summary(s: Session, classes: set[type], units: int, n_params: int) ->
 def train(s: Session) -> None:
     tc, cc = s.config.train, s.config.checkpoint
     t0 = time.perf_counter()
-    first_epoch = s.state.epoch
-    for epoch in range(first_epoch, first_epoch + tc.num_epochs):
-        s.state.epoch = epoch
-        progress = Progress(s.env.is_main, s.plan.steps_per_epoch(s.state.offset), f"epoch {epoch + 1}")
-        for step in s.plan.steps(epoch, s.state.offset):
-            record = train_step(s, step)
-            s.state.offset = step.end_offset
-            record["elapsed"] = round(time.perf_counter() - t0, 3)
-            s.writer.write(record)
-            progress.update(record["loss"], record["tokens_per_second"])
-            epoch_done = step.end_offset >= s.plan.num_samples
-            if cc.save_every_steps and s.state.global_step % cc.save_every_steps == 0 and not epoch_done:
-                save(s, epoch_end=False)
-        progress.close()
-        s.state.epoch, s.state.offset = epoch + 1, 0
-        save(s, epoch_end=True)
+    stop = StopControl(cc.time_limit_seconds)
+    slowest_step = 0.0
+    if s.env.is_main:
+        for p in ckpt.remove_stale_temp(s.out_dir):
+            print0(f"removed {p.name}, left by an interrupted save")
+    try:
+        first_epoch = s.state.epoch
+        for epoch in range(first_epoch, first_epoch + tc.num_epochs):
+            s.state.epoch = epoch
+            progress = Progress(s.env.is_main, s.plan.steps_per_epoch(s.state.offset), f"epoch {epoch + 1}")
+            for step in s.plan.steps(epoch, s.state.offset):
+                reason = stop.check(slowest_step, _save_estimate(s))
+                if reason:
+                    progress.close()
+                    _stop_early(s, reason)
+                    return
+                step_started = time.perf_counter()
+                record = train_step(s, step)
+                slowest_step = max(slowest_step, time.perf_counter() - step_started)
+                s.state.offset = step.end_offset
+                record["elapsed"] = round(time.perf_counter() - t0, 3)
+                s.writer.write(record)
+                progress.update(record["loss"], record["tokens_per_second"])
+                epoch_done = step.end_offset >= s.plan.num_samples
+                if cc.save_every_steps and s.state.global_step % cc.save_every_steps == 0 and not epoch_done:
+                    save(s, epoch_end=False)
+            progress.close()
+            s.state.epoch, s.state.offset = epoch + 1, 0
+            save(s, epoch_end=True)
+        if cc.export_hf:
+            export_final(s)
+    finally:
+        stop.close()
+
+
+def _save_estimate(s: Session) -> float:
+    """Seconds the next save may take: the last one measured, or a guess from the state size at 100 MB/s."""
+    if s.last_save_seconds:
+        return 1.5 * s.last_save_seconds
+    return 12 * count_params(s.model) / 100e6 + 5.0
+
+
+def _stop_early(s: Session, reason: str) -> None:
+    print0(f"stopping: {reason} at global step {s.state.global_step}")
+    path = s.out_dir / ckpt.checkpoint_name(
+        s.tag, s.config.data.start_idx, s.end_idx, s.state.epoch + 1, s.state.global_step,
+        sharded=s.config.checkpoint.state_dict_type == "sharded",
+    )  # fmt: skip
+    if s.last_saved_step != s.state.global_step:
+        path = save(s, epoch_end=False)
+    print0("resume with:\n  " + resume_command(path.name))
+
+
+def resume_command(name: str, argv: list[str] | None = None) -> str:
+    """The command line of this run with --resume_file pointing at `name`."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    out = []
+    skip = False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        if a == "--resume_file":
+            skip = True
+            continue
+        if a.startswith("--resume_file="):
+            continue
+        out.append(a)
+    out += ["--resume_file", name]
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    launcher = (
+        f"torchrun --standalone --nproc_per_node={local} fsdp_finetune.py"
+        if local and int(os.environ.get("WORLD_SIZE", "1")) == local
+        else "torchrun <same launcher flags> fsdp_finetune.py"
+        if local
+        else "python fsdp_finetune.py"
+    )
+    return " ".join([launcher] + [shlex.quote(a) for a in out])
 
 
 def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -362,13 +440,12 @@ def train_step(s: Session, step: StepBatch) -> dict[str, Any]:
 
 
 def save(s: Session, *, epoch_end: bool) -> Path:
-    dc = s.config.data
+    dc, cc = s.config.data, s.config.checkpoint
+    sharded = cc.state_dict_type == "sharded"
     if epoch_end:
-        name = ckpt.checkpoint_name(s.tag, dc.start_idx, s.end_idx, s.state.epoch)
-        epochs_run = s.state.epoch
+        name = ckpt.checkpoint_name(s.tag, dc.start_idx, s.end_idx, s.state.epoch, sharded=sharded)
     else:
-        name = ckpt.checkpoint_name(s.tag, dc.start_idx, s.end_idx, s.state.epoch + 1, s.state.global_step)
-        epochs_run = s.state.epoch
+        name = ckpt.checkpoint_name(s.tag, dc.start_idx, s.end_idx, s.state.epoch + 1, s.state.global_step, sharded=sharded)
     path = s.out_dir / name
     extra = {
         "slice": _slice_key(s.config, s.end_idx, len(s.blocks)),
@@ -381,7 +458,28 @@ def save(s: Session, *, epoch_end: bool) -> Path:
         "last_loss": s.last_loss,
         "wandb_run_id": None,
     }
-    info = ckpt.save_checkpoint(path, s.env, s.model, s.optimizer, state=s.state, epochs_run=epochs_run, extra=extra)
+    info = ckpt.save_checkpoint(
+        path, s.env, s.model, s.optimizer, state=s.state, epochs_run=s.state.epoch, extra=extra,
+        save_optimizer=cc.save_optimizer, sharded=sharded,
+    )  # fmt: skip
+    s.last_saved_step = s.state.global_step
     if info is not None:
+        s.last_save_seconds = info["seconds"]
         print0(f"saved {path} ({info['bytes'] / 2**20:,.1f} MiB in {info['seconds']:.1f} s)")
+        for old in ckpt.prune(s.out_dir, cc.keep_last, keep=path):
+            print0(f"removed {old} (--keep_last {cc.keep_last})")
+    s.last_save_seconds = _broadcast(s.last_save_seconds, s.env)
     return path
+
+
+def export_final(s: Session) -> None:
+    """--export_hf: every rank joins the gather; rank 0 writes the folder."""
+    from .export import export_model_folder
+
+    model_sd, _ = ckpt.gather_full_state(s.model, None)
+    dest = Path(s.config.checkpoint.export_hf)
+    if s.env.is_main:
+        all_ranks_ok(lambda: export_model_folder(model_sd, s.model_config, s.tokenizer, dest, s.config.checkpoint.export_dtype))
+        print0(f"exported {dest} ({s.config.checkpoint.export_dtype} safetensors, tokenizer, generation config)")
+    else:
+        all_ranks_ok(lambda: None)

@@ -54,11 +54,12 @@ def reference(det_model):
         (2, 2, 2, "FULL_SHARD"),
         (2, 2, 2, "SHARD_GRAD_OP"),
         (2, 1, 4, "NO_SHARD"),
+        (0, 8, 1, "FULL_SHARD"),  # plain `python fsdp_finetune.py`: a world of one, whole batch at once
         (1, 4, 2, "FULL_SHARD"),
     ],
 )
 def test_sharded_run_matches_unsharded_reference(tmp_path, det_model, reference, nproc, batch, accum, strategy):
-    assert nproc * batch * accum == GLOBAL_BATCH
+    assert max(nproc, 1) * batch * accum == GLOBAL_BATCH
     args = COMMON + [
         "--model", str(det_model), "--batch_size", str(batch), "--accum_steps", str(accum),
         "--sharding_strategy", strategy, "--output_dir", str(tmp_path / "out"),

@@ -1,0 +1,54 @@
+"""When to stop early: SIGTERM/SIGINT, or a wall-clock budget. The decision is agreed across ranks.
+
+Each rank checks at a step boundary; an all-reduce (MAX) of the local reason makes every rank stop at the
+same step, so the final save's collectives line up. A second Ctrl-C interrupts at once.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+REASONS = ("", "received SIGTERM", "received SIGINT", "time limit")
+
+
+class StopControl:
+    def __init__(self, time_limit_s: float | None, started: float | None = None):
+        self.started = time.monotonic() if started is None else started
+        self.deadline = None if time_limit_s is None else self.started + time_limit_s
+        self.signal_code = 0
+        self._previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and self.signal_code == REASONS.index("received SIGINT"):
+            raise KeyboardInterrupt
+        self.signal_code = REASONS.index("received SIGTERM" if signum == signal.SIGTERM else "received SIGINT")
+
+    def seconds_left(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+    def check(self, next_step_s: float, save_s: float) -> str | None:
+        """The agreed reason to stop now, or None. Every rank must call it at the same step."""
+        code = self.signal_code
+        left = self.seconds_left()
+        # Stop while the next step and a save still fit in what is left, with a margin for exit.
+        if not code and left is not None and left < next_step_s + save_s + 10.0:
+            code = REASONS.index("time limit")
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            t = torch.tensor([code], dtype=torch.int32)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            code = int(t.item())
+        return REASONS[code] or None
+
+    def close(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
