@@ -110,7 +110,14 @@ def atomic_save(obj: Any, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            torch.save(obj, f)
+            sink = _RecordingWriter(f)
+            try:
+                torch.save(obj, sink)
+            except RuntimeError:
+                # torch's zip writer reports a failed write as a RuntimeError; surface the OS's reason.
+                if sink.error is not None:
+                    raise sink.error from None
+                raise
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -118,6 +125,24 @@ def atomic_save(obj: Any, path: Path) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+class _RecordingWriter:
+    """A file wrapper that remembers the OSError of a failed write."""
+
+    def __init__(self, f: Any):
+        self.f = f
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
 
 
 def _fsync_dir(folder: Path) -> None:

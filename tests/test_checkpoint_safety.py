@@ -1,0 +1,201 @@
+"""What must never go wrong with checkpoints: refusals, atomic writes under kill, a full disk, export."""
+
+from __future__ import annotations
+
+import hashlib
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from conftest import ASSETS, ENTRY, ROOT, assert_clean_failure, make_local_model, run_cli, sandbox_env, torchrun_cmd
+from fsdp_opt.checkpoint import MODEL_KEY, checkpoint_name, list_checkpoints, remove_stale_temp
+
+END = 80
+TINY = ["--model", "tiny-opt", "--dataset", "python-docs", "--end_idx", str(END), "--max_length", "64",
+        "--batch_size", "2", "--lr", "2e-3"]  # fmt: skip
+NAME = checkpoint_name("tiny_opt", 0, END, 1)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One epoch of tiny-opt on 2 ranks, saved both ways, with an fp32 export at the end."""
+    tmp = tmp_path_factory.mktemp("trained")
+    for kind in ("full", "sharded"):
+        args = TINY + ["--state_dict_type", kind, "--output_dir", str(tmp / kind)]
+        if kind == "full":
+            args += ["--export_hf", str(tmp / "export"), "--export_dtype", "fp32"]
+        proc = run_cli(args, tmp, nproc=2)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# ------------------------------------------------------------------ refusals
+
+
+class _RunsCode:
+    """Unpickling this would run code: it must be refused, never executed."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_refusals_name_the_file_and_what_is_wrong(tmp_path, trained):
+    full = trained / "full" / NAME
+    cases = []
+    cases.append(([str(tmp_path / "nope.pt")], ["nope.pt", "not found"]))
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(full.read_bytes()[: full.stat().st_size // 2])
+    cases.append(([str(truncated)], ["truncated.pt", "truncated or damaged"]))
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"weights": torch.zeros(3)}, foreign)
+    cases.append(([str(foreign)], ["foreign.pt", "not an fsdp-opt checkpoint"]))
+    evil = tmp_path / "evil.pt"
+    marker = tmp_path / "code_ran"
+    torch.save({"MODEL_STATE": {}, "payload": _RunsCode(str(marker))}, evil)
+    cases.append(([str(evil)], ["evil.pt", "need code to load", "never run"]))
+    bogus_dir = tmp_path / "not_sharded"
+    bogus_dir.mkdir()
+    cases.append(([str(bogus_dir)], ["not_sharded", "not a sharded fsdp-opt checkpoint"]))
+    for resume, needles in cases:
+        proc = run_cli(TINY + ["--resume_file"] + resume + ["--output_dir", str(tmp_path / "out")], tmp_path, timeout=120)
+        assert_clean_failure(proc, "--resume_file", *needles)
+        assert proc.returncode == 2
+    assert not marker.exists(), "a checkpoint's pickled code was executed"
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kind", ["full", "sharded"])
+@pytest.mark.parametrize("change,needle", [({"hidden_size": 64, "word_embed_proj_dim": 64}, "has shape"),
+                                           ({"vocab_size": 4000}, "another model size or vocabulary")])  # fmt: skip
+def test_checkpoint_of_another_shape_is_refused_on_every_rank(tmp_path, trained, kind, change, needle):
+    other = make_local_model(tmp_path / "other", **change)
+    ckpt = trained / kind / checkpoint_name("tiny_opt", 0, END, 1, sharded=kind == "sharded")
+    args = ["--model", str(other)] + TINY[2:] + ["--resume_file", str(ckpt), "--output_dir", str(tmp_path / "out")]
+    proc = run_cli(args, tmp_path, nproc=2, timeout=120)
+    assert_clean_failure(proc, "--resume_file", needle)
+
+
+# ------------------------------------------------------------------ atomic writes
+
+
+ATOMIC_SCRIPT = """
+import sys, torch
+from pathlib import Path
+from fsdp_opt.checkpoint import atomic_save
+path = Path(sys.argv[1])
+atomic_save({"MODEL_STATE": {"w": torch.ones(4)}, "GLOBAL_STEP": 1}, path)
+print("first", flush=True)
+atomic_save({"MODEL_STATE": {"w": torch.randn(64, 1024, 1024)}, "GLOBAL_STEP": 2}, path)  # 256 MiB, killed midway
+print("second", flush=True)
+"""
+
+
+def test_kill_during_save_leaves_the_previous_checkpoint_whole(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    proc = subprocess.Popen([sys.executable, "-c", ATOMIC_SCRIPT, str(path)], cwd=tmp_path, env=sandbox_env(tmp_path),
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdout.readline().strip() == "first"
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        temps = [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+        if temps and temps[0].stat().st_size > 10 * 2**20:
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert temps, "the second save never started"
+    old = torch.load(path, weights_only=True)
+    assert old["GLOBAL_STEP"] == 1 and torch.equal(old["MODEL_STATE"]["w"], torch.ones(4))
+    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == ["ckpt.pt"]
+    assert remove_stale_temp(tmp_path) and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_full_disk_stops_cleanly_and_keeps_the_previous_checkpoint(tmp_path, trained):
+    out = tmp_path / "out"
+    out.mkdir()
+    previous = out / NAME
+    previous.write_bytes((trained / "full" / NAME).read_bytes())
+    before = _sha(previous)
+    limit = 8 * 2**20  # a checkpoint is ~18 MiB; metrics lines are tiny
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    args = TINY + ["--num_epochs", "1", "--resume_file", NAME, "--output_dir", str(out)]
+    proc = subprocess.run(torchrun_cmd(2) + args, cwd=tmp_path, env=sandbox_env(tmp_path), capture_output=True,
+                          text=True, timeout=300, preexec_fn=small_files)  # fmt: skip
+    line = assert_clean_failure(proc, "cannot save", str(out / checkpoint_name("tiny_opt", 0, END, 2)), "MiB needed")
+    assert "earlier checkpoints are kept" in line
+    assert _sha(previous) == before
+    assert [p.name for p in list_checkpoints(out)] == [NAME]
+    assert not [p for p in out.iterdir() if ".tmp" in p.name]
+
+
+# ------------------------------------------------------------------ export
+
+
+def _loss(model, tokenizer) -> float:
+    text = "The name is rebound if it was already bound. This may cause the reference count to reach zero."
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.float()
+    return F.cross_entropy(logits[0, :-1], ids[0, 1:]).item()
+
+
+def _checkpoint_model(path: Path):
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ASSETS))
+    model.load_state_dict(torch.load(path, weights_only=True)[MODEL_KEY])
+    return model.eval()
+
+
+def test_export_round_trip_gives_the_trained_models_loss(tmp_path, trained):
+    tokenizer = AutoTokenizer.from_pretrained(ASSETS)
+    want = _loss(_checkpoint_model(trained / "full" / NAME), tokenizer)
+    assert want < 7.5  # trained, not the random init (about 8.3)
+    # --export_hf at the end of training, fp32.
+    exported = AutoModelForCausalLM.from_pretrained(trained / "export").eval()
+    assert (trained / "export" / "model.safetensors").exists() and (trained / "export" / "generation_config.json").exists()
+    assert _loss(exported, AutoTokenizer.from_pretrained(trained / "export")) == pytest.approx(want, abs=1e-5)
+    # The command, from a full file (fp16 default) and from a sharded folder.
+    for source in (trained / "full" / NAME, trained / "sharded" / checkpoint_name("tiny_opt", 0, END, 1, sharded=True)):
+        dest = tmp_path / source.stem
+        proc = subprocess.run([sys.executable, "-m", "fsdp_opt.export", str(source), str(dest)], cwd=ROOT,
+                              env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        model = AutoModelForCausalLM.from_pretrained(dest)
+        assert next(model.parameters()).dtype == torch.float16
+        assert _loss(model.float().eval(), tokenizer) == pytest.approx(want, rel=5e-3)
+
+
+def test_sharded_folder_converts_to_the_single_file_form(tmp_path, trained):
+    folder = trained / "sharded" / checkpoint_name("tiny_opt", 0, END, 1, sharded=True)
+    out = tmp_path / "single.pt"
+    proc = subprocess.run([sys.executable, "-m", "fsdp_opt.export", "--single_file", str(folder), str(out)], cwd=ROOT,
+                          env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    single = torch.load(out, weights_only=True)
+    full = torch.load(trained / "full" / NAME, weights_only=True)
+    assert single["GLOBAL_STEP"] == full["GLOBAL_STEP"]
+    assert set(single[MODEL_KEY]) == set(full[MODEL_KEY])
+    # Same data, same seed, same math: the two runs end with the same weights.
+    for k, v in full[MODEL_KEY].items():
+        torch.testing.assert_close(single[MODEL_KEY][k], v, rtol=1e-5, atol=1e-6)
+    assert set(single["optimizer"]["state"]) == set(full["optimizer"]["state"])
+    # And the single file resumes like any other.
+    proc = run_cli(TINY + ["--resume_file", str(out), "--output_dir", str(tmp_path / "o")], tmp_path, nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
