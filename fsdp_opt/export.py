@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig
 
-from .checkpoint import MODEL_KEY, load_full_payload, save_or_explain
+from .atomic import save_or_explain
+from .checkpoint import MODEL_KEY, load_full_payload
 from .errors import CheckpointError, ConfigError
 from .models import load_model_config, load_tokenizer, resolve_model
 from .parallelize import DTYPES

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import checkpoint as ckpt
+from .atomic import remove_stale_temp
 from . import parallelize as par
 from .config import Config
 from .data import IGNORE_INDEX, Blocks, StepBatch, StepPlan, build_blocks, load_rows, select_texts
@@ -290,7 +291,7 @@ def train(s: Session) -> None:
     stop = StopControl(cc.time_limit_seconds)
     slowest_step = 0.0
     if s.env.is_main:
-        for p in ckpt.remove_stale_temp(s.out_dir):
+        for p in remove_stale_temp(s.out_dir):
             print0(f"removed {p.name}, left by an interrupted save")
     try:
         first_epoch = s.state.epoch

@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from conftest import ASSETS, ENTRY, ROOT, assert_clean_failure, make_local_model, run_cli, sandbox_env, torchrun_cmd
-from fsdp_opt.checkpoint import MODEL_KEY, checkpoint_name, list_checkpoints, remove_stale_temp
+from conftest import ASSETS, ROOT, assert_clean_failure, make_local_model, run_cli, sandbox_env, torchrun_cmd
+from fsdp_opt.atomic import remove_stale_temp
+from fsdp_opt.checkpoint import MODEL_KEY, checkpoint_name, list_checkpoints
 
 END = 80
 TINY = ["--model", "tiny-opt", "--dataset", "python-docs", "--end_idx", str(END), "--max_length", "64",
@@ -96,7 +97,7 @@ def test_checkpoint_of_another_shape_is_refused_on_every_rank(tmp_path, trained,
 ATOMIC_SCRIPT = """
 import sys, torch
 from pathlib import Path
-from fsdp_opt.checkpoint import atomic_save
+from fsdp_opt.atomic import atomic_save
 path = Path(sys.argv[1])
 atomic_save({"MODEL_STATE": {"w": torch.ones(4)}, "GLOBAL_STEP": 1}, path)
 print("first", flush=True)
