@@ -6,7 +6,10 @@ same step, so the final save's collectives line up. A second Ctrl-C interrupts a
 
 from __future__ import annotations
 
+import os
+import shlex
 import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -52,3 +55,30 @@ class StopControl:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+
+def resume_command(name: str, argv: list[str] | None = None) -> str:
+    """The command line of this run with --resume_file pointing at `name`."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    out = []
+    skip = False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        if a == "--resume_file":
+            skip = True
+            continue
+        if a.startswith("--resume_file="):
+            continue
+        out.append(a)
+    out += ["--resume_file", name]
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    launcher = (
+        f"torchrun --standalone --nproc_per_node={local} fsdp_finetune.py"
+        if local and int(os.environ.get("WORLD_SIZE", "1")) == local
+        else "torchrun <same launcher flags> fsdp_finetune.py"
+        if local
+        else "python fsdp_finetune.py"
+    )
+    return " ".join([launcher] + [shlex.quote(a) for a in out])

@@ -8,9 +8,6 @@ train():  for each step: micro-batches forward/backward -> global norm -> unscal
 from __future__ import annotations
 
 import math
-import os
-import shlex
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +23,16 @@ from .atomic import remove_stale_temp
 from . import parallelize as par
 from .config import Config
 from .data import IGNORE_INDEX, Blocks, StepBatch, StepPlan, build_blocks, load_rows, select_texts
-from .distributed import DistEnv, all_ranks_ok, init_distributed, print0, rank0_first, teardown
+from .distributed import (
+    DistEnv,
+    all_ranks_ok,
+    barrier,
+    broadcast_object,
+    init_distributed,
+    print0,
+    rank0_first,
+    teardown,
+)
 from .errors import ConfigError
 from .models import (
     build_meta_model,
@@ -38,7 +44,8 @@ from .models import (
     non_persistent_buffer_names,
     resolve_model,
 )
-from .stopping import StopControl
+from .resume import read_resume, restore, slice_key
+from .stopping import StopControl, resume_command
 from .optim import LossScaler, LRSchedule, build_optimizer, global_grad_norm, unscale_and_clip_
 from .tracking import (
     MetricsWriter,
@@ -84,6 +91,8 @@ def run(config: Config) -> None:
     try:
         session = setup(config, env)
         train(session)
+        # Every rank reaches the end before any closes its connections: no peer is left mid-transfer.
+        barrier()
     finally:
         teardown()
 
@@ -105,7 +114,7 @@ def setup(config: Config, env: DistEnv) -> Session:
     texts, end_idx = rank0_first(lambda: select_texts(load_rows(dc.dataset), dc.text_column, dc.start_idx, dc.end_idx))
     blocks = all_ranks_ok(lambda: build_blocks(texts, tokenizer, dc.max_length, packing=not dc.pad_to_max_length))
     out_dir = Path(cc.output_dir)
-    payload = all_ranks_ok(lambda: _read_resume(cc.resume_file, out_dir) if env.is_main else None)
+    payload = all_ranks_ok(lambda: read_resume(cc.resume_file, out_dir) if env.is_main else None)
 
     model = build_meta_model(model_config)
     block_classes = all_ranks_ok(lambda: par.find_block_classes(model))
@@ -144,7 +153,7 @@ def setup(config: Config, env: DistEnv) -> Session:
     torch.manual_seed(tc.seed + 7919 * env.rank)  # dropout masks: per rank, reproducible
     state = ckpt.TrainState(epoch=tc.initial_epoch)
     if resuming:
-        state = _restore(model, optimizer, scaler, payload, config, env, end_idx, len(blocks))
+        state = restore(model, optimizer, scaler, payload, config, env, end_idx, len(blocks))
     par.tie_and_check(model)
     model.train()
 
@@ -177,84 +186,6 @@ def setup(config: Config, env: DistEnv) -> Session:
         print0(f"note: --hf_repo {config.hub.hf_repo}: pushing to the Hub is not implemented in this version; "
                f"checkpoints stay in {out_dir}")
     return session
-
-
-def _read_resume(resume_file: str | None, out_dir: Path) -> dict[str, Any] | None:
-    if not resume_file:
-        return None
-    path = ckpt.find_checkpoint(out_dir, resume_file)
-    payload = ckpt.read_checkpoint(path)
-    payload["_path"] = str(path)
-    return payload
-
-
-def _slice_key(config: Config, end_idx: int, num_samples: int) -> dict[str, Any]:
-    """What must match for a resume to continue inside the same slice."""
-    dc = config.data
-    return {
-        "dataset": dc.dataset,
-        "start_idx": dc.start_idx,
-        "end_idx": end_idx,
-        "text_column": dc.text_column,
-        "max_length": dc.max_length,
-        "packing": not dc.pad_to_max_length,
-        "seed": config.train.seed,
-        "num_samples": num_samples,
-    }
-
-
-def _restore(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scaler: LossScaler,
-    payload: dict[str, Any] | None,
-    config: Config,
-    env: DistEnv,
-    end_idx: int,
-    num_samples: int,
-) -> ckpt.TrainState:
-    """Load a checkpoint held by rank 0 into every rank and work out where training continues."""
-    has_optim = env.is_main and payload is not None and (
-        payload.get("optimizer") is not None or bool(payload.get("_sharded") and payload.get("has_optimizer"))
-    )
-    header = None
-    if env.is_main:
-        header = {
-            k: payload.get(k)
-            for k in ("train_state", "slice", "scaler", "rng", "_path", "_sharded", ckpt.STEP_KEY, ckpt.EPOCHS_KEY)
-        }
-        header["has_optimizer"] = has_optim
-    header = _broadcast(header, env)
-    sharded_path = Path(header["_path"]) if header["_sharded"] else None
-    ckpt.load_into(model, optimizer, payload, env, load_optimizer=header["has_optimizer"], sharded_path=sharded_path)
-    if header["scaler"]:
-        scaler.load_state_dict(header["scaler"])
-    here = _slice_key(config, end_idx, num_samples)
-    ts = header["train_state"] or {"global_step": int(header[ckpt.STEP_KEY]), "epoch": 0, "offset": 0}
-    same_slice = header["slice"] == here
-    rngs = header["rng"] or []
-    if same_slice and len(rngs) == env.world_size:
-        ckpt.set_rng_state(rngs[env.rank])
-    if same_slice:
-        state = ckpt.TrainState(ts["global_step"], ts["epoch"], ts["offset"])
-        if state.offset >= num_samples:
-            state.epoch, state.offset = state.epoch + 1, 0
-        where = f"epoch {state.epoch}, sample {state.offset} of {num_samples}"
-    else:
-        state = ckpt.TrainState(ts["global_step"], config.train.initial_epoch, 0)
-        where = f"the first batch of slice [{config.data.start_idx}, {end_idx})"
-    print0(f"resumed {header['_path']} at global step {state.global_step}; continuing at {where}")
-    if not header["has_optimizer"]:
-        print0("  (the checkpoint has no optimizer state: AdamW moments start from zero)")
-    return state
-
-
-def _broadcast(obj: Any, env: DistEnv) -> Any:
-    if env.world_size == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _print_summary(s: Session, classes: set[type], units: int, n_params: int) -> None:
@@ -341,33 +272,6 @@ def _stop_early(s: Session, reason: str) -> None:
     print0("resume with:\n  " + resume_command(path.name))
 
 
-def resume_command(name: str, argv: list[str] | None = None) -> str:
-    """The command line of this run with --resume_file pointing at `name`."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    out = []
-    skip = False
-    for a in args:
-        if skip:
-            skip = False
-            continue
-        if a == "--resume_file":
-            skip = True
-            continue
-        if a.startswith("--resume_file="):
-            continue
-        out.append(a)
-    out += ["--resume_file", name]
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
-    launcher = (
-        f"torchrun --standalone --nproc_per_node={local} fsdp_finetune.py"
-        if local and int(os.environ.get("WORLD_SIZE", "1")) == local
-        else "torchrun <same launcher flags> fsdp_finetune.py"
-        if local
-        else "python fsdp_finetune.py"
-    )
-    return " ".join([launcher] + [shlex.quote(a) for a in out])
-
-
 def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum (not mean) of next-token cross-entropy over the targets; fp32 for the softmax."""
     return F.cross_entropy(
@@ -449,7 +353,7 @@ def save(s: Session, *, epoch_end: bool) -> Path:
         name = ckpt.checkpoint_name(s.tag, dc.start_idx, s.end_idx, s.state.epoch + 1, s.state.global_step, sharded=sharded)
     path = s.out_dir / name
     extra = {
-        "slice": _slice_key(s.config, s.end_idx, len(s.blocks)),
+        "slice": slice_key(s.config, s.end_idx, len(s.blocks)),
         "scaler": s.scaler.state_dict(),
         "lr_schedule": s.schedule.state_dict(),
         "config": s.config.flat(),
@@ -469,7 +373,7 @@ def save(s: Session, *, epoch_end: bool) -> Path:
         print0(f"saved {path} ({info['bytes'] / 2**20:,.1f} MiB in {info['seconds']:.1f} s)")
         for old in ckpt.prune(s.out_dir, cc.keep_last, keep=path):
             print0(f"removed {old} (--keep_last {cc.keep_last})")
-    s.last_save_seconds = _broadcast(s.last_save_seconds, s.env)
+    s.last_save_seconds = broadcast_object(s.last_save_seconds)
     return path
 
 

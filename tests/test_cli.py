@@ -36,9 +36,12 @@ def test_demo_trains_and_loss_falls(tmp_path):
     # Epoch checkpoints named like the original script, loadable with weights_only.
     per_epoch = len(rows) // 3
     assert [r["epoch"] for r in rows] == [0] * per_epoch + [1] * per_epoch + [2] * per_epoch
-    for epoch in (1, 2, 3):
-        payload = torch.load(out / checkpoint_name("tiny_opt", 0, _end(proc.stdout), epoch), weights_only=True)
+    end = _end(proc.stdout)
+    for epoch in (2, 3):
+        payload = torch.load(out / checkpoint_name("tiny_opt", 0, end, epoch), weights_only=True)
         assert payload[STEP_KEY] == per_epoch * epoch and "model.decoder.embed_tokens.weight" in payload[MODEL_KEY]
+    # --keep_last 2 (the default) removed the first once the third was complete.
+    assert not (out / checkpoint_name("tiny_opt", 0, end, 1)).exists()
 
 
 def _end(stdout: str) -> int:

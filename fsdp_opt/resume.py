@@ -1,0 +1,89 @@
+"""Where a resumed run continues: read the checkpoint, restore every rank, decide the position.
+
+Same slice (dataset, range, tokenization, seed): continue at the next batch of the saved epoch, with every
+rank's RNG restored when the rank count is unchanged. Another slice: keep model, optimizer, scaler,
+schedule and global step, and start at the slice's first batch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import checkpoint as ckpt
+from .config import Config
+from .distributed import DistEnv, broadcast_object, print0
+from .optim import LossScaler
+
+
+def read_resume(resume_file: str | None, out_dir: Path) -> dict[str, Any] | None:
+    if not resume_file:
+        return None
+    path = ckpt.find_checkpoint(out_dir, resume_file)
+    payload = ckpt.read_checkpoint(path)
+    payload["_path"] = str(path)
+    return payload
+
+
+def slice_key(config: Config, end_idx: int, num_samples: int) -> dict[str, Any]:
+    """What must match for a resume to continue inside the same slice."""
+    dc = config.data
+    return {
+        "dataset": dc.dataset,
+        "start_idx": dc.start_idx,
+        "end_idx": end_idx,
+        "text_column": dc.text_column,
+        "max_length": dc.max_length,
+        "packing": not dc.pad_to_max_length,
+        "seed": config.train.seed,
+        "num_samples": num_samples,
+    }
+
+
+def restore(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: LossScaler,
+    payload: dict[str, Any] | None,
+    config: Config,
+    env: DistEnv,
+    end_idx: int,
+    num_samples: int,
+) -> ckpt.TrainState:
+    """Load a checkpoint held by rank 0 into every rank and work out where training continues."""
+    has_optim = env.is_main and payload is not None and (
+        payload.get("optimizer") is not None or bool(payload.get("_sharded") and payload.get("has_optimizer"))
+    )
+    header = None
+    if env.is_main:
+        header = {
+            k: payload.get(k)
+            for k in ("train_state", "slice", "scaler", "rng", "_path", "_sharded", ckpt.STEP_KEY, ckpt.EPOCHS_KEY)
+        }
+        header["has_optimizer"] = has_optim
+    header = broadcast_object(header)
+    sharded_path = Path(header["_path"]) if header["_sharded"] else None
+    ckpt.load_into(model, optimizer, payload, env, load_optimizer=header["has_optimizer"], sharded_path=sharded_path)
+    if header["scaler"]:
+        scaler.load_state_dict(header["scaler"])
+    here = slice_key(config, end_idx, num_samples)
+    ts = header["train_state"] or {"global_step": int(header[ckpt.STEP_KEY]), "epoch": 0, "offset": 0}
+    same_slice = header["slice"] == here
+    rngs = header["rng"] or []
+    if same_slice and len(rngs) == env.world_size:
+        ckpt.set_rng_state(rngs[env.rank])
+    if same_slice:
+        state = ckpt.TrainState(ts["global_step"], ts["epoch"], ts["offset"])
+        if state.offset >= num_samples:
+            state.epoch, state.offset = state.epoch + 1, 0
+        where = f"epoch {state.epoch}, sample {state.offset} of {num_samples}"
+    else:
+        state = ckpt.TrainState(ts["global_step"], config.train.initial_epoch, 0)
+        where = f"the first batch of slice [{config.data.start_idx}, {end_idx})"
+    print0(f"resumed {header['_path']} at global step {state.global_step}; continuing at {where}")
+    if not header["has_optimizer"]:
+        print0("  (the checkpoint has no optimizer state: AdamW moments start from zero)")
+    return state
