@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 
 from fsdp_opt.config import build_parser, parse_args
+from fsdp_opt.distributed import fail
 from fsdp_opt.errors import ConfigError
 
 
@@ -18,10 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = parse_args(argv)
     except ConfigError as exc:
-        from fsdp_opt.distributed import fail
-
         fail(str(exc))
-    from fsdp_opt.distributed import fail
     from fsdp_opt.trainer import run
 
     try:

@@ -94,13 +94,13 @@ def barrier() -> None:
         dist.barrier()
 
 
-def any_rank(flag: bool) -> bool:
-    """True on every rank if it is True on any rank: how stop decisions are agreed."""
+def max_over_ranks(value: int) -> int:
+    """The largest `value` of any rank, on every rank: how stop decisions are agreed."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return flag
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        return value
+    t = torch.tensor([value], dtype=torch.int32)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return int(t.item())
 
 
 def broadcast_object(obj: T, src: int = 0) -> T:

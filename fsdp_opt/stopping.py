@@ -14,8 +14,7 @@ import threading
 import time
 from typing import Any
 
-import torch
-import torch.distributed as dist
+from .distributed import max_over_ranks
 
 REASONS = ("", "received SIGTERM", "received SIGINT", "time limit")
 
@@ -45,11 +44,7 @@ class StopControl:
         # Stop while the next step and a save still fit in what is left, with a margin for exit.
         if not code and left is not None and left < next_step_s + save_s + 10.0:
             code = REASONS.index("time limit")
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            t = torch.tensor([code], dtype=torch.int32)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            code = int(t.item())
-        return REASONS[code] or None
+        return REASONS[max_over_ranks(code)] or None
 
     def close(self) -> None:
         for sig, handler in self._previous.items():

@@ -25,7 +25,6 @@ METRICS_FIELDS = (
     "skipped",  # true when the step was skipped for a non-finite gradient
     "skipped_steps",  # skipped steps so far in the run
 )
-OPTIONAL_FIELDS = ("mfu", "peak_memory_bytes")
 
 # Dense fp16/bf16 tensor-core peaks from vendor datasheets, by substring of the device name.
 PEAK_FLOPS = {

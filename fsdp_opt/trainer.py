@@ -78,6 +78,7 @@ class Session:
     flops_per_token: float
     peak_flops: float | None
     out_dir: Path
+    n_params: int = 0
     model_config: Any = None
     tokenizer: Any = None
     params: list[nn.Parameter] = field(default_factory=list)
@@ -178,6 +179,7 @@ def setup(config: Config, env: DistEnv) -> Session:
         peak_flops=peak_flops(env.device),
         out_dir=out_dir,
         params=[p for p in model.parameters() if p.requires_grad],
+        n_params=n_params,
         model_config=model_config,
         tokenizer=tokenizer,
     )
@@ -258,7 +260,7 @@ def _save_estimate(s: Session) -> float:
     """Seconds the next save may take: the last one measured, or a guess from the state size at 100 MB/s."""
     if s.last_save_seconds:
         return 1.5 * s.last_save_seconds
-    return 12 * count_params(s.model) / 100e6 + 5.0
+    return 12 * s.n_params / 100e6 + 5.0
 
 
 def _stop_early(s: Session, reason: str) -> None:
