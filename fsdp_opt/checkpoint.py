@@ -15,7 +15,7 @@ import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -363,18 +363,25 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
     return max(scored)[2] if scored else None
 
 
-def prune(output_dir: Path, keep_last: int, keep: Path) -> list[Path]:
-    """Delete all but the newest `keep_last` checkpoints (by global step). Never `keep`, the one just written."""
+def prune(output_dir: Path, keep_last: int, keep: Path, may_delete: Callable[[Path], bool] | None = None) -> list[Path]:
+    """Delete all but the newest `keep_last` checkpoints (by global step). Never `keep`, the one just written,
+    and never one that `may_delete` refuses (with --hf_repo: one that is not on the Hub yet)."""
     if keep_last <= 0:
         return []
-    ranked = sorted(((checkpoint_step(p), p.stat().st_mtime, p) for p in list_checkpoints(output_dir)), reverse=True)
+    ranked = []
+    for p in list_checkpoints(output_dir):
+        try:
+            ranked.append((checkpoint_step(p), p.stat().st_mtime, p))
+        except FileNotFoundError:  # removed meanwhile
+            continue
+    ranked.sort(reverse=True)
     removed = []
     for _, _, p in ranked[keep_last:]:
-        if p.resolve() == keep.resolve():
+        if p.resolve() == keep.resolve() or (may_delete is not None and not may_delete(p)):
             continue
         if p.is_dir():
-            shutil.rmtree(p)
+            shutil.rmtree(p, ignore_errors=True)
         else:
-            p.unlink()
+            p.unlink(missing_ok=True)
         removed.append(p)
     return removed

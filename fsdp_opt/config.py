@@ -36,13 +36,13 @@ def parse_bool(text: str | bool) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
-def parse_duration(text: str | None) -> float | None:
+def parse_duration(text: str | None, flag: str = "--time_limit") -> float | None:
     """'11h30m', '90m', '45s', '2h' or plain seconds -> seconds."""
     if text is None or text == "":
         return None
     m = re.fullmatch(r"\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*(?:(\d+(?:\.\d+)?)s?)?\s*", text)
     if not m or not any(m.groups()):
-        raise ConfigError(f"--time_limit {text!r}: use a duration such as 11h30m, 90m or 3600")
+        raise ConfigError(f"{flag} {text!r}: use a duration such as 11h30m, 90m or 3600")
     h, mnt, s = (float(g) if g else 0.0 for g in m.groups())
     return h * 3600 + mnt * 60 + s
 
@@ -186,11 +186,38 @@ class CheckpointConfig:
 
 @dataclass
 class HubConfig:
-    hf_repo: str | None = _opt(None, "Hugging Face repo (user/name) that checkpoints are pushed to.")
+    hf_repo: str | None = _opt(
+        None,
+        "Hugging Face repo (user/name) that stores the checkpoints: created if missing, each checkpoint pushed in "
+        "the background, --resume_file looked up there too.",
+    )
+    hub_public: bool = _opt(False, "Create the repo public (default: private). An existing repo keeps its visibility.")
+    hub_retries: int = _opt(5, "Retries of a failed upload (network errors, 5xx), with exponential backoff.")
+    hub_wait: str = _opt("30m", "At exit, wait at most this long for pending uploads (a duration such as 30m).")
 
     def __post_init__(self) -> None:
         if self.hf_repo is not None and not re.fullmatch(r"[\w.-]+/[\w.-]+", self.hf_repo):
             raise ConfigError(f"--hf_repo {self.hf_repo!r}: expected the form user/name")
+        if self.hub_retries < 0:
+            raise ConfigError(f"--hub_retries {self.hub_retries}: must be 0 or more")
+        parse_duration(self.hub_wait, "--hub_wait")
+
+    @property
+    def hub_wait_seconds(self) -> float:
+        return parse_duration(self.hub_wait, "--hub_wait") or 0.0
+
+
+@dataclass
+class WandbConfig:
+    wandb_project: str = _opt("opt-fsdp", "W&B project (rank 0 logs; the config goes in without secrets).")
+    wandb_mode: str = _opt(
+        "auto",
+        "W&B mode: online, offline or disabled. auto: online when an API key is configured, else offline.",
+        choices=["auto", "online", "offline", "disabled"],
+    )
+    wandb_new_run: bool = _opt(
+        False, "Start a new W&B run instead of continuing the run whose id the resumed checkpoint holds."
+    )
 
 
 SECTIONS: dict[str, type] = {
@@ -200,6 +227,7 @@ SECTIONS: dict[str, type] = {
     "parallel": ParallelConfig,
     "checkpoint": CheckpointConfig,
     "hub": HubConfig,
+    "wandb": WandbConfig,
 }
 
 
@@ -211,6 +239,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     hub: HubConfig = field(default_factory=HubConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def flat(self) -> dict[str, Any]:
         """Every flag and its value: what is printed and stored in checkpoints."""

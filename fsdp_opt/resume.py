@@ -19,10 +19,13 @@ from .distributed import DistEnv, broadcast_object, print0
 from .optim import LossScaler
 
 
-def read_resume(resume_file: str | None, out_dir: Path) -> dict[str, Any] | None:
+def read_resume(resume_file: str | None, out_dir: Path, hf_repo: str | None = None, retries: int = 3) -> dict[str, Any] | None:
+    """Rank 0: find the checkpoint (path, output_dir, then the Hub repo) and read it."""
     if not resume_file:
         return None
-    path = ckpt.find_checkpoint(out_dir, resume_file)
+    from .hub import find_resume
+
+    path = find_resume(resume_file, out_dir, hf_repo, retries)
     payload = ckpt.read_checkpoint(path)
     payload["_path"] = str(path)
     return payload

@@ -8,6 +8,7 @@ train():  for each step: micro-batches forward/backward -> global norm -> unscal
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,7 @@ from .optim import LossScaler, LRSchedule, build_optimizer, global_grad_norm, un
 from .tracking import (
     MetricsWriter,
     Progress,
+    WandbRun,
     count_params,
     flops_per_token,
     format_summary,
@@ -85,10 +87,14 @@ class Session:
     last_loss: float = float("nan")
     last_save_seconds: float = 0.0
     last_saved_step: int = -1
+    uploader: Any = None  # hub.Uploader on rank 0 with --hf_repo
+    wandb: Any = None  # tracking.WandbRun (inactive off rank 0 or when disabled)
+    prune_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 def run(config: Config) -> None:
     env = init_distributed(config.parallel.device)
+    session = None
     try:
         session = setup(config, env)
         train(session)
@@ -96,6 +102,34 @@ def run(config: Config) -> None:
         barrier()
     finally:
         teardown()
+        if session is not None:
+            finish_outside(session)
+
+
+def finish_outside(s: Session) -> None:
+    """After the process group is gone (no collective can time out): rank 0 waits for uploads, closes W&B."""
+    if s.uploader is not None:
+        failed = s.uploader.finish(s.config.hub.hub_wait_seconds)
+        _log_pushed(s)
+        for job in failed:
+            what = "did not finish in --hub_wait" if job.status != "failed" else f"failed ({job.error})"
+            print0(f"warning: upload of {job.name} to {s.config.hub.hf_repo} {what}; the local copy is kept: {job.path}")
+        if not failed:
+            jobs = s.uploader.jobs
+            pushed = sum(j.status == "done" for j in jobs)
+            replaced = sum(j.status == "superseded" for j in jobs)
+            print0(f"hub: uploads done: {pushed} pushed to {s.config.hub.hf_repo}"
+                   + (f", {replaced} replaced by a newer checkpoint before their turn" if replaced else ""))  # fmt: skip
+    if s.wandb is not None:
+        s.wandb.finish()
+
+
+def _log_pushed(s: Session) -> None:
+    """Each pushed checkpoint becomes a W&B artifact that references its file on the Hub."""
+    for job in s.uploader.take_done():
+        if job.kind != "export" and job.commit:
+            url = s.uploader.store.file_url(job.path_in_repo, job.commit)
+            s.wandb.log_checkpoint(job.name, url, {**job.entry, "hf_repo": s.config.hub.hf_repo, "commit": job.commit})
 
 
 # ---------------------------------------------------------------- setup
@@ -115,7 +149,10 @@ def setup(config: Config, env: DistEnv) -> Session:
     texts, end_idx = rank0_first(lambda: select_texts(load_rows(dc.dataset), dc.text_column, dc.start_idx, dc.end_idx))
     blocks = all_ranks_ok(lambda: build_blocks(texts, tokenizer, dc.max_length, packing=not dc.pad_to_max_length))
     out_dir = Path(cc.output_dir)
-    payload = all_ranks_ok(lambda: read_resume(cc.resume_file, out_dir) if env.is_main else None)
+    hc = config.hub
+    payload = all_ranks_ok(
+        lambda: read_resume(cc.resume_file, out_dir, hc.hf_repo, hc.hub_retries) if env.is_main else None
+    )
 
     model = build_meta_model(model_config)
     block_classes = all_ranks_ok(lambda: par.find_block_classes(model))
@@ -184,10 +221,34 @@ def setup(config: Config, env: DistEnv) -> Session:
         tokenizer=tokenizer,
     )
     _print_summary(session, block_classes, len(blocks_mods), n_params)
-    if config.hub.hf_repo:
-        print0(f"note: --hf_repo {config.hub.hf_repo}: pushing to the Hub is not implemented in this version; "
-               f"checkpoints stay in {out_dir}")
+    session.uploader = all_ranks_ok(lambda: _start_uploader(session) if env.is_main and hc.hf_repo else None)
+    wc = config.wandb
+    run_id = None if (payload is None or wc.wandb_new_run) else payload.get("wandb_run_id")
+    wandb_config = {**config.flat(), "world_size": env.world_size, "global_batch": plan.global_batch, "parameters": n_params}
+    session.wandb = WandbRun(
+        enabled=env.is_main, project=wc.wandb_project, mode=wc.wandb_mode, run_id=run_id, config=wandb_config, out_dir=out_dir
+    )
     return session
+
+
+def _start_uploader(s: Session) -> Any:
+    from . import card
+    from .hub import HubStore, Uploader
+
+    hc = s.config.hub
+    run = card.run_info(s.config.flat(), world_size=s.env.world_size, global_batch=s.plan.global_batch, n_params=s.n_params)
+    uploader = Uploader(
+        HubStore(hc.hf_repo, retries=hc.hub_retries),
+        lambda index: card.render_card(hc.hf_repo, index),
+        run=run,
+        private=not hc.hub_public,
+        retries=hc.hub_retries,
+        on_uploaded=lambda job: _prune(s, job.path),
+        log=print0,
+    )
+    where = "reachable" if uploader.repo_ready else "not reachable now; uploads will retry"
+    print0(f"hub: checkpoints go to {hc.hf_repo}/{'checkpoints'} in the background (the Hub is {where})")
+    return uploader
 
 
 def _print_summary(s: Session, classes: set[type], units: int, n_params: int) -> None:
@@ -243,6 +304,9 @@ def train(s: Session) -> None:
                 s.state.offset = step.end_offset
                 record["elapsed"] = round(time.perf_counter() - t0, 3)
                 s.writer.write(record)
+                s.wandb.log_step(record)
+                if s.uploader is not None:
+                    _log_pushed(s)
                 progress.update(record["loss"], record["tokens_per_second"])
                 epoch_done = step.end_offset >= s.plan.num_samples
                 if cc.save_every_steps and s.state.global_step % cc.save_every_steps == 0 and not epoch_done:
@@ -258,9 +322,10 @@ def train(s: Session) -> None:
 
 def _save_estimate(s: Session) -> float:
     """Seconds the next save may take: the last one measured, or a guess from the state size at 100 MB/s."""
-    if s.last_save_seconds:
-        return 1.5 * s.last_save_seconds
-    return 12 * s.n_params / 100e6 + 5.0
+    estimate = 1.5 * s.last_save_seconds if s.last_save_seconds else 12 * s.n_params / 100e6 + 5.0
+    if s.uploader is not None:  # the final checkpoint must reach the Hub too
+        estimate += 1.5 * s.uploader.last_seconds()
+    return estimate
 
 
 def _stop_early(s: Session, reason: str) -> None:
@@ -363,7 +428,7 @@ def save(s: Session, *, epoch_end: bool) -> Path:
         "world_size": s.env.world_size,
         "global_batch": s.plan.global_batch,
         "last_loss": s.last_loss,
-        "wandb_run_id": None,
+        "wandb_run_id": s.wandb.run_id if s.wandb is not None else None,
     }
     info = ckpt.save_checkpoint(
         path, s.env, s.model, s.optimizer, state=s.state, epochs_run=s.state.epoch, extra=extra,
@@ -373,8 +438,19 @@ def save(s: Session, *, epoch_end: bool) -> Path:
     if info is not None:
         s.last_save_seconds = info["seconds"]
         print0(f"saved {path} ({info['bytes'] / 2**20:,.1f} MiB in {info['seconds']:.1f} s)")
-        for old in ckpt.prune(s.out_dir, cc.keep_last, keep=path):
-            print0(f"removed {old} (--keep_last {cc.keep_last})")
+        if s.uploader is not None:
+            entry = {
+                "global_step": s.state.global_step,
+                "epochs_done": s.state.epoch,
+                "start_idx": dc.start_idx,
+                "end_idx": s.end_idx,
+                "loss": s.last_loss if math.isfinite(s.last_loss) else None,
+                "bytes": info["bytes"],
+                "world_size": s.env.world_size,
+                "sharded": sharded,
+            }
+            s.uploader.submit(path, "epoch" if epoch_end else "step", entry)
+        _prune(s, path)
     s.last_save_seconds = broadcast_object(s.last_save_seconds)
     return path
 
@@ -388,5 +464,17 @@ def export_final(s: Session) -> None:
     if s.env.is_main:
         all_ranks_ok(lambda: export_model_folder(model_sd, s.model_config, s.tokenizer, dest, s.config.checkpoint.export_dtype))
         print0(f"exported {dest} ({s.config.checkpoint.export_dtype} safetensors, tokenizer, generation config)")
+        if s.uploader is not None:
+            entry = {"global_step": s.state.global_step, "dtype": s.config.checkpoint.export_dtype}
+            s.uploader.submit(dest, "export", entry)
     else:
         all_ranks_ok(lambda: None)
+
+
+def _prune(s: Session, keep: Path) -> None:
+    """--keep_last, rank 0. With --hf_repo a file goes only once the Hub has it (called again after each push)."""
+    keep_last = s.config.checkpoint.keep_last
+    may_delete = s.uploader.is_on_hub if s.uploader is not None else None
+    with s.prune_lock:
+        for old in ckpt.prune(s.out_dir, keep_last, keep=keep, may_delete=may_delete):
+            print0(f"removed {old} (--keep_last {keep_last})")

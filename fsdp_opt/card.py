@@ -1,0 +1,132 @@
+"""The model card (README.md) of a `--hf_repo` repo, rendered from the repo's checkpoint index.
+
+The index (fsdp_opt_index.json) is the record: every pushed checkpoint with its slice, epoch, global step, loss
+and date, plus the run's settings. The card is a view of it, rewritten after every push.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+# Flags that describe this machine or this session, not the training recipe.
+LOCAL_FLAGS = {
+    "output_dir", "resume_file", "export_hf", "hf_repo", "hub_public", "hub_retries", "hub_wait",
+    "wandb_project", "wandb_mode", "wandb_new_run", "time_limit", "keep_last", "device",
+}  # fmt: skip
+
+
+def run_info(flat_config: dict[str, Any], *, world_size: int, global_batch: int, n_params: int) -> dict[str, Any]:
+    """What the card says about the run: base model, data and hyperparameters (never tokens: flags only)."""
+    hyper = {k: v for k, v in flat_config.items() if k not in LOCAL_FLAGS and v is not None}
+    hyper.update(world_size=world_size, global_batch=global_batch)
+    return {
+        "base_model": flat_config.get("model"),
+        "dataset": flat_config.get("dataset"),
+        "text_column": flat_config.get("text_column"),
+        "parameters": n_params,
+        "hyperparameters": hyper,
+    }
+
+
+def slices(index: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per trained range, in training order: epochs, global steps, the last loss and date."""
+    rows: dict[tuple[int, int], dict[str, Any]] = {}
+    entries = sorted(index.get("checkpoints", {}).items(), key=lambda kv: (kv[1].get("global_step", -1), kv[0]))
+    for name, e in entries:
+        key = (int(e.get("start_idx", -1)), int(e.get("end_idx", -1)))
+        row = rows.setdefault(key, {"start": key[0], "end": key[1], "epochs": 0, "first_step": None})
+        row["epochs"] = max(row["epochs"], int(e.get("epochs_done", 0)))
+        row["last_step"] = e.get("global_step")
+        row["loss"] = e.get("loss")
+        row["date"] = e.get("date", "")
+        row["latest"] = name
+    ordered = sorted(rows.values(), key=lambda r: r["last_step"] if r["last_step"] is not None else -1)
+    previous = 0
+    for row in ordered:
+        row["first_step"] = previous + 1
+        previous = row["last_step"] or previous
+    return ordered
+
+
+def _fmt_loss(x: Any) -> str:
+    return f"{x:.4f}" if isinstance(x, (int, float)) and math.isfinite(x) else "-"
+
+
+def render_card(repo_id: str, index: dict[str, Any]) -> str:
+    run = index.get("run", {})
+    base, dataset = run.get("base_model") or "unknown", run.get("dataset") or "unknown"
+    rows = slices(index)
+    latest = max(index.get("checkpoints", {}).items(), key=lambda kv: kv[1].get("global_step", -1), default=(None, {}))
+    exported = index.get("export")
+    meta = ["---", "library_name: transformers", "pipeline_tag: text-generation", "tags:", "- fsdp-opt", "- causal-lm"]
+    if "/" in base:
+        meta.append(f"base_model: {base}")
+    if "/" in dataset:
+        meta += ["datasets:", f"- {dataset}"]
+    meta.append("---")
+    out = meta + [
+        "",
+        f"# {repo_id.split('/')[-1]}",
+        "",
+        f"Fine-tuned from **{base}** on **{dataset}** (text column `{run.get('text_column', 'text')}`) with "
+        "fsdp-opt, one session per row range. The sessions resume each other exactly, so together they are "
+        "one training run.",
+        "",
+        "## Slices trained",
+        "",
+        "| rows | epochs | global steps | final loss | date (UTC) | latest checkpoint |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        steps = f"{r['first_step']}–{r['last_step']}" if r["last_step"] is not None else "-"
+        out.append(
+            f"| [{r['start']}, {r['end']}) | {r['epochs']} | {steps} | {_fmt_loss(r['loss'])} | {r['date']} | `{r['latest']}` |"
+        )
+    if not rows:
+        out.append("| - | - | - | - | - | - |")
+    hyper = run.get("hyperparameters", {})
+    out += ["", "## Hyperparameters (latest session)", "", "| setting | value |", "|---|---|"]
+    out += [f"| {k} | {v} |" for k, v in sorted(hyper.items())]
+    if run.get("parameters"):
+        out += ["", f"Parameters: {run['parameters']:,}."]
+    out += ["", "## Load the model", ""]
+    if exported:
+        out += [
+            "The final model of the latest session is at the root of this repo (safetensors, "
+            f"{exported.get('dtype', 'fp16')}, exported at global step {exported.get('global_step', '?')}):",
+            "",
+            "```python",
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            f'model = AutoModelForCausalLM.from_pretrained("{repo_id}")',
+            f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")',
+            "```",
+        ]
+    else:
+        out += ["No exported model yet (train with `--export_hf DIR --hf_repo ...` to push one). Export a checkpoint:"]
+    if latest[0]:
+        out += [
+            "",
+            "```bash",
+            f"hf download {repo_id} {latest[1].get('path', latest[0])} --local-dir .",
+            f"python -m fsdp_opt.export {latest[1].get('path', latest[0])} exported --dtype fp16",
+            "```",
+        ]
+    last_end = rows[-1]["end"] if rows else 0
+    span = (rows[-1]["end"] - rows[-1]["start"]) if rows else 5000
+    out += [
+        "",
+        "## Resume training",
+        "",
+        "Checkpoints are under `checkpoints/` and `fsdp_opt_index.json` lists them. A new session, even on an "
+        "empty machine, continues the global step from the newest one:",
+        "",
+        "```bash",
+        f"torchrun --standalone --nproc_per_node=gpu fsdp_finetune.py --model {base} --dataset {dataset} \\",
+        f"  --start_idx {last_end} --end_idx {last_end + span} --resume_file latest --hf_repo {repo_id}",
+        "```",
+        "",
+        "Keep the other flags of the earlier sessions (batch size, accumulation, learning rate) so the run stays one run.",
+        "",
+    ]
+    return "\n".join(out)

@@ -1,0 +1,432 @@
+"""The Hugging Face Hub as the checkpoint store: the repo, background uploads, and finding a checkpoint to resume.
+
+Repo layout (`--hf_repo user/name`):
+  checkpoints/<name>.pt          one full checkpoint per save (a sharded checkpoint is a folder of that name)
+  fsdp_opt_index.json            what each checkpoint is: global step, epoch, slice, loss, date
+  README.md                      the model card, rewritten from the index after every push
+  config.json, model.safetensors, tokenizer files ...   the final model, with --export_hf
+
+Only rank 0 talks to the Hub. The token is huggingface_hub's own (HF_TOKEN or `hf auth login`); this module
+never reads, prints or stores it.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+from . import checkpoint as ckpt
+from .errors import CheckpointError, ConfigError
+
+CKPT_DIR = "checkpoints"
+INDEX_FILE = "fsdp_opt_index.json"
+CARD_FILE = "README.md"
+MAX_BACKOFF = 60.0
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def status_code(exc: BaseException) -> int | None:
+    response = getattr(exc, "response", None)
+    return getattr(response, "status_code", None)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Worth another try: a network error, a timeout, a 5xx or a 429. Not: a 4xx, a missing local file."""
+    if isinstance(exc, (FileNotFoundError, IsADirectoryError, PermissionError, ValueError, TypeError)):
+        return False
+    code = status_code(exc)
+    if code is not None:
+        return code >= 500 or code == 429
+    return isinstance(exc, (OSError, TimeoutError, ConnectionError)) or "Timeout" in type(exc).__name__
+
+
+def describe(exc: BaseException) -> str:
+    """One line about a Hub error, without URLs' query strings or headers (never the token)."""
+    code = status_code(exc)
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return f"HTTP {code}: {first}" if code else f"{type(exc).__name__}: {first}"
+
+
+def with_retries(fn: Callable[[], Any], retries: int, backoff: float, on_retry: Callable[[int, float, BaseException], None] | None = None) -> Any:
+    """Run fn; on a transient error wait backoff, 2*backoff, 4*backoff ... (at most 60 s) and try again."""
+    for attempt in range(retries + 1):
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - classified just below
+            if attempt == retries or not is_transient(exc):
+                raise
+            delay = min(MAX_BACKOFF, backoff * 2**attempt)
+            if on_retry is not None:
+                on_retry(attempt + 1, delay, exc)
+            time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+# ---------------------------------------------------------------- reading the repo
+
+
+class HubStore:
+    """One repo on the Hub (rank 0 only)."""
+
+    def __init__(self, repo_id: str, retries: int = 3, backoff: float = 2.0, endpoint: str | None = None) -> None:
+        from huggingface_hub import HfApi
+
+        self.repo_id = repo_id
+        self.api = HfApi(endpoint=endpoint)  # endpoint None: HF_ENDPOINT or huggingface.co
+        self.retries, self.backoff = retries, backoff
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        return with_retries(fn, self.retries, self.backoff)
+
+    def file_url(self, path_in_repo: str, revision: str = "main") -> str:
+        return f"{self.api.endpoint}/{self.repo_id}/resolve/{revision}/{path_in_repo}"
+
+    def ensure_repo(self, private: bool) -> bool:
+        """Create the repo if it is missing. False when the Hub cannot be reached now (uploads try again later)."""
+        try:
+            self._call(lambda: self.api.create_repo(self.repo_id, private=private, exist_ok=True))
+            return True
+        except Exception as exc:  # noqa: BLE001
+            if status_code(exc) in (401, 403):
+                raise ConfigError(
+                    f"--hf_repo {self.repo_id}: the Hub refused to create or open the repo ({describe(exc)}). "
+                    "Set HF_TOKEN to a token with write access, or run `hf auth login`."
+                ) from None
+            if not is_transient(exc):
+                raise ConfigError(f"--hf_repo {self.repo_id}: {describe(exc)}") from None
+            return False
+
+    def files(self) -> list[str]:
+        """Every file path in the repo; [] when the repo does not exist yet."""
+        from huggingface_hub.errors import RepositoryNotFoundError
+
+        try:
+            return list(self._call(lambda: self.api.list_repo_files(self.repo_id)))
+        except RepositoryNotFoundError:
+            return []
+
+    def read_index(self, files: list[str] | None = None) -> dict[str, Any]:
+        files = self.files() if files is None else files
+        if INDEX_FILE not in files:
+            return {"checkpoints": {}}
+        from huggingface_hub import hf_hub_download
+
+        with tempfile.TemporaryDirectory() as tmp:
+            local = self._call(lambda: hf_hub_download(self.repo_id, INDEX_FILE, local_dir=tmp, endpoint=self.api.endpoint))
+            try:
+                index = json.loads(Path(local).read_text())
+            except (OSError, ValueError):
+                return {"checkpoints": {}}
+        index.setdefault("checkpoints", {})
+        return index
+
+    def checkpoints(self, files: list[str] | None = None) -> dict[str, str]:
+        """Checkpoint name -> its path in the repo (under checkpoints/, or at the root as older repos have them)."""
+        files = self.files() if files is None else files
+        found: dict[str, str] = {}
+        for f in files:
+            parts = f.split("/")
+            if parts[0] == CKPT_DIR and len(parts) >= 2 and ckpt.parse_name(parts[1]):
+                found[parts[1]] = f"{CKPT_DIR}/{parts[1]}"
+            elif len(parts) == 1 and f.endswith(ckpt.SUFFIX) and ckpt.parse_name(f):
+                found.setdefault(f, f)
+        return found
+
+    def latest(self) -> tuple[str, int] | None:
+        files = self.files()
+        index = self.read_index(files)["checkpoints"]
+        scored = []
+        for name in self.checkpoints(files):
+            step = index.get(name, {}).get("global_step")
+            if step is None:
+                parsed = ckpt.parse_name(name)
+                step = parsed["step"] if parsed and parsed["step"] is not None else -1
+            scored.append((int(step), name))
+        scored = [s for s in scored if s[0] >= 0]
+        if not scored:
+            return None
+        step, name = max(scored)
+        return name, step
+
+    def download(self, name: str, out_dir: Path) -> Path:
+        """Fetch checkpoint `name` into out_dir/name (a file or a sharded folder); the rename makes it appear whole."""
+        from huggingface_hub import hf_hub_download, snapshot_download
+
+        files = self.files()
+        where = self.checkpoints(files).get(name)
+        if where is None:
+            raise KeyError(name)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        dest = out_dir / name
+        staging = Path(tempfile.mkdtemp(prefix=".download-", dir=out_dir))
+        try:
+            if where in files:
+                got = Path(self._call(lambda: hf_hub_download(self.repo_id, where, local_dir=staging, endpoint=self.api.endpoint)))
+            else:
+                self._call(lambda: snapshot_download(
+                    self.repo_id, allow_patterns=[f"{where}/*"], local_dir=staging, endpoint=self.api.endpoint
+                ))
+                got = staging / where
+            got.rename(dest)
+        finally:
+            import shutil
+
+            shutil.rmtree(staging, ignore_errors=True)
+        return dest
+
+
+def find_resume(name: str, out_dir: Path, repo_id: str | None, retries: int = 3) -> Path:
+    """--resume_file: a path, then a name in output_dir, then a checkpoint of --hf_repo (downloaded to output_dir).
+
+    `latest` is the highest global step among output_dir and the repo; a local copy wins a tie.
+    """
+    if not repo_id:
+        return ckpt.find_checkpoint(out_dir, name)
+    if name != "latest":
+        try:
+            return ckpt.find_checkpoint(out_dir, name)
+        except CheckpointError as local_miss:
+            local_error = str(local_miss)
+    store = HubStore(repo_id, retries=retries)
+    try:
+        if name == "latest":
+            local = ckpt.latest_checkpoint(out_dir)
+            local_step = ckpt.checkpoint_step(local) if local is not None else -1
+            try:
+                remote = store.latest()
+            except Exception as exc:  # noqa: BLE001
+                if local is None:
+                    raise
+                print(f"warning: cannot read the Hub repo {repo_id} ({describe(exc)}); using {local}")
+                remote = None
+            if remote is None or remote[1] <= local_step:
+                if local is None:
+                    raise CheckpointError(f"--resume_file latest: no checkpoint in {out_dir} or in the Hub repo {repo_id}")
+                return local
+            print(f"latest checkpoint is {remote[0]} (global step {remote[1]}) in the Hub repo {repo_id}; downloading")
+            return store.download(remote[0], out_dir)
+        remote_names = store.checkpoints()
+        if name not in remote_names:
+            listing = ", ".join(sorted(remote_names)[:10]) or "none"
+            raise CheckpointError(f"{local_error}; not in the Hub repo {repo_id} either (checkpoints there: {listing})")
+        print(f"downloading {name} from the Hub repo {repo_id}")
+        return store.download(name, out_dir)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - network, auth: one line
+        raise CheckpointError(f"--resume_file {name}: cannot read the Hub repo {repo_id}: {describe(exc)}") from None
+
+
+# ---------------------------------------------------------------- background uploads
+
+
+@dataclass
+class Upload:
+    path: Path
+    kind: str  # "step", "epoch" (never dropped) or "export" (the final model folder, to the repo root)
+    entry: dict[str, Any] = field(default_factory=dict)
+    status: str = "waiting"  # waiting, uploading, done, failed, superseded
+    error: str = ""
+    seconds: float = 0.0
+    commit: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def path_in_repo(self) -> str:
+        return "" if self.kind == "export" else f"{CKPT_DIR}/{self.name}"
+
+
+class Uploader:
+    """One upload at a time, in a background thread, so training never waits for the network.
+
+    A new step checkpoint replaces a step checkpoint that is still waiting; epoch checkpoints and the exported
+    model always go. Each upload is one commit: the checkpoint, the index and the model card together.
+    """
+
+    def __init__(
+        self,
+        store: HubStore,
+        render_card: Callable[[dict[str, Any]], str],
+        *,
+        run: dict[str, Any],
+        private: bool,
+        retries: int,
+        backoff: float = 2.0,
+        on_uploaded: Callable[[Upload], None] | None = None,
+        log: Callable[[str], None] = print,
+    ) -> None:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()  # the training progress bar owns the console
+        self.store, self.render_card = store, render_card
+        self.private, self.retries, self.backoff = private, retries, backoff
+        self.on_uploaded, self.log = on_uploaded, log
+        self.repo_ready = store.ensure_repo(private)
+        files = self._try(store.files, [])
+        self.index: dict[str, Any] = self._try(lambda: store.read_index(files), {"checkpoints": {}})
+        self.index["run"] = run
+        self.remote_names = set(store.checkpoints(files))
+        self.jobs: list[Upload] = []
+        self._done: list[Upload] = []
+        self._cond = threading.Condition()
+        self._closing = False
+        self._thread = threading.Thread(target=self._work, name="hub-uploads", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _try(fn: Callable[[], Any], fallback: Any) -> Any:
+        try:
+            return fn()
+        except Exception:  # noqa: BLE001 - an unreachable Hub at start is not fatal
+            return fallback
+
+    # -------------------------------------------------------- main-thread side
+
+    def submit(self, path: Path, kind: str, entry: dict[str, Any]) -> Upload:
+        job = Upload(Path(path), kind, entry)
+        with self._cond:
+            if kind == "step":
+                for old in self.jobs:
+                    if old.kind == "step" and old.status == "waiting":
+                        old.status = "superseded"
+                        self.log(f"hub: {old.name} is replaced by {job.name} before its upload started (kept locally)")
+            self.jobs.append(job)
+            self._cond.notify_all()
+        return job
+
+    def is_on_hub(self, path: Path) -> bool:
+        """May --keep_last delete this local checkpoint? Only once it, or a newer checkpoint that replaced it, is up."""
+        name = Path(path).name
+        with self._cond:
+            if name in self.remote_names:
+                return True
+            job = next((j for j in self.jobs if j.name == name), None)
+            if job is None or job.status != "superseded":
+                return False
+            return any(j.status == "done" and j.entry.get("global_step", -1) > job.entry.get("global_step", -1) for j in self.jobs)
+
+    def take_done(self) -> list[Upload]:
+        with self._cond:
+            done, self._done = self._done, []
+        return done
+
+    def pending(self) -> list[Upload]:
+        with self._cond:
+            return [j for j in self.jobs if j.status in ("waiting", "uploading")]
+
+    def last_seconds(self) -> float:
+        with self._cond:
+            times = [j.seconds for j in self.jobs if j.status == "done"]
+        return times[-1] if times else 0.0
+
+    def finish(self, timeout: float, every: float = 10.0) -> list[Upload]:
+        """Wait up to `timeout` s for pending uploads, printing what is left; return those not uploaded."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        next_note = 0.0
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            left = self.pending()
+            if left and time.monotonic() >= next_note:
+                size = sum(ckpt_bytes(j.path) for j in left) / 2**20
+                self.log(f"hub: waiting for {len(left)} upload(s) ({size:,.1f} MiB): {', '.join(j.name for j in left)}")
+                next_note = time.monotonic() + every
+            self._thread.join(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+        with self._cond:
+            return [j for j in self.jobs if j.status in ("waiting", "uploading", "failed")]
+
+    # -------------------------------------------------------- worker side
+
+    def _next(self) -> Upload | None:
+        with self._cond:
+            while True:
+                job = next((j for j in self.jobs if j.status == "waiting"), None)
+                if job is not None:
+                    job.status = "uploading"
+                    return job
+                if self._closing:
+                    return None
+                self._cond.wait()
+
+    def _work(self) -> None:
+        while (job := self._next()) is not None:
+            started = time.monotonic()
+            try:
+                commit = with_retries(lambda: self._push(job), self.retries, self.backoff, self._note_retry(job))
+            except Exception as exc:  # noqa: BLE001 - a failed upload never stops training
+                with self._cond:
+                    job.status, job.error = "failed", describe(exc)
+                self.log(f"hub: upload of {job.name} failed ({job.error}); the local copy is kept: {job.path}")
+                continue
+            with self._cond:
+                job.status, job.commit, job.seconds = "done", commit, time.monotonic() - started
+                if job.kind != "export":
+                    self.remote_names.add(job.name)
+                self._done.append(job)
+            where = "the repo root" if job.kind == "export" else job.path_in_repo
+            self.log(f"hub: pushed {job.name} to {self.store.repo_id} ({where}) in {job.seconds:.1f} s")
+            if self.on_uploaded is not None:
+                try:
+                    self.on_uploaded(job)
+                except Exception as exc:  # noqa: BLE001
+                    self.log(f"hub: after the upload of {job.name}: {describe(exc)}")
+
+    def _note_retry(self, job: Upload) -> Callable[[int, float, BaseException], None]:
+        def note(attempt: int, delay: float, exc: BaseException) -> None:
+            self.log(f"hub: upload of {job.name} failed ({describe(exc)}); retry {attempt}/{self.retries} in {delay:.0f} s")
+
+        return note
+
+    def _push(self, job: Upload) -> str:
+        from huggingface_hub import CommitOperationAdd
+
+        if not self.repo_ready:
+            self.repo_ready = self.store.ensure_repo(self.private)
+            if not self.repo_ready:
+                raise ConnectionError(f"cannot reach the Hub to create {self.store.repo_id}")
+        if not job.path.exists():
+            raise FileNotFoundError(f"{job.path} is gone")
+        ops = []
+        if job.path.is_dir():
+            for f in sorted(p for p in job.path.rglob("*") if p.is_file()):
+                rel = f.relative_to(job.path).as_posix()
+                ops.append(CommitOperationAdd(f"{job.path_in_repo}/{rel}".lstrip("/"), str(f)))
+        else:
+            ops.append(CommitOperationAdd(job.path_in_repo, str(job.path)))
+        index = json.loads(json.dumps(self.index))  # committed only if the push succeeds
+        if job.kind == "export":
+            index["export"] = {**job.entry, "date": now_iso()}
+        else:
+            index["checkpoints"][job.name] = {**job.entry, "path": job.path_in_repo, "date": now_iso()}
+        card = self.render_card(index)
+        if job.kind == "export":
+            ops = [op for op in ops if op.path_in_repo != CARD_FILE]  # the card is ours
+        ops.append(CommitOperationAdd(INDEX_FILE, json.dumps(index, indent=1, sort_keys=True).encode()))
+        ops.append(CommitOperationAdd(CARD_FILE, card.encode()))
+        step = job.entry.get("global_step")
+        message = f"fsdp-opt: {job.name}" + (f" (global step {step})" if step is not None else "")
+        info = self.store.api.create_commit(self.store.repo_id, ops, commit_message=message)
+        self.index = index
+        return info.oid
+
+
+def ckpt_bytes(path: Path) -> int:
+    try:
+        if path.is_dir():
+            return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        return path.stat().st_size
+    except OSError:
+        return 0
