@@ -39,6 +39,8 @@ def slices(index: dict[str, Any]) -> list[dict[str, Any]]:
         row["epochs"] = max(row["epochs"], int(e.get("epochs_done", 0)))
         row["last_step"] = e.get("global_step")
         row["loss"] = e.get("loss")
+        if e.get("eval_loss") is not None or "eval_loss" not in row:
+            row["eval_loss"] = e.get("eval_loss")
         row["date"] = e.get("date", "")
         row["latest"] = name
     ordered = sorted(rows.values(), key=lambda r: r["last_step"] if r["last_step"] is not None else -1)
@@ -75,16 +77,16 @@ def render_card(repo_id: str, index: dict[str, Any]) -> str:
         "",
         "## Slices trained",
         "",
-        "| rows | epochs | global steps | final loss | date (UTC) | latest checkpoint |",
-        "|---|---|---|---|---|---|",
+        "| rows | epochs | global steps | final loss | eval loss | date (UTC) | latest checkpoint |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         steps = f"{r['first_step']}–{r['last_step']}" if r["last_step"] is not None else "-"
         out.append(
-            f"| [{r['start']}, {r['end']}) | {r['epochs']} | {steps} | {_fmt_loss(r['loss'])} | {r['date']} | `{r['latest']}` |"
+            f"| [{r['start']}, {r['end']}) | {r['epochs']} | {steps} | {_fmt_loss(r['loss'])} | {_fmt_loss(r['eval_loss'])} | {r['date']} | `{r['latest']}` |"
         )
     if not rows:
-        out.append("| - | - | - | - | - | - |")
+        out.append("| - | - | - | - | - | - | - |")
     hyper = run.get("hyperparameters", {})
     out += ["", "## Hyperparameters (latest session)", "", "| setting | value |", "|---|---|"]
     out += [f"| {k} | {v} |" for k, v in sorted(hyper.items())]

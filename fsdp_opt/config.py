@@ -65,6 +65,11 @@ class DataConfig:
     start_idx: int = _opt(0, "First row of the slice to train on (inclusive).")
     end_idx: int | None = _opt(None, "End of the slice (exclusive). Default: the end of the dataset.")
     max_length: int = _opt(512, "Tokens per training sequence.")
+    eval_rows: int = _opt(
+        0,
+        "Held-out rows right after the slice, [end_idx, end_idx + N): eval loss and perplexity at every save "
+        "(0: no evaluation).",
+    )
     pad_to_max_length: bool = _opt(
         False, "Pad every row to max_length (the original recipe) instead of packing rows into full blocks."
     )
@@ -76,6 +81,8 @@ class DataConfig:
             raise ConfigError(f"--end_idx {self.end_idx}: must be greater than --start_idx {self.start_idx}")
         if self.max_length < 2:
             raise ConfigError(f"--max_length {self.max_length}: must be at least 2")
+        if self.eval_rows < 0:
+            raise ConfigError(f"--eval_rows {self.eval_rows}: must be 0 or more")
         if not self.text_column:
             raise ConfigError("--text_column: must not be empty")
 

@@ -13,6 +13,7 @@ never reads, prints or stores it.
 from __future__ import annotations
 
 import json
+import logging
 import tempfile
 import threading
 import time
@@ -270,6 +271,7 @@ class Uploader:
         from huggingface_hub.utils import disable_progress_bars
 
         disable_progress_bars()  # the training progress bar owns the console
+        logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # its retry notes; ours say the same once
         self.store, self.render_card = store, render_card
         self.private, self.retries, self.backoff = private, retries, backoff
         self.on_uploaded, self.log = on_uploaded, log
@@ -369,7 +371,7 @@ class Uploader:
             except Exception as exc:  # noqa: BLE001 - a failed upload never stops training
                 with self._cond:
                     job.status, job.error = "failed", describe(exc)
-                self.log(f"hub: upload of {job.name} failed ({job.error}); the local copy is kept: {job.path}")
+                self.log(f"hub: upload of {job.name} failed ({job.error}); the local copy is kept: {job.path.resolve()}")
                 continue
             with self._cond:
                 job.status, job.commit, job.seconds = "done", commit, time.monotonic() - started

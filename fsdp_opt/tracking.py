@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 METRICS_FILE = "metrics.jsonl"
+EVAL_FILE = "eval.jsonl"  # one line per --eval_rows evaluation: step, epoch, rows, loss, perplexity, tokens, seconds
 # One JSON object per optimizer step, in this order. Tests and tools read this tuple.
 METRICS_FIELDS = (
     "step",  # global optimizer step, after this update (1-based, continues across sessions)

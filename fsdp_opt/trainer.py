@@ -7,6 +7,7 @@ train():  for each step: micro-batches forward/backward -> global norm -> unscal
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 import time
@@ -16,14 +17,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from . import checkpoint as ckpt
 from .atomic import remove_stale_temp
 from . import parallelize as par
 from .config import Config
-from .data import IGNORE_INDEX, Blocks, StepBatch, StepPlan, build_blocks, load_rows, select_texts
+from .data import Blocks, StepBatch, StepPlan, build_blocks, held_out_texts, load_rows, select_texts
 from .distributed import (
     DistEnv,
     all_ranks_ok,
@@ -35,6 +35,7 @@ from .distributed import (
     teardown,
 )
 from .errors import ConfigError
+from .evaluate import causal_lm_loss_sum, evaluate_loss
 from .models import (
     build_meta_model,
     load_full_state_dict,
@@ -49,6 +50,7 @@ from .resume import read_resume, restore, slice_key
 from .stopping import StopControl, resume_command
 from .optim import LossScaler, LRSchedule, build_optimizer, global_grad_norm, unscale_and_clip_
 from .tracking import (
+    EVAL_FILE,
     MetricsWriter,
     Progress,
     WandbRun,
@@ -90,6 +92,7 @@ class Session:
     uploader: Any = None  # hub.Uploader on rank 0 with --hf_repo
     wandb: Any = None  # tracking.WandbRun (inactive off rank 0 or when disabled)
     prune_lock: threading.Lock = field(default_factory=threading.Lock)
+    eval_blocks: Blocks | None = None  # --eval_rows
 
 
 def run(config: Config) -> None:
@@ -113,7 +116,7 @@ def finish_outside(s: Session) -> None:
         _log_pushed(s)
         for job in failed:
             what = "did not finish in --hub_wait" if job.status != "failed" else f"failed ({job.error})"
-            print0(f"warning: upload of {job.name} to {s.config.hub.hf_repo} {what}; the local copy is kept: {job.path}")
+            print0(f"warning: upload of {job.name} to {s.config.hub.hf_repo} {what}; the local copy is kept: {job.path.resolve()}")
         if not failed:
             jobs = s.uploader.jobs
             pushed = sum(j.status == "done" for j in jobs)
@@ -146,8 +149,16 @@ def setup(config: Config, env: DistEnv) -> Session:
     if positions is not None and dc.max_length > positions:
         raise ConfigError(f"--max_length {dc.max_length}: {mc.model} has only {positions} positions")
 
-    texts, end_idx = rank0_first(lambda: select_texts(load_rows(dc.dataset), dc.text_column, dc.start_idx, dc.end_idx))
+    def read_data() -> tuple[list[str], int, list[str] | None]:
+        ds = load_rows(dc.dataset)
+        texts, end = select_texts(ds, dc.text_column, dc.start_idx, dc.end_idx)
+        return texts, end, held_out_texts(ds, dc.text_column, end, dc.eval_rows) if dc.eval_rows else None
+
+    texts, end_idx, eval_texts = rank0_first(read_data)
     blocks = all_ranks_ok(lambda: build_blocks(texts, tokenizer, dc.max_length, packing=not dc.pad_to_max_length))
+    eval_blocks = None
+    if eval_texts is not None:  # packed like training data, always: the loss is a token mean either way
+        eval_blocks = all_ranks_ok(lambda: build_blocks(eval_texts, tokenizer, dc.max_length, packing=True))
     out_dir = Path(cc.output_dir)
     hc = config.hub
     payload = all_ranks_ok(
@@ -219,6 +230,7 @@ def setup(config: Config, env: DistEnv) -> Session:
         n_params=n_params,
         model_config=model_config,
         tokenizer=tokenizer,
+        eval_blocks=eval_blocks,
     )
     _print_summary(session, block_classes, len(blocks_mods), n_params)
     session.uploader = all_ranks_ok(lambda: _start_uploader(session) if env.is_main and hc.hf_repo else None)
@@ -335,18 +347,8 @@ def _stop_early(s: Session, reason: str) -> None:
         sharded=s.config.checkpoint.state_dict_type == "sharded",
     )  # fmt: skip
     if s.last_saved_step != s.state.global_step:
-        path = save(s, epoch_end=False)
+        path = save(s, epoch_end=False, evaluate=False)  # no time for an evaluation now
     print0("resume with:\n  " + resume_command(path.name))
-
-
-def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum (not mean) of next-token cross-entropy over the targets; fp32 for the softmax."""
-    return F.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-        labels[:, 1:].reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
 
 
 def train_step(s: Session, step: StepBatch) -> dict[str, Any]:
@@ -411,8 +413,25 @@ def train_step(s: Session, step: StepBatch) -> dict[str, Any]:
 # ---------------------------------------------------------------- checkpoints
 
 
-def save(s: Session, *, epoch_end: bool) -> Path:
+def run_eval(s: Session) -> dict[str, float]:
+    """--eval_rows on every rank; rank 0 prints, appends eval.jsonl and logs to W&B."""
+    dc = s.config.data
+    started = time.perf_counter()
+    result = evaluate_loss(s.model, s.eval_blocks, s.config.train.batch_size, s.env)
+    result["seconds"] = round(time.perf_counter() - started, 3)
+    rows = f"[{s.end_idx}, {s.end_idx + dc.eval_rows})"
+    print0(f"eval at step {s.state.global_step}: loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f} "
+           f"on rows {rows} ({result['tokens']:,} tokens, {result['seconds']:.1f} s)")  # fmt: skip
+    if s.env.is_main:
+        with (s.out_dir / EVAL_FILE).open("a") as f:
+            f.write(json.dumps({"step": s.state.global_step, "epoch": s.state.epoch, "rows": rows, **result}) + "\n")
+    s.wandb.log_eval(s.state.global_step, {k: result[k] for k in ("loss", "perplexity")})
+    return result
+
+
+def save(s: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
     dc, cc = s.config.data, s.config.checkpoint
+    evaluation = run_eval(s) if evaluate and s.eval_blocks is not None else None
     sharded = cc.state_dict_type == "sharded"
     if epoch_end:
         name = ckpt.checkpoint_name(s.tag, dc.start_idx, s.end_idx, s.state.epoch, sharded=sharded)
@@ -448,6 +467,7 @@ def save(s: Session, *, epoch_end: bool) -> Path:
                 "bytes": info["bytes"],
                 "world_size": s.env.world_size,
                 "sharded": sharded,
+                "eval_loss": evaluation["loss"] if evaluation else None,
             }
             s.uploader.submit(path, "epoch" if epoch_end else "step", entry)
         _prune(s, path)

@@ -52,6 +52,10 @@ class HubServer:
         self.commit_bodies: list[bytes] = []
         self._failures: dict[str, list[int]] = {}
         self._lock = threading.Lock()
+        self.gate = threading.Event()  # commits wait for it: clear() holds them, set() lets them through
+        self.gate.set()
+        self.in_commit = 0
+        self.max_in_commit = 0  # the most commits that were in progress at one time
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -195,6 +199,17 @@ class HubServer:
         if repo is None:
             return self._not_found("RepoNotFound")
         self.commit_bodies.append(body)
+        with self._lock:
+            self.in_commit += 1
+            self.max_in_commit = max(self.max_in_commit, self.in_commit)
+        try:
+            self.gate.wait(60)
+            return self._apply_commit(repo, repo_id, body)
+        finally:
+            with self._lock:
+                self.in_commit -= 1
+
+    def _apply_commit(self, repo: Repo, repo_id: str, body: bytes):
         changes: dict[str, bytes | None] = {}
         folders: list[str] = []
         for line in body.decode().splitlines():
