@@ -193,6 +193,10 @@ class WandbRun:
                 break
             except Exception as exc:  # noqa: BLE001 - no network, bad key: never fatal
                 first = (str(exc).splitlines() or [type(exc).__name__])[0]
+                try:
+                    wandb.teardown()  # a failed start leaves W&B's service half-open; the next start needs a fresh one
+                except Exception:  # noqa: BLE001
+                    pass
                 print(f"warning: W&B {attempt} start failed ({type(exc).__name__}: {first})"
                       + ("; logging offline instead" if attempt == "online" else "; W&B logging is off"))  # fmt: skip
         if self.run is not None:

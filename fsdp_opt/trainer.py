@@ -7,35 +7,30 @@ train():  for each step: micro-batches forward/backward -> global norm -> unscal
 
 from __future__ import annotations
 
-import json
 import math
-import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from . import checkpoint as ckpt
 from .atomic import remove_stale_temp
 from . import parallelize as par
 from .config import Config
-from .data import Blocks, StepBatch, StepPlan, build_blocks, held_out_texts, load_rows, select_texts
+from .data import StepBatch, StepPlan, build_blocks, held_out_texts, load_rows, select_texts
 from .distributed import (
     DistEnv,
     all_ranks_ok,
     barrier,
-    broadcast_object,
     init_distributed,
     print0,
     rank0_first,
     teardown,
 )
 from .errors import ConfigError
-from .evaluate import causal_lm_loss_sum, evaluate_loss
+from .evaluate import causal_lm_loss_sum
 from .models import (
     build_meta_model,
     load_full_state_dict,
@@ -46,11 +41,12 @@ from .models import (
     non_persistent_buffer_names,
     resolve_model,
 )
-from .resume import read_resume, restore, slice_key
+from .resume import read_resume, restore
+from .saving import export_final, finish_outside, log_pushed, save, save_estimate, start_uploader
+from .session import Session
 from .stopping import StopControl, resume_command
 from .optim import LossScaler, LRSchedule, build_optimizer, global_grad_norm, unscale_and_clip_
 from .tracking import (
-    EVAL_FILE,
     MetricsWriter,
     Progress,
     WandbRun,
@@ -60,39 +56,6 @@ from .tracking import (
     peak_flops,
     peak_memory_bytes,
 )
-
-
-@dataclass
-class Session:
-    """Everything the loop needs, built once by setup()."""
-
-    config: Config
-    env: DistEnv
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    schedule: LRSchedule
-    scaler: LossScaler
-    blocks: Blocks
-    plan: StepPlan
-    state: ckpt.TrainState
-    writer: MetricsWriter
-    tag: str
-    end_idx: int
-    precision: str
-    flops_per_token: float
-    peak_flops: float | None
-    out_dir: Path
-    n_params: int = 0
-    model_config: Any = None
-    tokenizer: Any = None
-    params: list[nn.Parameter] = field(default_factory=list)
-    last_loss: float = float("nan")
-    last_save_seconds: float = 0.0
-    last_saved_step: int = -1
-    uploader: Any = None  # hub.Uploader on rank 0 with --hf_repo
-    wandb: Any = None  # tracking.WandbRun (inactive off rank 0 or when disabled)
-    prune_lock: threading.Lock = field(default_factory=threading.Lock)
-    eval_blocks: Blocks | None = None  # --eval_rows
 
 
 def run(config: Config) -> None:
@@ -107,32 +70,6 @@ def run(config: Config) -> None:
         teardown()
         if session is not None:
             finish_outside(session)
-
-
-def finish_outside(s: Session) -> None:
-    """After the process group is gone (no collective can time out): rank 0 waits for uploads, closes W&B."""
-    if s.uploader is not None:
-        failed = s.uploader.finish(s.config.hub.hub_wait_seconds)
-        _log_pushed(s)
-        for job in failed:
-            what = "did not finish in --hub_wait" if job.status != "failed" else f"failed ({job.error})"
-            print0(f"warning: upload of {job.name} to {s.config.hub.hf_repo} {what}; the local copy is kept: {job.path.resolve()}")
-        if not failed:
-            jobs = s.uploader.jobs
-            pushed = sum(j.status == "done" for j in jobs)
-            replaced = sum(j.status == "superseded" for j in jobs)
-            print0(f"hub: uploads done: {pushed} pushed to {s.config.hub.hf_repo}"
-                   + (f", {replaced} replaced by a newer checkpoint before their turn" if replaced else ""))  # fmt: skip
-    if s.wandb is not None:
-        s.wandb.finish()
-
-
-def _log_pushed(s: Session) -> None:
-    """Each pushed checkpoint becomes a W&B artifact that references its file on the Hub."""
-    for job in s.uploader.take_done():
-        if job.kind != "export" and job.commit:
-            url = s.uploader.store.file_url(job.path_in_repo, job.commit)
-            s.wandb.log_checkpoint(job.name, url, {**job.entry, "hf_repo": s.config.hub.hf_repo, "commit": job.commit})
 
 
 # ---------------------------------------------------------------- setup
@@ -233,7 +170,7 @@ def setup(config: Config, env: DistEnv) -> Session:
         eval_blocks=eval_blocks,
     )
     _print_summary(session, block_classes, len(blocks_mods), n_params)
-    session.uploader = all_ranks_ok(lambda: _start_uploader(session) if env.is_main and hc.hf_repo else None)
+    session.uploader = all_ranks_ok(lambda: start_uploader(session) if env.is_main and hc.hf_repo else None)
     wc = config.wandb
     run_id = None if (payload is None or wc.wandb_new_run) else payload.get("wandb_run_id")
     wandb_config = {**config.flat(), "world_size": env.world_size, "global_batch": plan.global_batch, "parameters": n_params}
@@ -241,26 +178,6 @@ def setup(config: Config, env: DistEnv) -> Session:
         enabled=env.is_main, project=wc.wandb_project, mode=wc.wandb_mode, run_id=run_id, config=wandb_config, out_dir=out_dir
     )
     return session
-
-
-def _start_uploader(s: Session) -> Any:
-    from . import card
-    from .hub import HubStore, Uploader
-
-    hc = s.config.hub
-    run = card.run_info(s.config.flat(), world_size=s.env.world_size, global_batch=s.plan.global_batch, n_params=s.n_params)
-    uploader = Uploader(
-        HubStore(hc.hf_repo, retries=hc.hub_retries),
-        lambda index: card.render_card(hc.hf_repo, index),
-        run=run,
-        private=not hc.hub_public,
-        retries=hc.hub_retries,
-        on_uploaded=lambda job: _prune(s, job.path),
-        log=print0,
-    )
-    where = "reachable" if uploader.repo_ready else "not reachable now; uploads will retry"
-    print0(f"hub: checkpoints go to {hc.hf_repo}/{'checkpoints'} in the background (the Hub is {where})")
-    return uploader
 
 
 def _print_summary(s: Session, classes: set[type], units: int, n_params: int) -> None:
@@ -305,7 +222,7 @@ def train(s: Session) -> None:
             s.state.epoch = epoch
             progress = Progress(s.env.is_main, s.plan.steps_per_epoch(s.state.offset), f"epoch {epoch + 1}")
             for step in s.plan.steps(epoch, s.state.offset):
-                reason = stop.check(slowest_step, _save_estimate(s))
+                reason = stop.check(slowest_step, save_estimate(s))
                 if reason:
                     progress.close()
                     _stop_early(s, reason)
@@ -318,7 +235,7 @@ def train(s: Session) -> None:
                 s.writer.write(record)
                 s.wandb.log_step(record)
                 if s.uploader is not None:
-                    _log_pushed(s)
+                    log_pushed(s)
                 progress.update(record["loss"], record["tokens_per_second"])
                 epoch_done = step.end_offset >= s.plan.num_samples
                 if cc.save_every_steps and s.state.global_step % cc.save_every_steps == 0 and not epoch_done:
@@ -330,14 +247,6 @@ def train(s: Session) -> None:
             export_final(s)
     finally:
         stop.close()
-
-
-def _save_estimate(s: Session) -> float:
-    """Seconds the next save may take: the last one measured, or a guess from the state size at 100 MB/s."""
-    estimate = 1.5 * s.last_save_seconds if s.last_save_seconds else 12 * s.n_params / 100e6 + 5.0
-    if s.uploader is not None:  # the final checkpoint must reach the Hub too
-        estimate += 1.5 * s.uploader.last_seconds()
-    return estimate
 
 
 def _stop_early(s: Session, reason: str) -> None:
@@ -408,93 +317,3 @@ def train_step(s: Session, step: StepBatch) -> dict[str, Any]:
     if not finite and not s.scaler.enabled:
         print0(f"warning: step {s.state.global_step}: non-finite loss or gradient norm; the update was skipped")
     return record
-
-
-# ---------------------------------------------------------------- checkpoints
-
-
-def run_eval(s: Session) -> dict[str, float]:
-    """--eval_rows on every rank; rank 0 prints, appends eval.jsonl and logs to W&B."""
-    dc = s.config.data
-    started = time.perf_counter()
-    result = evaluate_loss(s.model, s.eval_blocks, s.config.train.batch_size, s.env)
-    result["seconds"] = round(time.perf_counter() - started, 3)
-    rows = f"[{s.end_idx}, {s.end_idx + dc.eval_rows})"
-    print0(f"eval at step {s.state.global_step}: loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f} "
-           f"on rows {rows} ({result['tokens']:,} tokens, {result['seconds']:.1f} s)")  # fmt: skip
-    if s.env.is_main:
-        with (s.out_dir / EVAL_FILE).open("a") as f:
-            f.write(json.dumps({"step": s.state.global_step, "epoch": s.state.epoch, "rows": rows, **result}) + "\n")
-    s.wandb.log_eval(s.state.global_step, {k: result[k] for k in ("loss", "perplexity")})
-    return result
-
-
-def save(s: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
-    dc, cc = s.config.data, s.config.checkpoint
-    evaluation = run_eval(s) if evaluate and s.eval_blocks is not None else None
-    sharded = cc.state_dict_type == "sharded"
-    if epoch_end:
-        name = ckpt.checkpoint_name(s.tag, dc.start_idx, s.end_idx, s.state.epoch, sharded=sharded)
-    else:
-        name = ckpt.checkpoint_name(s.tag, dc.start_idx, s.end_idx, s.state.epoch + 1, s.state.global_step, sharded=sharded)
-    path = s.out_dir / name
-    extra = {
-        "slice": slice_key(s.config, s.end_idx, len(s.blocks)),
-        "scaler": s.scaler.state_dict(),
-        "lr_schedule": s.schedule.state_dict(),
-        "config": s.config.flat(),
-        "model_name": s.config.model.model,
-        "world_size": s.env.world_size,
-        "global_batch": s.plan.global_batch,
-        "last_loss": s.last_loss,
-        "wandb_run_id": s.wandb.run_id if s.wandb is not None else None,
-    }
-    info = ckpt.save_checkpoint(
-        path, s.env, s.model, s.optimizer, state=s.state, epochs_run=s.state.epoch, extra=extra,
-        save_optimizer=cc.save_optimizer, sharded=sharded,
-    )  # fmt: skip
-    s.last_saved_step = s.state.global_step
-    if info is not None:
-        s.last_save_seconds = info["seconds"]
-        print0(f"saved {path} ({info['bytes'] / 2**20:,.1f} MiB in {info['seconds']:.1f} s)")
-        if s.uploader is not None:
-            entry = {
-                "global_step": s.state.global_step,
-                "epochs_done": s.state.epoch,
-                "start_idx": dc.start_idx,
-                "end_idx": s.end_idx,
-                "loss": s.last_loss if math.isfinite(s.last_loss) else None,
-                "bytes": info["bytes"],
-                "world_size": s.env.world_size,
-                "sharded": sharded,
-                "eval_loss": evaluation["loss"] if evaluation else None,
-            }
-            s.uploader.submit(path, "epoch" if epoch_end else "step", entry)
-        _prune(s, path)
-    s.last_save_seconds = broadcast_object(s.last_save_seconds)
-    return path
-
-
-def export_final(s: Session) -> None:
-    """--export_hf: every rank joins the gather; rank 0 writes the folder."""
-    from .export import export_model_folder
-
-    model_sd, _ = ckpt.gather_full_state(s.model, None)
-    dest = Path(s.config.checkpoint.export_hf)
-    if s.env.is_main:
-        all_ranks_ok(lambda: export_model_folder(model_sd, s.model_config, s.tokenizer, dest, s.config.checkpoint.export_dtype))
-        print0(f"exported {dest} ({s.config.checkpoint.export_dtype} safetensors, tokenizer, generation config)")
-        if s.uploader is not None:
-            entry = {"global_step": s.state.global_step, "dtype": s.config.checkpoint.export_dtype}
-            s.uploader.submit(dest, "export", entry)
-    else:
-        all_ranks_ok(lambda: None)
-
-
-def _prune(s: Session, keep: Path) -> None:
-    """--keep_last, rank 0. With --hf_repo a file goes only once the Hub has it (called again after each push)."""
-    keep_last = s.config.checkpoint.keep_last
-    may_delete = s.uploader.is_on_hub if s.uploader is not None else None
-    with s.prune_lock:
-        for old in ckpt.prune(s.out_dir, keep_last, keep=keep, may_delete=may_delete):
-            print0(f"removed {old} (--keep_last {keep_last})")

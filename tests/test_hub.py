@@ -178,11 +178,11 @@ def test_failed_uploads_never_stop_training(tmp_path):
         server.fail("commit", 1000)
         proc = run_cli(
             COMMON + ["--start_idx", "0", "--end_idx", "32", "--batch_size", "2", "--save_every_steps", "4",
-                      "--keep_last", "1", "--hf_repo", "me/run", "--hub_retries", "1", "--wandb_mode", "disabled",
+                      "--keep_last", "1", "--hf_repo", "me/run", "--hub_public", "--hub_retries", "1", "--wandb_mode", "disabled",
                       "--output_dir", "out"],
             tmp_path, nproc=2, env=hub_env(tmp_path, server, "a"),
         )  # fmt: skip
-        assert server.repos["me/run"].files == {}
+        assert server.repos["me/run"].files == {} and not server.repos["me/run"].private
     assert proc.returncode == 0, proc.stdout + proc.stderr
     saved = saved_names(proc.stdout)
     assert len(saved) >= 3
@@ -220,7 +220,8 @@ def test_hub_bad_input(tmp_path):
 def test_uploader_order_one_at_a_time(tmp_path):
     """In process: a newer step checkpoint replaces a waiting one; epoch checkpoints are never dropped;
     a replaced file may be deleted only once something newer is on the Hub."""
-    from fsdp_opt.hub import HubStore, Uploader
+    from fsdp_opt.hub import HubStore
+    from fsdp_opt.uploads import Uploader
 
     files = {}
     for name in ("m_0-8-epoch-1-step-1.pt", "m_0-8-epoch-1-step-2.pt", "m_0-8-epoch-1-step-3.pt", "m_0-8-epoch-1.pt"):
@@ -255,3 +256,56 @@ def test_uploader_order_one_at_a_time(tmp_path):
     assert any("retry 1/2" in line for line in log)
     index = json.loads(repo_files["fsdp_opt_index.json"])
     assert sorted(index["checkpoints"]) == ["m_0-8-epoch-1-step-1.pt", "m_0-8-epoch-1-step-3.pt", "m_0-8-epoch-1.pt"]
+
+
+def test_sharded_checkpoints_through_the_hub(tmp_path):
+    """A sharded checkpoint is a folder: pushed whole, and fetched whole by `latest` on an empty machine."""
+    with HubServer(token=HF_TOK) as server:
+        args = COMMON + ["--batch_size", "2", "--state_dict_type", "sharded", "--hf_repo", "me/run", "--wandb_mode", "disabled"]
+        s1 = run_cli(args + ["--end_idx", "24", "--output_dir", "s1"], tmp_path, nproc=2, env=hub_env(tmp_path, server, "s1"))
+        assert s1.returncode == 0, s1.stdout + s1.stderr
+        folder = tmp_path / "s1" / "tiny_opt_0-24-epoch-1"
+        local = {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+        remote = {k.split("/", 2)[2]: v for k, v in server.files("me/run").items() if k.startswith("checkpoints/tiny_opt_0-24-epoch-1/")}
+        assert len(local) >= 3 and remote == local
+        s2 = run_cli(
+            args + ["--start_idx", "24", "--end_idx", "48", "--resume_file", "latest", "--output_dir", "s2"],
+            tmp_path, nproc=2, env=hub_env(tmp_path, server, "s2"),
+        )  # fmt: skip
+        assert s2.returncode == 0, s2.stdout + s2.stderr
+    m1, m2 = read_jsonl(tmp_path / "s1" / "metrics.jsonl"), read_jsonl(tmp_path / "s2" / "metrics.jsonl")
+    assert m2[0]["step"] == m1[-1]["step"] + 1
+    assert f"resumed {tmp_path / 's2' / 'tiny_opt_0-24-epoch-1'}" in s2.stdout.replace("s2/", f"{tmp_path}/s2/")
+
+
+def test_exit_wait_is_bounded(tmp_path):
+    """A Hub that never answers: the run ends after --hub_wait and names the local file left behind."""
+    with HubServer(token=HF_TOK) as server:
+        server.gate.clear()  # every commit hangs
+        started = time.monotonic()
+        proc = run_cli(
+            COMMON + ["--end_idx", "16", "--hf_repo", "me/run", "--hub_wait", "3s", "--wandb_mode", "disabled",
+                      "--output_dir", "out"],
+            tmp_path, env=hub_env(tmp_path, server, "a"),
+        )  # fmt: skip
+        took = time.monotonic() - started
+        server.gate.set()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    name = saved_names(proc.stdout)[-1]
+    assert "hub: waiting for 1 upload(s)" in proc.stdout
+    assert f"warning: upload of {name} to me/run did not finish in --hub_wait; the local copy is kept: {tmp_path / 'out' / name}" in proc.stdout
+    assert took < 60
+
+
+def test_wandb_without_network_falls_back(tmp_path):
+    """An API key but no reachable W&B server: online start fails, the run logs offline and trains on."""
+    with HubServer(token=HF_TOK) as server:
+        env = hub_env(tmp_path, server, "a")
+    env.update(WANDB_BASE_URL="http://127.0.0.1:9", WANDB_INIT_TIMEOUT="8")
+    proc = run_cli(COMMON + ["--end_idx", "16", "--output_dir", "out"], tmp_path, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "warning: W&B online start failed" in proc.stdout and "logging offline instead" in proc.stdout
+    (run,) = offline_runs(tmp_path / "out")
+    history = [r for r in wandb_records(run) if r["type"] == "history"]
+    assert len(history) == len(read_jsonl(tmp_path / "out" / "metrics.jsonl"))
+    assert WB_KEY not in proc.stdout + proc.stderr

@@ -1,0 +1,163 @@
+"""What a session writes and sends: checkpoints, evaluations, the export, Hub uploads, W&B.
+
+save() runs on every rank (the gather or the sharded write is collective); rank 0 writes the files, queues the
+Hub upload and prunes. finish_outside() runs after the process group is gone, so a long wait for the last
+uploads cannot time out a collective on another rank.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from . import checkpoint as ckpt
+from .distributed import all_ranks_ok, broadcast_object, print0
+from .evaluate import evaluate_loss
+from .resume import slice_key
+from .session import Session
+from .tracking import EVAL_FILE
+
+
+def start_uploader(s: Session) -> Any:
+    from . import card
+    from .hub import HubStore
+    from .uploads import Uploader
+
+    hc = s.config.hub
+    run = card.run_info(s.config.flat(), world_size=s.env.world_size, global_batch=s.plan.global_batch, n_params=s.n_params)
+    uploader = Uploader(
+        HubStore(hc.hf_repo, retries=hc.hub_retries),
+        lambda index: card.render_card(hc.hf_repo, index),
+        run=run,
+        private=not hc.hub_public,
+        retries=hc.hub_retries,
+        on_uploaded=lambda job: prune(s, job.path),
+        log=print0,
+    )
+    where = "reachable" if uploader.repo_ready else "not reachable now; uploads will retry"
+    print0(f"hub: checkpoints go to {hc.hf_repo}/{'checkpoints'} in the background (the Hub is {where})")
+    return uploader
+
+
+def finish_outside(s: Session) -> None:
+    """After the process group is gone (no collective can time out): rank 0 waits for uploads, closes W&B."""
+    if s.uploader is not None:
+        failed = s.uploader.finish(s.config.hub.hub_wait_seconds)
+        log_pushed(s)
+        for job in failed:
+            what = "did not finish in --hub_wait" if job.status != "failed" else f"failed ({job.error})"
+            print0(f"warning: upload of {job.name} to {s.config.hub.hf_repo} {what}; the local copy is kept: {job.path.resolve()}")
+        if not failed:
+            jobs = s.uploader.jobs
+            pushed = sum(j.status == "done" for j in jobs)
+            replaced = sum(j.status == "superseded" for j in jobs)
+            print0(f"hub: uploads done: {pushed} pushed to {s.config.hub.hf_repo}"
+                   + (f", {replaced} replaced by a newer checkpoint before their turn" if replaced else ""))  # fmt: skip
+    if s.wandb is not None:
+        s.wandb.finish()
+
+
+def log_pushed(s: Session) -> None:
+    """Each pushed checkpoint becomes a W&B artifact that references its file on the Hub."""
+    for job in s.uploader.take_done():
+        if job.kind != "export" and job.commit:
+            url = s.uploader.store.file_url(job.path_in_repo, job.commit)
+            s.wandb.log_checkpoint(job.name, url, {**job.entry, "hf_repo": s.config.hub.hf_repo, "commit": job.commit})
+
+
+def save_estimate(s: Session) -> float:
+    """Seconds the next save may take: the last one measured, or a guess from the state size at 100 MB/s."""
+    estimate = 1.5 * s.last_save_seconds if s.last_save_seconds else 12 * s.n_params / 100e6 + 5.0
+    if s.uploader is not None:  # the final checkpoint must reach the Hub too
+        estimate += 1.5 * s.uploader.last_seconds()
+    return estimate
+
+
+def run_eval(s: Session) -> dict[str, float]:
+    """--eval_rows on every rank; rank 0 prints, appends eval.jsonl and logs to W&B."""
+    dc = s.config.data
+    started = time.perf_counter()
+    result = evaluate_loss(s.model, s.eval_blocks, s.config.train.batch_size, s.env)
+    result["seconds"] = round(time.perf_counter() - started, 3)
+    rows = f"[{s.end_idx}, {s.end_idx + dc.eval_rows})"
+    print0(f"eval at step {s.state.global_step}: loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f} "
+           f"on rows {rows} ({result['tokens']:,} tokens, {result['seconds']:.1f} s)")  # fmt: skip
+    if s.env.is_main:
+        with (s.out_dir / EVAL_FILE).open("a") as f:
+            f.write(json.dumps({"step": s.state.global_step, "epoch": s.state.epoch, "rows": rows, **result}) + "\n")
+    s.wandb.log_eval(s.state.global_step, {k: result[k] for k in ("loss", "perplexity")})
+    return result
+
+
+def save(s: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
+    dc, cc = s.config.data, s.config.checkpoint
+    evaluation = run_eval(s) if evaluate and s.eval_blocks is not None else None
+    sharded = cc.state_dict_type == "sharded"
+    if epoch_end:
+        name = ckpt.checkpoint_name(s.tag, dc.start_idx, s.end_idx, s.state.epoch, sharded=sharded)
+    else:
+        name = ckpt.checkpoint_name(s.tag, dc.start_idx, s.end_idx, s.state.epoch + 1, s.state.global_step, sharded=sharded)
+    path = s.out_dir / name
+    extra = {
+        "slice": slice_key(s.config, s.end_idx, len(s.blocks)),
+        "scaler": s.scaler.state_dict(),
+        "lr_schedule": s.schedule.state_dict(),
+        "config": s.config.flat(),
+        "model_name": s.config.model.model,
+        "world_size": s.env.world_size,
+        "global_batch": s.plan.global_batch,
+        "last_loss": s.last_loss,
+        "wandb_run_id": s.wandb.run_id if s.wandb is not None else None,
+    }
+    info = ckpt.save_checkpoint(
+        path, s.env, s.model, s.optimizer, state=s.state, epochs_run=s.state.epoch, extra=extra,
+        save_optimizer=cc.save_optimizer, sharded=sharded,
+    )  # fmt: skip
+    s.last_saved_step = s.state.global_step
+    if info is not None:
+        s.last_save_seconds = info["seconds"]
+        print0(f"saved {path} ({info['bytes'] / 2**20:,.1f} MiB in {info['seconds']:.1f} s)")
+        if s.uploader is not None:
+            entry = {
+                "global_step": s.state.global_step,
+                "epochs_done": s.state.epoch,
+                "start_idx": dc.start_idx,
+                "end_idx": s.end_idx,
+                "loss": s.last_loss if math.isfinite(s.last_loss) else None,
+                "bytes": info["bytes"],
+                "world_size": s.env.world_size,
+                "sharded": sharded,
+                "eval_loss": evaluation["loss"] if evaluation else None,
+            }
+            s.uploader.submit(path, "epoch" if epoch_end else "step", entry)
+        prune(s, path)
+    s.last_save_seconds = broadcast_object(s.last_save_seconds)
+    return path
+
+
+def export_final(s: Session) -> None:
+    """--export_hf: every rank joins the gather; rank 0 writes the folder."""
+    from .export import export_model_folder
+
+    model_sd, _ = ckpt.gather_full_state(s.model, None)
+    dest = Path(s.config.checkpoint.export_hf)
+    if s.env.is_main:
+        all_ranks_ok(lambda: export_model_folder(model_sd, s.model_config, s.tokenizer, dest, s.config.checkpoint.export_dtype))
+        print0(f"exported {dest} ({s.config.checkpoint.export_dtype} safetensors, tokenizer, generation config)")
+        if s.uploader is not None:
+            entry = {"global_step": s.state.global_step, "dtype": s.config.checkpoint.export_dtype}
+            s.uploader.submit(dest, "export", entry)
+    else:
+        all_ranks_ok(lambda: None)
+
+
+def prune(s: Session, keep: Path) -> None:
+    """--keep_last, rank 0. With --hf_repo a file goes only once the Hub has it (called again after each push)."""
+    keep_last = s.config.checkpoint.keep_last
+    may_delete = s.uploader.is_on_hub if s.uploader is not None else None
+    with s.prune_lock:
+        for old in ckpt.prune(s.out_dir, keep_last, keep=keep, may_delete=may_delete):
+            print0(f"removed {old} (--keep_last {keep_last})")

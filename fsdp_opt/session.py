@@ -1,0 +1,51 @@
+"""The state of one training session, built once by trainer.setup() and shared by the loop and the savers."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import checkpoint as ckpt
+from .config import Config
+from .data import Blocks, StepPlan
+from .distributed import DistEnv
+from .optim import LossScaler, LRSchedule
+from .tracking import MetricsWriter
+
+
+@dataclass
+class Session:
+    """Everything the loop needs, built once by setup()."""
+
+    config: Config
+    env: DistEnv
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    schedule: LRSchedule
+    scaler: LossScaler
+    blocks: Blocks
+    plan: StepPlan
+    state: ckpt.TrainState
+    writer: MetricsWriter
+    tag: str
+    end_idx: int
+    precision: str
+    flops_per_token: float
+    peak_flops: float | None
+    out_dir: Path
+    n_params: int = 0
+    model_config: Any = None
+    tokenizer: Any = None
+    params: list[nn.Parameter] = field(default_factory=list)
+    last_loss: float = float("nan")
+    last_save_seconds: float = 0.0
+    last_saved_step: int = -1
+    uploader: Any = None  # uploads.Uploader on rank 0 with --hf_repo
+    wandb: Any = None  # tracking.WandbRun (inactive off rank 0 or when disabled)
+    prune_lock: threading.Lock = field(default_factory=threading.Lock)
+    eval_blocks: Blocks | None = None  # --eval_rows
