@@ -19,7 +19,7 @@ import pytest
 from conftest import ASSETS, assert_clean_failure, read_jsonl, run_cli, sandbox_env
 from hubserver import HubServer
 
-HF_TOK = "hf_fsdpOptTestToken0123456789abcdef"
+HF_TOK = "hf_fake-token-for-loopback-tests-0123456789"
 WB_KEY = "wandbtestkey" + "7" * 28
 COMMON = ["--model", "tiny-opt", "--dataset", "python-docs", "--max_length", "64", "--lr", "3e-3", "--num_epochs", "1"]
 
