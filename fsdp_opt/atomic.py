@@ -54,6 +54,18 @@ def atomic_save(obj: Any, path: Path) -> None:
         raise
 
 
+def atomic_save_text(text: str, path: Path) -> None:
+    """A small text file (a report, a config), written to a temporary name and renamed into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 class _RecordingWriter:
     """A file wrapper that remembers the OSError of a failed write."""
 

@@ -328,12 +328,12 @@ def list_checkpoints(output_dir: Path) -> list[Path]:
     return sorted(p for p in output_dir.iterdir() if _is_checkpoint(p)) if output_dir.is_dir() else []
 
 
-def find_checkpoint(output_dir: Path, name: str) -> Path:
+def find_checkpoint(output_dir: Path, name: str, flag: str = "--resume_file") -> Path:
     """A path, a name inside output_dir, or `latest` (highest global step in output_dir)."""
     if name == "latest":
         found = latest_checkpoint(output_dir)
         if found is None:
-            raise CheckpointError(f"--resume_file latest: no checkpoint in {output_dir}")
+            raise CheckpointError(f"{flag} latest: no checkpoint in {output_dir}")
         return found
     as_path = Path(name).expanduser()
     if as_path.exists():
@@ -343,7 +343,7 @@ def find_checkpoint(output_dir: Path, name: str) -> Path:
         return inside
     present = [p.name for p in list_checkpoints(output_dir)]
     listing = ", ".join(present[:10]) if present else "none"
-    raise CheckpointError(f"--resume_file {name}: not found as a path or in {output_dir} (checkpoints there: {listing})")
+    raise CheckpointError(f"{flag} {name}: not found as a path or in {output_dir} (checkpoints there: {listing})")
 
 
 def checkpoint_step(path: Path) -> int:

@@ -93,6 +93,11 @@ class TrainConfig:
     initial_epoch: int = _opt(0, "Epoch number to start counting from when not resuming.")
     batch_size: int = _opt(4, "Micro-batch size per rank (sequences per forward pass).")
     accum_steps: int = _opt(1, "Micro-batches per optimizer step. Global batch = batch_size x ranks x accum_steps.")
+    total_batch_size: int | None = _opt(
+        None,
+        "Sequences per optimizer step, instead of --accum_steps: accum_steps = total / (batch_size x ranks), "
+        "which must divide exactly. Keeps the global batch when the rank count changes between sessions.",
+    )
     lr: float = _opt(5e-6, "Peak learning rate (AdamW).")
     warmup_steps: int = _opt(0, "Linear warm-up steps, counted in global optimizer steps.")
     lr_schedule: str = _opt(
@@ -112,6 +117,11 @@ class TrainConfig:
             value = getattr(self, name)
             if value < 1:
                 raise ConfigError(f"--{name} {value}: must be 1 or more")
+        if self.total_batch_size is not None:
+            if self.total_batch_size < 1:
+                raise ConfigError(f"--total_batch_size {self.total_batch_size}: must be 1 or more")
+            if self.accum_steps != 1:
+                raise ConfigError("--total_batch_size and --accum_steps: give one of them (accum_steps is derived)")
         if self.initial_epoch < 0:
             raise ConfigError(f"--initial_epoch {self.initial_epoch}: must be 0 or more")
         if not self.lr > 0:
@@ -128,6 +138,20 @@ class TrainConfig:
             raise ConfigError(f"--init_loss_scale {self.init_loss_scale}: must be 1 or more")
         if self.max_grad_norm < 0:
             raise ConfigError(f"--max_grad_norm {self.max_grad_norm}: must be 0 (off) or more")
+
+    def accum_for(self, world_size: int) -> int:
+        """--accum_steps, or the one --total_batch_size implies for this many ranks."""
+        if self.total_batch_size is None:
+            return self.accum_steps
+        per_step = self.batch_size * world_size
+        if self.total_batch_size % per_step:
+            low = self.total_batch_size // per_step * per_step
+            options = " or ".join(str(x) for x in (low, low + per_step) if x > 0)
+            raise ConfigError(
+                f"--total_batch_size {self.total_batch_size}: not a multiple of --batch_size {self.batch_size} x "
+                f"{world_size} rank(s) = {per_step}; use {options}, or another --batch_size"
+            )
+        return self.total_batch_size // per_step
 
 
 @dataclass

@@ -98,12 +98,13 @@ def select_texts(ds, text_column: str, start_idx: int, end_idx: int | None) -> t
     return texts, end
 
 
-def held_out_texts(ds, text_column: str, end_idx: int, rows: int) -> list[str]:
-    """--eval_rows: the rows right after the slice, [end_idx, end_idx + rows), cut at the end of the dataset."""
+def held_out_texts(ds, text_column: str, end_idx: int, rows: int) -> tuple[list[str], int]:
+    """--eval_rows: the rows right after the slice, [end_idx, end_idx + rows), cut at the end of the dataset.
+    Returns the texts and where they end."""
     total = len(ds)
     if end_idx >= total:
         raise DataError(f"--eval_rows {rows}: no rows after --end_idx {end_idx} to evaluate on (the dataset has {total})")
-    return select_texts(ds, text_column, end_idx, min(total, end_idx + rows))[0]
+    return select_texts(ds, text_column, end_idx, min(total, end_idx + rows))
 
 
 def tokenize(texts: Sequence[str], tokenizer, batch: int = 1000) -> list[list[int]]:

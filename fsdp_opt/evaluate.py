@@ -1,12 +1,24 @@
-"""Held-out evaluation: token-mean loss and perplexity over packed blocks, on any number of ranks.
+"""Held-out evaluation: token-mean loss and perplexity, and generated text, on any number of ranks.
 
+Used by training (`--eval_rows`) and on its own, to put the base model next to checkpoints:
+
+    python -m fsdp_opt.evaluate --checkpoints latest            # in the training run's folder
+    torchrun --standalone --nproc_per_node=gpu -m fsdp_opt.evaluate --model facebook/opt-1.3b \\
+        --checkpoints opt_1.3B_0-5000-epoch-1.pt opt_1.3B_5000-10000-epoch-1.pt --hf_repo user/repo --json eval.json
+
+Under torchrun the models are sharded with FSDP, so one that does not fit a single GPU is still evaluated.
 Each rank takes every world_size-th block; ranks with fewer blocks run filler rows (no targets), so every rank
 makes the same forward calls, which a sharded model needs. Sums of loss and target tokens are all-reduced.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
+import sys
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -15,6 +27,8 @@ from torch import nn
 
 from .data import IGNORE_INDEX, Blocks
 from .distributed import DistEnv
+
+DEFAULT_EVAL_ROWS = 200
 
 
 def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -54,3 +68,232 @@ def evaluate_loss(model: nn.Module, blocks: Blocks, batch_size: int, env: DistEn
     loss_sum, tokens = totals.tolist()
     loss = loss_sum / max(1.0, tokens)
     return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": int(tokens)}
+
+
+@torch.no_grad()
+def generate(model: nn.Module, tokenizer, prompts: list[str], env: DistEnv, *, max_new_tokens: int,
+             do_sample: bool, temperature: float, top_p: float, seed: int) -> list[str]:  # fmt: skip
+    """Continuations of each prompt. Every rank runs the same calls with the same seed (a sharded model
+    gathers its weights in each forward), so all ranks produce the same text."""
+    model.eval()
+    outputs = []
+    for prompt in prompts:
+        torch.manual_seed(seed)
+        enc = tokenizer(prompt, return_tensors="pt")
+        sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if do_sample else {"do_sample": False}
+        out = model.generate(
+            input_ids=enc["input_ids"].to(env.device),
+            attention_mask=enc["attention_mask"].to(env.device),
+            max_new_tokens=max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id,
+            use_cache=True,
+            **sampling,
+        )
+        outputs.append(tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True))
+    return outputs
+
+
+def report_markdown(results: dict[str, Any] | str | Path) -> str:
+    """An evaluation report (`--json`) as Markdown: the table of models, then the samples side by side."""
+    if not isinstance(results, dict):
+        results = json.loads(Path(results).read_text())
+    lines = [
+        f"Held-out rows {results['rows']} of `{results['dataset']}` ({results['models'][0]['tokens']:,} target tokens):",
+        "",
+        "| model | eval loss | perplexity |",
+        "| --- | --- | --- |",
+    ]
+    lines += [f"| {r['name']} | {r['loss']:.4f} | {r['perplexity']:.2f} |" for r in results["models"]]
+    for sample in results.get("samples", []):
+        lines += ["", f"**Prompt:** {sample['prompt']}", "", "| model | continuation |", "| --- | --- |"]
+        for name, text in sample["outputs"].items():
+            lines.append(f"| {name} | {text.strip().replace('|', '/').replace(chr(10), ' / ')} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- python -m fsdp_opt.evaluate
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .config import _Parser
+
+    p = _Parser(prog="python -m fsdp_opt.evaluate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="base model (default: the one the first checkpoint was trained from)")
+    p.add_argument("--checkpoints", nargs="*", default=["latest"],
+                   help="checkpoints or model folders to compare with the base: paths, names in --output_dir or the "
+                        "--hf_repo repo, `latest`, or Hugging Face model folders (default: latest)")  # fmt: skip
+    p.add_argument("--no_base", action="store_true", help="leave the base model out")
+    p.add_argument("--dataset", default=None, help="default: the first checkpoint's dataset")
+    p.add_argument("--text_column", default=None)
+    p.add_argument("--start_idx", type=int, default=None, help="first held-out row (default: the end of the first checkpoint's range)")
+    p.add_argument("--eval_rows", type=int, default=DEFAULT_EVAL_ROWS, help="held-out rows [start_idx, start_idx + N)")
+    p.add_argument("--max_length", type=int, default=None, help="block length (default: the first checkpoint's)")
+    p.add_argument("--batch_size", type=int, default=4, help="blocks per forward pass per rank")
+    p.add_argument("--prompts", nargs="*", default=None, help="default: the first words of the first held-out rows")
+    p.add_argument("--num_prompts", type=int, default=3)
+    p.add_argument("--max_new_tokens", type=int, default=40)
+    p.add_argument("--do_sample", action="store_true", help="sample (default: greedy)")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top_p", type=float, default=0.95)
+    p.add_argument("--seed", type=int, default=42, help="initialisation of the built-in tiny-opt base, and sampling")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "fp16", "bf16"])
+    p.add_argument("--sharding_strategy", default="FULL_SHARD", choices=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    p.add_argument("--output_dir", default="outputs", help="where checkpoint names are looked up")
+    p.add_argument("--hf_repo", default=None, help="Hub repo searched for checkpoints not found locally")
+    p.add_argument("--json", default=None, help="write the report here too")
+    return p
+
+
+def _checked(args: argparse.Namespace) -> argparse.Namespace:
+    from .errors import ConfigError
+
+    for flag in ("eval_rows", "batch_size", "max_new_tokens", "num_prompts"):
+        if getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag} {getattr(args, flag)}: must be at least 1")
+    if args.no_base and not args.checkpoints:
+        raise ConfigError("--no_base: with no --checkpoints there is nothing to evaluate")
+    return args
+
+
+def _trained_from(entries: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The flags and the slice the first checkpoint was trained with (rank 0)."""
+    from . import checkpoint as ckpt
+
+    first = next((e for e in entries if e["kind"] == "ckpt"), None)
+    if first is None:
+        return {}, {}
+    payload = ckpt.read_checkpoint(Path(first["path"]), "--checkpoints")
+    return payload.get("config") or {}, payload.get("slice") or {}
+
+
+def _find(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+    """Rank 0: each --checkpoints entry as a model folder or a checkpoint (fetched from the Hub if need be)."""
+    from .hub import find_resume
+
+    entries = []
+    for spec in args.checkpoints:
+        folder = Path(spec).expanduser()
+        if folder.is_dir() and (folder / "config.json").is_file():
+            entries.append({"name": folder.name, "kind": "hf", "path": str(folder)})
+        else:
+            path = find_resume(spec, Path(args.output_dir), args.hf_repo, flag="--checkpoints")
+            entries.append({"name": path.name, "kind": "ckpt", "path": str(path)})
+    return (entries, *_trained_from(entries))
+
+
+def _read_checked(path: Path, model: nn.Module) -> dict[str, Any]:
+    """Rank 0: a checkpoint, refused unless it fits the (meta) model."""
+    from . import checkpoint as ckpt
+
+    payload = ckpt.read_checkpoint(path, "--checkpoints")
+    ckpt.check_compatible(payload, model, path, "--checkpoints")
+    return payload
+
+
+def _fill(model: nn.Module, entry: dict[str, Any], payload: dict[str, Any] | None, source, model_config, env: DistEnv,
+          seed: int) -> None:  # fmt: skip
+    """Allocate the shards of a sharded meta model and load one candidate's weights into them."""
+    from . import checkpoint as ckpt
+    from . import parallelize as par
+    from .distributed import broadcast_object
+    from .models import resolve_model
+
+    if entry["kind"] != "ckpt":
+        weights_from = source if entry["kind"] == "base" else resolve_model(entry["path"])
+        par.initialize(model, env, weights_from, model_config, seed, weights=True)
+        return
+    sharded = broadcast_object(bool(payload.get("_sharded")) if env.is_main else None)
+    par.initialize(model, env, source, model_config, seed, weights=False)
+    path = Path(entry["path"])
+    ckpt.load_into(model, None, payload, env, load_optimizer=False, sharded_path=path if sharded else None)
+
+
+def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
+    """Evaluate the base model and each checkpoint in turn (one in memory at a time) on the same rows."""
+    import gc
+
+    from . import parallelize as par
+    from .atomic import atomic_save_text
+    from .config import DataConfig, ModelConfig
+    from .data import build_blocks, held_out_texts, load_rows
+    from .distributed import all_ranks_ok, broadcast_object, print0, rank0_first
+    from .errors import ConfigError
+    from .models import build_meta_model, load_model_config, load_tokenizer, resolve_model
+
+    found = all_ranks_ok(lambda: _find(args) if env.is_main else None)
+    entries, trained, trained_slice = broadcast_object(found)
+    model_name = args.model or trained.get("model") or ModelConfig.model
+    dataset = args.dataset or trained.get("dataset") or DataConfig.dataset
+    text_column = args.text_column or trained.get("text_column") or DataConfig.text_column
+    max_length = args.max_length or trained.get("max_length") or DataConfig.max_length
+    start = args.start_idx if args.start_idx is not None else trained_slice.get("end_idx")
+    if start is None:
+        raise ConfigError("--start_idx: needed when no checkpoint says which rows it was trained on")
+
+    source = all_ranks_ok(lambda: resolve_model(model_name))
+    precision = all_ranks_ok(lambda: par.resolve_precision(args.precision, env.device))
+    model_config, tokenizer = rank0_first(lambda: (load_model_config(source), load_tokenizer(source)))
+    texts, end = rank0_first(lambda: held_out_texts(load_rows(dataset), text_column, start, args.eval_rows))
+    blocks = all_ranks_ok(lambda: build_blocks(texts, tokenizer, max_length, packing=True))
+    prompts = args.prompts or [" ".join(t.split()[:12]) for t in texts[: args.num_prompts]]
+    candidates = ([] if args.no_base else [{"name": f"base ({model_name})", "kind": "base"}]) + entries
+    print0(f"evaluating {len(candidates)} model(s) on rows [{start}, {end}) of {dataset}: {len(blocks)} blocks of "
+           f"{max_length} tokens, {env.world_size} rank(s), {precision}")  # fmt: skip
+
+    models, samples = [], [{"prompt": p, "outputs": {}} for p in prompts]
+    for entry in candidates:
+        model = build_meta_model(model_config)
+        payload = None
+        if entry["kind"] == "ckpt":
+            payload = all_ranks_ok(lambda: _read_checked(Path(entry["path"]), model) if env.is_main else None)
+        par.shard_model(model, env, strategy=args.sharding_strategy, precision=precision, activation_checkpointing=False)
+        _fill(model, entry, payload, source, model_config, env, args.seed)
+        payload = None
+        par.tie_and_check(model)
+        result = evaluate_loss(model, blocks, args.batch_size, env)
+        texts_out = generate(model, tokenizer, prompts, env, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
+                             temperature=args.temperature, top_p=args.top_p, seed=args.seed)  # fmt: skip
+        print0(f"  {entry['name']}: eval loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}")
+        models.append({"name": entry["name"], "kind": entry["kind"], "path": entry.get("path"), **result})
+        for sample, text in zip(samples, texts_out):
+            sample["outputs"][entry["name"]] = text
+        model = None
+        gc.collect()
+        if env.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    report = {
+        "rows": f"[{start}, {end})", "start_idx": start, "end_idx": end, "dataset": dataset, "text_column": text_column,
+        "max_length": max_length, "world_size": env.world_size, "precision": precision, "models": models,
+        "samples": samples, "generation": {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample,
+        "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed},
+    }  # fmt: skip
+    if env.is_main:
+        print(report_markdown(report))
+        if args.json:
+            atomic_save_text(json.dumps(report, indent=1), Path(args.json))
+            print(f"wrote {args.json}")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .distributed import fail, init_distributed, teardown
+    from .errors import ConfigError
+
+    try:
+        args = _checked(build_parser().parse_args(argv))
+    except ConfigError as exc:
+        fail(str(exc))
+    env = init_distributed(args.device)
+    try:
+        compare(args, env)
+    except ConfigError as exc:
+        fail(str(exc))
+    finally:
+        teardown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,6 +3,7 @@
 Repo layout (`--hf_repo user/name`):
   checkpoints/<name>.pt          one full checkpoint per save (a sharded checkpoint is a folder of that name)
   fsdp_opt_index.json            what each checkpoint is: global step, epoch, slice, loss, date
+  metrics.jsonl                  the step log of every session so far (a new machine continues it)
   README.md                      the model card, rewritten from the index after every push
   config.json, model.safetensors, tokenizer files ...   the final model, with --export_hf
 
@@ -25,6 +26,7 @@ from .errors import CheckpointError, ConfigError
 CKPT_DIR = "checkpoints"
 INDEX_FILE = "fsdp_opt_index.json"
 CARD_FILE = "README.md"
+METRICS_IN_REPO = "metrics.jsonl"  # every session's step log, appended to in turn
 MAX_BACKOFF = 60.0
 
 
@@ -117,13 +119,10 @@ class HubStore:
         files = self.files() if files is None else files
         if INDEX_FILE not in files:
             return {"checkpoints": {}}
-        from huggingface_hub import hf_hub_download
-
         with tempfile.TemporaryDirectory() as tmp:
-            local = self._call(lambda: hf_hub_download(self.repo_id, INDEX_FILE, local_dir=tmp, endpoint=self.api.endpoint))
             try:
-                index = json.loads(Path(local).read_text())
-            except (OSError, ValueError):
+                index = json.loads(self.fetch(INDEX_FILE, Path(tmp) / INDEX_FILE).read_text())
+            except ValueError:
                 return {"checkpoints": {}}
         index.setdefault("checkpoints", {})
         return index
@@ -156,6 +155,16 @@ class HubStore:
         step, name = max(scored)
         return name, step
 
+    def fetch(self, path_in_repo: str, dest: Path) -> Path:
+        """One repo file to `dest`, appearing there whole (downloaded beside it, then renamed)."""
+        from huggingface_hub import hf_hub_download
+
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".download-", dir=dest.parent) as staging:
+            got = self._call(lambda: hf_hub_download(self.repo_id, path_in_repo, local_dir=staging, endpoint=self.api.endpoint))
+            Path(got).rename(dest)
+        return dest
+
     def download(self, name: str, out_dir: Path) -> Path:
         """Fetch checkpoint `name` into out_dir/name (a file or a sharded folder); the rename makes it appear whole."""
         from huggingface_hub import hf_hub_download, snapshot_download
@@ -183,16 +192,16 @@ class HubStore:
         return dest
 
 
-def find_resume(name: str, out_dir: Path, repo_id: str | None, retries: int = 3) -> Path:
+def find_resume(name: str, out_dir: Path, repo_id: str | None, retries: int = 3, flag: str = "--resume_file") -> Path:
     """--resume_file: a path, then a name in output_dir, then a checkpoint of --hf_repo (downloaded to output_dir).
 
     `latest` is the highest global step among output_dir and the repo; a local copy wins a tie.
     """
     if not repo_id:
-        return ckpt.find_checkpoint(out_dir, name)
+        return ckpt.find_checkpoint(out_dir, name, flag)
     if name != "latest":
         try:
-            return ckpt.find_checkpoint(out_dir, name)
+            return ckpt.find_checkpoint(out_dir, name, flag)
         except CheckpointError as local_miss:
             local_error = str(local_miss)
     store = HubStore(repo_id, retries=retries)
@@ -209,7 +218,7 @@ def find_resume(name: str, out_dir: Path, repo_id: str | None, retries: int = 3)
                 remote = None
             if remote is None or remote[1] <= local_step:
                 if local is None:
-                    raise CheckpointError(f"--resume_file latest: no checkpoint in {out_dir} or in the Hub repo {repo_id}")
+                    raise CheckpointError(f"{flag} latest: no checkpoint in {out_dir} or in the Hub repo {repo_id}")
                 return local
             print(f"latest checkpoint is {remote[0]} (global step {remote[1]}) in the Hub repo {repo_id}; downloading")
             return store.download(remote[0], out_dir)
@@ -222,4 +231,4 @@ def find_resume(name: str, out_dir: Path, repo_id: str | None, retries: int = 3)
     except CheckpointError:
         raise
     except Exception as exc:  # noqa: BLE001 - network, auth: one line
-        raise CheckpointError(f"--resume_file {name}: cannot read the Hub repo {repo_id}: {describe(exc)}") from None
+        raise CheckpointError(f"{flag} {name}: cannot read the Hub repo {repo_id}: {describe(exc)}") from None

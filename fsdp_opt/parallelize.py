@@ -17,9 +17,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from .distributed import DistEnv
+from .distributed import DistEnv, all_ranks_ok
 from .errors import ConfigError, ModelError
-from .models import non_persistent_buffer_names
+from .models import ModelSource, load_full_state_dict, non_persistent_buffer_names
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -152,6 +152,34 @@ def apply_fsdp(
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def shard_model(
+    model: nn.Module, env: DistEnv, *, strategy: str, precision: str, activation_checkpointing: bool, offload: bool = False
+) -> tuple[set[type[nn.Module]], int]:
+    """Wrap policy -> (activation checkpointing) -> mesh -> FSDP2, on a meta model. Returns the block classes
+    and the number of blocks (each its own FSDP unit, plus the root)."""
+    classes = all_ranks_ok(lambda: find_block_classes(model))
+    blocks = find_blocks(model, classes)
+    all_ranks_ok(lambda: check_no_shared_params(model, blocks))
+    if activation_checkpointing:
+        blocks = apply_activation_checkpointing(model, blocks)
+    mesh = build_mesh(strategy, env)
+    apply_fsdp(model, blocks, mesh, strategy=strategy, mp_policy=mixed_precision_policy(precision), offload=offload)
+    return classes, len(blocks)
+
+
+def initialize(model: nn.Module, env: DistEnv, source: ModelSource, config, seed: int, *, weights: bool) -> None:
+    """Allocate the local shards; with `weights`, fill them with the source's weights (rank 0 reads them once).
+
+    Without `weights` (a checkpoint fills them next) rank 0 still builds the model on CPU when it has
+    non-persistent buffers, which no state dict carries."""
+    need = weights or bool(non_persistent_buffer_names(model))
+    init = all_ranks_ok(lambda: load_full_state_dict(source, config, seed, weights=weights) if env.is_main and need else None)
+    full_state, buffers = init if init is not None else (None, None)
+    materialize(model, env, buffers)
+    if weights:
+        load_weights(model, full_state, env)
 
 
 def materialize(model: nn.Module, env: DistEnv, buffers: dict[str, torch.Tensor] | None) -> None:

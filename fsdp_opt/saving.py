@@ -33,6 +33,7 @@ def start_uploader(s: Session) -> Any:
         lambda index: card.render_card(hc.hf_repo, index),
         run=run,
         private=not hc.hub_public,
+        metrics=s.writer.path,
         retries=hc.hub_retries,
         on_uploaded=lambda job: prune(s, job.path),
         log=print0,

@@ -25,6 +25,7 @@ METRICS_FIELDS = (
     "elapsed",  # seconds since this session's training started
     "skipped",  # true when the step was skipped for a non-finite gradient
     "skipped_steps",  # skipped steps so far in the run
+    "slice",  # the rows this session trains, "start-end"
 )
 
 # Dense fp16/bf16 tensor-core peaks from vendor datasheets, by substring of the device name.
@@ -153,8 +154,12 @@ def wandb_key_configured() -> bool:
 
 
 def wandb_mode(flag: str) -> str:
+    """The flag; for `auto`, W&B's own WANDB_MODE when set, else online with an API key and offline without."""
     if flag != "auto":
         return flag
+    env = {"dryrun": "offline", "run": "online"}.get(os.environ.get("WANDB_MODE", ""), os.environ.get("WANDB_MODE", ""))
+    if env in ("online", "offline", "disabled"):
+        return env
     return "online" if wandb_key_configured() else "offline"
 
 
@@ -212,7 +217,7 @@ class WandbRun:
             self.run = None
 
     def log_step(self, record: dict[str, Any]) -> None:
-        values = {f"train/{k}": v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+        values = {f"train/{k}": float(v) for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
         self._safely("log", lambda: self.run.log(values, step=int(record["step"])))
 
     def log_eval(self, step: int, values: dict[str, float]) -> None:

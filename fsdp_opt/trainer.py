@@ -33,12 +33,10 @@ from .errors import ConfigError
 from .evaluate import causal_lm_loss_sum
 from .models import (
     build_meta_model,
-    load_full_state_dict,
     load_model_config,
     load_tokenizer,
     max_positions,
     model_tag,
-    non_persistent_buffer_names,
     resolve_model,
 )
 from .resume import read_resume, restore
@@ -81,6 +79,7 @@ def setup(config: Config, env: DistEnv) -> Session:
     precision = all_ranks_ok(lambda: par.resolve_precision(pc.precision, env.device))
     if pc.cpu_offload and env.device.type != "cuda":
         raise ConfigError("--cpu_offload: only useful with CUDA devices (the run is on CPU already)")
+    tc.accum_steps = tc.accum_for(env.world_size)
     model_config, tokenizer = rank0_first(lambda: (load_model_config(source, mc.attn_implementation), load_tokenizer(source)))
     positions = max_positions(model_config)
     if positions is not None and dc.max_length > positions:
@@ -89,7 +88,7 @@ def setup(config: Config, env: DistEnv) -> Session:
     def read_data() -> tuple[list[str], int, list[str] | None]:
         ds = load_rows(dc.dataset)
         texts, end = select_texts(ds, dc.text_column, dc.start_idx, dc.end_idx)
-        return texts, end, held_out_texts(ds, dc.text_column, end, dc.eval_rows) if dc.eval_rows else None
+        return texts, end, held_out_texts(ds, dc.text_column, end, dc.eval_rows)[0] if dc.eval_rows else None
 
     texts, end_idx, eval_texts = rank0_first(read_data)
     blocks = all_ranks_ok(lambda: build_blocks(texts, tokenizer, dc.max_length, packing=not dc.pad_to_max_length))
@@ -103,37 +102,16 @@ def setup(config: Config, env: DistEnv) -> Session:
     )
 
     model = build_meta_model(model_config)
-    block_classes = all_ranks_ok(lambda: par.find_block_classes(model))
-    blocks_mods = par.find_blocks(model, block_classes)
-    all_ranks_ok(lambda: par.check_no_shared_params(model, blocks_mods))
     if cc.resume_file:
         all_ranks_ok(lambda: ckpt.check_compatible(payload, model, Path(payload["_path"])) if env.is_main else None)
     n_params = count_params(model)
     fpt = flops_per_token(model, dc.max_length)
-    if pc.activation_checkpointing:
-        blocks_mods = par.apply_activation_checkpointing(model, blocks_mods)
-    mesh = par.build_mesh(pc.sharding_strategy, env)
-    par.apply_fsdp(
-        model,
-        blocks_mods,
-        mesh,
-        strategy=pc.sharding_strategy,
-        mp_policy=par.mixed_precision_policy(precision),
-        offload=pc.cpu_offload,
-    )
-
+    block_classes, units = par.shard_model(
+        model, env, strategy=pc.sharding_strategy, precision=precision,
+        activation_checkpointing=pc.activation_checkpointing, offload=pc.cpu_offload,
+    )  # fmt: skip
     resuming = bool(cc.resume_file)
-    need_init = not resuming or bool(non_persistent_buffer_names(model))
-    init = all_ranks_ok(
-        lambda: load_full_state_dict(source, model_config, tc.seed, weights=not resuming)
-        if env.is_main and need_init
-        else None
-    )
-    full_state, buffers = init if init is not None else (None, None)
-    par.materialize(model, env, buffers)
-    if not resuming:
-        par.load_weights(model, full_state, env)
-    del full_state, init
+    par.initialize(model, env, source, model_config, tc.seed, weights=not resuming)
     optimizer = build_optimizer(model, tc.lr, tc.weight_decay, env.device)
     scaler = LossScaler(enabled=precision == "fp16", init_scale=tc.init_loss_scale)
     torch.manual_seed(tc.seed + 7919 * env.rank)  # dropout masks: per rank, reproducible
@@ -169,7 +147,7 @@ def setup(config: Config, env: DistEnv) -> Session:
         tokenizer=tokenizer,
         eval_blocks=eval_blocks,
     )
-    _print_summary(session, block_classes, len(blocks_mods), n_params)
+    _print_summary(session, block_classes, units, n_params)
     session.uploader = all_ranks_ok(lambda: start_uploader(session) if env.is_main and hc.hf_repo else None)
     wc = config.wandb
     run_id = None if (payload is None or wc.wandb_new_run) else payload.get("wandb_run_id")
@@ -308,6 +286,7 @@ def train_step(s: Session, step: StepBatch) -> dict[str, Any]:
         "elapsed": 0.0,
         "skipped": not finite,
         "skipped_steps": s.scaler.skipped_steps,
+        "slice": f"{s.config.data.start_idx}-{s.end_idx}",
     }
     if s.peak_flops:
         record["mfu"] = tokens_per_second * s.flops_per_token / (s.peak_flops * env.world_size)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .hub import CARD_FILE, CKPT_DIR, INDEX_FILE, HubStore, describe, now_iso, with_retries
+from .hub import CARD_FILE, CKPT_DIR, INDEX_FILE, METRICS_IN_REPO, HubStore, describe, now_iso, with_retries
 
 
 @dataclass
@@ -46,6 +46,7 @@ class Uploader:
         *,
         run: dict[str, Any],
         private: bool,
+        metrics: Path | None = None,
         retries: int,
         backoff: float = 2.0,
         on_uploaded: Callable[[Upload], None] | None = None,
@@ -63,6 +64,10 @@ class Uploader:
         self.index: dict[str, Any] = self._try(lambda: store.read_index(files), {"checkpoints": {}})
         self.index["run"] = run
         self.remote_names = set(store.checkpoints(files))
+        self.metrics = metrics
+        if metrics is not None and not metrics.exists() and METRICS_IN_REPO in files:
+            # A new machine: continue the run's step log from the repo, so metrics.jsonl covers every session.
+            self._try(lambda: store.fetch(METRICS_IN_REPO, metrics), None)
         self.jobs: list[Upload] = []
         self._done: list[Upload] = []
         self._cond = threading.Condition()
@@ -200,6 +205,9 @@ class Uploader:
         if job.kind == "export":
             ops = [op for op in ops if op.path_in_repo != CARD_FILE]  # the card is ours
         ops.append(CommitOperationAdd(INDEX_FILE, json.dumps(index, indent=1, sort_keys=True).encode()))
+        if self.metrics is not None and self.metrics.exists():
+            log = self.metrics.read_bytes()
+            ops.append(CommitOperationAdd(METRICS_IN_REPO, log[: log.rfind(b"\n") + 1]))  # whole lines only
         ops.append(CommitOperationAdd(CARD_FILE, card.encode()))
         step = job.entry.get("global_step")
         message = f"fsdp-opt: {job.name}" + (f" (global step {step})" if step is not None else "")

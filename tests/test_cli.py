@@ -107,6 +107,7 @@ def test_empty_dataset_is_refused(tmp_path):
     (["--end_idx", "100000"], ["--end_idx 100000"]),
     (["--model", "./no/such/model"], ["--model ./no/such/model"]),
     (["--text_column", "body"], ["--text_column body"]),
+    (["--total_batch_size", "6", "--batch_size", "2"], ["--total_batch_size 6", "2 rank(s) = 4", "use 4 or 8"]),
 ])  # fmt: skip
 def test_bad_input_under_torchrun_does_not_hang_the_other_rank(tmp_path, extra, needles):
     args = ["--model", "tiny-opt", "--dataset", "python-docs", "--output_dir", str(tmp_path / "out")]

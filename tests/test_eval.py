@@ -28,7 +28,7 @@ def test_eval_rows_match_reference(tmp_path, det_model):
 
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "export").eval()
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out" / "export")
-    blocks = build_blocks(held_out_texts(load_rows("python-docs"), "text", 24, 13), tokenizer, 64, packing=True)
+    blocks = build_blocks(held_out_texts(load_rows("python-docs"), "text", 24, 13)[0], tokenizer, 64, packing=True)
     total, tokens = 0.0, 0
     with torch.no_grad():
         for i in range(len(blocks)):

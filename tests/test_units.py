@@ -9,7 +9,7 @@ import torch
 from transformers import AutoConfig, GPT2Config, LlamaConfig, OPTConfig
 
 from conftest import ASSETS
-from fsdp_opt.config import Config, build_parser, parse_args
+from fsdp_opt.config import Config, TrainConfig, build_parser, parse_args
 from fsdp_opt.errors import ConfigError, ModelError
 from fsdp_opt.models import build_meta_model, model_tag, resolve_model
 from fsdp_opt.optim import LossScaler, LRSchedule, unscale_and_clip_
@@ -196,3 +196,15 @@ def test_unscale_and_clip_matches_torch_clip_grad_norm():
     for pa, pb in zip(a, b):
         torch.testing.assert_close(pa.grad, pb.grad)
     assert math.isclose(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in a])).item(), 1.0, rel_tol=1e-5)
+
+
+def test_total_batch_size_sets_accumulation_per_rank_count():
+    tc = TrainConfig(batch_size=4, total_batch_size=128)
+    assert [tc.accum_for(w) for w in (1, 2, 8, 32)] == [32, 16, 4, 1]
+    assert TrainConfig(batch_size=4, accum_steps=3).accum_for(5) == 3
+    with pytest.raises(ConfigError, match=r"--total_batch_size 100: not a multiple of --batch_size 4 x 2 rank\(s\) = 8; use 96 or 104"):
+        TrainConfig(batch_size=4, total_batch_size=100).accum_for(2)
+    with pytest.raises(ConfigError, match="use 8,|use 8 or"):
+        TrainConfig(batch_size=4, total_batch_size=2).accum_for(2)
+    with pytest.raises(ConfigError, match="give one of them"):
+        TrainConfig(total_batch_size=64, accum_steps=4)

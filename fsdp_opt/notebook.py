@@ -1,0 +1,161 @@
+"""What the notebooks call: tokens from Kaggle's secrets, the GPU check, the session's time budget, the
+torchrun command lines, and the plots and tables of a look back. Everything here is plain Python, so the
+notebooks stay short and the tests can run each piece on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Iterable
+
+from .tracking import METRICS_FILE
+
+SECRET_NAMES = ("HF_TOKEN", "WANDB_API_KEY")
+
+
+def load_secrets(names: Iterable[str] = SECRET_NAMES) -> dict[str, str]:
+    """Put Kaggle secrets into os.environ where the environment lacks them. Returns where each name came from
+    ("environment", "kaggle secrets" or "missing"); never a value."""
+    found: dict[str, str] = {}
+    client = None
+    try:
+        from kaggle_secrets import UserSecretsClient  # only on Kaggle
+
+        client = UserSecretsClient()
+    except Exception:  # noqa: BLE001 - not on Kaggle
+        pass
+    for name in names:
+        if os.environ.get(name):
+            found[name] = "environment"
+            continue
+        value = None
+        if client is not None:
+            try:
+                value = client.get_secret(name)
+            except Exception:  # noqa: BLE001 - the secret is not attached to this notebook
+                value = None
+        if value:
+            os.environ[name] = value
+            found[name] = "kaggle secrets"
+        else:
+            found[name] = "missing"
+    return found
+
+
+def gpu_summary() -> str:
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA GPU: training runs on CPU with gloo (use nproc = 2 or more for FSDP across processes)"
+    lines = []
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        bf16 = "bf16" if torch.cuda.is_bf16_supported() else "no bf16 (fp16 with loss scaling)"
+        lines.append(f"cuda:{i} {p.name}, {p.total_memory / 2**30:.1f} GiB, compute {p.major}.{p.minor}, {bf16}")
+    return "\n".join(lines)
+
+
+def process_age_seconds() -> float:
+    """Seconds since this process (the notebook kernel) started; 0 where /proc is not there."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def time_limit(session_hours: float = 12.0, reserve_minutes: float = 30.0, started_seconds_ago: float | None = None) -> str | None:
+    """--time_limit for a launch now: what is left of the session, less a reserve for the last save and push.
+
+    None when less than 5 minutes would be left: not worth a launch."""
+    age = process_age_seconds() if started_seconds_ago is None else started_seconds_ago
+    left = session_hours * 3600 - age - reserve_minutes * 60
+    if left < 300:
+        return None
+    minutes = int(left // 60)
+    return f"{minutes // 60}h{minutes % 60:02d}m"
+
+
+def flags(**values: Any) -> list[str]:
+    """--name value pairs; None is left out, True is a bare --name, lists give several values."""
+    out: list[str] = []
+    for name, value in values.items():
+        if value is None or value is False:
+            continue
+        out.append(f"--{name}")
+        if value is True:
+            continue
+        if isinstance(value, (list, tuple)):
+            out.extend(str(v) for v in value)
+        else:
+            out.append(str(value))
+    return out
+
+
+def torchrun(nproc: int | str, target: str, args: list[str], module: bool = False) -> str:
+    """A `torchrun --standalone` command line for a script or a module (`-m`), shell-quoted."""
+    exe = shutil.which("torchrun")
+    launcher = ["torchrun"] if exe and Path(exe).parent == Path(sys.executable).parent else [sys.executable, "-m", "torch.distributed.run"]
+    cmd = launcher + ["--standalone", f"--nproc_per_node={nproc}"] + (["-m", target] if module else [target]) + list(args)
+    return shlex.join(cmd)
+
+
+def next_slice(start_idx: int, end_idx: int) -> tuple[int, int]:
+    """The range after [start_idx, end_idx), of the same length."""
+    return end_idx, end_idx + (end_idx - start_idx)
+
+
+# ---------------------------------------------------------------- a look back
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """metrics.jsonl records; `path` may be the file or the output_dir holding it."""
+    p = Path(path)
+    p = p / METRICS_FILE if p.is_dir() else p
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+def slice_boundaries(records: list[dict[str, Any]]) -> list[tuple[int, str]]:
+    """(first global step, slice) for each slice in the order trained."""
+    out: list[tuple[int, str]] = []
+    for r in records:
+        name = r.get("slice")
+        if name is not None and (not out or out[-1][1] != name):
+            out.append((r["step"], name))
+    return out
+
+
+def plot_loss_curve(path: str | os.PathLike, png: str | os.PathLike | None = None, smooth: int = 20):
+    """Loss per global step with a moving average, and a dashed line where each slice starts. Saves `png`."""
+    import matplotlib
+
+    if "ipykernel" not in sys.modules:
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_step = {r["step"]: r for r in read_metrics(path)}  # a step logged again after a resume: the later one
+    records = [by_step[k] for k in sorted(by_step)]
+    steps = [r["step"] for r in records]
+    losses = [r["loss"] for r in records]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    ax.plot(steps, losses, lw=0.8, alpha=0.4, label="loss")
+    smooth = max(2, min(smooth, len(losses) // 5))
+    if len(losses) >= smooth:
+        window = [sum(losses[i - smooth + 1 : i + 1]) / smooth for i in range(smooth - 1, len(losses))]
+        ax.plot(steps[smooth - 1 :], window, lw=1.8, label=f"mean of {smooth} steps")
+    for step, name in slice_boundaries(records):
+        ax.axvline(step, color="grey", ls="--", lw=0.8)
+        ax.annotate("rows [{}, {})".format(*name.split("-")), (step, 1.0), xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right", fontsize=8)
+    ax.set_xlabel("global step")
+    ax.set_ylabel("training loss (token mean)")
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    if png is not None:
+        fig.savefig(png, dpi=120)
+    return fig

@@ -1,0 +1,100 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% tags=["parameters"]
+# Settings of this evaluation. papermill (or you) may change any of them.
+model = "facebook/opt-1.3b"  # the base model the checkpoints were trained from
+dataset = "ash001/arxiv-abstract"
+start_idx = 0  # the range the training notebook trained (used for the plot's title only)
+end_idx = 5000
+num_epochs = 1
+batch_size = 4  # per GPU, for the evaluation forward passes
+accum_steps = 16  # unused here; kept so both notebooks take the same settings
+hf_repo = None  # "user/name": checkpoints not in output_dir are fetched from there
+output_dir = "/kaggle/working/outputs"
+nproc = "gpu"
+repo_dir = None
+checkpoints = None  # names or paths; None: the newest ("latest")
+eval_rows = 200  # held-out rows right after the newest checkpoint's range
+prompts = None  # None: the opening words of the first held-out rows
+max_new_tokens = 40
+do_sample = False  # False: greedy; True: sampled with temperature 0.8, top-p 0.95
+extra_flags = ""
+
+# %% [markdown]
+# # Judge the fine-tuned model
+#
+# Compares the base model with one or more checkpoints of the training notebook on rows none of them was
+# trained on: by default the `eval_rows` rows right after the newest checkpoint's range. It shows eval loss and
+# perplexity side by side, the training loss curve, and text each model writes from the same prompts.
+# `python -m fsdp_opt.evaluate` does the work, under torchrun with FSDP, so a model that does not fit on one
+# GPU is still evaluated.
+
+# %% [markdown]
+# ## 1. Setup
+
+# %%
+import importlib.util
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+if repo_dir is None:
+    here = Path.cwd().resolve()
+    repo_dir = next((str(p) for p in [here, *here.parents] if (p / "fsdp_finetune.py").exists()), "/kaggle/working/fsdp-opt")
+if importlib.util.find_spec("fsdp_opt") is None:
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", repo_dir], check=True)
+
+from IPython.display import Markdown, display
+
+from fsdp_opt import notebook as nb
+from fsdp_opt.evaluate import report_markdown
+
+print(nb.load_secrets())
+print(nb.gpu_summary())
+
+# %% [markdown]
+# ## 2. Evaluate base and checkpoints
+
+# %%
+results_json = str(Path(output_dir) / "eval_results.json")
+args = nb.flags(
+    model=model, dataset=dataset, checkpoints=checkpoints or ["latest"], eval_rows=eval_rows,
+    batch_size=batch_size, output_dir=output_dir, hf_repo=hf_repo, prompts=prompts,
+    max_new_tokens=max_new_tokens, do_sample=do_sample, json=results_json,
+) + shlex.split(extra_flags)  # fmt: skip
+eval_cmd = nb.torchrun(nproc, "fsdp_opt.evaluate", args, module=True)
+print(eval_cmd)
+
+# %%
+# !{eval_cmd}
+assert _exit_code == 0, "the evaluation stopped with an error: see the lines above"  # noqa: F821 - set by IPython
+
+# %% [markdown]
+# ## 3. Base vs checkpoints
+#
+# Eval loss is the mean next-token cross-entropy over every held-out token; perplexity is its exponential.
+
+# %%
+display(Markdown(report_markdown(results_json)))
+
+# %% [markdown]
+# ## 4. The training loss curve
+#
+# Saved as `loss_curve.png` next to `metrics.jsonl`.
+
+# %%
+fig = nb.plot_loss_curve(output_dir, Path(output_dir) / "loss_curve.png")
