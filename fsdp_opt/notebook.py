@@ -106,6 +106,20 @@ def torchrun(nproc: int | str, target: str, args: list[str], module: bool = Fals
     return shlex.join(cmd)
 
 
+def python_module(module: str, args: list[str]) -> str:
+    """`python -m module args`, shell-quoted, with this kernel's Python."""
+    return shlex.join([sys.executable, "-m", module, *args])
+
+
+def process_count(nproc: int | str) -> int:
+    """How many processes torchrun starts for --nproc_per_node: "gpu" is one per visible GPU."""
+    if str(nproc) == "gpu":
+        import torch
+
+        return max(1, torch.cuda.device_count())
+    return int(nproc)
+
+
 def next_slice(start_idx: int, end_idx: int) -> tuple[int, int]:
     """The range after [start_idx, end_idx), of the same length."""
     return end_idx, end_idx + (end_idx - start_idx)

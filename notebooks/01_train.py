@@ -22,6 +22,7 @@ end_idx = 5000
 num_epochs = 1
 batch_size = 4  # per GPU
 accum_steps = 16  # global batch = batch_size x GPUs x accum_steps
+max_length = 512  # tokens per training sequence
 hf_repo = None  # "user/name": checkpoints are pushed there and the next session resumes from there
 output_dir = "/kaggle/working/outputs"
 nproc = "gpu"  # processes: "gpu" = one per GPU; a number on CPU
@@ -81,7 +82,22 @@ print(nb.load_secrets())
 print(nb.gpu_summary())
 
 # %% [markdown]
-# ## 2. Train this session's range
+# ## 2. The plan
+#
+# Before launching: memory per GPU by component for each sharding strategy (FULL_SHARD is the default), the
+# largest micro-batch that fits, checkpoint sizes against the 20 GB of `/kaggle/working`, and the host RAM a
+# full save needs. If FULL_SHARD does not fit, lower `batch_size` (raising `accum_steps`), or add
+# `--reduce_every_microbatch` to `extra_flags`, which drops the unsharded gradient kept between micro-batches.
+
+# %%
+plan_cmd = nb.python_module("fsdp_opt.plan", nb.flags(
+    model=model, gpus=nb.process_count(nproc), batch_size=batch_size, max_length=max_length, accum_steps=accum_steps,
+    cpu=nb.gpu_summary().startswith("no CUDA"),
+))  # fmt: skip
+# !{plan_cmd}
+
+# %% [markdown]
+# ## 3. Train this session's range
 #
 # One process per GPU under `torchrun`. `--time_limit` is what is left of the session less `reserve_minutes`:
 # before it runs out the run saves, pushes and exits cleanly, printing the command that resumes.
@@ -89,8 +105,8 @@ print(nb.gpu_summary())
 # %%
 limit = nb.time_limit(session_hours, reserve_minutes)
 args = nb.flags(
-    model=model, dataset=dataset, start_idx=start_idx, end_idx=end_idx, num_epochs=num_epochs,
-    batch_size=batch_size, accum_steps=accum_steps, hf_repo=hf_repo, output_dir=output_dir, time_limit=limit,
+    model=model, dataset=dataset, start_idx=start_idx, end_idx=end_idx, num_epochs=num_epochs, batch_size=batch_size,
+    accum_steps=accum_steps, max_length=max_length, hf_repo=hf_repo, output_dir=output_dir, time_limit=limit,
 ) + shlex.split(extra_flags)  # fmt: skip
 train_cmd = nb.torchrun(nproc, script, args)
 print(train_cmd)
@@ -100,7 +116,7 @@ print(train_cmd)
 assert _exit_code == 0, "training stopped with an error: see the lines above"  # noqa: F821 - set by IPython
 
 # %% [markdown]
-# ## 3. The next session: resume on the next range
+# ## 4. The next session: resume on the next range
 #
 # A new session (even on an empty machine) continues from the newest checkpoint with `--resume_file latest`:
 # from `output_dir` or, with `hf_repo`, from the Hub. Give a checkpoint name such as
@@ -111,8 +127,8 @@ assert _exit_code == 0, "training stopped with an error: see the lines above"  #
 next_start, next_end = nb.next_slice(start_idx, end_idx)
 limit = nb.time_limit(session_hours, reserve_minutes)
 args = nb.flags(
-    model=model, dataset=dataset, start_idx=next_start, end_idx=next_end, num_epochs=num_epochs,
-    batch_size=batch_size, accum_steps=accum_steps, hf_repo=hf_repo, output_dir=output_dir, time_limit=limit,
+    model=model, dataset=dataset, start_idx=next_start, end_idx=next_end, num_epochs=num_epochs, batch_size=batch_size,
+    accum_steps=accum_steps, max_length=max_length, hf_repo=hf_repo, output_dir=output_dir, time_limit=limit,
     resume_file="latest",
 ) + shlex.split(extra_flags)  # fmt: skip
 resume_cmd = nb.torchrun(nproc, script, args)
@@ -124,7 +140,7 @@ if run_next_slice and limit:
     assert _exit_code == 0, "the resumed run stopped with an error: see the lines above"  # noqa: F821
 
 # %% [markdown]
-# ## 4. A look back
+# ## 5. A look back
 #
 # The loss of every optimizer step in `metrics.jsonl`, with a moving average; dashed lines mark where each
 # range (session) starts. The figure is saved next to the metrics as `loss_curve.png`.

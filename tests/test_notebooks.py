@@ -64,13 +64,14 @@ def test_notebooks_run_end_to_end(tmp_path, monkeypatch):
     common = {
         "model": "tiny-opt", "dataset": "python-docs", "start_idx": 0, "end_idx": 40, "num_epochs": 1,
         "batch_size": 2, "accum_steps": 1, "hf_repo": None, "output_dir": str(tmp_path / "out"), "nproc": 2,
-        "repo_dir": str(ROOT), "extra_flags": "--max_length 64 --lr 3e-3 --eval_rows 8",
+        "repo_dir": str(ROOT), "max_length": 64, "extra_flags": "--lr 3e-3 --eval_rows 8",
     }  # fmt: skip
     train = run_notebook("01_train", tmp_path, common, monkeypatch)
     text = cell_text(train)
     assert "{'HF_TOKEN': 'environment', 'WANDB_API_KEY': 'missing'}" in text
     assert "hf_notebook-test-token" not in (tmp_path / "01_train.out.ipynb").read_text()
     assert "--time_limit" in text and "--resume_file latest" in text
+    assert "tiny-opt: 1,383,424 parameters" in text and "| **total** |" in text  # the plan
     metrics = read_jsonl(tmp_path / "out" / "metrics.jsonl")
     slices = [m["slice"] for m in metrics]
     first = slices.count("0-40")
@@ -81,7 +82,7 @@ def test_notebooks_run_end_to_end(tmp_path, monkeypatch):
     png.unlink()
 
     evaluation = run_notebook(
-        "02_evaluate", tmp_path, {**common, "eval_rows": 10, "max_new_tokens": 5, "extra_flags": "--num_prompts 2"}, monkeypatch
+        "02_evaluate", tmp_path, {**common, "eval_rows": 10, "max_new_tokens": 5, "extra_flags": "--num_prompts 2 --max_length 64"}, monkeypatch
     )
     report = json.loads((tmp_path / "out" / "eval_results.json").read_text())
     assert report["rows"] == "[80, 90)"

@@ -1,4 +1,5 @@
-"""FULL_SHARD must hold about half the parameter and optimizer bytes per rank of NO_SHARD on 2 ranks."""
+"""FULL_SHARD must hold about half the parameter and optimizer bytes per rank of NO_SHARD on 2 ranks, and the
+planner's state figures must match what the ranks hold."""
 
 from __future__ import annotations
 
@@ -27,3 +28,13 @@ def test_full_shard_halves_per_rank_state(tmp_path):
         assert abs(total_sharded - ranks[0]["NO_SHARD"][kind]) <= 0.01 * ranks[0]["NO_SHARD"][kind]
         for rep in ranks:
             assert rep["FULL_SHARD"][kind] <= 0.55 * rep["NO_SHARD"][kind]
+    # The planner, from the config alone, against the measured parameters + gradients + Adam state per rank.
+    from fsdp_opt.plan import Inputs, Shape, model_config, state_bytes
+
+    shape = Shape.of(model_config("tiny-opt"))
+    assert 4 * shape.params == full_bytes
+    for strategy in ("FULL_SHARD", "NO_SHARD"):
+        predicted = sum(state_bytes(shape, strategy, Inputs(gpus=2, precision="fp32", cuda=False)).values())
+        for rep in ranks:
+            assert rep[strategy]["grads"] == rep[strategy]["params"]
+            assert abs(rep[strategy]["total"] - predicted) <= 0.10 * predicted, (strategy, rep[strategy], predicted)

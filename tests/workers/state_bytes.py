@@ -1,4 +1,5 @@
-"""Run by torchrun from the tests: one optimizer step per strategy, then report this rank's state bytes."""
+"""Run by torchrun from the tests: one optimizer step and one more backward per strategy, then report this
+rank's state bytes (parameters, gradients, optimizer)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,10 @@ def main() -> None:
              "--batch_size", "2", "--sharding_strategy", strategy, "--output_dir", os.path.dirname(out_path)]
         )  # fmt: skip
         session = setup(config, env)
-        train_step(session, next(session.plan.steps(0)))
+        step = next(session.plan.steps(0))
+        train_step(session, step)  # creates the optimizer state
+        batch = session.blocks.batch(step.micro_batches[0], env.device)
+        session.model(**batch).loss.backward()  # and gradients (train_step clears its own after the update)
         report[strategy] = local_state_bytes(session.model, session.optimizer)
     with open(f"{out_path}.rank{env.rank}", "w") as f:
         json.dump(report, f)

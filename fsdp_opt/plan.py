@@ -1,0 +1,317 @@
+"""Will it fit? Per-GPU memory by component for each sharding strategy, checkpoint sizes against a disk
+budget, and the host RAM a full save needs, before anything is launched.
+
+    python -m fsdp_opt.plan --model facebook/opt-1.3b --gpus 2 --gpu_memory 15GiB --batch_size 4 --max_length 512
+
+The model is described from its config alone (the OPT family from 125m to 6.7b is built in, so this works
+offline; any local config.json or model folder too): a skeleton on the meta device gives the exact parameter
+counts of the whole model, of one decoder block (one FSDP unit) and of the root unit. The byte counts follow
+the engine's choices: fp32 master weights, fp32 gradients, AdamW's two fp32 moments, weights gathered in the
+compute dtype, per-block FSDP units with the tied embeddings in the root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
+GIB = 2**30
+
+# facebook/opt-* shapes (config.json of each model on the Hub): hidden, layers, heads, ffn, projection dim.
+OPT_FAMILY = {
+    "facebook/opt-125m": (768, 12, 12, 3072, 768),
+    "facebook/opt-350m": (1024, 24, 16, 4096, 512),
+    "facebook/opt-1.3b": (2048, 24, 32, 8192, 2048),
+    "facebook/opt-2.7b": (2560, 32, 32, 10240, 2560),
+    "facebook/opt-6.7b": (4096, 32, 32, 16384, 4096),
+}
+# Allocator slack and the CUDA context, which torch's counters do not see.
+CUDA_CONTEXT_BYTES = int(0.45 * GIB)
+FRAGMENTATION = 0.05
+
+
+def parse_size(text: str | int | float, flag: str) -> int:
+    """'15GiB', '20GB', '31G', '512MiB' or a byte count -> bytes (GB = 1e9, GiB = 2**30; bare G means GiB)."""
+    from .errors import ConfigError
+
+    if isinstance(text, (int, float)):
+        return int(text)
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*", text.lower())
+    if not m:
+        raise ConfigError(f"{flag} {text!r}: use a size such as 15GiB, 20GB or 512MiB")
+    value, unit, binary, b = m.groups()
+    power = "_kmgt".index(unit) if unit else 0
+    base = 1024 if (binary or (unit and not b)) else 1000
+    return int(float(value) * base**power)
+
+
+def opt_config(name: str):
+    from transformers import OPTConfig
+
+    hidden, layers, heads, ffn, proj = OPT_FAMILY[name]
+    return OPTConfig(
+        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, ffn_dim=ffn,
+        word_embed_proj_dim=proj, vocab_size=50272, max_position_embeddings=2048,
+        do_layer_norm_before=name != "facebook/opt-350m",
+    )  # fmt: skip
+
+
+def model_config(name: str):
+    if name in OPT_FAMILY:
+        return opt_config(name)
+    from .models import load_model_config, resolve_model
+
+    return load_model_config(resolve_model(name))
+
+
+@dataclass
+class Shape:
+    """What the memory math needs of a model: exact parameter counts and the activation dimensions."""
+
+    params: int  # unique parameters (tied weights once)
+    block_params: int  # one decoder block, the largest FSDP unit but the root
+    root_params: int  # everything outside the blocks: embeddings, tied head, final norm
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+
+    @classmethod
+    def of(cls, config) -> "Shape":
+        from .models import build_meta_model
+        from .parallelize import find_block_classes, find_blocks
+
+        model = build_meta_model(config)
+        unique = {id(p): p for p in model.parameters()}
+        blocks = find_blocks(model, find_block_classes(model))
+        in_blocks = {id(p) for b in blocks for p in b.parameters()}
+        block = max(sum(p.numel() for p in b.parameters()) for b in blocks)
+        root = sum(p.numel() for i, p in unique.items() if i not in in_blocks)
+        return cls(
+            params=sum(p.numel() for p in unique.values()), block_params=block, root_params=root,
+            layers=len(blocks), hidden=config.hidden_size, heads=config.num_attention_heads, vocab=config.vocab_size,
+        )  # fmt: skip
+
+
+@dataclass
+class Inputs:
+    gpus: int = 2
+    nodes: int = 1
+    gpu_memory: int = 15 * GIB
+    batch_size: int = 4
+    max_length: int = 512
+    accum_steps: int = 16
+    precision: str = "fp16"
+    activation_checkpointing: bool = True
+    attn_implementation: str = "sdpa"
+    reduce_every_microbatch: bool = False
+    cuda: bool = True
+
+
+def shard_factor(strategy: str, inputs: Inputs) -> int:
+    if strategy == "NO_SHARD":
+        return 1
+    if strategy == "HYBRID_SHARD":
+        return max(1, inputs.gpus // inputs.nodes)
+    return inputs.gpus
+
+
+def state_bytes(shape: Shape, strategy: str, inputs: Inputs) -> dict[str, int]:
+    """Resident training state per GPU: fp32 weights, fp32 gradients, Adam m and v, all sharded."""
+    f = shard_factor(strategy, inputs)
+    per = math.ceil(shape.params / f)
+    return {"parameters": 4 * per, "gradients": 4 * per, "optimizer": 8 * per}
+
+
+def memory(shape: Shape, strategy: str, inputs: Inputs, batch_size: int | None = None) -> dict[str, int]:
+    """Peak bytes per GPU by component for one micro-batch of `batch_size` sequences."""
+    b = inputs.batch_size if batch_size is None else batch_size
+    s, h, L = inputs.max_length, shape.hidden, shape.layers
+    c = 4 if inputs.precision == "fp32" else 2  # compute dtype: gathered weights, activations
+    out = state_bytes(shape, strategy, inputs)
+    # Without gradient sync between micro-batches FSDP keeps an unsharded fp32 gradient until the last one.
+    out["accumulated_gradients"] = 4 * shape.params if inputs.accum_steps > 1 and not inputs.reduce_every_microbatch else 0
+    # Gathered weights: the root stays gathered through forward and backward; FULL_SHARD/HYBRID hold the block
+    # being computed and the one prefetched; SHARD_GRAD_OP and NO_SHARD keep every block from forward to backward.
+    keeps_all = strategy in ("SHARD_GRAD_OP", "NO_SHARD")
+    out["gathered_weights"] = c * (shape.root_params + (L if keeps_all else 2) * shape.block_params)
+    attention = 5 * shape.heads * s * s * b * c // 2 if inputs.attn_implementation == "eager" else 0
+    full_layer = 34 * s * b * h * c // 2 + attention  # every saved tensor of one block (Korthikanti et al.)
+    if inputs.activation_checkpointing:
+        out["activations"] = L * s * b * h * c + full_layer  # block inputs, plus one block being recomputed
+    else:
+        out["activations"] = L * full_layer
+    # Logits in the compute dtype, their fp32 copy for the loss, the saved log-softmax and the fp32 gradient.
+    out["logits"] = s * b * shape.vocab * (c + 4 + 4 + 4 if c == 2 else 12)
+    if inputs.cuda:
+        out["runtime"] = CUDA_CONTEXT_BYTES + int(FRAGMENTATION * sum(out.values()))
+    return out
+
+
+def activation_bytes(shape: Shape, inputs: Inputs, checkpointing: bool) -> int:
+    return memory(shape, "FULL_SHARD", Inputs(**{**inputs.__dict__, "activation_checkpointing": checkpointing}))["activations"]
+
+
+def largest_micro_batch(shape: Shape, strategy: str, inputs: Inputs, limit: int = 4096) -> int:
+    """The largest micro-batch whose peak fits in gpu_memory (0: not even one sequence)."""
+    fits = lambda b: sum(memory(shape, strategy, inputs, b).values()) <= inputs.gpu_memory  # noqa: E731
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def checkpoints(shape: Shape, gpus: int) -> dict[str, int]:
+    n = shape.params
+    return {
+        "full_with_optimizer": 12 * n,
+        "full_weights_only": 4 * n,
+        "sharded_with_optimizer_per_rank": math.ceil(12 * n / gpus),
+        "export_fp16": 2 * n,
+    }
+
+
+def make_plan(model: str, inputs: Inputs, *, disk: int, host_memory: int, keep_last: int, save_optimizer: bool) -> dict[str, Any]:
+    shape = Shape.of(model_config(model))
+    strategies: dict[str, Any] = {}
+    for strategy in STRATEGIES:
+        if strategy == "HYBRID_SHARD" and inputs.nodes < 2:
+            continue
+        parts = memory(shape, strategy, inputs)
+        total = sum(parts.values())
+        strategies[strategy] = {
+            "components": parts,
+            "total_bytes": total,
+            "fits": total <= inputs.gpu_memory,
+            "max_micro_batch": largest_micro_batch(shape, strategy, inputs),
+            "state_bytes_per_rank": sum(state_bytes(shape, strategy, inputs).values()),
+        }
+    sizes = checkpoints(shape, inputs.gpus)
+    one = sizes["full_with_optimizer"] if save_optimizer else sizes["full_weights_only"]
+    # A save writes the new file before --keep_last removes the oldest: keep_last + 1 on disk at the peak.
+    on_disk = one * (max(1, keep_last) + 1) if keep_last else None
+    return {
+        "model": model,
+        "shape": shape.__dict__,
+        "inputs": {**inputs.__dict__, "disk": disk, "host_memory": host_memory, "keep_last": keep_last, "save_optimizer": save_optimizer},
+        "activations": {
+            "with_checkpointing": activation_bytes(shape, inputs, True),
+            "without_checkpointing": activation_bytes(shape, inputs, False),
+        },
+        "strategies": strategies,
+        "checkpoints": sizes,
+        "disk": {
+            "checkpoint_bytes": one,
+            "peak_bytes": on_disk,
+            "fits": None if on_disk is None else on_disk + sizes["export_fp16"] <= disk,
+            "checkpoints_that_fit": max(0, disk // one - 1),
+        },
+        "host_ram": {
+            # Rank 0 gathers the full fp32 model and optimizer state to save (and holds it again to resume).
+            "gather_bytes": 12 * shape.params if save_optimizer else 4 * shape.params,
+            "fits": (12 if save_optimizer else 4) * shape.params <= host_memory,
+        },
+    }
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / GIB:,.2f} GiB"
+
+
+def render(plan: dict[str, Any]) -> str:
+    i, shape = plan["inputs"], plan["shape"]
+    lines = [
+        f"{plan['model']}: {shape['params']:,} parameters ({shape['layers']} blocks of {shape['block_params']:,}, "
+        f"root {shape['root_params']:,})",
+        f"{i['gpus']} GPU(s) on {i['nodes']} node(s), {_gib(i['gpu_memory'])} each; micro-batch {i['batch_size']} x "
+        f"{i['max_length']} tokens, {i['precision']}, accum {i['accum_steps']}, activation checkpointing "
+        f"{'on' if i['activation_checkpointing'] else 'off'}",
+        "",
+    ]
+    names = list(plan["strategies"])
+    comps = list(next(iter(plan["strategies"].values()))["components"])
+    lines.append("| per GPU | " + " | ".join(names) + " |")
+    lines.append("| --- |" + " --- |" * len(names))
+    for comp in comps:
+        lines.append(f"| {comp} | " + " | ".join(_gib(plan["strategies"][n]["components"][comp]) for n in names) + " |")
+    lines.append("| **total** | " + " | ".join(f"**{_gib(plan['strategies'][n]['total_bytes'])}**" for n in names) + " |")
+    lines.append("| fits | " + " | ".join("yes" if plan["strategies"][n]["fits"] else "NO" for n in names) + " |")
+    lines.append("| largest micro-batch | " + " | ".join(str(plan["strategies"][n]["max_micro_batch"]) for n in names) + " |")
+    a, c, d, r = plan["activations"], plan["checkpoints"], plan["disk"], plan["host_ram"]
+    lines += [
+        "",
+        f"activations: {_gib(a['with_checkpointing'])} with checkpointing, {_gib(a['without_checkpointing'])} without",
+        f"checkpoints: full {_gib(c['full_with_optimizer'])} (weights only {_gib(c['full_weights_only'])}), "
+        f"sharded {_gib(c['sharded_with_optimizer_per_rank'])} per rank, fp16 export {_gib(c['export_fp16'])}",
+        f"disk: {_gib(d['peak_bytes'])} at the peak of a save with --keep_last {i['keep_last']}, plus the export, of "
+        f"{i['disk'] / 1e9:,.0f} GB: {'fits' if d['fits'] else 'DOES NOT FIT' if d['fits'] is False else 'unbounded'} "
+        f"({d['checkpoints_that_fit']} checkpoint(s) can be kept while a new one is written)",
+        f"host RAM to gather a full checkpoint on rank 0: {_gib(r['gather_bytes'])} of {_gib(i['host_memory'])}: "
+        f"{'fits' if r['fits'] else 'DOES NOT FIT (use --state_dict_type sharded)'}",
+    ]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .config import _Parser, parse_bool
+
+    p = _Parser(prog="python -m fsdp_opt.plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="facebook/opt-1.3b", help=f"one of {', '.join(OPT_FAMILY)}, tiny-opt, or a local model folder")
+    p.add_argument("--gpus", type=int, default=2, help="GPUs in all (ranks)")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpu_memory", default="15GiB", help="memory of one GPU (Kaggle's T4: 15GiB)")
+    p.add_argument("--batch_size", type=int, default=4, help="micro-batch per GPU")
+    p.add_argument("--max_length", type=int, default=512)
+    p.add_argument("--accum_steps", type=int, default=16)
+    p.add_argument("--precision", default="fp16", choices=["fp16", "bf16", "fp32"])
+    p.add_argument("--activation_checkpointing", type=parse_bool, nargs="?", const=True, default=True)
+    p.add_argument("--attn_implementation", default="sdpa", choices=["sdpa", "eager"])
+    p.add_argument("--reduce_every_microbatch", type=parse_bool, nargs="?", const=True, default=False)
+    p.add_argument("--disk", default="20GB", help="disk for checkpoints (Kaggle's /kaggle/working: 20GB)")
+    p.add_argument("--host_memory", default="31GB", help="host RAM (Kaggle: 31GB)")
+    p.add_argument("--keep_last", type=int, default=2)
+    p.add_argument("--save_optimizer", type=parse_bool, nargs="?", const=True, default=True)
+    p.add_argument("--cpu", action="store_true", help="plan for CPU processes (no CUDA context)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .errors import ConfigError
+
+    try:
+        a = build_parser().parse_args(argv)
+        for flag in ("gpus", "nodes", "batch_size", "max_length", "accum_steps"):
+            if getattr(a, flag) < 1:
+                raise ConfigError(f"--{flag} {getattr(a, flag)}: must be at least 1")
+        if a.gpus % a.nodes:
+            raise ConfigError(f"--gpus {a.gpus}: does not split evenly over --nodes {a.nodes}")
+        inputs = Inputs(
+            gpus=a.gpus, nodes=a.nodes, gpu_memory=parse_size(a.gpu_memory, "--gpu_memory"), batch_size=a.batch_size,
+            max_length=a.max_length, accum_steps=a.accum_steps, precision=a.precision,
+            activation_checkpointing=a.activation_checkpointing, attn_implementation=a.attn_implementation,
+            reduce_every_microbatch=a.reduce_every_microbatch, cuda=not a.cpu,
+        )  # fmt: skip
+        plan = make_plan(a.model, inputs, disk=parse_size(a.disk, "--disk"), host_memory=parse_size(a.host_memory, "--host_memory"),
+                         keep_last=a.keep_last, save_optimizer=a.save_optimizer)  # fmt: skip
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan, indent=1) if a.json else render(plan))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

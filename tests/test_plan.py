@@ -1,0 +1,74 @@
+"""`python -m fsdp_opt.plan`: exact parameter counts from configs, the memory and disk arithmetic, bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, make_local_model
+from fsdp_opt.plan import GIB, OPT_FAMILY, Inputs, Shape, memory, model_config, parse_size
+
+
+def test_opt_family_parameter_counts():
+    # Published sizes; 1.3b's exact count is the figure the memory math starts from.
+    assert Shape.of(model_config("facebook/opt-1.3b")).params == 1_315_758_080
+    approx = {"facebook/opt-125m": 125e6, "facebook/opt-350m": 331e6, "facebook/opt-2.7b": 2.65e9, "facebook/opt-6.7b": 6.66e9}
+    for name, n in approx.items():
+        assert Shape.of(model_config(name)).params == pytest.approx(n, rel=0.02), name
+    assert set(approx) | {"facebook/opt-1.3b"} == set(OPT_FAMILY)
+
+
+def test_units_add_up_and_local_configs_work(tmp_path):
+    folder = make_local_model(tmp_path / "m")
+    shape = Shape.of(model_config(str(folder)))
+    assert shape.root_params + shape.layers * shape.block_params == shape.params
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert shape.params == sum(p.numel() for p in model.parameters())  # tied head counted once
+
+
+def test_memory_arithmetic_for_opt_1_3b_on_two_t4():
+    shape = Shape.of(model_config("facebook/opt-1.3b"))
+    n = shape.params
+    t4 = Inputs(gpus=2, gpu_memory=15 * GIB, batch_size=4, max_length=512, accum_steps=16, precision="fp16")
+    full = memory(shape, "FULL_SHARD", t4)
+    # ZeRO-3: 16 bytes per parameter split over 2 GPUs (the design figure: about 10.5 GB resident).
+    assert full["parameters"] + full["gradients"] + full["optimizer"] == 16 * n // 2
+    assert full["accumulated_gradients"] == 4 * n
+    assert memory(shape, "FULL_SHARD", Inputs(**{**t4.__dict__, "reduce_every_microbatch": True}))["accumulated_gradients"] == 0
+    # Checkpointed activations: one 2-byte hidden state per block input, plus one block's 34*s*b*h bytes.
+    assert full["activations"] == 24 * 512 * 4 * 2048 * 2 + 34 * 512 * 4 * 2048
+    assert full["logits"] == 512 * 4 * 50272 * 14
+    nosync = memory(shape, "NO_SHARD", t4)
+    assert nosync["parameters"] == 4 * n and nosync["optimizer"] == 8 * n
+
+
+def test_cli_reports_fit_and_disk(tmp_path):
+    cmd = [sys.executable, "-m", "fsdp_opt.plan", "--model", "facebook/opt-1.3b", "--gpus", "2", "--gpu_memory", "15GiB",
+           "--batch_size", "4", "--max_length", "512", "--reduce_every_microbatch", "--json"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert list(plan["strategies"]) == ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]  # HYBRID needs 2+ nodes
+    full, no = plan["strategies"]["FULL_SHARD"], plan["strategies"]["NO_SHARD"]
+    assert full["fits"] and not no["fits"]
+    assert full["total_bytes"] == sum(full["components"].values())
+    assert full["max_micro_batch"] >= 4 and no["max_micro_batch"] == 0
+    n = plan["shape"]["params"]
+    assert plan["checkpoints"] == {"full_with_optimizer": 12 * n, "full_weights_only": 4 * n,
+                                   "sharded_with_optimizer_per_rank": 6 * n, "export_fp16": 2 * n}  # fmt: skip
+    assert plan["disk"]["fits"] is False  # 15.8 GB checkpoints, two at once, on 20 GB
+    assert plan["host_ram"]["gather_bytes"] == 12 * n and plan["host_ram"]["fits"]
+    text = subprocess.run(cmd[:-1], cwd=ROOT, capture_output=True, text=True, timeout=120).stdout
+    assert "| **total** |" in text and "DOES NOT FIT" in text
+    bad = subprocess.run([sys.executable, "-m", "fsdp_opt.plan", "--gpu_memory", "lots"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: --gpu_memory 'lots': use a size such as 15GiB, 20GB or 512MiB"
+
+
+def test_parse_size():
+    assert parse_size("15GiB", "-") == 15 * 2**30 and parse_size("20GB", "-") == 20 * 10**9
+    assert parse_size("31G", "-") == 31 * 2**30 and parse_size("512MiB", "-") == 512 * 2**20 and parse_size("100", "-") == 100
