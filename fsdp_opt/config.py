@@ -171,10 +171,15 @@ class ParallelConfig:
     )
     activation_checkpointing: bool = _opt(True, "Recompute each decoder layer in backward to save memory.")
     cpu_offload: bool = _opt(False, "Keep sharded parameters, gradients and optimizer state in CPU memory.")
-    reduce_every_microbatch: bool = _opt(
-        False,
-        "Reduce-scatter gradients after every micro-batch instead of only the last one of a step: "
-        "less memory (no unsharded fp32 gradient buffer), more communication.",
+    reduce_every_microbatch: str = _opt(
+        "auto",
+        "Reduce-scatter gradients after every micro-batch instead of only the last one of a step: less memory "
+        "(no unsharded fp32 gradient kept between micro-batches, 4 bytes per parameter), more communication. "
+        "auto: only on a GPU where the memory plan says the run would not fit otherwise.",
+        type=str.lower,
+        choices=["auto", "true", "false"],
+        nargs="?",
+        const="true",
     )
     device: str = _opt("auto", "auto (CUDA when available), cuda or cpu.", type=str.lower, choices=DEVICES)
 

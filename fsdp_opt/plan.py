@@ -154,6 +154,12 @@ def memory(shape: Shape, strategy: str, inputs: Inputs, batch_size: int | None =
     return out
 
 
+def reduce_every_microbatch_needed(shape: Shape, strategy: str, inputs: Inputs) -> bool:
+    """Does the run fit only when gradients are reduce-scattered after every micro-batch?"""
+    keep = Inputs(**{**inputs.__dict__, "reduce_every_microbatch": False})
+    return inputs.accum_steps > 1 and sum(memory(shape, strategy, keep).values()) > inputs.gpu_memory
+
+
 def activation_bytes(shape: Shape, inputs: Inputs, checkpointing: bool) -> int:
     return memory(shape, "FULL_SHARD", Inputs(**{**inputs.__dict__, "activation_checkpointing": checkpointing}))["activations"]
 

@@ -49,3 +49,4 @@ class Session:
     wandb: Any = None  # tracking.WandbRun (inactive off rank 0 or when disabled)
     prune_lock: threading.Lock = field(default_factory=threading.Lock)
     eval_blocks: Blocks | None = None  # --eval_rows
+    reduce_each_microbatch: bool = False  # --reduce_every_microbatch, with auto decided by the memory plan

@@ -146,6 +146,7 @@ def setup(config: Config, env: DistEnv) -> Session:
         model_config=model_config,
         tokenizer=tokenizer,
         eval_blocks=eval_blocks,
+        reduce_each_microbatch=_reduce_each_microbatch(config, env, model_config, precision),
     )
     _print_summary(session, block_classes, units, n_params)
     session.uploader = all_ranks_ok(lambda: start_uploader(session) if env.is_main and hc.hf_repo else None)
@@ -156,6 +157,28 @@ def setup(config: Config, env: DistEnv) -> Session:
         enabled=env.is_main, project=wc.wandb_project, mode=wc.wandb_mode, run_id=run_id, config=wandb_config, out_dir=out_dir
     )
     return session
+
+
+def _reduce_each_microbatch(config: Config, env: DistEnv, model_config: Any, precision: str) -> bool:
+    """--reduce_every_microbatch; auto asks the memory plan, on a GPU, whether no-sync accumulation would fit."""
+    choice, tc = config.parallel.reduce_every_microbatch, config.train
+    if choice != "auto":
+        return choice == "true"
+    if env.device.type != "cuda" or tc.accum_steps == 1:
+        return False
+    from .plan import Inputs, Shape, reduce_every_microbatch_needed
+
+    pc, dc = config.parallel, config.data
+    inputs = Inputs(
+        gpus=env.world_size, nodes=env.num_nodes, gpu_memory=torch.cuda.get_device_properties(env.device).total_memory,
+        batch_size=tc.batch_size, max_length=dc.max_length, accum_steps=tc.accum_steps, precision=precision,
+        activation_checkpointing=pc.activation_checkpointing, attn_implementation=config.model.attn_implementation,
+    )  # fmt: skip
+    needed = reduce_every_microbatch_needed(Shape.of(model_config), pc.sharding_strategy, inputs)
+    if needed:
+        print0("note: the memory plan does not fit no-sync gradient accumulation on this GPU; gradients are "
+               "reduce-scattered after every micro-batch (--reduce_every_microbatch false to override)")  # fmt: skip
+    return needed
 
 
 def _print_summary(s: Session, classes: set[type], units: int, n_params: int) -> None:
@@ -174,6 +197,9 @@ def _print_summary(s: Session, classes: set[type], units: int, n_params: int) ->
                 "data": f"{c.data.dataset} rows [{c.data.start_idx}, {s.end_idx}) -> {len(s.blocks)} "
                 f"{'padded rows' if c.data.pad_to_max_length else 'packed blocks'} of {c.data.max_length} tokens",
                 "batch": f"{c.train.batch_size} per rank x {s.env.world_size} ranks x {c.train.accum_steps} accum = {global_batch} sequences per step",
+                "gradient sync": "every micro-batch"
+                if s.reduce_each_microbatch or c.train.accum_steps == 1
+                else "last micro-batch of each step",
                 "steps/epoch": s.plan.steps_per_epoch(),
                 "start": f"global step {s.state.global_step}, epoch {s.state.epoch}",
                 "output": str(s.out_dir),
@@ -251,7 +277,7 @@ def train_step(s: Session, step: StepBatch) -> dict[str, Any]:
     n_micro = len(step.micro_batches)
     for i, index in enumerate(step.micro_batches):
         last = i == n_micro - 1
-        if not s.config.parallel.reduce_every_microbatch:
+        if not s.reduce_each_microbatch:
             model.set_requires_gradient_sync(last)
         batch = s.blocks.batch(index, env.device)
         logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits

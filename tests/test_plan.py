@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from conftest import ROOT, make_local_model
-from fsdp_opt.plan import GIB, OPT_FAMILY, Inputs, Shape, memory, model_config, parse_size
+from fsdp_opt.plan import GIB, OPT_FAMILY, Inputs, Shape, memory, model_config, parse_size, reduce_every_microbatch_needed
 
 
 def test_opt_family_parameter_counts():
@@ -43,6 +43,10 @@ def test_memory_arithmetic_for_opt_1_3b_on_two_t4():
     # Checkpointed activations: one 2-byte hidden state per block input, plus one block's 34*s*b*h bytes.
     assert full["activations"] == 24 * 512 * 4 * 2048 * 2 + 34 * 512 * 4 * 2048
     assert full["logits"] == 512 * 4 * 50272 * 14
+    # --reduce_every_microbatch auto: on 15 GiB the unsharded gradient does not fit; on 80 GiB it does.
+    assert reduce_every_microbatch_needed(shape, "FULL_SHARD", t4)
+    assert not reduce_every_microbatch_needed(shape, "FULL_SHARD", Inputs(**{**t4.__dict__, "gpu_memory": 80 * GIB}))
+    assert not reduce_every_microbatch_needed(shape, "FULL_SHARD", Inputs(**{**t4.__dict__, "accum_steps": 1}))
     nosync = memory(shape, "NO_SHARD", t4)
     assert nosync["parameters"] == 4 * n and nosync["optimizer"] == 8 * n
 

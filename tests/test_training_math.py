@@ -49,23 +49,27 @@ def reference(det_model):
 
 
 @pytest.mark.parametrize(
-    "nproc,batch,accum,strategy",
+    "nproc,batch,accum,strategy,extra",
     [
-        (2, 2, 2, "FULL_SHARD"),
-        (2, 2, 2, "SHARD_GRAD_OP"),
-        (2, 1, 4, "NO_SHARD"),
-        (0, 8, 1, "FULL_SHARD"),  # plain `python fsdp_finetune.py`: a world of one, whole batch at once
-        (1, 4, 2, "FULL_SHARD"),
+        (2, 2, 2, "FULL_SHARD", ["--reduce_every_microbatch"]),  # reduce-scatter after each micro-batch
+        (2, 2, 2, "SHARD_GRAD_OP", ["--total_batch_size", "8"]),  # accumulation derived from the total
+        (2, 1, 4, "NO_SHARD", []),
+        (0, 8, 1, "FULL_SHARD", []),  # plain `python fsdp_finetune.py`: a world of one, whole batch at once
+        (1, 4, 2, "FULL_SHARD", []),
     ],
 )
-def test_sharded_run_matches_unsharded_reference(tmp_path, det_model, reference, nproc, batch, accum, strategy):
+def test_sharded_run_matches_unsharded_reference(tmp_path, det_model, reference, nproc, batch, accum, strategy, extra):
     assert max(nproc, 1) * batch * accum == GLOBAL_BATCH
-    args = COMMON + [
-        "--model", str(det_model), "--batch_size", str(batch), "--accum_steps", str(accum),
+    accumulation = [] if "--total_batch_size" in extra else ["--accum_steps", str(accum)]
+    args = COMMON + accumulation + extra + [
+        "--model", str(det_model), "--batch_size", str(batch),
         "--sharding_strategy", strategy, "--output_dir", str(tmp_path / "out"),
     ]  # fmt: skip
     proc = run_cli(args, tmp_path, nproc=nproc)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"x {accum} accum = {GLOBAL_BATCH} sequences per step" in proc.stdout
+    sync = "every micro-batch" if "--reduce_every_microbatch" in extra or accum == 1 else "last micro-batch of each step"
+    assert any(l.split(":")[0].strip() == "gradient sync" and l.endswith(f": {sync}") for l in proc.stdout.splitlines())
     rows = read_jsonl(tmp_path / "out" / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, len(reference) + 1))
     for r, (ref_loss, ref_norm) in zip(rows, reference):

@@ -1,0 +1,316 @@
+"""Side-by-side throughput and memory, one invocation: every configuration on the same machine, data and global batch.
+
+    python benchmarks/throughput.py --model tiny-opt --dataset python-docs --nproc 2 --json bench.json
+    python benchmarks/throughput.py --memory-only --nproc 2            # one row per sharding strategy
+
+Configurations (throughput mode):
+  packed      fsdp-opt's defaults: rows packed into max_length blocks, FULL_SHARD, activation checkpointing
+  padded      every row padded to max_length, as the original recipe did (same engine otherwise)
+  hf_trainer  transformers' Trainer with FSDP2 on the same packed blocks, same precision, wrap and global batch
+Each runs under torchrun in its own processes: warm-up steps, then timed steps. Reported per configuration:
+useful (non-pad target) tokens/s, the median step time, MFU (PaLM's 6N + 12·L·H·Q·T FLOPs per token against the
+GPU's datasheet peak, or on CPU against a large-matmul peak measured in the same processes), the training state
+each rank holds (summed from its local shards) next to the planner's prediction, and peak memory per rank
+(CUDA max allocated, or RSS on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+THROUGHPUT = ("packed", "padded", "hf_trainer")
+MEMORY = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny-opt")
+    p.add_argument("--dataset", default="python-docs")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--max_length", type=int, default=512)
+    p.add_argument("--batch_size", type=int, default=4, help="micro-batch per rank")
+    p.add_argument("--accum_steps", type=int, default=1)
+    p.add_argument("--precision", default="auto")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--steps", type=int, default=10, help="timed steps")
+    p.add_argument("--memory-only", dest="memory_only", action="store_true", help="compare sharding strategies instead")
+    p.add_argument("--configs", nargs="*", default=None, help="a subset of the configurations")
+    p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------- inside torchrun
+
+
+def cpu_matmul_peak(seconds: float = 1.0) -> float:
+    """FLOP/s of a large fp32 matmul in this process, with its thread settings: the CPU's practical peak."""
+    import torch
+
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    a @ b
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        n += 1
+    return 2 * 1024**3 * n / (time.perf_counter() - t0)
+
+
+def engine_flags(args: argparse.Namespace, out_dir: str, strategy: str = "FULL_SHARD", padded: bool = False) -> list[str]:
+    flags = ["--model", args.model, "--dataset", args.dataset, "--max_length", str(args.max_length),
+             "--batch_size", str(args.batch_size), "--accum_steps", str(args.accum_steps), "--precision", args.precision,
+             "--sharding_strategy", strategy, "--output_dir", out_dir, "--wandb_mode", "disabled", "--lr", "1e-4"]  # fmt: skip
+    return flags + (["--pad_to_max_length"] if padded else [])
+
+
+def run_engine(args: argparse.Namespace, name: str, env, out_dir: str) -> dict:
+    import torch
+
+    from fsdp_opt import plan
+    from fsdp_opt.config import parse_args
+    from fsdp_opt.parallelize import local_state_bytes
+    from fsdp_opt.tracking import peak_memory_bytes
+    from fsdp_opt.trainer import setup, train_step
+
+    strategy = name if args.memory_only else "FULL_SHARD"
+    config = parse_args(engine_flags(args, out_dir, strategy, padded=name == "padded"))
+    s = setup(config, env)
+    times, tokens = [], 0
+    epoch, last = 0, None
+    while len(times) < args.warmup + args.steps:
+        for step in s.plan.steps(epoch):
+            if env.device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            train_step(s, step)
+            if env.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            if len(times) > args.warmup:
+                tokens += step.target_tokens
+            last = step
+            if len(times) == args.warmup + args.steps:
+                break
+        epoch += 1
+    # One more backward without a step, so gradients exist next to parameters and Adam state.
+    s.model(**s.blocks.batch(last.micro_batches[0], env.device)).loss.backward()
+    state = local_state_bytes(s.model, s.optimizer)
+    shape = plan.Shape.of(plan.model_config(args.model))
+    inputs = plan.Inputs(gpus=env.world_size, nodes=env.num_nodes, precision=s.precision, cuda=env.device.type == "cuda")
+    timed = times[args.warmup :]
+    return {
+        "useful_tokens_per_s": tokens / sum(timed),
+        "step_time_s": statistics.median(timed),
+        "flops_per_token": s.flops_per_token,
+        "global_batch": s.plan.global_batch,
+        "peak_state_bytes_per_rank": state["total"],
+        "predicted_state_bytes_per_rank": sum(plan.state_bytes(shape, strategy, inputs).values()),
+        "peak_memory_bytes_per_rank": peak_memory_bytes(env.device),
+        "precision": s.precision,
+        "strategy": strategy,
+    }
+
+
+def run_hf_trainer(args: argparse.Namespace, env, out_dir: str) -> dict:
+    """transformers' Trainer with FSDP2 on the blocks fsdp-opt packs, the same wrap, precision and global batch."""
+    import torch
+    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    from fsdp_opt.data import build_blocks, load_rows, select_texts
+    from fsdp_opt.models import load_model_config, load_tokenizer, resolve_model
+    from fsdp_opt.parallelize import find_block_classes, resolve_precision
+    from fsdp_opt.tracking import flops_per_token, peak_memory_bytes
+
+    source = resolve_model(args.model)
+    config, tokenizer = load_model_config(source), load_tokenizer(source)
+    texts, _ = select_texts(load_rows(args.dataset), "text", 0, None)
+    blocks = build_blocks(texts, tokenizer, args.max_length, packing=True)
+    precision = resolve_precision(args.precision, env.device)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    wrap = sorted(k.__name__ for k in find_block_classes(model))
+    mean_targets = float(blocks.target_counts().float().mean())
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return len(blocks)
+
+        def __getitem__(self, i: int) -> dict:
+            b = blocks.batch(torch.tensor([i]), torch.device("cpu"))
+            return {k: v[0] for k, v in b.items()}
+
+    times: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - self.t0)
+
+    targs = TrainingArguments(
+        output_dir=out_dir, per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.accum_steps,
+        max_steps=args.warmup + args.steps, learning_rate=1e-4, fp16=precision == "fp16", bf16=precision == "bf16",
+        fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": wrap, "activation_checkpointing": True,
+                                "reshard_after_forward": True},
+        report_to=[], save_strategy="no", logging_steps=10**6, disable_tqdm=True, dataloader_num_workers=0, seed=0,
+    )  # fmt: skip
+    trainer = Trainer(model=model, args=targs, train_dataset=Rows(), callbacks=[Clock()])
+    trainer.train()
+    timed = times[args.warmup :]
+    global_batch = args.batch_size * env.world_size * args.accum_steps
+    return {
+        "useful_tokens_per_s": global_batch * mean_targets * len(timed) / sum(timed),
+        "step_time_s": statistics.median(timed),
+        "flops_per_token": flops_per_token(model, args.max_length),
+        "global_batch": global_batch,
+        "peak_state_bytes_per_rank": None,
+        "predicted_state_bytes_per_rank": None,
+        "peak_memory_bytes_per_rank": peak_memory_bytes(env.device),
+        "precision": precision,
+        "strategy": "FULL_SHARD (Trainer, FSDP2)",
+        "note": "useful tokens: steps x global batch x the mean target tokens of a packed block",
+    }
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from fsdp_opt.distributed import init_distributed, teardown
+    from fsdp_opt.tracking import peak_flops
+
+    env = init_distributed("auto")
+    out_dir = tempfile.mkdtemp(prefix="bench-")
+    try:
+        if args.worker == "hf_trainer":
+            result = run_hf_trainer(args, env, out_dir)
+        else:
+            result = run_engine(args, args.worker, env, out_dir)
+        if env.device.type == "cuda":
+            peak = peak_flops(env.device) or 0.0
+            result["peak_flops_per_rank"], result["peak_source"] = peak, f"datasheet, {torch.cuda.get_device_name()}"
+        else:
+            measured = torch.tensor(cpu_matmul_peak())
+            if env.world_size > 1:  # the ranks share the CPU: measure at the same time, add up
+                dist.all_reduce(measured)
+            result["peak_flops_per_rank"] = float(measured) / env.world_size
+            result["peak_source"] = "measured fp32 1024x1024 matmul, all ranks at once"
+        peak_total = result["peak_flops_per_rank"] * env.world_size
+        result["mfu"] = result["useful_tokens_per_s"] * result["flops_per_token"] / peak_total if peak_total else None
+        if env.rank == 0:
+            Path(args.out).write_text(json.dumps(result))
+    except Exception as exc:  # noqa: BLE001 - reported in the table, the other configurations still run
+        if env.rank == 0:
+            Path(args.out).write_text(json.dumps({"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}))
+    finally:
+        teardown()
+
+
+# ---------------------------------------------------------------- the driver
+
+
+def machine() -> dict:
+    import torch
+
+    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count()}  # fmt: skip
+    try:
+        model_name = next(l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("model name"))
+        info["cpu"] = model_name
+    except (OSError, StopIteration):
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["gpu_count"] = torch.cuda.device_count()
+    return info
+
+
+def launch(args: argparse.Namespace, name: str, argv: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+               __file__, *argv, "--worker", name, "--out", str(out)]  # fmt: skip
+        env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if out.exists():
+            return json.loads(out.read_text())
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"error": f"exit {proc.returncode}: {tail}"}
+
+
+def table(report: dict) -> str:
+    def mib(n):
+        return "-" if n is None else f"{n / 2**20:,.1f} MiB"
+
+    rows = ["| config | useful tokens/s | step time | MFU | state/rank (measured) | state/rank (planner) | peak memory/rank |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for name, r in report["configs"].items():
+        if "error" in r:
+            rows.append(f"| {name} | not run: {r['error']} | | | | | |")
+            continue
+        mfu = "-" if r.get("mfu") is None else f"{100 * r['mfu']:.2f}%"
+        rows.append(f"| {name} | {r['useful_tokens_per_s']:,.0f} | {r['step_time_s'] * 1000:,.1f} ms | {mfu} | "
+                    f"{mib(r['peak_state_bytes_per_rank'])} | {mib(r['predicted_state_bytes_per_rank'])} | {mib(r['peak_memory_bytes_per_rank'])} |")  # fmt: skip
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    names = args.configs or list(MEMORY if args.memory_only else THROUGHPUT)
+    passthrough = ["--model", args.model, "--dataset", args.dataset, "--max_length", str(args.max_length),
+                   "--batch_size", str(args.batch_size), "--accum_steps", str(args.accum_steps), "--precision",
+                   args.precision, "--warmup", str(args.warmup), "--steps", str(args.steps)]  # fmt: skip
+    passthrough += ["--memory-only"] if args.memory_only else []
+    report = {"configs": {}, "machine": machine(), "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "out", "json")}}
+    for name in names:
+        if name == "HYBRID_SHARD":
+            report["configs"][name] = {"error": "needs 2 or more nodes (it is NO_SHARD across nodes of one rank here)"}
+            continue
+        print(f"running {name} ...", flush=True)
+        report["configs"][name] = launch(args, name, passthrough)
+    ratios = {}
+    c = report["configs"]
+    ok = {k: v for k, v in c.items() if "error" not in v}
+    if "packed" in ok and "padded" in ok:
+        ratios["packed_over_padded_tokens_per_s"] = ok["packed"]["useful_tokens_per_s"] / ok["padded"]["useful_tokens_per_s"]
+    if "packed" in ok and "hf_trainer" in ok:
+        ratios["packed_over_hf_trainer_tokens_per_s"] = ok["packed"]["useful_tokens_per_s"] / ok["hf_trainer"]["useful_tokens_per_s"]
+    if "FULL_SHARD" in ok and "NO_SHARD" in ok:
+        ratios["full_shard_over_no_shard_state"] = ok["FULL_SHARD"]["peak_state_bytes_per_rank"] / ok["NO_SHARD"]["peak_state_bytes_per_rank"]
+    for name, r in ok.items():
+        if r.get("predicted_state_bytes_per_rank"):
+            ratios[f"{name}_planner_error"] = r["predicted_state_bytes_per_rank"] / r["peak_state_bytes_per_rank"] - 1
+    report["ratios"] = ratios
+    print(table(report))
+    for k, v in ratios.items():
+        print(f"{k}: {v:.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""benchmarks/throughput.py runs and reports what it promises. Speed itself is judged from its output, not here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import ROOT, sandbox_env
+
+
+def test_memory_only_report(tmp_path):
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--memory-only", "--configs", "FULL_SHARD",
+           "NO_SHARD", "HYBRID_SHARD", "--nproc", "2", "--warmup", "0", "--steps", "1", "--max_length", "64",
+           "--json", str(tmp_path / "bench.json")]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert set(report) >= {"configs", "machine", "ratios"} and report["machine"]["cpu_count"]
+    full, no = report["configs"]["FULL_SHARD"], report["configs"]["NO_SHARD"]
+    for r in (full, no):
+        assert r["useful_tokens_per_s"] > 0 and r["step_time_s"] > 0 and 0 < r["mfu"] < 1
+        assert r["peak_memory_bytes_per_rank"] > 0 and r["global_batch"] == 8
+        assert abs(r["predicted_state_bytes_per_rank"] / r["peak_state_bytes_per_rank"] - 1) <= 0.10
+    assert full["peak_state_bytes_per_rank"] <= 0.55 * no["peak_state_bytes_per_rank"]
+    assert "needs 2 or more nodes" in report["configs"]["HYBRID_SHARD"]["error"]
+    assert "| FULL_SHARD |" in proc.stdout and "full_shard_over_no_shard_state: 0.5" in proc.stdout
