@@ -195,6 +195,11 @@ class CheckpointConfig:
         None, "Wall-clock budget such as 11h30m: save and exit 0 before it runs out, printing the resume command."
     )
     keep_last: int = _opt(2, "Keep the newest K checkpoints of output_dir, deleting older ones after a save (0: keep all).")
+    disk_budget: str | None = _opt(
+        None,
+        "Most bytes the checkpoints in output_dir may take (Kaggle: 19GB of the 20 GB output cap). Before a save, "
+        "local checkpoints that are on the Hub are deleted, oldest first, to make room.",
+    )
     state_dict_type: str = _opt(
         "full",
         "full: one .pt file gathered on rank 0. sharded: one folder per checkpoint, each rank writing its own shard.",
@@ -214,10 +219,20 @@ class CheckpointConfig:
         if not self.output_dir:
             raise ConfigError("--output_dir: must not be empty")
         parse_duration(self.time_limit)
+        if self.disk_budget is not None:
+            from .plan import parse_size
+
+            parse_size(self.disk_budget, "--disk_budget")
 
     @property
     def time_limit_seconds(self) -> float | None:
         return parse_duration(self.time_limit)
+
+    @property
+    def disk_budget_bytes(self) -> int | None:
+        from .plan import parse_size
+
+        return None if self.disk_budget is None else parse_size(self.disk_budget, "--disk_budget")
 
 
 @dataclass

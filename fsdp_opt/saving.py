@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,8 @@ def save(s: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
     else:
         name = ckpt.checkpoint_name(s.tag, dc.start_idx, s.end_idx, s.state.epoch + 1, s.state.global_step, sharded=sharded)
     path = s.out_dir / name
+    if s.env.is_main:
+        make_room(s, keep=path)
     extra = {
         "slice": slice_key(s.config, s.end_idx, len(s.blocks)),
         "scaler": s.scaler.state_dict(),
@@ -119,7 +122,7 @@ def save(s: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
     )  # fmt: skip
     s.last_saved_step = s.state.global_step
     if info is not None:
-        s.last_save_seconds = info["seconds"]
+        s.last_save_seconds, s.last_save_bytes = info["seconds"], info["bytes"]
         print0(f"saved {path} ({info['bytes'] / 2**20:,.1f} MiB in {info['seconds']:.1f} s)")
         if s.uploader is not None:
             entry = {
@@ -153,6 +156,35 @@ def export_final(s: Session) -> None:
             s.uploader.submit(dest, "export", entry)
     else:
         all_ranks_ok(lambda: None)
+
+
+def make_room(s: Session, keep: Path) -> None:
+    """--disk_budget, rank 0, before a save: delete local checkpoints the Hub has (oldest first) until the
+    checkpoints left plus the new one fit. What is not on the Hub is never deleted for room."""
+    from .uploads import ckpt_bytes
+
+    budget = s.config.checkpoint.disk_budget_bytes
+    if budget is None:
+        return
+    cc = s.config.checkpoint
+    needed = s.last_save_bytes or (12 if cc.save_optimizer else 4) * s.n_params
+    with s.prune_lock:
+        present = sorted(ckpt.list_checkpoints(s.out_dir), key=lambda p: (ckpt.checkpoint_step(p), p.stat().st_mtime))
+        used = sum(ckpt_bytes(p) for p in present if p != keep)
+        for p in present:
+            if used + needed <= budget:
+                break
+            if p != keep and s.uploader is not None and s.uploader.is_on_hub(p):
+                size = ckpt_bytes(p)
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
+                used -= size
+                print0(f"removed {p} to make room for the next save (it is on the Hub; --disk_budget {cc.disk_budget})")
+    if used + needed > budget:
+        print0(f"warning: --disk_budget {cc.disk_budget}: the checkpoints in {s.out_dir} and the next save need about "
+               f"{(used + needed) / 1e9:,.2f} GB; nothing more can be removed (not on the Hub yet); saving anyway")  # fmt: skip
 
 
 def prune(s: Session, keep: Path) -> None:

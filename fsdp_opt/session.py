@@ -44,6 +44,7 @@ class Session:
     params: list[nn.Parameter] = field(default_factory=list)
     last_loss: float = float("nan")
     last_save_seconds: float = 0.0
+    last_save_bytes: int = 0
     last_saved_step: int = -1
     uploader: Any = None  # uploads.Uploader on rank 0 with --hf_repo
     wandb: Any = None  # tracking.WandbRun (inactive off rank 0 or when disabled)

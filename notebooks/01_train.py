@@ -29,6 +29,7 @@ nproc = "gpu"  # processes: "gpu" = one per GPU; a number on CPU
 repo_dir = None  # the fsdp-opt checkout; None: this folder or a parent of it, else /kaggle/working/fsdp-opt
 session_hours = 12.0  # Kaggle ends a session after about 12 hours
 reserve_minutes = 30  # stop this long before the end: the last save and push fit in it
+disk_budget = "19GB"  # checkpoints in output_dir stay under this (Kaggle keeps 20 GB of /kaggle/working)
 run_next_slice = True  # also run the launch that resumes on the next range
 extra_flags = ""  # more fsdp_finetune.py flags, e.g. "--save_every_steps 200 --eval_rows 200"
 
@@ -107,6 +108,7 @@ limit = nb.time_limit(session_hours, reserve_minutes)
 args = nb.flags(
     model=model, dataset=dataset, start_idx=start_idx, end_idx=end_idx, num_epochs=num_epochs, batch_size=batch_size,
     accum_steps=accum_steps, max_length=max_length, hf_repo=hf_repo, output_dir=output_dir, time_limit=limit,
+    disk_budget=disk_budget,
 ) + shlex.split(extra_flags)  # fmt: skip
 train_cmd = nb.torchrun(nproc, script, args)
 print(train_cmd)
@@ -129,7 +131,7 @@ limit = nb.time_limit(session_hours, reserve_minutes)
 args = nb.flags(
     model=model, dataset=dataset, start_idx=next_start, end_idx=next_end, num_epochs=num_epochs, batch_size=batch_size,
     accum_steps=accum_steps, max_length=max_length, hf_repo=hf_repo, output_dir=output_dir, time_limit=limit,
-    resume_file="latest",
+    disk_budget=disk_budget, resume_file="latest",
 ) + shlex.split(extra_flags)  # fmt: skip
 resume_cmd = nb.torchrun(nproc, script, args)
 print(resume_cmd if run_next_slice and limit else "not launched (run_next_slice is off, or too little session time is left)")

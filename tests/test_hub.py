@@ -312,3 +312,24 @@ def test_wandb_without_network_falls_back(tmp_path):
     history = [r for r in wandb_records(run) if r["type"] == "history"]
     assert len(history) == len(read_jsonl(tmp_path / "out" / "metrics.jsonl"))
     assert WB_KEY not in proc.stdout + proc.stderr
+
+
+def test_disk_budget_makes_room_with_hub_copies(tmp_path):
+    """--disk_budget deletes local checkpoints only when the Hub has them, oldest first, before a save."""
+    with HubServer(token=HF_TOK) as server:
+        base = COMMON + ["--keep_last", "0", "--hf_repo", "me/run", "--wandb_mode", "disabled", "--output_dir", "out"]
+        s1 = run_cli(base + ["--end_idx", "16", "--save_every_steps", "2"], tmp_path, env=hub_env(tmp_path, server, "a"))
+        assert s1.returncode == 0, s1.stdout + s1.stderr
+        first = sorted((tmp_path / "out").glob("*.pt"), key=lambda p: p.stat().st_mtime)
+        assert len(first) >= 3 and all(f"checkpoints/{p.name}" in server.repos["me/run"].files for p in first)
+        one = max(p.stat().st_size for p in first)
+        budget = int(2.5 * one)
+        s2 = run_cli(base + ["--start_idx", "16", "--end_idx", "32", "--resume_file", "latest", "--disk_budget", str(budget)],
+                     tmp_path, env=hub_env(tmp_path, server, "b"))  # fmt: skip
+        assert s2.returncode == 0, s2.stdout + s2.stderr
+        repo = set(server.repos["me/run"].files)
+    removed = [Path(p).name for p in re.findall(r"^removed (\S+) to make room", s2.stdout, flags=re.M)]
+    assert removed == [p.name for p in first[: len(removed)]] and len(removed) == len(first) - 1  # oldest first
+    assert all(f"checkpoints/{name}" in repo for name in removed)
+    left = list((tmp_path / "out").glob("*.pt"))
+    assert sum(p.stat().st_size for p in left) <= budget and "warning: --disk_budget" not in s2.stdout
