@@ -7,6 +7,7 @@ Configurations (throughput mode):
   packed      fsdp-opt's defaults: rows packed into max_length blocks, FULL_SHARD, activation checkpointing
   padded      every row padded to max_length, as the original recipe did (same engine otherwise)
   hf_trainer  transformers' Trainer with FSDP2 on the same packed blocks, same precision, wrap and global batch
+  packed_compiled   packed, with --compile (torch.compile of each block's forward)
 Each runs under torchrun in its own processes: warm-up steps, then timed steps. Reported per configuration:
 useful (non-pad target) tokens/s, the median step time, MFU (PaLM's 6N + 12·L·H·Q·T FLOPs per token against the
 GPU's datasheet peak, or on CPU against a large-matmul peak measured in the same processes), the training state
@@ -30,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-THROUGHPUT = ("packed", "padded", "hf_trainer")
+THROUGHPUT = ("packed", "padded", "hf_trainer", "packed_compiled")
 MEMORY = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 
 
@@ -69,11 +70,12 @@ def cpu_matmul_peak(seconds: float = 1.0) -> float:
     return 2 * 1024**3 * n / (time.perf_counter() - t0)
 
 
-def engine_flags(args: argparse.Namespace, out_dir: str, strategy: str = "FULL_SHARD", padded: bool = False) -> list[str]:
+def engine_flags(args: argparse.Namespace, out_dir: str, strategy: str = "FULL_SHARD", padded: bool = False,
+                 extra: list[str] | None = None) -> list[str]:  # fmt: skip
     flags = ["--model", args.model, "--dataset", args.dataset, "--max_length", str(args.max_length),
              "--batch_size", str(args.batch_size), "--accum_steps", str(args.accum_steps), "--precision", args.precision,
              "--sharding_strategy", strategy, "--output_dir", out_dir, "--wandb_mode", "disabled", "--lr", "1e-4"]  # fmt: skip
-    return flags + (["--pad_to_max_length"] if padded else [])
+    return flags + (["--pad_to_max_length"] if padded else []) + (extra or [])
 
 
 def run_engine(args: argparse.Namespace, name: str, env, out_dir: str) -> dict:
@@ -86,7 +88,8 @@ def run_engine(args: argparse.Namespace, name: str, env, out_dir: str) -> dict:
     from fsdp_opt.trainer import setup, train_step
 
     strategy = name if args.memory_only else "FULL_SHARD"
-    config = parse_args(engine_flags(args, out_dir, strategy, padded=name == "padded"))
+    extra = ("--compile",) if name == "packed_compiled" else ()
+    config = parse_args(engine_flags(args, out_dir, strategy, padded=name == "padded", extra=list(extra)))
     s = setup(config, env)
     times, tokens = [], 0
     epoch, last = 0, None

@@ -181,6 +181,9 @@ class ParallelConfig:
         nargs="?",
         const="true",
     )
+    compile: bool = _opt(
+        False, "torch.compile each decoder block's forward (FSDP2's gathers stay eager); the first steps compile."
+    )
     device: str = _opt("auto", "auto (CUDA when available), cuda or cpu.", type=str.lower, choices=DEVICES)
 
 

@@ -167,28 +167,19 @@ class HubStore:
 
     def download(self, name: str, out_dir: Path) -> Path:
         """Fetch checkpoint `name` into out_dir/name (a file or a sharded folder); the rename makes it appear whole."""
-        from huggingface_hub import hf_hub_download, snapshot_download
+        from huggingface_hub import snapshot_download
 
         files = self.files()
         where = self.checkpoints(files).get(name)
         if where is None:
             raise KeyError(name)
-        out_dir.mkdir(parents=True, exist_ok=True)
         dest = out_dir / name
-        staging = Path(tempfile.mkdtemp(prefix=".download-", dir=out_dir))
-        try:
-            if where in files:
-                got = Path(self._call(lambda: hf_hub_download(self.repo_id, where, local_dir=staging, endpoint=self.api.endpoint)))
-            else:
-                self._call(lambda: snapshot_download(
-                    self.repo_id, allow_patterns=[f"{where}/*"], local_dir=staging, endpoint=self.api.endpoint
-                ))
-                got = staging / where
-            got.rename(dest)
-        finally:
-            import shutil
-
-            shutil.rmtree(staging, ignore_errors=True)
+        if where in files:
+            return self.fetch(where, dest)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".download-", dir=out_dir) as staging:
+            self._call(lambda: snapshot_download(self.repo_id, allow_patterns=[f"{where}/*"], local_dir=staging, endpoint=self.api.endpoint))
+            (Path(staging) / where).rename(dest)
         return dest
 
 

@@ -155,7 +155,8 @@ def apply_fsdp(
 
 
 def shard_model(
-    model: nn.Module, env: DistEnv, *, strategy: str, precision: str, activation_checkpointing: bool, offload: bool = False
+    model: nn.Module, env: DistEnv, *, strategy: str, precision: str, activation_checkpointing: bool, offload: bool = False,
+    compile_blocks: bool = False,
 ) -> tuple[set[type[nn.Module]], int]:
     """Wrap policy -> (activation checkpointing) -> mesh -> FSDP2, on a meta model. Returns the block classes
     and the number of blocks (each its own FSDP unit, plus the root)."""
@@ -164,6 +165,11 @@ def shard_model(
     all_ranks_ok(lambda: check_no_shared_params(model, blocks))
     if activation_checkpointing:
         blocks = apply_activation_checkpointing(model, blocks)
+    if compile_blocks:
+        for block in blocks:
+            inner = getattr(block, "_checkpoint_wrapped_module", block)
+            # Only the block's own forward: FSDP2's hooks around it (gathers, reduce-scatters) stay eager.
+            inner.forward = torch.compile(inner.forward)
     mesh = build_mesh(strategy, env)
     apply_fsdp(model, blocks, mesh, strategy=strategy, mp_policy=mixed_precision_policy(precision), offload=offload)
     return classes, len(blocks)

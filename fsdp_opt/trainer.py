@@ -108,7 +108,7 @@ def setup(config: Config, env: DistEnv) -> Session:
     fpt = flops_per_token(model, dc.max_length)
     block_classes, units = par.shard_model(
         model, env, strategy=pc.sharding_strategy, precision=precision,
-        activation_checkpointing=pc.activation_checkpointing, offload=pc.cpu_offload,
+        activation_checkpointing=pc.activation_checkpointing, offload=pc.cpu_offload, compile_blocks=pc.compile,
     )  # fmt: skip
     resuming = bool(cc.resume_file)
     par.initialize(model, env, source, model_config, tc.seed, weights=not resuming)

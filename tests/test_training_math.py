@@ -53,7 +53,7 @@ def reference(det_model):
     [
         (2, 2, 2, "FULL_SHARD", ["--reduce_every_microbatch"]),  # reduce-scatter after each micro-batch
         (2, 2, 2, "SHARD_GRAD_OP", ["--total_batch_size", "8"]),  # accumulation derived from the total
-        (2, 1, 4, "NO_SHARD", []),
+        (2, 1, 4, "NO_SHARD", ["--compile"]),  # torch.compile of each block's forward
         (0, 8, 1, "FULL_SHARD", []),  # plain `python fsdp_finetune.py`: a world of one, whole batch at once
         (1, 4, 2, "FULL_SHARD", []),
     ],
@@ -72,9 +72,11 @@ def test_sharded_run_matches_unsharded_reference(tmp_path, det_model, reference,
     assert any(l.split(":")[0].strip() == "gradient sync" and l.endswith(f": {sync}") for l in proc.stdout.splitlines())
     rows = read_jsonl(tmp_path / "out" / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, len(reference) + 1))
+    # Inductor's fused kernels sum in another order: compiled runs agree to 1e-3, eager ones to 1e-4.
+    tol = 1e-3 if "--compile" in extra else 1e-4
     for r, (ref_loss, ref_norm) in zip(rows, reference):
-        assert r["loss"] == pytest.approx(ref_loss, rel=1e-4), (r["step"], r["loss"], ref_loss)
-        assert r["grad_norm"] == pytest.approx(ref_norm, rel=1e-4), (r["step"], r["grad_norm"], ref_norm)
+        assert r["loss"] == pytest.approx(ref_loss, rel=tol), (r["step"], r["loss"], ref_loss)
+        assert r["grad_norm"] == pytest.approx(ref_norm, rel=tol), (r["step"], r["grad_norm"], ref_norm)
     # The clip must have been active on some step for this to test clipping at all.
     assert any(norm > CLIP for _, norm in reference)
     # Every target token of the slice is counted exactly once per epoch.
