@@ -100,10 +100,12 @@ class Uploader:
         """May --keep_last delete this local checkpoint? Only once it, or a newer checkpoint that replaced it, is up."""
         name = Path(path).name
         with self._cond:
-            if name in self.remote_names:
+            job = next((j for j in reversed(self.jobs) if j.name == name), None)
+            if job is None:  # not written by this session: on the Hub if the repo had it at start
+                return name in self.remote_names
+            if job.status == "done":
                 return True
-            job = next((j for j in self.jobs if j.name == name), None)
-            if job is None or job.status != "superseded":
+            if job.status != "superseded":  # waiting, uploading or failed: the local file is the only copy
                 return False
             return any(j.status == "done" and j.entry.get("global_step", -1) > job.entry.get("global_step", -1) for j in self.jobs)
 

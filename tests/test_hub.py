@@ -250,6 +250,16 @@ def test_uploader_order_one_at_a_time(tmp_path):
         server.gate.set()
         assert up.finish(timeout=60) == []
         repo_files = server.files("me/q")
+        # A later session that writes a checkpoint under a name the repo already has: until its own upload is
+        # done, the local file is the only copy of what it holds.
+        again = Uploader(store, lambda index: "---\n---\ncard\n", run={}, private=True, retries=0, backoff=0.1, log=log.append)
+        step1 = files["m_0-8-epoch-1-step-1.pt"]
+        assert again.is_on_hub(step1)
+        server.gate.clear()
+        again.submit(step1, "step", {"global_step": 1})
+        assert not again.is_on_hub(step1)
+        server.gate.set()
+        assert again.finish(timeout=60) == [] and again.is_on_hub(step1)
     assert [j.status for j in jobs] == ["done", "superseded", "done", "done"]
     assert server.max_in_commit == 1
     assert "checkpoints/m_0-8-epoch-1-step-2.pt" not in repo_files
