@@ -120,7 +120,7 @@ def save(s: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
         path, s.env, s.model, s.optimizer, state=s.state, epochs_run=s.state.epoch, extra=extra,
         save_optimizer=cc.save_optimizer, sharded=sharded,
     )  # fmt: skip
-    s.last_saved_step = s.state.global_step
+    s.last_saved_step, s.last_saved_path = s.state.global_step, path
     if info is not None:
         s.last_save_seconds, s.last_save_bytes = info["seconds"], info["bytes"]
         print0(f"saved {path} ({info['bytes'] / 2**20:,.1f} MiB in {info['seconds']:.1f} s)")

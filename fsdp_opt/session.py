@@ -46,6 +46,7 @@ class Session:
     last_save_seconds: float = 0.0
     last_save_bytes: int = 0
     last_saved_step: int = -1
+    last_saved_path: Path | None = None
     uploader: Any = None  # uploads.Uploader on rank 0 with --hf_repo
     wandb: Any = None  # tracking.WandbRun (inactive off rank 0 or when disabled)
     prune_lock: threading.Lock = field(default_factory=threading.Lock)

@@ -255,11 +255,8 @@ def train(s: Session) -> None:
 
 def _stop_early(s: Session, reason: str) -> None:
     print0(f"stopping: {reason} at global step {s.state.global_step}")
-    path = s.out_dir / ckpt.checkpoint_name(
-        s.tag, s.config.data.start_idx, s.end_idx, s.state.epoch + 1, s.state.global_step,
-        sharded=s.config.checkpoint.state_dict_type == "sharded",
-    )  # fmt: skip
-    if s.last_saved_step != s.state.global_step:
+    path = s.last_saved_path  # saved at this very step already (an epoch end just before the stop, say)
+    if s.last_saved_step != s.state.global_step or path is None:
         path = save(s, epoch_end=False, evaluate=False)  # no time for an evaluation now
     print0("resume with:\n  " + resume_command(path.name))
 
