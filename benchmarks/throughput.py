@@ -7,7 +7,9 @@ Configurations (throughput mode):
   packed      fsdp-opt's defaults: rows packed into max_length blocks, FULL_SHARD, activation checkpointing
   padded      every row padded to max_length, as the original recipe did (same engine otherwise)
   hf_trainer  transformers' Trainer with FSDP2 on the same packed blocks, same precision, wrap and global batch
+              (on CPU accelerate would use DDP instead; the benchmark switches its FSDP2 plugin on there)
   packed_compiled   packed, with --compile (torch.compile of each block's forward)
+  packed_prefetch2  packed, with --prefetch 2 (FSDP2 gathers two blocks ahead in forward and backward)
 Each runs under torchrun in its own processes: warm-up steps, then timed steps. Reported per configuration:
 useful (non-pad target) tokens/s, the median step time, MFU (PaLM's 6N + 12·L·H·Q·T FLOPs per token against the
 GPU's datasheet peak, or on CPU against a large-matmul peak measured in the same processes), the training state
@@ -31,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-THROUGHPUT = ("packed", "padded", "hf_trainer", "packed_compiled")
+THROUGHPUT = ("packed", "padded", "hf_trainer", "packed_compiled", "packed_prefetch2")
 MEMORY = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 
 
@@ -88,8 +90,8 @@ def run_engine(args: argparse.Namespace, name: str, env, out_dir: str) -> dict:
     from fsdp_opt.trainer import setup, train_step
 
     strategy = name if args.memory_only else "FULL_SHARD"
-    extra = ("--compile",) if name == "packed_compiled" else ()
-    config = parse_args(engine_flags(args, out_dir, strategy, padded=name == "padded", extra=list(extra)))
+    extra = {"packed_compiled": ["--compile"], "packed_prefetch2": ["--prefetch", "2"]}.get(name, [])
+    config = parse_args(engine_flags(args, out_dir, strategy, padded=name == "padded", extra=extra))
     s = setup(config, env)
     times, tokens = [], 0
     epoch, last = 0, None
@@ -130,11 +132,13 @@ def run_engine(args: argparse.Namespace, name: str, env, out_dir: str) -> dict:
 def run_hf_trainer(args: argparse.Namespace, env, out_dir: str) -> dict:
     """transformers' Trainer with FSDP2 on the blocks fsdp-opt packs, the same wrap, precision and global batch."""
     import torch
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
+    from fsdp_opt import plan
     from fsdp_opt.data import build_blocks, load_rows, select_texts
     from fsdp_opt.models import load_model_config, load_tokenizer, resolve_model
-    from fsdp_opt.parallelize import find_block_classes, resolve_precision
+    from fsdp_opt.parallelize import find_block_classes, local_state_bytes, resolve_precision
     from fsdp_opt.tracking import flops_per_token, peak_memory_bytes
 
     source = resolve_model(args.model)
@@ -168,15 +172,38 @@ def run_hf_trainer(args: argparse.Namespace, env, out_dir: str) -> dict:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - self.t0)
 
+    class FSDPTrainer(Trainer):
+        """Trainer as it is, except on CPU: accelerate turns its FSDP plugin on only for accelerator devices and
+        would fall back to DDP on gloo, so here the same FSDP2 plugin is switched on after the accelerator is made."""
+
+        def create_accelerator_and_postprocess(self):
+            super().create_accelerator_and_postprocess()
+            state = self.accelerator.state
+            if not self.is_fsdp_enabled and state.distributed_type == DistributedType.MULTI_CPU:
+                state.distributed_type = DistributedType.FSDP
+                state.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+                self.is_fsdp_enabled = True
+
+    cpu = env.device.type == "cpu"
     targs = TrainingArguments(
-        output_dir=out_dir, per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.accum_steps,
+        output_dir=out_dir, use_cpu=cpu, ddp_backend="gloo" if cpu else None, per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.accum_steps,
         max_steps=args.warmup + args.steps, learning_rate=1e-4, fp16=precision == "fp16", bf16=precision == "bf16",
         fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": wrap, "activation_checkpointing": True,
                                 "reshard_after_forward": True},
         report_to=[], save_strategy="no", logging_steps=10**6, disable_tqdm=True, dataloader_num_workers=0, seed=0,
     )  # fmt: skip
-    trainer = Trainer(model=model, args=targs, train_dataset=Rows(), callbacks=[Clock()])
+    trainer = FSDPTrainer(model=model, args=targs, train_dataset=Rows(), callbacks=[Clock()])
     trainer.train()
+    from torch.distributed.fsdp import FSDPModule
+
+    if not any(isinstance(m, FSDPModule) for m in trainer.model.modules()):
+        raise RuntimeError(f"Trainer did not shard the model with FSDP2 ({type(trainer.model_wrapped).__name__})")
+    # One more backward without a step, as for the engine, so gradients sit next to parameters and Adam state.
+    batch = {k: v.to(env.device) for k, v in blocks.batch(torch.arange(args.batch_size), env.device).items()}
+    trainer.model(**batch).loss.backward()
+    state = local_state_bytes(trainer.model, trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer)
+    shape = plan.Shape.of(plan.model_config(args.model))
+    inputs = plan.Inputs(gpus=env.world_size, nodes=env.num_nodes, precision=precision, cuda=not cpu)
     timed = times[args.warmup :]
     global_batch = args.batch_size * env.world_size * args.accum_steps
     return {
@@ -184,8 +211,8 @@ def run_hf_trainer(args: argparse.Namespace, env, out_dir: str) -> dict:
         "step_time_s": statistics.median(timed),
         "flops_per_token": flops_per_token(model, args.max_length),
         "global_batch": global_batch,
-        "peak_state_bytes_per_rank": None,
-        "predicted_state_bytes_per_rank": None,
+        "peak_state_bytes_per_rank": state["total"],
+        "predicted_state_bytes_per_rank": sum(plan.state_bytes(shape, "FULL_SHARD", inputs).values()),
         "peak_memory_bytes_per_rank": peak_memory_bytes(env.device),
         "precision": precision,
         "strategy": "FULL_SHARD (Trainer, FSDP2)",

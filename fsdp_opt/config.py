@@ -184,7 +184,16 @@ class ParallelConfig:
     compile: bool = _opt(
         False, "torch.compile each decoder block's forward (FSDP2's gathers stay eager); the first steps compile."
     )
+    prefetch: int = _opt(
+        0,
+        "Gather the weights of the next N blocks ahead, in forward and in backward (FSDP2 explicit prefetch); "
+        "each holds one more gathered block in memory. 0: FSDP2's own order (one block ahead in backward).",
+    )
     device: str = _opt("auto", "auto (CUDA when available), cuda or cpu.", type=str.lower, choices=DEVICES)
+
+    def __post_init__(self) -> None:
+        if self.prefetch < 0:
+            raise ConfigError(f"--prefetch {self.prefetch}: must be 0 or more")
 
 
 @dataclass

@@ -32,12 +32,14 @@ DEFAULT_EVAL_ROWS = 200
 
 
 def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum (not mean) of next-token cross-entropy over the targets; fp32 for the softmax."""
+    """Sum (not mean) of next-token cross-entropy over the targets; fp32 for the softmax.
+
+    The labels move one place left (the last position gets no target) rather than the logits: slicing the
+    logits would cost a copy of them in forward and a zero-filled tensor of their full size in backward.
+    """
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
     return F.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-        labels[:, 1:].reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
+        logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
 
 

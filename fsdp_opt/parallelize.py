@@ -133,6 +133,7 @@ def apply_fsdp(
     strategy: str,
     mp_policy: MixedPrecisionPolicy,
     offload: bool,
+    prefetch: int = 0,
 ) -> nn.Module:
     """Shard each block as its own unit, then the root (embeddings, tied lm_head, final norm)."""
     offload_policy: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
@@ -142,6 +143,12 @@ def apply_fsdp(
     for block in blocks:
         fully_shard(block, reshard_after_forward=reshard, **common)
     fully_shard(model, reshard_after_forward=False, **common)
+    if prefetch > 0:
+        # Blocks run in list order in forward and in reverse in backward; each one starts the gathers of
+        # the next `prefetch` blocks of its direction when it starts.
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 1 + prefetch])
+            block.set_modules_to_backward_prefetch(blocks[max(0, i - prefetch) : i][::-1])
     # NOTE: transformers' decoder layers return views; nothing here modifies a block output in place,
     # which is the only case FSDP2's warning is about.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
@@ -156,7 +163,7 @@ def apply_fsdp(
 
 def shard_model(
     model: nn.Module, env: DistEnv, *, strategy: str, precision: str, activation_checkpointing: bool, offload: bool = False,
-    compile_blocks: bool = False,
+    compile_blocks: bool = False, prefetch: int = 0,
 ) -> tuple[set[type[nn.Module]], int]:
     """Wrap policy -> (activation checkpointing) -> mesh -> FSDP2, on a meta model. Returns the block classes
     and the number of blocks (each its own FSDP unit, plus the root)."""
@@ -171,7 +178,8 @@ def shard_model(
             # Only the block's own forward: FSDP2's hooks around it (gathers, reduce-scatters) stay eager.
             inner.forward = torch.compile(inner.forward)
     mesh = build_mesh(strategy, env)
-    apply_fsdp(model, blocks, mesh, strategy=strategy, mp_policy=mixed_precision_policy(precision), offload=offload)
+    apply_fsdp(model, blocks, mesh, strategy=strategy, mp_policy=mixed_precision_policy(precision), offload=offload,
+               prefetch=prefetch)  # fmt: skip
     return classes, len(blocks)
 
 

@@ -111,6 +111,7 @@ class Inputs:
     activation_checkpointing: bool = True
     attn_implementation: str = "sdpa"
     reduce_every_microbatch: bool = False
+    prefetch: int = 0
     cuda: bool = True
 
 
@@ -138,9 +139,11 @@ def memory(shape: Shape, strategy: str, inputs: Inputs, batch_size: int | None =
     # Without gradient sync between micro-batches FSDP keeps an unsharded fp32 gradient until the last one.
     out["accumulated_gradients"] = 4 * shape.params if inputs.accum_steps > 1 and not inputs.reduce_every_microbatch else 0
     # Gathered weights: the root stays gathered through forward and backward; FULL_SHARD/HYBRID hold the block
-    # being computed and the one prefetched; SHARD_GRAD_OP and NO_SHARD keep every block from forward to backward.
+    # being computed and the one prefetched (`prefetch` of them with --prefetch); SHARD_GRAD_OP and NO_SHARD
+    # keep every block from forward to backward.
     keeps_all = strategy in ("SHARD_GRAD_OP", "NO_SHARD")
-    out["gathered_weights"] = c * (shape.root_params + (L if keeps_all else 2) * shape.block_params)
+    held = L if keeps_all else min(L, 1 + max(1, inputs.prefetch))
+    out["gathered_weights"] = c * (shape.root_params + held * shape.block_params)
     attention = 5 * shape.heads * s * s * b * c // 2 if inputs.attn_implementation == "eager" else 0
     full_layer = 34 * s * b * h * c // 2 + attention  # every saved tensor of one block (Korthikanti et al.)
     if inputs.activation_checkpointing:
@@ -285,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--activation_checkpointing", type=parse_bool, nargs="?", const=True, default=True)
     p.add_argument("--attn_implementation", default="sdpa", choices=["sdpa", "eager"])
     p.add_argument("--reduce_every_microbatch", type=parse_bool, nargs="?", const=True, default=False)
+    p.add_argument("--prefetch", type=int, default=0, help="blocks gathered ahead (the trainer's --prefetch)")
     p.add_argument("--disk", default="20GB", help="disk for checkpoints (Kaggle's /kaggle/working: 20GB)")
     p.add_argument("--host_memory", default="31GB", help="host RAM (Kaggle: 31GB)")
     p.add_argument("--keep_last", type=int, default=2)
@@ -302,13 +306,15 @@ def main(argv: list[str] | None = None) -> int:
         for flag in ("gpus", "nodes", "batch_size", "max_length", "accum_steps"):
             if getattr(a, flag) < 1:
                 raise ConfigError(f"--{flag} {getattr(a, flag)}: must be at least 1")
+        if a.prefetch < 0:
+            raise ConfigError(f"--prefetch {a.prefetch}: must be 0 or more")
         if a.gpus % a.nodes:
             raise ConfigError(f"--gpus {a.gpus}: does not split evenly over --nodes {a.nodes}")
         inputs = Inputs(
             gpus=a.gpus, nodes=a.nodes, gpu_memory=parse_size(a.gpu_memory, "--gpu_memory"), batch_size=a.batch_size,
             max_length=a.max_length, accum_steps=a.accum_steps, precision=a.precision,
             activation_checkpointing=a.activation_checkpointing, attn_implementation=a.attn_implementation,
-            reduce_every_microbatch=a.reduce_every_microbatch, cuda=not a.cpu,
+            reduce_every_microbatch=a.reduce_every_microbatch, prefetch=a.prefetch, cuda=not a.cpu,
         )  # fmt: skip
         plan = make_plan(a.model, inputs, disk=parse_size(a.disk, "--disk"), host_memory=parse_size(a.host_memory, "--host_memory"),
                          keep_last=a.keep_last, save_optimizer=a.save_optimizer)  # fmt: skip

@@ -109,6 +109,7 @@ def setup(config: Config, env: DistEnv) -> Session:
     block_classes, units = par.shard_model(
         model, env, strategy=pc.sharding_strategy, precision=precision,
         activation_checkpointing=pc.activation_checkpointing, offload=pc.cpu_offload, compile_blocks=pc.compile,
+        prefetch=pc.prefetch,
     )  # fmt: skip
     resuming = bool(cc.resume_file)
     par.initialize(model, env, source, model_config, tc.seed, weights=not resuming)
@@ -173,6 +174,7 @@ def _reduce_each_microbatch(config: Config, env: DistEnv, model_config: Any, pre
         gpus=env.world_size, nodes=env.num_nodes, gpu_memory=torch.cuda.get_device_properties(env.device).total_memory,
         batch_size=tc.batch_size, max_length=dc.max_length, accum_steps=tc.accum_steps, precision=precision,
         activation_checkpointing=pc.activation_checkpointing, attn_implementation=config.model.attn_implementation,
+        prefetch=pc.prefetch,
     )  # fmt: skip
     needed = reduce_every_microbatch_needed(Shape.of(model_config), pc.sharding_strategy, inputs)
     if needed:

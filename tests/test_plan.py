@@ -47,6 +47,11 @@ def test_memory_arithmetic_for_opt_1_3b_on_two_t4():
     assert reduce_every_microbatch_needed(shape, "FULL_SHARD", t4)
     assert not reduce_every_microbatch_needed(shape, "FULL_SHARD", Inputs(**{**t4.__dict__, "gpu_memory": 80 * GIB}))
     assert not reduce_every_microbatch_needed(shape, "FULL_SHARD", Inputs(**{**t4.__dict__, "accum_steps": 1}))
+    # Gathered fp16 weights: the root (embeddings, positions, final norm) and two of 24 blocks, or 1 + prefetch.
+    assert full["gathered_weights"] == 2 * (shape.root_params + 2 * shape.block_params)
+    ahead = memory(shape, "FULL_SHARD", Inputs(**{**t4.__dict__, "prefetch": 3}))["gathered_weights"]
+    assert ahead - full["gathered_weights"] == 2 * 2 * shape.block_params
+    assert shape.block_params == 12 * 2048**2 + 13 * 2048  # an OPT block: 4 h^2 attention + 8 h^2 MLP, biases, 2 norms
     nosync = memory(shape, "NO_SHARD", t4)
     assert nosync["parameters"] == 4 * n and nosync["optimizer"] == 8 * n
 

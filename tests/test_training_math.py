@@ -51,7 +51,8 @@ def reference(det_model):
 @pytest.mark.parametrize(
     "nproc,batch,accum,strategy,extra",
     [
-        (2, 2, 2, "FULL_SHARD", ["--reduce_every_microbatch"]),  # reduce-scatter after each micro-batch
+        # reduce-scatter after each micro-batch; explicit prefetch of two blocks in forward and backward
+        (2, 2, 2, "FULL_SHARD", ["--reduce_every_microbatch", "--prefetch", "2"]),
         (2, 2, 2, "SHARD_GRAD_OP", ["--total_batch_size", "8"]),  # accumulation derived from the total
         (2, 1, 4, "NO_SHARD", ["--compile"]),  # torch.compile of each block's forward
         (0, 8, 1, "FULL_SHARD", []),  # plain `python fsdp_finetune.py`: a world of one, whole batch at once

@@ -47,6 +47,7 @@ def test_boolean_flags_take_optional_values():
         ("--precision fp8", "--precision"),
         ("--lr_schedule cosine", "--lr_decay_steps"),
         ("--hf_repo nonsense", "--hf_repo"),
+        ("--prefetch -1", "--prefetch"),
         ("--bogus 1", "--bogus"),
     ],
 )
