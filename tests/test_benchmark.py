@@ -11,7 +11,7 @@ from conftest import ROOT, sandbox_env
 
 def test_memory_only_report(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--memory-only", "--configs", "FULL_SHARD",
-           "NO_SHARD", "HYBRID_SHARD", "--nproc", "2", "--warmup", "0", "--steps", "1", "--max_length", "64",
+           "NO_SHARD", "HYBRID_SHARD", "--nproc", "2", "--warmup", "0", "--steps", "1", "--max_length", "64", "--repeat", "2",
            "--json", str(tmp_path / "bench.json")]  # fmt: skip
     proc = subprocess.run(cmd, cwd=tmp_path, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -23,6 +23,10 @@ def test_memory_only_report(tmp_path):
         assert r["peak_memory_bytes_per_rank"] > 0 and r["global_batch"] == 8
         assert abs(r["predicted_state_bytes_per_rank"] / r["peak_state_bytes_per_rank"] - 1) <= 0.10
     assert full["peak_state_bytes_per_rank"] <= 0.55 * no["peak_state_bytes_per_rank"]
+    # --repeat 2: both rounds ran; the report keeps the median (lower middle) run of each configuration.
+    for r in (full, no):
+        assert len(r["runs_useful_tokens_per_s"]) == 2 and r["useful_tokens_per_s"] == min(r["runs_useful_tokens_per_s"])
+        assert r["gc_seconds"] >= 0
     assert "needs 2 or more nodes" in report["configs"]["HYBRID_SHARD"]["error"]
     assert "| FULL_SHARD |" in proc.stdout and "full_shard_over_no_shard_state: 0.5" in proc.stdout
 
