@@ -10,6 +10,9 @@ Configurations (throughput mode):
               (on CPU accelerate would use DDP instead; the benchmark switches its FSDP2 plugin on there)
   packed_compiled   packed, with --compile (torch.compile of each block's forward)
   packed_prefetch2  packed, with --prefetch 2 (FSDP2 gathers two blocks ahead in forward and backward)
+  packed_chunked_loss  packed, with --loss_chunk_tokens 256 (the logits 256 tokens at a time); its memory
+              effect shows with a large vocabulary: --vocab 50272 (opt-1.3b's) trains a copy of the model
+              with that many token embeddings
 Each runs under torchrun in its own processes: warm-up steps, then timed steps. Reported per configuration:
 useful (non-pad target) tokens/s, the median step time, MFU (PaLM's 6N + 12·L·H·Q·T FLOPs per token against the
 GPU's datasheet peak, or on CPU against a large-matmul peak measured in the same processes), the training state
@@ -33,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-THROUGHPUT = ("packed", "padded", "hf_trainer", "packed_compiled", "packed_prefetch2")
+THROUGHPUT = ("packed", "padded", "hf_trainer", "packed_compiled", "packed_prefetch2", "packed_chunked_loss")
 MEMORY = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 
 
@@ -54,6 +57,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--memory-only", dest="memory_only", action="store_true", help="compare sharding strategies instead")
     p.add_argument("--configs", nargs="*", default=None, help="a subset of the configurations")
     p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--vocab", type=int, default=None,
+                   help="train a randomly initialised copy of --model with this vocabulary size (the tokenizer is unchanged)")  # fmt: skip
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -118,7 +123,8 @@ def run_engine(args: argparse.Namespace, name: str, env, out_dir: str) -> dict:
     from fsdp_opt.trainer import setup, train_step
 
     strategy = name if args.memory_only else "FULL_SHARD"
-    extra = {"packed_compiled": ["--compile"], "packed_prefetch2": ["--prefetch", "2"]}.get(name, [])
+    extra = {"packed_compiled": ["--compile"], "packed_prefetch2": ["--prefetch", "2"],
+             "packed_chunked_loss": ["--loss_chunk_tokens", "256"]}.get(name, [])  # fmt: skip
     config = parse_args(engine_flags(args, out_dir, strategy, padded=name == "padded", extra=extra))
     s = setup(config, env)
     times, tokens = [], 0
@@ -306,6 +312,22 @@ def machine() -> dict:
     return info
 
 
+def widened_model(model: str, vocab: int, folder: str) -> str:
+    """A model folder: `model`'s config with `vocab` token embeddings, random weights, the same tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_opt.models import load_model_config, load_tokenizer, resolve_model
+
+    source = resolve_model(model)
+    config = load_model_config(source)
+    config.vocab_size = vocab
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    load_tokenizer(source).save_pretrained(folder)
+    return folder
+
+
 def launch(args: argparse.Namespace, name: str, argv: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
@@ -342,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
         worker(args)
         return 0
     names = args.configs or list(MEMORY if args.memory_only else THROUGHPUT)
+    workdir = tempfile.TemporaryDirectory(prefix="bench-model-")
+    if args.vocab:
+        args.model = widened_model(args.model, args.vocab, workdir.name)
     passthrough = ["--model", args.model, "--dataset", args.dataset, "--max_length", str(args.max_length),
                    "--batch_size", str(args.batch_size), "--accum_steps", str(args.accum_steps), "--precision",
                    args.precision, "--warmup", str(args.warmup), "--steps", str(args.steps)]  # fmt: skip
@@ -370,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
         ratios["packed_over_padded_tokens_per_s"] = ok["packed"]["useful_tokens_per_s"] / ok["padded"]["useful_tokens_per_s"]
     if "packed" in ok and "hf_trainer" in ok:
         ratios["packed_over_hf_trainer_tokens_per_s"] = ok["packed"]["useful_tokens_per_s"] / ok["hf_trainer"]["useful_tokens_per_s"]
+    if "packed" in ok and "packed_chunked_loss" in ok:
+        ratios["packed_chunked_loss_over_packed_peak_memory"] = ok["packed_chunked_loss"]["peak_memory_bytes_per_rank"] / ok["packed"]["peak_memory_bytes_per_rank"]
+        ratios["packed_chunked_loss_over_packed_tokens_per_s"] = ok["packed_chunked_loss"]["useful_tokens_per_s"] / ok["packed"]["useful_tokens_per_s"]
     if "FULL_SHARD" in ok and "NO_SHARD" in ok:
         ratios["full_shard_over_no_shard_state"] = ok["FULL_SHARD"]["peak_state_bytes_per_rank"] / ok["NO_SHARD"]["peak_state_bytes_per_rank"]
     for name, r in ok.items():

@@ -111,8 +111,16 @@ class TrainConfig:
     max_grad_norm: float = _opt(1.0, "Clip the global gradient norm to this value; 0 disables clipping.")
     seed: int = _opt(42, "Seed for model init, data order and dropout.")
     init_loss_scale: float = _opt(2.0**16, "Starting loss scale for fp16 (halved on overflow, doubled after 2000 good steps).")
+    loss_chunk_tokens: int = _opt(
+        0,
+        "Compute the output projection and loss N tokens at a time, recomputed in backward, so the whole "
+        "micro-batch's logits never exist at once (opt-1.3b at 4 x 512: about 1.3 GiB less; see the plan). "
+        "0: all logits at once.",
+    )
 
     def __post_init__(self) -> None:
+        if self.loss_chunk_tokens < 0:
+            raise ConfigError(f"--loss_chunk_tokens {self.loss_chunk_tokens}: must be 0 (off) or more")
         for name in ("num_epochs", "batch_size", "accum_steps"):
             value = getattr(self, name)
             if value < 1:

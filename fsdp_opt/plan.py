@@ -112,6 +112,7 @@ class Inputs:
     attn_implementation: str = "sdpa"
     reduce_every_microbatch: bool = False
     prefetch: int = 0
+    loss_chunk_tokens: int = 0
     cuda: bool = True
 
 
@@ -152,6 +153,9 @@ def memory(shape: Shape, strategy: str, inputs: Inputs, batch_size: int | None =
         out["activations"] = L * full_layer
     # Logits in the compute dtype, their fp32 copy for the loss, the saved log-softmax and the fp32 gradient.
     out["logits"] = s * b * shape.vocab * (c + 4 + 4 + 4 if c == 2 else 12)
+    if inputs.loss_chunk_tokens:
+        # One chunk at a time, at its peak in backward's recompute: the same, plus its gradient in the compute dtype.
+        out["logits"] = min(inputs.loss_chunk_tokens, s * b) * shape.vocab * (2 * c + 12 if c == 2 else 16)
     if inputs.cuda:
         out["runtime"] = CUDA_CONTEXT_BYTES + int(FRAGMENTATION * sum(out.values()))
     return out
@@ -289,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attn_implementation", default="sdpa", choices=["sdpa", "eager"])
     p.add_argument("--reduce_every_microbatch", type=parse_bool, nargs="?", const=True, default=False)
     p.add_argument("--prefetch", type=int, default=0, help="blocks gathered ahead (the trainer's --prefetch)")
+    p.add_argument("--loss_chunk_tokens", type=int, default=0, help="the trainer's --loss_chunk_tokens")
     p.add_argument("--disk", default="20GB", help="disk for checkpoints (Kaggle's /kaggle/working: 20GB)")
     p.add_argument("--host_memory", default="31GB", help="host RAM (Kaggle: 31GB)")
     p.add_argument("--keep_last", type=int, default=2)
@@ -306,15 +311,17 @@ def main(argv: list[str] | None = None) -> int:
         for flag in ("gpus", "nodes", "batch_size", "max_length", "accum_steps"):
             if getattr(a, flag) < 1:
                 raise ConfigError(f"--{flag} {getattr(a, flag)}: must be at least 1")
-        if a.prefetch < 0:
-            raise ConfigError(f"--prefetch {a.prefetch}: must be 0 or more")
+        for flag in ("prefetch", "loss_chunk_tokens"):
+            if getattr(a, flag) < 0:
+                raise ConfigError(f"--{flag} {getattr(a, flag)}: must be 0 or more")
         if a.gpus % a.nodes:
             raise ConfigError(f"--gpus {a.gpus}: does not split evenly over --nodes {a.nodes}")
         inputs = Inputs(
             gpus=a.gpus, nodes=a.nodes, gpu_memory=parse_size(a.gpu_memory, "--gpu_memory"), batch_size=a.batch_size,
             max_length=a.max_length, accum_steps=a.accum_steps, precision=a.precision,
             activation_checkpointing=a.activation_checkpointing, attn_implementation=a.attn_implementation,
-            reduce_every_microbatch=a.reduce_every_microbatch, prefetch=a.prefetch, cuda=not a.cpu,
+            reduce_every_microbatch=a.reduce_every_microbatch, prefetch=a.prefetch,
+            loss_chunk_tokens=a.loss_chunk_tokens, cuda=not a.cpu,
         )  # fmt: skip
         plan = make_plan(a.model, inputs, disk=parse_size(a.disk, "--disk"), host_memory=parse_size(a.host_memory, "--host_memory"),
                          keep_last=a.keep_last, save_optimizer=a.save_optimizer)  # fmt: skip

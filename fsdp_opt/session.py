@@ -52,3 +52,4 @@ class Session:
     prune_lock: threading.Lock = field(default_factory=threading.Lock)
     eval_blocks: Blocks | None = None  # --eval_rows
     reduce_each_microbatch: bool = False  # --reduce_every_microbatch, with auto decided by the memory plan
+    chunked_loss: Any = None  # a loss.ChunkedLoss with --loss_chunk_tokens

@@ -31,6 +31,7 @@ from .distributed import (
 )
 from .errors import ConfigError
 from .evaluate import causal_lm_loss_sum
+from .loss import ChunkedLoss
 from .models import (
     build_meta_model,
     load_model_config,
@@ -102,6 +103,7 @@ def setup(config: Config, env: DistEnv) -> Session:
     )
 
     model = build_meta_model(model_config)
+    chunked_loss = all_ranks_ok(lambda: ChunkedLoss(model, tc.loss_chunk_tokens) if tc.loss_chunk_tokens else None)
     if cc.resume_file:
         all_ranks_ok(lambda: ckpt.check_compatible(payload, model, Path(payload["_path"])) if env.is_main else None)
     n_params = count_params(model)
@@ -148,6 +150,7 @@ def setup(config: Config, env: DistEnv) -> Session:
         tokenizer=tokenizer,
         eval_blocks=eval_blocks,
         reduce_each_microbatch=_reduce_each_microbatch(config, env, model_config, precision),
+        chunked_loss=chunked_loss,
     )
     _print_summary(session, block_classes, units, n_params)
     session.uploader = all_ranks_ok(lambda: start_uploader(session) if env.is_main and hc.hf_repo else None)
@@ -174,7 +177,7 @@ def _reduce_each_microbatch(config: Config, env: DistEnv, model_config: Any, pre
         gpus=env.world_size, nodes=env.num_nodes, gpu_memory=torch.cuda.get_device_properties(env.device).total_memory,
         batch_size=tc.batch_size, max_length=dc.max_length, accum_steps=tc.accum_steps, precision=precision,
         activation_checkpointing=pc.activation_checkpointing, attn_implementation=config.model.attn_implementation,
-        prefetch=pc.prefetch,
+        prefetch=pc.prefetch, loss_chunk_tokens=tc.loss_chunk_tokens,
     )  # fmt: skip
     needed = reduce_every_microbatch_needed(Shape.of(model_config), pc.sharding_strategy, inputs)
     if needed:
@@ -202,6 +205,7 @@ def _print_summary(s: Session, classes: set[type], units: int, n_params: int) ->
                 "gradient sync": "every micro-batch"
                 if s.reduce_each_microbatch or c.train.accum_steps == 1
                 else "last micro-batch of each step",
+                "loss": f"{c.train.loss_chunk_tokens} tokens at a time" if s.chunked_loss else "whole logits at once",
                 "steps/epoch": s.plan.steps_per_epoch(),
                 "start": f"global step {s.state.global_step}, epoch {s.state.epoch}",
                 "output": str(s.out_dir),
@@ -279,8 +283,13 @@ def train_step(s: Session, step: StepBatch) -> dict[str, Any]:
         if not s.reduce_each_microbatch:
             model.set_requires_gradient_sync(last)
         batch = s.blocks.batch(index, env.device)
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
-        loss = causal_lm_loss_sum(logits, batch["labels"])
+        if s.chunked_loss is not None:
+            with s.chunked_loss.hidden_states():
+                hidden = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+            loss = s.chunked_loss.loss_sum(hidden, batch["labels"])
+        else:
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+            loss = causal_lm_loss_sum(logits, batch["labels"])
         (loss * weight).backward()
         loss_sum += loss.detach()
     scaled_norm = global_grad_norm(s.params)

@@ -43,6 +43,8 @@ def test_memory_arithmetic_for_opt_1_3b_on_two_t4():
     # Checkpointed activations: one 2-byte hidden state per block input, plus one block's 34*s*b*h bytes.
     assert full["activations"] == 24 * 512 * 4 * 2048 * 2 + 34 * 512 * 4 * 2048
     assert full["logits"] == 512 * 4 * 50272 * 14
+    # --loss_chunk_tokens 256: one chunk's logits at a time, with its fp16 gradient as well.
+    assert memory(shape, "FULL_SHARD", Inputs(**{**t4.__dict__, "loss_chunk_tokens": 256}))["logits"] == 256 * 50272 * 16
     # --reduce_every_microbatch auto: on 15 GiB the unsharded gradient does not fit; on 80 GiB it does.
     assert reduce_every_microbatch_needed(shape, "FULL_SHARD", t4)
     assert not reduce_every_microbatch_needed(shape, "FULL_SHARD", Inputs(**{**t4.__dict__, "gpu_memory": 80 * GIB}))

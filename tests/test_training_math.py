@@ -53,10 +53,11 @@ def reference(det_model):
     [
         # reduce-scatter after each micro-batch; explicit prefetch of two blocks in forward and backward
         (2, 2, 2, "FULL_SHARD", ["--reduce_every_microbatch", "--prefetch", "2"]),
-        (2, 2, 2, "SHARD_GRAD_OP", ["--total_batch_size", "8"]),  # accumulation derived from the total
+        # accumulation derived from the total; the loss 100 tokens at a time (chunks end mid-row)
+        (2, 2, 2, "SHARD_GRAD_OP", ["--total_batch_size", "8", "--loss_chunk_tokens", "100"]),
         (2, 1, 4, "NO_SHARD", ["--compile"]),  # torch.compile of each block's forward
         (0, 8, 1, "FULL_SHARD", []),  # plain `python fsdp_finetune.py`: a world of one, whole batch at once
-        (1, 4, 2, "FULL_SHARD", []),
+        (1, 4, 2, "FULL_SHARD", ["--loss_chunk_tokens", "64"]),
     ],
 )
 def test_sharded_run_matches_unsharded_reference(tmp_path, det_model, reference, nproc, batch, accum, strategy, extra):
@@ -71,6 +72,8 @@ def test_sharded_run_matches_unsharded_reference(tmp_path, det_model, reference,
     assert f"x {accum} accum = {GLOBAL_BATCH} sequences per step" in proc.stdout
     sync = "every micro-batch" if "--reduce_every_microbatch" in extra or accum == 1 else "last micro-batch of each step"
     assert any(l.split(":")[0].strip() == "gradient sync" and l.endswith(f": {sync}") for l in proc.stdout.splitlines())
+    chunk = extra[extra.index("--loss_chunk_tokens") + 1] + " tokens at a time" if "--loss_chunk_tokens" in extra else "whole logits at once"
+    assert any(l.split(":")[0].strip() == "loss" and l.endswith(f": {chunk}") for l in proc.stdout.splitlines())
     rows = read_jsonl(tmp_path / "out" / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, len(reference) + 1))
     # Inductor's fused kernels sum in another order: compiled runs agree to 1e-3, eager ones to 1e-4.

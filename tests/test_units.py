@@ -11,6 +11,7 @@ from transformers import AutoConfig, GPT2Config, LlamaConfig, OPTConfig
 from conftest import ASSETS
 from fsdp_opt.config import Config, TrainConfig, build_parser, parse_args
 from fsdp_opt.errors import ConfigError, ModelError
+from fsdp_opt.loss import ChunkedLoss
 from fsdp_opt.models import build_meta_model, model_tag, resolve_model
 from fsdp_opt.optim import LossScaler, LRSchedule, unscale_and_clip_
 from fsdp_opt.parallelize import check_no_shared_params, find_block_classes, find_blocks
@@ -48,6 +49,7 @@ def test_boolean_flags_take_optional_values():
         ("--lr_schedule cosine", "--lr_decay_steps"),
         ("--hf_repo nonsense", "--hf_repo"),
         ("--prefetch -1", "--prefetch"),
+        ("--loss_chunk_tokens -5", "--loss_chunk_tokens"),
         ("--bogus 1", "--bogus"),
     ],
 )
@@ -209,3 +211,47 @@ def test_total_batch_size_sets_accumulation_per_rank_count():
         TrainConfig(batch_size=4, total_batch_size=2).accum_for(2)
     with pytest.raises(ConfigError, match="give one of them"):
         TrainConfig(total_batch_size=64, accum_steps=4)
+
+
+# ------------------------------------------------------------------ chunked loss
+
+
+def test_chunked_loss_equals_whole_logits_loss_and_gradients():
+    """Against a plain transformers forward and cross-entropy on the whole logits (shifted by slicing)."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = OPTConfig(num_hidden_layers=2, hidden_size=32, ffn_dim=64, num_attention_heads=2, vocab_size=300,
+                       max_position_embeddings=64, dropout=0.0)  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
+    ids = torch.randint(3, 300, (3, 20))
+    labels = ids.clone()
+    labels[1, 15:] = -100  # a padded tail
+    logits = model(input_ids=ids).logits
+    ref = F.cross_entropy(logits[:, :-1].reshape(-1, 300), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum")
+    ref.backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    chunked = ChunkedLoss(model, chunk_tokens=7)  # 60 tokens: chunks end mid-row, the last one is short
+    with chunked.hidden_states():
+        hidden = model(input_ids=ids).logits
+    assert hidden.shape == (3, 20, 32)
+    loss = chunked.loss_sum(hidden, labels)
+    loss.backward()
+    assert torch.allclose(loss, ref, rtol=1e-5)
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, ref_grads[n], rtol=1e-4, atol=1e-6), n
+    assert model(input_ids=ids).logits.shape == (3, 20, 300)  # the projection is back after the block
+
+
+def test_chunked_loss_is_refused_where_logits_are_not_a_plain_projection():
+    from transformers import Gemma2Config
+
+    config = Gemma2Config(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                          num_key_value_heads=1, head_dim=16, vocab_size=100, final_logit_softcapping=30.0)  # fmt: skip
+    config._attn_implementation = "eager"
+    gemma = build_meta_model(config)
+    with pytest.raises(ConfigError, match="--loss_chunk_tokens.*final_logit_softcapping"):
+        ChunkedLoss(gemma, 64)
+    ChunkedLoss(_meta(AutoConfig.from_pretrained(ASSETS)), 64)  # OPT: a bias-free Linear, tied to the embeddings
