@@ -23,6 +23,7 @@ each rank holds (summed from its local shards) next to the planner's prediction,
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -93,13 +94,9 @@ class GcClock:
             self.total += time.perf_counter() - self.t0
 
     def start(self) -> None:
-        import gc
-
         gc.callbacks.append(self._callback)
 
     def stop(self) -> float:
-        import gc
-
         if self._callback in gc.callbacks:
             gc.callbacks.remove(self._callback)
         return self.total
@@ -132,6 +129,8 @@ def run_engine(args: argparse.Namespace, name: str, env, out_dir: str) -> dict:
     gc_clock = GcClock()
     while len(times) < args.warmup + args.steps:
         for step in s.plan.steps(epoch):
+            if len(times) == args.warmup:
+                gc_clock.start()  # before the first timed step
             if env.device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -139,8 +138,6 @@ def run_engine(args: argparse.Namespace, name: str, env, out_dir: str) -> dict:
             if env.device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
-            if len(times) == args.warmup:
-                gc_clock.start()
             if len(times) > args.warmup:
                 tokens += step.target_tokens
             last = step
@@ -275,8 +272,8 @@ def main(argv: list[str] | None = None) -> int:
         worker(args)
         return 0
     names = args.configs or list(MEMORY if args.memory_only else THROUGHPUT)
-    workdir = tempfile.TemporaryDirectory(prefix="bench-model-")
-    if args.vocab:
+    workdir = tempfile.TemporaryDirectory(prefix="bench-model-") if args.vocab else None
+    if workdir:
         args.model = widened_model(args.model, args.vocab, workdir.name)
     passthrough = ["--model", args.model, "--dataset", args.dataset, "--max_length", str(args.max_length),
                    "--batch_size", str(args.batch_size), "--accum_steps", str(args.accum_steps), "--precision",

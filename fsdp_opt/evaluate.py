@@ -22,25 +22,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from .data import IGNORE_INDEX, Blocks
 from .distributed import DistEnv
+from .loss import causal_lm_loss_sum
 
 DEFAULT_EVAL_ROWS = 200
-
-
-def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum (not mean) of next-token cross-entropy over the targets; fp32 for the softmax.
-
-    The labels move one place left (the last position gets no target) rather than the logits: slicing the
-    logits would cost a copy of them in forward and a zero-filled tensor of their full size in backward.
-    """
-    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-    return F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
 
 
 def rank_batches(num_blocks: int, batch_size: int, rank: int, world_size: int) -> list[torch.Tensor]:

@@ -1,4 +1,4 @@
-"""The training loss over the vocabulary in chunks of tokens, so the full logits never exist at once.
+"""The next-token loss: over the whole logits, or over the vocabulary in chunks of tokens (`--loss_chunk_tokens`).
 
 With `--loss_chunk_tokens N` the model's forward stops before its output projection and returns the final
 hidden states. The projection and the cross-entropy then run N tokens at a time, each chunk under activation
@@ -26,6 +26,23 @@ from .errors import ConfigError
 
 # Config fields of models whose logits are more than `hidden @ W.T`: those keep the whole-logits loss.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
+    """Each position's target is the next position's label; the last position gets none.
+
+    The labels move one place left rather than the logits: slicing the logits would cost a copy of them in
+    forward and a zero-filled tensor of their full size in backward.
+    """
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum (not mean) of next-token cross-entropy over the targets; fp32 for the softmax."""
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), next_token_targets(labels).reshape(-1),
+        ignore_index=IGNORE_INDEX, reduction="sum",
+    )  # fmt: skip
 
 
 def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -60,7 +77,7 @@ class ChunkedLoss:
 
     def loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Call after the forward, while the root unit's weights are still gathered."""
-        targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
+        targets = next_token_targets(labels).reshape(-1)
         flat = hidden.reshape(-1, hidden.shape[-1])
         weight = self.head.weight
         total = torch.zeros((), device=hidden.device, dtype=torch.float32)

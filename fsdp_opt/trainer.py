@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,7 @@ from .distributed import (
     teardown,
 )
 from .errors import ConfigError
-from .evaluate import causal_lm_loss_sum
-from .loss import ChunkedLoss
+from .loss import ChunkedLoss, causal_lm_loss_sum
 from .models import (
     build_meta_model,
     load_model_config,
@@ -283,13 +283,11 @@ def train_step(s: Session, step: StepBatch) -> dict[str, Any]:
         if not s.reduce_each_microbatch:
             model.set_requires_gradient_sync(last)
         batch = s.blocks.batch(index, env.device)
-        if s.chunked_loss is not None:
-            with s.chunked_loss.hidden_states():
-                hidden = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
-            loss = s.chunked_loss.loss_sum(hidden, batch["labels"])
-        else:
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
-            loss = causal_lm_loss_sum(logits, batch["labels"])
+        chunked = s.chunked_loss
+        with chunked.hidden_states() if chunked else nullcontext():
+            # With a chunked loss `.logits` holds the final hidden states: the projection runs in the loss.
+            out = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+        loss = chunked.loss_sum(out, batch["labels"]) if chunked else causal_lm_loss_sum(out, batch["labels"])
         (loss * weight).backward()
         loss_sum += loss.detach()
     scaled_norm = global_grad_norm(s.params)

@@ -45,3 +45,28 @@ def test_throughput_report_runs_the_trainer_under_fsdp2(tmp_path):
     assert trainer["peak_state_bytes_per_rank"] == trainer["predicted_state_bytes_per_rank"]
     assert trainer["peak_state_bytes_per_rank"] == ours["peak_state_bytes_per_rank"]
     assert "packed_over_hf_trainer_tokens_per_s" in proc.stdout
+
+
+def test_gc_clock_counts_collections_only_while_started():
+    import gc
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("throughput", ROOT / "benchmarks" / "throughput.py")
+    throughput = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(throughput)
+
+    def cycles():
+        for _ in range(20000):
+            a: list = []
+            a.append(a)
+
+    clock = throughput.GcClock()
+    gc.collect()
+    clock.start()
+    cycles()
+    gc.collect()
+    during = clock.stop()
+    assert during > 0
+    cycles()
+    gc.collect()
+    assert clock.total == during and clock._callback not in gc.callbacks
