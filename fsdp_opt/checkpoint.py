@@ -15,7 +15,7 @@ import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 from .atomic import _fsync_dir, save_or_explain
 from .distributed import DistEnv, all_ranks_ok, barrier
 from .errors import CheckpointError
+from .hostmem import release_host_memory
 
 FORMAT = "fsdp-opt/1"
 SUFFIX = ".pt"
@@ -143,6 +144,7 @@ def save_checkpoint(
         model_sd, optim_sd = gather_full_state(model, optimizer if save_optimizer else None)
         all_ranks_ok(lambda: save_or_explain({**meta, MODEL_KEY: model_sd, "optimizer": optim_sd}, path) if env.is_main else None)
         del model_sd, optim_sd
+    release_host_memory()  # the gathered state: back to the system, not kept in the heap for later steps
     if not env.is_main:
         return None
     return {"bytes": float(_size_on_disk(path)), "seconds": time.perf_counter() - start}
@@ -263,7 +265,7 @@ def check_compatible(payload: dict[str, Any], model: nn.Module, path: Path, flag
 
 def load_into(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     payload: dict[str, Any] | None,
     env: DistEnv,
     *,
@@ -276,9 +278,55 @@ def load_into(
         _load_sharded(model, optimizer, sharded_path, load_optimizer)
         return
     opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    # NOTE: the set_* calls write the live shards back into the dicts they are given: note the file's
+    # storages first.
+    loaded = payload_storages(payload) if env.is_main else set()
     set_model_state_dict(model, payload[MODEL_KEY] if env.is_main else {}, options=opts)
     if load_optimizer:
         set_optimizer_state_dict(model, optimizer, payload["optimizer"] if env.is_main else {}, options=opts)
+    if env.is_main:
+        detach_from_payload(model, optimizer, loaded)
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def _storage(t: torch.Tensor) -> int:
+    from torch.distributed.tensor import DTensor
+
+    return (t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr()
+
+
+def payload_storages(payload: dict[str, Any]) -> set[int]:
+    """Where the loaded checkpoint's tensors live (their storages in the memory-mapped file)."""
+    return {_storage(t) for t in _tensors(payload) if t.numel()}
+
+
+def detach_from_payload(model: nn.Module, optimizer: torch.optim.Optimizer | None, loaded: set[int]) -> int:
+    """Copy every tensor of the live state that still shares storage with rank 0's loaded checkpoint.
+
+    The broadcast hands rank 0's own 0-dim values (AdamW's `step`) and replicated shards to the optimizer as
+    they are. The checkpoint is memory-mapped, so one such tensor keeps the whole file mapped and its pages
+    resident until the process ends: on top of the full state the next save gathers. Returns how many were copied.
+    """
+    copied = 0
+    for state in optimizer.state.values() if optimizer is not None else ():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.numel() and _storage(value) in loaded:
+                state[key] = value.clone()
+                copied += 1
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.numel() and _storage(t) in loaded:  # load_state_dict copies into the shards; never expected
+            raise RuntimeError(f"{name} still shares memory with the loaded checkpoint")
+    return copied
 
 
 def _load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path, load_optimizer: bool) -> None:

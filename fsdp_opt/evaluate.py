@@ -270,11 +270,13 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     from .distributed import fail, init_distributed, teardown
     from .errors import ConfigError
+    from .hostmem import configure_allocator
 
     try:
         args = _checked(build_parser().parse_args(argv))
     except ConfigError as exc:
         fail(str(exc))
+    configure_allocator()
     env = init_distributed(args.device)
     try:
         compare(args, env)

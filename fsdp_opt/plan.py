@@ -81,6 +81,7 @@ class Shape:
     hidden: int
     heads: int
     vocab: int
+    largest_param: int = 0  # elements of the largest single tensor (the token embedding for OPT)
 
     @classmethod
     def of(cls, config) -> "Shape":
@@ -96,6 +97,7 @@ class Shape:
         return cls(
             params=sum(p.numel() for p in unique.values()), block_params=block, root_params=root,
             layers=len(blocks), hidden=config.hidden_size, heads=config.num_attention_heads, vocab=config.vocab_size,
+            largest_param=max(p.numel() for p in unique.values()),
         )  # fmt: skip
 
 
@@ -145,6 +147,9 @@ def memory(shape: Shape, strategy: str, inputs: Inputs, batch_size: int | None =
     keeps_all = strategy in ("SHARD_GRAD_OP", "NO_SHARD")
     held = L if keeps_all else min(L, 1 + max(1, inputs.prefetch))
     out["gathered_weights"] = c * (shape.root_params + held * shape.block_params)
+    # Reduce-scatter of the largest unit (the root, with the embeddings): its unsharded gradient in the compute
+    # dtype and FSDP2's fp32 copy of it that is reduce-scattered, alive together.
+    out["reduce_scatter"] = (c + 4) * max(shape.root_params, shape.block_params)
     attention = 5 * shape.heads * s * s * b * c // 2 if inputs.attn_implementation == "eager" else 0
     full_layer = 34 * s * b * h * c // 2 + attention  # every saved tensor of one block (Korthikanti et al.)
     if inputs.activation_checkpointing:
@@ -196,7 +201,10 @@ def checkpoints(shape: Shape, gpus: int) -> dict[str, int]:
     }
 
 
-def make_plan(model: str, inputs: Inputs, *, disk: int, host_memory: int, keep_last: int, save_optimizer: bool) -> dict[str, Any]:
+def make_plan(model: str, inputs: Inputs, *, disk: int, host_memory: int, keep_last: int, save_optimizer: bool,
+              sharded: bool = False, offload: bool = False) -> dict[str, Any]:  # fmt: skip
+    from .hostplan import host_memory as host_phases
+
     shape = Shape.of(model_config(model))
     strategies: dict[str, Any] = {}
     for strategy in STRATEGIES:
@@ -231,12 +239,18 @@ def make_plan(model: str, inputs: Inputs, *, disk: int, host_memory: int, keep_l
             "fits": None if on_disk is None else on_disk + sizes["export_fp16"] <= disk,
             "checkpoints_that_fit": max(0, disk // one - 1),
         },
-        "host_ram": {
-            # Rank 0 gathers the full fp32 model and optimizer state to save (and holds it again to resume).
-            "gather_bytes": 12 * shape.params if save_optimizer else 4 * shape.params,
-            "fits": (12 if save_optimizer else 4) * shape.params <= host_memory,
-        },
+        "host_ram": host_ram(
+            host_phases(shape, "FULL_SHARD", inputs, save_optimizer=save_optimizer, sharded=sharded, offload=offload),
+            shape, host_memory, save_optimizer,
+        ),
     }
+
+
+def host_ram(phases: dict[str, Any], shape: Shape, host_memory: int, save_optimizer: bool) -> dict[str, Any]:
+    worst = max(phases["peak_fresh"]["machine"], phases["peak_resumed"]["machine"])
+    # gather_bytes: what rank 0 gathers for a full save (and maps again to resume).
+    gather = (12 if save_optimizer else 4) * shape.params
+    return {**phases, "gather_bytes": gather, "host_memory": host_memory, "fits": worst <= host_memory}
 
 
 def _gib(n: int | None) -> str:
@@ -271,10 +285,18 @@ def render(plan: dict[str, Any]) -> str:
         f"disk: {_gib(d['peak_bytes'])} at the peak of a save with --keep_last {i['keep_last']}, plus the export, of "
         f"{i['disk'] / 1e9:,.0f} GB: {'fits' if d['fits'] else 'DOES NOT FIT' if d['fits'] is False else 'unbounded'} "
         f"({d['checkpoints_that_fit']} checkpoint(s) can be kept while a new one is written)",
-        f"host RAM to gather a full checkpoint on rank 0: {_gib(r['gather_bytes'])} of {_gib(i['host_memory'])}: "
-        f"{'fits' if r['fits'] else 'DOES NOT FIT (use --state_dict_type sharded)'}",
+        "",
     ]
+    from .hostplan import render_host
+
+    lines += render_host(r, r["host_memory"])
     return "\n".join(lines)
+
+
+def machine_memory() -> int:
+    from .hostmem import total_memory_bytes
+
+    return total_memory_bytes() or 31 * 10**9
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -295,7 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefetch", type=int, default=0, help="blocks gathered ahead (the trainer's --prefetch)")
     p.add_argument("--loss_chunk_tokens", type=int, default=0, help="the trainer's --loss_chunk_tokens")
     p.add_argument("--disk", default="20GB", help="disk for checkpoints (Kaggle's /kaggle/working: 20GB)")
-    p.add_argument("--host_memory", default="31GB", help="host RAM (Kaggle: 31GB)")
+    p.add_argument("--host_memory", default=None, help="RAM of one machine (default: this machine's; Kaggle: 31GB)")
+    p.add_argument("--state_dict_type", default="full", choices=["full", "sharded"], help="the trainer's --state_dict_type")
+    p.add_argument("--cpu_offload", type=parse_bool, nargs="?", const=True, default=False, help="the trainer's --cpu_offload")
     p.add_argument("--keep_last", type=int, default=2)
     p.add_argument("--save_optimizer", type=parse_bool, nargs="?", const=True, default=True)
     p.add_argument("--cpu", action="store_true", help="plan for CPU processes (no CUDA context)")
@@ -323,8 +347,9 @@ def main(argv: list[str] | None = None) -> int:
             reduce_every_microbatch=a.reduce_every_microbatch, prefetch=a.prefetch,
             loss_chunk_tokens=a.loss_chunk_tokens, cuda=not a.cpu,
         )  # fmt: skip
-        plan = make_plan(a.model, inputs, disk=parse_size(a.disk, "--disk"), host_memory=parse_size(a.host_memory, "--host_memory"),
-                         keep_last=a.keep_last, save_optimizer=a.save_optimizer)  # fmt: skip
+        host = parse_size(a.host_memory, "--host_memory") if a.host_memory is not None else machine_memory()
+        plan = make_plan(a.model, inputs, disk=parse_size(a.disk, "--disk"), host_memory=host, keep_last=a.keep_last,
+                         save_optimizer=a.save_optimizer, sharded=a.state_dict_type == "sharded", offload=a.cpu_offload)  # fmt: skip
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

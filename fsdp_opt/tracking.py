@@ -103,12 +103,9 @@ def peak_flops(device: torch.device) -> float | None:
 def peak_memory_bytes(device: torch.device) -> int | None:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    try:
-        import resource
+    from .hostmem import peak_rss_bytes
 
-        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-    except (ImportError, OSError):
-        return None
+    return peak_rss_bytes() or None
 
 
 class Progress:

@@ -40,6 +40,7 @@ from .models import (
     model_tag,
     resolve_model,
 )
+from .hostmem import configure_allocator, peak_rss_bytes, release_host_memory
 from .resume import read_resume, restore
 from .saving import export_final, finish_outside, log_pushed, save, save_estimate, start_uploader
 from .session import Session
@@ -58,17 +59,28 @@ from .tracking import (
 
 
 def run(config: Config) -> None:
+    configure_allocator()
     env = init_distributed(config.parallel.device)
     session = None
     try:
         session = setup(config, env)
         train(session)
+        print0(host_peaks_line(env))
         # Every rank reaches the end before any closes its connections: no peer is left mid-transfer.
         barrier()
     finally:
         teardown()
         if session is not None:
             finish_outside(session)
+
+
+def host_peaks_line(env: DistEnv) -> str:
+    """Every rank's peak host RSS so far, gathered to one line (a collective: every rank calls it)."""
+    peaks = [peak_rss_bytes()]
+    if env.world_size > 1:
+        peaks = [0] * env.world_size
+        dist.all_gather_object(peaks, peak_rss_bytes())
+    return "host RAM peak per rank: " + ", ".join(f"{p / 2**30:.2f}" for p in peaks) + " GiB"
 
 
 # ---------------------------------------------------------------- setup
@@ -119,8 +131,12 @@ def setup(config: Config, env: DistEnv) -> Session:
     scaler = LossScaler(enabled=precision == "fp16", init_scale=tc.init_loss_scale)
     torch.manual_seed(tc.seed + 7919 * env.rank)  # dropout masks: per rank, reproducible
     state = ckpt.TrainState(epoch=tc.initial_epoch)
+    run_id = None
     if resuming:
         state = restore(model, optimizer, scaler, payload, config, env, end_idx, len(blocks))
+        run_id = payload.get("wandb_run_id") if env.is_main else None
+        del payload  # rank 0's copy of the checkpoint: gone before the first save gathers another
+        release_host_memory()
     par.tie_and_check(model)
     model.train()
 
@@ -155,7 +171,7 @@ def setup(config: Config, env: DistEnv) -> Session:
     _print_summary(session, block_classes, units, n_params)
     session.uploader = all_ranks_ok(lambda: start_uploader(session) if env.is_main and hc.hf_repo else None)
     wc = config.wandb
-    run_id = None if (payload is None or wc.wandb_new_run) else payload.get("wandb_run_id")
+    run_id = None if wc.wandb_new_run else run_id
     wandb_config = {**config.flat(), "world_size": env.world_size, "global_batch": plan.global_batch, "parameters": n_params}
     session.wandb = WandbRun(
         enabled=env.is_main, project=wc.wandb_project, mode=wc.wandb_mode, run_id=run_id, config=wandb_config, out_dir=out_dir

@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+# The loopback Hub (tests/hubserver.py) speaks LFS, not Xet: set before anything imports huggingface_hub.
+os.environ["HF_HUB_DISABLE_XET"] = "1"
+
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY = ROOT / "fsdp_finetune.py"
 ASSETS = ROOT / "fsdp_opt" / "assets" / "tiny-opt"
@@ -36,6 +39,7 @@ def sandbox_env(tmp: Path, **extra: str) -> dict[str, str]:
         PYTHONUNBUFFERED="1",
         OMP_NUM_THREADS="1",
         PYTHONPATH=str(ROOT),
+        HF_HUB_DISABLE_XET="1",
     )
     env.update(extra)
     return env

@@ -1,14 +1,20 @@
-"""A loopback stand-in for the Hugging Face Hub, for tests that run the real huggingface_hub client.
+"""A loopback stand-in for the Hugging Face Hub, for tests and benchmarks that run the real huggingface_hub client.
 
-It serves the routes an upload and a download use, on 127.0.0.1 only:
+It serves the routes an upload, a download and storage management use, on 127.0.0.1 only:
   POST /api/repos/create
   POST /api/validate-yaml                        called before a README.md is committed
-  POST /api/models/{repo}/preupload/{rev}        every file is a "regular" (inline) upload
-  POST /api/models/{repo}/commit/{rev}           NDJSON: header, file (base64), deletedFile, deletedFolder
-  GET  /api/models/{repo}[/revision/{rev}]       model info with siblings
-  GET  /api/models/{repo}/tree/{rev}[/{path}]    files and folders
-  HEAD/GET /{repo}/resolve/{rev}/{path}          with X-Repo-Commit and ETag
-Repos live in memory. `fail(route, times, status)` makes the next matching requests fail, to test retries.
+  POST /api/models/{repo}/preupload/{rev}        "lfs" for weight files and files of 10 MiB or more, else "regular"
+  POST /{repo}.git/info/lfs/objects/batch        LFS basic transfer: an upload URL per object not stored yet
+  PUT  /lfs-upload/{repo}/{oid}                  the object's bytes, streamed to disk and checked against its sha256
+  POST /api/models/{repo}/commit/{rev}           NDJSON: header, file (base64), lfsFile, deletedFile, deletedFolder
+  GET  /api/models/{repo}[/revision/{rev}]       model info with siblings and usedStorage
+  GET  /api/models/{repo}/tree/{rev}[/{path}]    files (with their LFS pointer info) and folders
+  GET  /api/models/{repo}/lfs-files              every LFS object the repo stores
+  POST /api/models/{repo}/lfs-files/batch        permanently delete LFS objects
+  HEAD/GET /{repo}/resolve/{rev}/{path}          with X-Repo-Commit and ETag; LFS files streamed from disk
+Storage is counted as the Hub counts it: an LFS object keeps counting after the file that used it is deleted or
+replaced, until it is permanently deleted. Use it with HF_HUB_DISABLE_XET=1, so the client takes the LFS path.
+`fail(route, times, status)` makes the next matching requests fail, to test retries.
 """
 
 from __future__ import annotations
@@ -18,21 +24,60 @@ import gzip
 import hashlib
 import json
 import re
+import shutil
+import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import unquote, urlparse
+
+LFS_SUFFIXES = (".pt", ".bin", ".safetensors", ".pth", ".distcp")
+LFS_MIN_BYTES = 10 * 2**20
+CHUNK = 4 * 2**20
+
+
+@dataclass
+class Blob:
+    content: bytes | None  # a regular file's bytes; None for an LFS file
+    size: int
+    sha256: str | None = None  # the LFS object this file points to
+
+
+@dataclass
+class LfsObject:
+    size: int
+    pushed_at: str
+    filename: str = ""
 
 
 @dataclass
 class Repo:
     private: bool
-    files: dict[str, bytes] = field(default_factory=dict)
+    server: "HubServer"
+    tree: dict[str, Blob] = field(default_factory=dict)
+    lfs: dict[str, LfsObject] = field(default_factory=dict)
     commits: list[str] = field(default_factory=list)
 
     @property
     def sha(self) -> str:
         return self.commits[-1] if self.commits else "0" * 40
+
+    @property
+    def files(self) -> dict[str, bytes]:
+        """Every file at the head with its bytes (LFS files read from disk: for small test repos)."""
+        return {p: (b.content if b.content is not None else self.server.object_path(b.sha256).read_bytes()) for p, b in self.tree.items()}
+
+    def lfs_paths(self) -> dict[str, str]:
+        """Path -> sha256 of every LFS file at the head."""
+        return {p: b.sha256 for p, b in self.tree.items() if b.sha256}
+
+    @property
+    def used_storage(self) -> int:
+        """Every stored LFS object (deleted files' ones too, until permanently deleted) and the head's regular files."""
+        return sum(o.size for o in self.lfs.values()) + sum(b.size for b in self.tree.values() if b.sha256 is None)
 
 
 @dataclass
@@ -45,13 +90,17 @@ class Request:
 
 
 class HubServer:
-    def __init__(self, token: str | None = None) -> None:
+    def __init__(self, token: str | None = None, storage_dir: str | Path | None = None) -> None:
         self.token = token
         self.repos: dict[str, Repo] = {}
         self.requests: list[Request] = []
         self.commit_bodies: list[bytes] = []
+        self.broken_refs: list[str] = []  # files at the head whose LFS object was permanently deleted: must stay empty
         self._failures: dict[str, list[int]] = {}
         self._lock = threading.Lock()
+        self._own_dir = storage_dir is None
+        self.storage = Path(storage_dir or tempfile.mkdtemp(prefix="hubserver-"))
+        (self.storage / "objects").mkdir(parents=True, exist_ok=True)
         self.gate = threading.Event()  # commits wait for it: clear() holds them, set() lets them through
         self.gate.set()
         self.in_commit = 0
@@ -73,6 +122,9 @@ class HubServer:
             def do_POST(self) -> None:
                 server._handle(self, "POST")
 
+            def do_PUT(self) -> None:
+                server._handle(self, "PUT")
+
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
@@ -85,13 +137,20 @@ class HubServer:
     def __exit__(self, *exc) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+        if self._own_dir:
+            shutil.rmtree(self.storage, ignore_errors=True)
 
     # ------------------------------------------------------------ test controls
 
     def fail(self, route: str, times: int, status: int = 503) -> None:
-        """The next `times` requests to `route` (create, preupload, commit, info, tree, resolve) get `status`."""
+        """The next `times` requests to `route` (create, preupload, commit, info, tree, resolve, lfs-batch,
+        lfs-upload, lfs-files, lfs-delete) get `status`."""
         with self._lock:
             self._failures.setdefault(route, []).extend([status] * times)
+
+    def clear_failures(self) -> None:
+        with self._lock:
+            self._failures.clear()
 
     def count(self, route: str, status: int | None = None) -> int:
         return sum(1 for r in self.requests if r.route == route and (status is None or r.status == status))
@@ -99,19 +158,20 @@ class HubServer:
     def files(self, repo_id: str) -> dict[str, bytes]:
         return dict(self.repos[repo_id].files)
 
+    def object_path(self, sha256: str) -> Path:
+        return self.storage / "objects" / sha256
+
     # ------------------------------------------------------------ routing
 
     def _handle(self, h: BaseHTTPRequestHandler, method: str) -> None:
         url = urlparse(h.path)
         path = unquote(url.path)
-        length = int(h.headers.get("Content-Length") or 0)
-        body = h.rfile.read(length) if length else b""
-        if h.headers.get("Content-Encoding") == "gzip":
-            body = gzip.decompress(body)
         route, handler, args = self._route(method, path)
         with self._lock:
             pending = self._failures.get(route)
             injected = pending.pop(0) if pending else None
+        streamed = route == "lfs-upload" and injected is None and handler is not None
+        body = b"" if streamed else _read_body(h)
         if injected is not None:
             status, headers, payload = injected, {}, json.dumps({"error": "injected failure"}).encode()
         elif handler is None:
@@ -123,6 +183,9 @@ class HubServer:
         if isinstance(payload, (dict, list)):
             payload = json.dumps(payload).encode()
             headers.setdefault("Content-Type", "application/json")
+        if isinstance(payload, Path):  # a stored LFS object: streamed, or only its headers for HEAD
+            self._send_file(h, method, headers, payload)
+            return
         for k, v in headers.items():
             h.send_header(k, v)
         h.send_header("Content-Length", str(len(payload)))
@@ -130,13 +193,35 @@ class HubServer:
         if method != "HEAD":
             h.wfile.write(payload)
 
+    def _send_file(self, h: BaseHTTPRequestHandler, method: str, headers: dict, path: Path) -> None:
+        size = path.stat().st_size
+        start = 0
+        m = re.fullmatch(r"bytes=(\d+)-", h.headers.get("Range", "") or "")
+        if m and method == "GET" and int(m.group(1)) < size:
+            start = int(m.group(1))
+            headers["Content-Range"] = f"bytes {start}-{size - 1}/{size}"
+        for k, v in headers.items():
+            h.send_header(k, v)
+        h.send_header("Content-Length", str(size - start))
+        h.end_headers()
+        if method == "HEAD":
+            return
+        with path.open("rb") as f:
+            f.seek(start)
+            while chunk := f.read(CHUNK):
+                h.wfile.write(chunk)
+
     def _route(self, method: str, path: str):
-        repo = r"(?P<repo>[^/]+/[^/]+)"
+        repo = r"(?P<repo>[^/]+/[^/]+?)"
         table = [
             ("POST", r"^/api/repos/create$", "create", self._create),
             ("POST", r"^/api/validate-yaml$", "validate-yaml", self._validate_yaml),
             ("POST", rf"^/api/models/{repo}/preupload/(?P<rev>[^/]+)$", "preupload", self._preupload),
+            ("POST", rf"^/{repo}\.git/info/lfs/objects/batch$", "lfs-batch", self._lfs_batch),
+            ("PUT", rf"^/lfs-upload/{repo}/(?P<oid>[0-9a-f]{{64}})$", "lfs-upload", self._lfs_upload),
             ("POST", rf"^/api/models/{repo}/commit/(?P<rev>[^/]+)$", "commit", self._commit),
+            ("GET", rf"^/api/models/{repo}/lfs-files$", "lfs-files", self._lfs_files),
+            ("POST", rf"^/api/models/{repo}/lfs-files/batch$", "lfs-delete", self._lfs_delete),
             ("GET", rf"^/api/models/{repo}/tree/(?P<rev>[^/]+)(?:/(?P<sub>.*))?$", "tree", self._tree),
             ("GET", rf"^/api/models/{repo}(?:/revision/(?P<rev>[^/]+))?$", "info", self._info),
             ("GET", rf"^/{repo}/resolve/(?P<rev>[^/]+)/(?P<file>.+)$", "resolve", self._resolve),
@@ -174,7 +259,7 @@ class HubServer:
         private = data.get("visibility", "private" if data.get("private") else "public") == "private"
         if repo_id in self.repos:
             return 409, {}, {"error": "You already created this model repo", "url": f"{self.url}/{repo_id}"}
-        self.repos[repo_id] = Repo(private=private)
+        self.repos[repo_id] = Repo(private=private, server=self)
         return 200, {}, {"url": f"{self.url}/{repo_id}", "name": repo_id}
 
     def _validate_yaml(self, h, body: bytes):
@@ -189,10 +274,45 @@ class HubServer:
         if repo is None:
             return self._not_found("RepoNotFound")
         files = json.loads(body)["files"]
+
+        def mode(f: dict) -> str:
+            return "lfs" if f["path"].endswith(LFS_SUFFIXES) or f["size"] >= LFS_MIN_BYTES else "regular"
+
         return 200, {}, {
-            "files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False, "oid": None} for f in files],
+            "files": [{"path": f["path"], "uploadMode": mode(f), "shouldIgnore": False, "oid": None} for f in files],
             "commitOid": repo.sha,
         }
+
+    def _lfs_batch(self, h, body: bytes, repo_id: str):
+        repo = self._repo(h, repo_id)
+        if repo is None:
+            return self._not_found("RepoNotFound")
+        objects = []
+        for o in json.loads(body)["objects"]:
+            entry = {"oid": o["oid"], "size": o["size"]}
+            if o["oid"] not in repo.lfs:  # stored already: no actions, the client skips the upload
+                entry["actions"] = {"upload": {"href": f"{self.url}/lfs-upload/{repo_id}/{o['oid']}"}}
+            objects.append(entry)
+        return 200, {}, {"transfer": "basic", "objects": objects}
+
+    def _lfs_upload(self, h, body: bytes, repo_id: str, oid: str):
+        repo = self.repos.get(repo_id)  # the URL from the batch answer is the permission, as a presigned one is
+        if repo is None:
+            _read_body(h)
+            return self._not_found("RepoNotFound")
+        digest, size = hashlib.sha256(), 0
+        with tempfile.NamedTemporaryFile(dir=self.storage, delete=False) as tmp:
+            for chunk in _body_chunks(h):
+                digest.update(chunk)
+                tmp.write(chunk)
+                size += len(chunk)
+        if digest.hexdigest() != oid:
+            Path(tmp.name).unlink()
+            return 400, {}, {"error": "sha256 does not match the object id"}
+        Path(tmp.name).replace(self.object_path(oid))
+        with self._lock:
+            repo.lfs[oid] = LfsObject(size=size, pushed_at=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z")
+        return 200, {}, b""
 
     def _commit(self, h, body: bytes, repo_id: str, rev: str):
         repo = self._repo(h, repo_id)
@@ -210,7 +330,7 @@ class HubServer:
                 self.in_commit -= 1
 
     def _apply_commit(self, repo: Repo, repo_id: str, body: bytes):
-        changes: dict[str, bytes | None] = {}
+        changes: dict[str, Blob | None] = {}
         folders: list[str] = []
         for line in body.decode().splitlines():
             if not line.strip():
@@ -218,7 +338,13 @@ class HubServer:
             item = json.loads(line)
             key, value = item["key"], item["value"]
             if key == "file":
-                changes[value["path"]] = base64.b64decode(value["content"])
+                content = base64.b64decode(value["content"])
+                changes[value["path"]] = Blob(content, len(content))
+            elif key == "lfsFile":
+                stored = repo.lfs.get(value["oid"])
+                if stored is None:
+                    return 400, {}, {"error": f"LFS object {value['oid']} of {value['path']} was never uploaded"}
+                changes[value["path"]] = Blob(None, stored.size, value["oid"])
             elif key == "deletedFile":
                 changes[value["path"]] = None
             elif key == "deletedFolder":
@@ -227,13 +353,15 @@ class HubServer:
                 return 400, {}, {"error": f"unsupported commit line {key}"}
         with self._lock:
             for prefix in folders:
-                for p in [p for p in repo.files if p.startswith(prefix)]:
-                    del repo.files[p]
-            for p, content in changes.items():
-                if content is None:
-                    repo.files.pop(p, None)
+                for p in [p for p in repo.tree if p.startswith(prefix)]:
+                    del repo.tree[p]
+            for p, blob in changes.items():
+                if blob is None:
+                    repo.tree.pop(p, None)
                 else:
-                    repo.files[p] = content
+                    repo.tree[p] = blob
+                    if blob.sha256:
+                        repo.lfs[blob.sha256].filename = p
             sha = hashlib.sha1(repo.sha.encode() + body).hexdigest()
             repo.commits.append(sha)
         return 200, {}, {"commitUrl": f"{self.url}/{repo_id}/commit/{sha}", "commitOid": sha, "success": True}
@@ -247,7 +375,8 @@ class HubServer:
             "modelId": repo_id,
             "sha": repo.sha,
             "private": repo.private,
-            "siblings": [{"rfilename": p} for p in sorted(repo.files)],
+            "siblings": [{"rfilename": p} for p in sorted(repo.tree)],
+            "usedStorage": repo.used_storage,
         }
 
     def _tree(self, h, body: bytes, repo_id: str, rev: str, sub: str | None):
@@ -257,32 +386,108 @@ class HubServer:
         recursive = "recursive=true" in (urlparse(h.path).query or "").lower()
         prefix = (sub.strip("/") + "/") if sub else ""
         entries, folders = [], set()
-        for p, content in sorted(repo.files.items()):
+        for p, blob in sorted(repo.tree.items()):
             if not p.startswith(prefix):
                 continue
-            rest = p[len(prefix) :]
-            parts = rest.split("/")
+            parts = p[len(prefix) :].split("/")
             for i in range(1, len(parts)):
                 folder = prefix + "/".join(parts[:i])
                 if (recursive or i == 1) and folder not in folders:
                     folders.add(folder)
                     entries.append({"type": "directory", "oid": "0" * 40, "size": 0, "path": folder})
             if recursive or len(parts) == 1:
-                entries.append({"type": "file", "oid": _git_oid(content), "size": len(content), "path": p})
+                entry = {"type": "file", "oid": _git_oid(_pointer(blob)), "size": blob.size, "path": p}
+                if blob.sha256:
+                    entry["lfs"] = {"oid": blob.sha256, "size": blob.size, "pointerSize": len(_pointer(blob))}
+                entries.append(entry)
         if sub and not entries:
             return self._not_found("EntryNotFound")
         return 200, {}, entries
+
+    def _lfs_files(self, h, body: bytes, repo_id: str):
+        repo = self._repo(h, repo_id)
+        if repo is None:
+            return self._not_found("RepoNotFound")
+        return 200, {}, [
+            {"fileOid": oid, "oid": oid, "size": o.size, "filename": o.filename, "pushedAt": o.pushed_at, "ref": "main"}
+            for oid, o in sorted(repo.lfs.items())
+        ]
+
+    def _lfs_delete(self, h, body: bytes, repo_id: str):
+        repo = self._repo(h, repo_id)
+        if repo is None:
+            return self._not_found("RepoNotFound")
+        shas = json.loads(body)["deletions"]["sha"]
+        with self._lock:
+            for sha in shas:
+                if repo.lfs.pop(sha, None) is not None:
+                    self.object_path(sha).unlink(missing_ok=True)
+                self.broken_refs += [p for p, b in repo.tree.items() if b.sha256 == sha]
+        return 200, {}, b""
 
     def _resolve(self, h, body: bytes, repo_id: str, rev: str, file: str):
         repo = self._repo(h, repo_id)
         if repo is None:
             return self._not_found("RepoNotFound")
-        content = repo.files.get(file)
-        if content is None:
+        blob = repo.tree.get(file)
+        if blob is None:
             return self._not_found("EntryNotFound")
-        headers = {"X-Repo-Commit": repo.sha, "ETag": f'"{_git_oid(content)}"', "Content-Type": "application/octet-stream"}
-        return 200, headers, content
+        headers = {"X-Repo-Commit": repo.sha, "Content-Type": "application/octet-stream"}
+        if blob.sha256:
+            if blob.sha256 not in repo.lfs:
+                return self._not_found("EntryNotFound")
+            headers["ETag"] = f'"{blob.sha256}"'
+            return 200, headers, self.object_path(blob.sha256)
+        headers["ETag"] = f'"{_git_oid(blob.content)}"'
+        return 200, headers, blob.content
+
+
+def _read_body(h: BaseHTTPRequestHandler) -> bytes:
+    body = b"".join(_body_chunks(h))
+    if h.headers.get("Content-Encoding") == "gzip":
+        body = gzip.decompress(body)
+    return body
+
+
+def _body_chunks(h: BaseHTTPRequestHandler):
+    """The request body in pieces: by Content-Length, or decoding chunked transfer encoding."""
+    if "chunked" in (h.headers.get("Transfer-Encoding") or "").lower():
+        while True:
+            size = int(h.rfile.readline().split(b";")[0].strip() or b"0", 16)
+            if size == 0:
+                while h.rfile.readline() not in (b"\r\n", b"\n", b""):
+                    pass
+                return
+            left = size
+            while left:
+                chunk = h.rfile.read(min(left, CHUNK))
+                left -= len(chunk)
+                yield chunk
+            h.rfile.readline()
+    left = int(h.headers.get("Content-Length") or 0)
+    while left:
+        chunk = h.rfile.read(min(left, CHUNK))
+        if not chunk:
+            return
+        left -= len(chunk)
+        yield chunk
+
+
+def _pointer(blob: Blob) -> bytes:
+    """What git stores for the file: its bytes, or an LFS pointer."""
+    if blob.sha256 is None:
+        return blob.content
+    return f"version https://git-lfs.github.com/spec/v1\noid sha256:{blob.sha256}\nsize {blob.size}\n".encode()
 
 
 def _git_oid(content: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(content) + content).hexdigest()
+
+
+def wait_for(predicate, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()

@@ -31,6 +31,7 @@ def hub_env(tmp: Path, server: HubServer, name: str) -> dict[str, str]:
         HF_TOKEN=HF_TOK,
         WANDB_API_KEY=WB_KEY,
         HF_HOME=str(tmp / f"hf_home_{name}"),  # a fresh, empty cache for every session
+        HF_HUB_DISABLE_XET="1",  # large files take the LFS path, which the loopback Hub serves
         WANDB_CONFIG_DIR=str(tmp / "wandb_config"),
         WANDB_CACHE_DIR=str(tmp / "wandb_cache"),
         WANDB_DATA_DIR=str(tmp / "wandb_data"),

@@ -1,0 +1,60 @@
+"""Host RAM across a session, measured per phase on 2 CPU ranks: a resume holds no more than a fresh start, the
+resumed checkpoint is released, and `fsdp_opt.hostplan` predicts every phase.
+
+The model has opt-1.3b's vocabulary on a small body, so the checkpoint (12 bytes per parameter, 0.2 GB) is a
+large share of each process: a resume that kept it would peak about a quarter higher than a fresh start.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from conftest import ROOT, make_local_model, sandbox_env, torchrun_cmd
+from fsdp_opt.hostplan import host_memory
+from fsdp_opt.plan import Inputs, Shape, model_config
+
+SHAPE = dict(hidden_size=256, ffn_dim=1024, num_hidden_layers=4, num_attention_heads=4, vocab_size=50272,
+             word_embed_proj_dim=256, dropout=0.0)  # fmt: skip
+BATCH, LENGTH = 2, 64
+
+
+@pytest.fixture(scope="module")
+def wide_vocab_model(tmp_path_factory):
+    return make_local_model(tmp_path_factory.mktemp("wide") / "wide-vocab", **SHAPE)
+
+
+def run_phases(tmp, name: str, flags: list[str]) -> list[dict]:
+    out = tmp / f"{name}.json"
+    cmd = torchrun_cmd(2, ROOT / "tests" / "workers" / "host_phases.py") + [str(out)] + flags
+    proc = subprocess.run(cmd, cwd=tmp, env=sandbox_env(tmp), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return [json.loads((tmp / f"{name}.json.rank{r}").read_text()) for r in range(2)]
+
+
+def test_resume_releases_the_checkpoint_and_the_plan_predicts_each_phase(tmp_path, wide_vocab_model):
+    flags = ["--model", str(wide_vocab_model), "--dataset", "python-docs", "--end_idx", "60", "--max_length", str(LENGTH),
+             "--batch_size", str(BATCH), "--precision", "fp32", "--output_dir", str(tmp_path / "out"), "--keep_last", "0"]  # fmt: skip
+    fresh = run_phases(tmp_path, "fresh", flags)
+    resumed = run_phases(tmp_path, "resumed", flags + ["--resume_file", "latest"])
+
+    for rank, (f, r) in enumerate(zip(fresh, resumed)):
+        assert r["mapped_after_setup"] == [], f"rank {rank} still maps {r['mapped_after_setup']}"
+        fresh_peak, resumed_peak = (max(x["setup"], x["step"], x["save"]) for x in (f, r))
+        assert abs(resumed_peak / fresh_peak - 1) <= 0.05, (rank, f, r)
+
+    shape = Shape.of(model_config(str(wide_vocab_model)))
+    inputs = Inputs(gpus=2, batch_size=BATCH, max_length=LENGTH, accum_steps=1, precision="fp32", cuda=False)
+    plan = host_memory(shape, "FULL_SHARD", inputs)
+    measured = {
+        ("rank0", "start"): fresh[0]["setup"], ("other", "start"): fresh[1]["setup"],
+        ("rank0", "resume"): resumed[0]["setup"], ("other", "resume"): resumed[1]["setup"],
+        ("rank0", "step"): fresh[0]["step"], ("other", "step"): fresh[1]["step"],
+        ("rank0", "save"): fresh[0]["save"], ("other", "save"): fresh[1]["save"],
+    }  # fmt: skip
+    table = {k: (plan[k[0]][k[1]], got, round(plan[k[0]][k[1]] / got - 1, 3)) for k, got in measured.items()}
+    assert all(abs(error) <= 0.10 for _, _, error in table.values()), table
+    # The 5% above can see a leak: a checkpoint left in memory would add more than 20% to either rank's peak.
+    assert 12 * shape.params > 0.2 * max(max(x["setup"], x["step"], x["save"]) for x in fresh)

@@ -1,0 +1,41 @@
+"""Run by torchrun from the tests: a session in phases (setup, two steps, a save), reporting this rank's peak
+host RSS in each phase and the checkpoint files still mapped after setup. Arguments: the report path, then the
+trainer's flags."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from fsdp_opt.config import parse_args
+from fsdp_opt.distributed import init_distributed, teardown
+from fsdp_opt.hostmem import configure_allocator, mapped_files, peak_rss_bytes, reset_peak
+from fsdp_opt.saving import save
+from fsdp_opt.trainer import setup, train_step
+
+
+def main() -> None:
+    out_path, flags = sys.argv[1], sys.argv[2:]
+    configure_allocator()
+    env = init_distributed("cpu")
+    config = parse_args(flags)
+    report: dict = {}
+    reset_peak()
+    session = setup(config, env)
+    report["setup"] = peak_rss_bytes()
+    report["mapped_after_setup"] = mapped_files(".pt")
+    steps = session.plan.steps(session.state.epoch, session.state.offset)
+    reset_peak()
+    for _ in range(2):
+        train_step(session, next(steps))
+    report["step"] = peak_rss_bytes()
+    reset_peak()
+    save(session, epoch_end=False, evaluate=False)
+    report["save"] = peak_rss_bytes()
+    with open(f"{out_path}.rank{env.rank}", "w") as f:
+        json.dump(report, f)
+    teardown()
+
+
+if __name__ == "__main__":
+    main()
