@@ -112,12 +112,13 @@ def save_or_explain(obj: Any, path: Path) -> None:
 
 
 def remove_stale_temp(output_dir: Path) -> list[Path]:
-    """Temporary files and folders a killed save or Hub download left behind (never a checkpoint's final name)."""
+    """Temporary files and folders a killed save, Hub download or upload left behind (never a checkpoint's final name)."""
     if not output_dir.is_dir():
         return []
     stale = [
         p for p in output_dir.iterdir()
-        if p.name.startswith(".") and (".tmp" in p.name or p.name.endswith(".old") or p.name.startswith(".download-"))
+        if p.name.startswith(".")
+        and (".tmp" in p.name or p.name.endswith(".old") or p.name.startswith((".download-", ".upload-")))
     ]  # fmt: skip
     for p in stale:
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)

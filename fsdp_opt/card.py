@@ -12,7 +12,7 @@ from typing import Any
 # Flags that describe this machine or this session, not the training recipe.
 LOCAL_FLAGS = {
     "output_dir", "resume_file", "export_hf", "hf_repo", "hub_public", "hub_retries", "hub_wait",
-    "wandb_project", "wandb_mode", "wandb_new_run", "time_limit", "keep_last", "device",
+    "wandb_project", "wandb_mode", "wandb_new_run", "time_limit", "keep_last", "device", "hub_keep_full", "disk_budget",
 }  # fmt: skip
 
 
@@ -43,6 +43,8 @@ def slices(index: dict[str, Any]) -> list[dict[str, Any]]:
             row["eval_loss"] = e.get("eval_loss")
         row["date"] = e.get("date", "")
         row["latest"] = name
+        # Where it is now: its full state, or (retired by --hub_keep_full) only its weights file.
+        row["where"] = e.get("path", name) if e.get("full", True) else e.get("weights") or "removed"
     ordered = sorted(rows.values(), key=lambda r: r["last_step"] if r["last_step"] is not None else -1)
     previous = 0
     for row in ordered:
@@ -83,10 +85,19 @@ def render_card(repo_id: str, index: dict[str, Any]) -> str:
     for r in rows:
         steps = f"{r['first_step']}–{r['last_step']}" if r["last_step"] is not None else "-"
         out.append(
-            f"| [{r['start']}, {r['end']}) | {r['epochs']} | {steps} | {_fmt_loss(r['loss'])} | {_fmt_loss(r['eval_loss'])} | {r['date']} | `{r['latest']}` |"
+            f"| [{r['start']}, {r['end']}) | {r['epochs']} | {steps} | {_fmt_loss(r['loss'])} | {_fmt_loss(r['eval_loss'])} | {r['date']} | `{r['where']}` |"
         )
     if not rows:
         out.append("| - | - | - | - | - | - | - |")
+    storage = index.get("storage")
+    if storage:
+        out += [
+            "",
+            f"Repo storage: {storage['bytes'] / 1e9:,.2f} GB ({storage['full_checkpoints']} full resumable "
+            f"checkpoint(s) under `checkpoints/`, {storage['weights_files']} fp16 weights file(s) under `weights/`, "
+            f"measured {storage.get('date', '')}). The newest full checkpoints stay resumable; older ranges keep "
+            "their weights file (`--hub_keep_full`).",
+        ]
     hyper = run.get("hyperparameters", {})
     out += ["", "## Hyperparameters (latest session)", "", "| setting | value |", "|---|---|"]
     out += [f"| {k} | {v} |" for k, v in sorted(hyper.items())]
@@ -112,6 +123,17 @@ def render_card(repo_id: str, index: dict[str, Any]) -> str:
             "```bash",
             f"hf download {repo_id} {latest[1].get('path', latest[0])} --local-dir .",
             f"python -m fsdp_opt.export {latest[1].get('path', latest[0])} exported --dtype fp16",
+            "```",
+        ]
+    weights = sorted({r["where"] for r in rows if r["where"].startswith("weights/")})
+    if weights:
+        out += [
+            "",
+            "A range whose full state was retired keeps its weights (fp16 safetensors); evaluate, export or resume from it:",
+            "",
+            "```bash",
+            f"hf download {repo_id} {weights[-1]} --local-dir .",
+            f"python -m fsdp_opt.export {weights[-1]} exported --dtype fp16",
             "```",
         ]
     last_end = rows[-1]["end"] if rows else 0

@@ -12,6 +12,7 @@ import random
 import re
 import shutil
 import time
+import warnings
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -194,11 +195,15 @@ def _first_line(exc: BaseException) -> str:
 
 
 def read_checkpoint(path: Path, flag: str = "--resume_file") -> dict[str, Any]:
-    """Load a checkpoint of ours on CPU (a file, or a sharded folder's metadata), refusing anything else."""
+    """Load a checkpoint of ours on CPU (a file, a sharded folder's metadata, or a weights file), refusing anything else."""
     if path.is_dir():
         return _read_sharded_meta(path, flag)
     if not path.is_file():
         raise CheckpointError(f"{flag} {path}: no such file")
+    from .weightsfile import SUFFIX as WEIGHTS_SUFFIX, read_weights
+
+    if path.suffix == WEIGHTS_SUFFIX:
+        return read_weights(path, flag)
     payload = _load_weights_only(path, flag)
     if not isinstance(payload, dict) or MODEL_KEY not in payload:
         raise CheckpointError(f"{flag} {path}: not an fsdp-opt checkpoint (no {MODEL_KEY})")
@@ -363,6 +368,29 @@ def load_full_payload(path: Path, flag: str = "checkpoint") -> dict[str, Any]:
     payload = {k: v for k, v in payload.items() if k != "_sharded"}
     payload[MODEL_KEY] = tensors["model"]
     payload["optimizer"] = tensors.get("optim")
+    return payload
+
+
+def load_model_only(path: Path, flag: str = "checkpoint") -> dict[str, Any]:
+    """A checkpoint's metadata and full model weights on CPU, without its optimizer state (a file is memory-mapped,
+    so only the weights' pages are read; a sharded folder loads only its model tensors). No process group needed."""
+    payload = read_checkpoint(path, flag)
+    if not payload.get("_sharded"):
+        return payload
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(str(path)).read_metadata()
+    model = {
+        k[len("model."):]: torch.empty(tuple(v.size), dtype=v.properties.dtype)
+        for k, v in metadata.state_dict_metadata.items()
+        if k.startswith("model.") and isinstance(v, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"model": model}, checkpoint_id=str(path), no_dist=True)
+    payload[MODEL_KEY] = model
     return payload
 
 

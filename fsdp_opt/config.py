@@ -265,6 +265,11 @@ class HubConfig:
     hub_public: bool = _opt(False, "Create the repo public (default: private). An existing repo keeps its visibility.")
     hub_retries: int = _opt(5, "Retries of a failed upload (network errors, 5xx), with exponential backoff.")
     hub_wait: str = _opt("30m", "At exit, wait at most this long for pending uploads (a duration such as 30m).")
+    hub_keep_full: int | None = _opt(
+        None,
+        "Full resumable checkpoints the repo keeps (default 1 with --hf_repo): older ones leave only their fp16 "
+        "weights file (weights/<name>.safetensors, one per range), and their storage is freed. 0 keeps every one.",
+    )
 
     def __post_init__(self) -> None:
         if self.hf_repo is not None and not re.fullmatch(r"[\w.-]+/[\w.-]+", self.hf_repo):
@@ -272,6 +277,16 @@ class HubConfig:
         if self.hub_retries < 0:
             raise ConfigError(f"--hub_retries {self.hub_retries}: must be 0 or more")
         parse_duration(self.hub_wait, "--hub_wait")
+        if self.hub_keep_full is not None:
+            if self.hub_keep_full < 0:
+                raise ConfigError(f"--hub_keep_full {self.hub_keep_full}: must be 0 (keep every full checkpoint) or more")
+            if self.hf_repo is None:
+                raise ConfigError("--hub_keep_full: only with --hf_repo (it says what the Hub repo keeps)")
+
+    @property
+    def keep_full(self) -> int:
+        """--hub_keep_full, with its default of 1."""
+        return 1 if self.hub_keep_full is None else self.hub_keep_full
 
     @property
     def hub_wait_seconds(self) -> float:

@@ -84,9 +84,12 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
-def print0(*args: Any, **kwargs: Any) -> None:
+def print0(*args: Any, sep: str = " ", end: str = "\n", file: Any = None) -> None:
+    """Print on rank 0 only, each line in one write: the upload thread's lines never split the main thread's."""
     if env_rank() == 0:
-        print(*args, **kwargs, flush=True)
+        out = file or sys.stdout
+        out.write(sep.join(str(a) for a in args) + end)
+        out.flush()
 
 
 def barrier() -> None:

@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from . import checkpoint as ckpt
 from .errors import CheckpointError, ConfigError
+from .weightsfile import SUFFIX as WEIGHTS_SUFFIX, WEIGHTS_DIR, checkpoint_of, weights_name
 
 CKPT_DIR = "checkpoints"
 INDEX_FILE = "fsdp_opt_index.json"
@@ -139,6 +140,36 @@ class HubStore:
                 found.setdefault(f, f)
         return found
 
+    def weights(self, files: list[str] | None = None) -> dict[str, str]:
+        """Weights file name -> its path in the repo (weights/<name>.safetensors)."""
+        files = self.files() if files is None else files
+        prefix = f"{WEIGHTS_DIR}/"
+        return {f[len(prefix):]: f for f in files if f.startswith(prefix) and f.endswith(WEIGHTS_SUFFIX) and f.count("/") == 1}
+
+    def lfs_at_head(self) -> dict[str, str]:
+        """Path -> sha256 of every file the head keeps in LFS storage."""
+        from huggingface_hub.errors import RepositoryNotFoundError
+
+        try:
+            entries = self._call(lambda: list(self.api.list_repo_tree(self.repo_id, recursive=True)))
+        except RepositoryNotFoundError:
+            return {}
+        return {e.path: e.lfs.sha256 for e in entries if getattr(e, "lfs", None) is not None}
+
+    def purge(self, shas: set[str]) -> int:
+        """Permanently delete these LFS objects from the repo's storage (history included); returns their bytes."""
+        if not shas:
+            return 0
+        found = [f for f in self._call(lambda: list(self.api.list_lfs_files(self.repo_id))) if {f.file_oid, f.oid} & shas]
+        if found:
+            self._call(lambda: self.api.permanently_delete_lfs_files(self.repo_id, found))
+        return sum(f.size for f in found)
+
+    def used_storage(self) -> int | None:
+        """Bytes the repo's storage holds (deleted files' objects included until purged), as the Hub reports it."""
+        info = self._call(lambda: self.api.model_info(self.repo_id, expand=["usedStorage"]))
+        return getattr(info, "used_storage", None)
+
     def latest(self) -> tuple[str, int] | None:
         files = self.files()
         index = self.read_index(files)["checkpoints"]
@@ -161,7 +192,8 @@ class HubStore:
 
         dest.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=".download-", dir=dest.parent) as staging:
-            got = self._call(lambda: hf_hub_download(self.repo_id, path_in_repo, local_dir=staging, endpoint=self.api.endpoint))
+            got = self._call(lambda: hf_hub_download(self.repo_id, path_in_repo, local_dir=staging, endpoint=self.api.endpoint,
+                                                     token=self.api.token))  # fmt: skip
             Path(got).rename(dest)
         return dest
 
@@ -178,7 +210,8 @@ class HubStore:
             return self.fetch(where, dest)
         out_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=".download-", dir=out_dir) as staging:
-            self._call(lambda: snapshot_download(self.repo_id, allow_patterns=[f"{where}/*"], local_dir=staging, endpoint=self.api.endpoint))
+            self._call(lambda: snapshot_download(self.repo_id, allow_patterns=[f"{where}/*"], local_dir=staging,
+                                                 endpoint=self.api.endpoint, token=self.api.token))  # fmt: skip
             (Path(staging) / where).rename(dest)
         return dest
 
@@ -213,12 +246,18 @@ def find_resume(name: str, out_dir: Path, repo_id: str | None, retries: int = 3,
                 return local
             print(f"latest checkpoint is {remote[0]} (global step {remote[1]}) in the Hub repo {repo_id}; downloading")
             return store.download(remote[0], out_dir)
-        remote_names = store.checkpoints()
-        if name not in remote_names:
-            listing = ", ".join(sorted(remote_names)[:10]) or "none"
-            raise CheckpointError(f"{local_error}; not in the Hub repo {repo_id} either (checkpoints there: {listing})")
-        print(f"downloading {name} from the Hub repo {repo_id}")
-        return store.download(name, out_dir)
+        files = store.files()
+        remote_names = store.checkpoints(files)
+        if name in remote_names:
+            print(f"downloading {name} from the Hub repo {repo_id}")
+            return store.download(name, out_dir)
+        weights = store.weights(files).get(name if name.endswith(WEIGHTS_SUFFIX) else weights_name(name))
+        if weights is not None:
+            print(f"only the weights of {checkpoint_of(weights)} are left in the Hub repo {repo_id} (--hub_keep_full "
+                  f"retired its full state); downloading {weights}")  # fmt: skip
+            return store.fetch(weights, out_dir / Path(weights).name)
+        listing = ", ".join(sorted(remote_names)[:10]) or "none"
+        raise CheckpointError(f"{local_error}; not in the Hub repo {repo_id} either (checkpoints there: {listing})")
     except CheckpointError:
         raise
     except Exception as exc:  # noqa: BLE001 - network, auth: one line

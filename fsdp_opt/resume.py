@@ -64,7 +64,7 @@ def restore(
     if env.is_main:
         header = {
             k: payload.get(k)
-            for k in ("train_state", "slice", "scaler", "rng", "_path", "_sharded", ckpt.STEP_KEY, ckpt.EPOCHS_KEY)
+            for k in ("train_state", "slice", "scaler", "rng", "_path", "_sharded", "weights_only", ckpt.STEP_KEY, ckpt.EPOCHS_KEY)
         }
         header["has_optimizer"] = has_optim
     header = broadcast_object(header)
@@ -87,6 +87,10 @@ def restore(
         state = ckpt.TrainState(ts["global_step"], config.train.initial_epoch, 0)
         where = f"the first batch of slice [{config.data.start_idx}, {end_idx})"
     print0(f"resumed {header['_path']} at global step {state.global_step}; continuing at {where}")
-    if not header["has_optimizer"]:
+    if header["weights_only"]:
+        print0("  (a weights file: its fp16 weights and the global step continue; AdamW moments start from zero, the "
+               "loss scale from --init_loss_scale, and the RNG is not restored, so the run is not exactly the one "
+               "its full checkpoint would have continued)")  # fmt: skip
+    elif not header["has_optimizer"]:
         print0("  (the checkpoint has no optimizer state: AdamW moments start from zero)")
     return state

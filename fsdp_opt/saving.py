@@ -38,6 +38,7 @@ def start_uploader(s: Session) -> Any:
         retries=hc.hub_retries,
         on_uploaded=lambda job: prune(s, job.path),
         log=print0,
+        keep_full=hc.keep_full,
     )
     where = "reachable" if uploader.repo_ready else "not reachable now; uploads will retry"
     print0(f"hub: checkpoints go to {hc.hf_repo}/{'checkpoints'} in the background (the Hub is {where})")
@@ -58,6 +59,10 @@ def finish_outside(s: Session) -> None:
             replaced = sum(j.status == "superseded" for j in jobs)
             print0(f"hub: uploads done: {pushed} pushed to {s.config.hub.hf_repo}"
                    + (f", {replaced} replaced by a newer checkpoint before their turn" if replaced else ""))  # fmt: skip
+        storage = s.uploader.index.get("storage")
+        if storage:
+            print0(f"hub: {s.config.hub.hf_repo} holds {storage['bytes'] / 1e9:,.2f} GB: {storage['full_checkpoints']} "
+                   f"full checkpoint(s), {storage['weights_files']} weights file(s) (--hub_keep_full {s.config.hub.keep_full})")  # fmt: skip
     if s.wandb is not None:
         s.wandb.finish()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .hub import CARD_FILE, CKPT_DIR, INDEX_FILE, METRICS_IN_REPO, HubStore, describe, now_iso, with_retries
+from .retention import decide
+from .weightsfile import WEIGHTS_DIR, checkpoint_of, weights_from_checkpoint, weights_name
 
 
 @dataclass
@@ -26,6 +29,8 @@ class Upload:
     error: str = ""
     seconds: float = 0.0
     commit: str | None = None
+    weights: Path | None = None  # its weights file, made for the push when --hub_keep_full is on
+    lfs_before: dict[str, str] = field(default_factory=dict)  # the repo's LFS files before the push
 
     @property
     def name(self) -> str:
@@ -51,6 +56,7 @@ class Uploader:
         backoff: float = 2.0,
         on_uploaded: Callable[[Upload], None] | None = None,
         log: Callable[[str], None] = print,
+        keep_full: int = 0,
     ) -> None:
         from huggingface_hub.utils import disable_progress_bars
 
@@ -63,6 +69,9 @@ class Uploader:
         files = self._try(store.files, []) if self.repo_ready else []
         self.index: dict[str, Any] = self._try(lambda: store.read_index(files), {"checkpoints": {}})
         self.index["run"] = run
+        self.keep_full = keep_full  # --hub_keep_full; 0 keeps everything and deletes nothing
+        # LFS objects this run removed from the head and has yet to delete from storage (a later session finishes).
+        self.to_purge: set[str] = set(self.index.get("purge_pending", []))
         self.remote_names = set(store.checkpoints(files))
         self.metrics = metrics
         if metrics is not None and not metrics.exists() and METRICS_IN_REPO in files:
@@ -70,6 +79,7 @@ class Uploader:
             self._try(lambda: store.fetch(METRICS_IN_REPO, metrics), None)
         self.jobs: list[Upload] = []
         self._done: list[Upload] = []
+        self._warned: set[str] = set()
         self._cond = threading.Condition()
         self._closing = False
         self._thread = threading.Thread(target=self._work, name="hub-uploads", daemon=True)
@@ -157,12 +167,17 @@ class Uploader:
         while (job := self._next()) is not None:
             started = time.monotonic()
             try:
+                if self.keep_full and job.kind != "export" and job.path.exists():
+                    job.weights = self._make_weights(job)
                 commit = with_retries(lambda: self._push(job), self.retries, self.backoff, self._note_retry(job))
             except Exception as exc:  # noqa: BLE001 - a failed upload never stops training
                 with self._cond:
                     job.status, job.error = "failed", describe(exc)
                 self.log(f"hub: upload of {job.name} failed ({job.error}); the local copy is kept: {job.path.resolve()}")
                 continue
+            finally:
+                if job.weights is not None:
+                    shutil.rmtree(job.weights.parent, ignore_errors=True)
             with self._cond:
                 job.status, job.commit, job.seconds = "done", commit, time.monotonic() - started
                 if job.kind != "export":
@@ -175,6 +190,19 @@ class Uploader:
                     self.on_uploaded(job)
                 except Exception as exc:  # noqa: BLE001
                     self.log(f"hub: after the upload of {job.name}: {describe(exc)}")
+            if self.keep_full:
+                try:
+                    # Only now, with the newer checkpoint confirmed in the repo, may older ones go.
+                    with_retries(lambda: self._retain(job), self.retries, self.backoff)
+                except Exception as exc:  # noqa: BLE001 - retried after the next push; never fatal
+                    self.log(f"hub: keeping the repo to --hub_keep_full {self.keep_full} failed ({describe(exc)}); "
+                             "tried again after the next upload")  # fmt: skip
+
+    def _make_weights(self, job: Upload) -> Path:
+        """The job's weights file, in a hidden staging folder beside the checkpoint (removed after the push)."""
+        staging = job.path.parent / f".upload-{job.name}"
+        shutil.rmtree(staging, ignore_errors=True)
+        return weights_from_checkpoint(job.path, staging / weights_name(job.name))
 
     def _note_retry(self, job: Upload) -> Callable[[int, float, BaseException], None]:
         def note(attempt: int, delay: float, exc: BaseException) -> None:
@@ -202,20 +230,99 @@ class Uploader:
         if job.kind == "export":
             index["export"] = {**job.entry, "date": now_iso()}
         else:
-            index["checkpoints"][job.name] = {**job.entry, "path": job.path_in_repo, "date": now_iso()}
-        card = self.render_card(index)
+            weights = f"{WEIGHTS_DIR}/{job.weights.name}" if job.weights is not None else None
+            if weights is not None:
+                ops.append(CommitOperationAdd(weights, str(job.weights)))
+            index["checkpoints"][job.name] = {**job.entry, "path": job.path_in_repo, "date": now_iso(), "full": True,
+                                              "weights": weights}  # fmt: skip
         if job.kind == "export":
             ops = [op for op in ops if op.path_in_repo != CARD_FILE]  # the card is ours
-        ops.append(CommitOperationAdd(INDEX_FILE, json.dumps(index, indent=1, sort_keys=True).encode()))
         if self.metrics is not None and self.metrics.exists():
             log = self.metrics.read_bytes()
             ops.append(CommitOperationAdd(METRICS_IN_REPO, log[: log.rfind(b"\n") + 1]))  # whole lines only
-        ops.append(CommitOperationAdd(CARD_FILE, card.encode()))
+        if self.keep_full:
+            job.lfs_before = self.store.lfs_at_head()
         step = job.entry.get("global_step")
         message = f"fsdp-opt: {job.name}" + (f" (global step {step})" if step is not None else "")
-        info = self.store.api.create_commit(self.store.repo_id, ops, commit_message=message)
+        return self._commit(ops, index, message)
+
+    def _commit(self, ops: list, index: dict[str, Any], message: str) -> str:
+        """One commit of `ops` with the index and the model card rendered from it; the index is ours once it lands."""
+        from huggingface_hub import CommitOperationAdd
+
+        index["purge_pending"] = sorted(self.to_purge)
+        ops = ops + [
+            CommitOperationAdd(INDEX_FILE, json.dumps(index, indent=1, sort_keys=True).encode()),
+            CommitOperationAdd(CARD_FILE, self.render_card(index).encode()),
+        ]
+        try:
+            info = self.store.api.create_commit(self.store.repo_id, ops, commit_message=message)
+        except Exception:
+            # Objects uploaded for a commit that did not land use storage that no file points to: purge them with
+            # the next cleanup (which skips any the head does use, in case the commit landed after all).
+            uploaded = {op.upload_info.sha256.hex() for op in ops
+                        if getattr(op, "_upload_mode", None) == "lfs" and op.upload_info.is_hashed}  # fmt: skip
+            if self.keep_full:
+                self.to_purge |= uploaded
+            raise
         self.index = index
         return info.oid
+
+    def _retain(self, job: Upload) -> None:
+        """After a confirmed push: keep the newest --hub_keep_full full checkpoints and one weights file per range,
+        then delete from storage the LFS objects this run took off the head (never one the head still uses).
+
+        The objects to delete are written to the index before the delete is tried, so a session that cannot
+        finish it leaves it to the next one."""
+        from huggingface_hub import CommitOperationDelete
+
+        files = self.store.files()
+        now = self.store.lfs_at_head()
+        self.to_purge |= {sha for path, sha in job.lfs_before.items() if now.get(path) != sha}  # replaced by the push
+        full_paths, weight_paths = self.store.checkpoints(files), self.store.weights(files)
+        steps = {n: int(e.get("global_step", -1)) for n, e in self.index["checkpoints"].items()}
+        d = decide(steps, set(full_paths), set(weight_paths), self.keep_full)
+        for name in d.kept_without_weights:
+            if name not in self._warned:
+                self._warned.add(name)
+                self.log(f"hub: keeping the full {name}: the repo has no weights file of it to keep in its place")
+        index = json.loads(json.dumps(self.index))
+        ops = []
+        for name in d.delete_full:
+            path = full_paths[name]
+            ops.append(CommitOperationDelete(path, is_folder=path not in files))
+            index["checkpoints"].setdefault(name, {})["full"] = False
+            self.to_purge |= {sha for p, sha in now.items() if p == path or p.startswith(path + "/")}
+        for w in d.delete_weights:
+            ops.append(CommitOperationDelete(weight_paths[w]))
+            index["checkpoints"].setdefault(checkpoint_of(w), {})["weights"] = None
+            self.to_purge |= {now[weight_paths[w]]} if weight_paths[w] in now else set()
+        if ops:
+            self._commit(ops, index, f"fsdp-opt: keep the newest {self.keep_full} full checkpoint(s) and one weights "
+                                     "file per range (--hub_keep_full)")  # fmt: skip
+            self.log(f"hub: retired {', '.join(d.delete_full + d.delete_weights)}; full: {', '.join(d.keep_full)}; "
+                     f"weights files: {', '.join(d.keep_weights) or 'none'}")  # fmt: skip
+        elif self.to_purge and sorted(self.to_purge) != self.index.get("purge_pending"):
+            self._commit([], index, "fsdp-opt: storage to free")
+        self.to_purge -= set(self.store.lfs_at_head().values())
+        freed = self.store.purge(self.to_purge)
+        self.to_purge.clear()
+        self.update_storage(freed)
+
+    def update_storage(self, freed: int = 0) -> None:
+        """Record the repo's storage in the index (and the card) when it changed."""
+        size = self.store.used_storage()
+        pending_changed = self.index.get("purge_pending", []) != sorted(self.to_purge)
+        if size is None or (size == self.index.get("storage", {}).get("bytes") and not pending_changed):
+            return
+        index = json.loads(json.dumps(self.index))
+        files = self.store.files()
+        index["storage"] = {"bytes": size, "date": now_iso(), "full_checkpoints": len(self.store.checkpoints(files)),
+                            "weights_files": len(self.store.weights(files))}  # fmt: skip
+        self._commit([], index, "fsdp-opt: repo storage")
+        if freed:
+            self.log(f"hub: freed {freed / 1e9:,.2f} GB of the repo's storage; it holds {size / 1e9:,.2f} GB")
+
 
 
 def ckpt_bytes(path: Path) -> int:

@@ -58,13 +58,14 @@ def offline_runs(out_dir: Path) -> list[Path]:
 
 
 def test_sessions_chain_through_the_hub(tmp_path):
-    """Push every checkpoint (through injected 503s), resume by `latest` and by name on empty machines, export,
-    model card, one W&B run across slices, and no token anywhere."""
+    """Push every checkpoint (through injected 503s; --hub_keep_full 0 keeps them all), resume by `latest` and by
+    name on empty machines, export, model card, one W&B run across slices, and no token anywhere."""
     with HubServer(token=HF_TOK) as server:
         server.fail("commit", 2)
         s1 = run_cli(
             COMMON + ["--start_idx", "0", "--end_idx", "48", "--eval_rows", "8", "--batch_size", "2", "--save_every_steps", "3",
-                      "--keep_last", "1", "--hf_repo", "me/run", "--wandb_mode", "offline", "--output_dir", "s1"],
+                      "--keep_last", "1", "--hf_repo", "me/run", "--hub_keep_full", "0", "--wandb_mode", "offline",
+                      "--output_dir", "s1"],
             tmp_path, nproc=2, env=hub_env(tmp_path, server, "s1"),
         )  # fmt: skip
         assert s1.returncode == 0, s1.stdout + s1.stderr
@@ -328,7 +329,8 @@ def test_wandb_without_network_falls_back(tmp_path):
 def test_disk_budget_makes_room_with_hub_copies(tmp_path):
     """--disk_budget deletes local checkpoints only when the Hub has them, oldest first, before a save."""
     with HubServer(token=HF_TOK) as server:
-        base = COMMON + ["--keep_last", "0", "--hf_repo", "me/run", "--wandb_mode", "disabled", "--output_dir", "out"]
+        base = COMMON + ["--keep_last", "0", "--hf_repo", "me/run", "--hub_keep_full", "0", "--wandb_mode", "disabled",
+                         "--output_dir", "out"]
         s1 = run_cli(base + ["--end_idx", "16", "--save_every_steps", "2"], tmp_path, env=hub_env(tmp_path, server, "a"))
         assert s1.returncode == 0, s1.stdout + s1.stderr
         first = sorted((tmp_path / "out").glob("*.pt"), key=lambda p: p.stat().st_mtime)
