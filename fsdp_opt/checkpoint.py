@@ -119,10 +119,13 @@ def save_checkpoint(
     extra: dict[str, Any],
     save_optimizer: bool = True,
     sharded: bool = False,
+    hand_off: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, float] | None:
     """Every rank calls this. Full: gather, rank 0 writes one file. Sharded: each rank writes its shard.
 
-    Returns {'bytes', 'seconds'} on rank 0. A failed write raises CheckpointError on every rank.
+    Returns {'bytes', 'seconds'} on rank 0. A failed write raises CheckpointError on every rank. With `hand_off`
+    (full saves), rank 0 passes the gathered payload to it instead of writing it, and None is returned: the caller
+    writes it (in the background) with write_payload().
     """
     start = time.perf_counter()
     rngs: list[Any] = [None] * env.world_size
@@ -143,8 +146,15 @@ def save_checkpoint(
         _save_sharded(path, env, model, optimizer if save_optimizer else None, meta)
     else:
         model_sd, optim_sd = gather_full_state(model, optimizer if save_optimizer else None)
-        all_ranks_ok(lambda: save_or_explain({**meta, MODEL_KEY: model_sd, "optimizer": optim_sd}, path) if env.is_main else None)
+        payload = {**meta, MODEL_KEY: model_sd, "optimizer": optim_sd}
         del model_sd, optim_sd
+        if hand_off is not None:
+            if env.is_main:
+                copy_live_tensors(payload, model, optimizer)
+                hand_off(payload)
+            return None
+        all_ranks_ok(lambda: save_or_explain(payload, path) if env.is_main else None)
+        del payload
     release_host_memory()  # the gathered state: back to the system, not kept in the heap for later steps
     if not env.is_main:
         return None
@@ -308,6 +318,29 @@ def _storage(t: torch.Tensor) -> int:
     from torch.distributed.tensor import DTensor
 
     return (t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr()
+
+
+def copy_live_tensors(payload: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
+    """Copy every tensor of a gathered payload that is the training state itself, so the steps that run while it is
+    written cannot change it. (On CPU the full optimizer state dict hands out AdamW's live 0-dim `step` tensors.)
+    Returns how many were copied."""
+    live = {_storage(t) for t in model.parameters() if t.numel()}
+    for state in optimizer.state.values() if optimizer is not None else ():
+        live |= {_storage(v) for v in state.values() if isinstance(v, torch.Tensor) and v.numel()}
+
+    def walk(obj: Any) -> int:
+        copied = 0
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+        for key, value in items:
+            if isinstance(value, torch.Tensor):
+                if value.numel() and _storage(value) in live:
+                    obj[key] = value.clone()
+                    copied += 1
+            elif isinstance(value, (dict, list)):
+                copied += walk(value)
+        return copied
+
+    return walk(payload)
 
 
 def payload_storages(payload: dict[str, Any]) -> set[int]:

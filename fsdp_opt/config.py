@@ -226,6 +226,15 @@ class CheckpointConfig:
         choices=STATE_DICT_TYPES,
     )
     save_optimizer: bool = _opt(True, "Include the optimizer state (false: weights only, about a third of the size).")
+    async_save: str = _opt(
+        "auto",
+        "Write a full checkpoint in a background thread while training goes on (the gather still pauses it). "
+        "auto: on with CUDA; off on CPU, where the write would compete with the steps for cores and memory.",
+        type=str.lower,
+        choices=["auto", "true", "false"],
+        nargs="?",
+        const="true",
+    )
     export_hf: str | None = _opt(
         None, "After training, write a Hugging Face model folder (safetensors, tokenizer) to this directory."
     )

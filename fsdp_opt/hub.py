@@ -216,6 +216,16 @@ class HubStore:
         return dest
 
 
+def _timed(download: Callable[[], Path]) -> Path:
+    """Run a download and say how many bytes came in how long."""
+    started = time.perf_counter()
+    path = download()
+    seconds = time.perf_counter() - started
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else path.stat().st_size
+    print(f"downloaded {path.name}: {size / 1e9:,.2f} GB in {seconds:.1f} s ({size / 1e6 / max(seconds, 1e-9):,.0f} MB/s)")
+    return path
+
+
 def find_resume(name: str, out_dir: Path, repo_id: str | None, retries: int = 3, flag: str = "--resume_file") -> Path:
     """--resume_file: a path, then a name in output_dir, then a checkpoint of --hf_repo (downloaded to output_dir).
 
@@ -245,17 +255,17 @@ def find_resume(name: str, out_dir: Path, repo_id: str | None, retries: int = 3,
                     raise CheckpointError(f"{flag} latest: no checkpoint in {out_dir} or in the Hub repo {repo_id}")
                 return local
             print(f"latest checkpoint is {remote[0]} (global step {remote[1]}) in the Hub repo {repo_id}; downloading")
-            return store.download(remote[0], out_dir)
+            return _timed(lambda: store.download(remote[0], out_dir))
         files = store.files()
         remote_names = store.checkpoints(files)
         if name in remote_names:
             print(f"downloading {name} from the Hub repo {repo_id}")
-            return store.download(name, out_dir)
+            return _timed(lambda: store.download(name, out_dir))
         weights = store.weights(files).get(name if name.endswith(WEIGHTS_SUFFIX) else weights_name(name))
         if weights is not None:
             print(f"only the weights of {checkpoint_of(weights)} are left in the Hub repo {repo_id} (--hub_keep_full "
                   f"retired its full state); downloading {weights}")  # fmt: skip
-            return store.fetch(weights, out_dir / Path(weights).name)
+            return _timed(lambda: store.fetch(weights, out_dir / Path(weights).name))
         listing = ", ".join(sorted(remote_names)[:10]) or "none"
         raise CheckpointError(f"{local_error}; not in the Hub repo {repo_id} either (checkpoints there: {listing})")
     except CheckpointError:

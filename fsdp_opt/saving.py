@@ -10,13 +10,17 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from . import checkpoint as ckpt
-from .distributed import all_ranks_ok, broadcast_object, print0
+from .config import Config
+from .distributed import all_ranks_ok, broadcast_object, max_over_ranks, print0
+from .errors import CheckpointError
 from .evaluate import evaluate_loss
+from .hostmem import release_host_memory
 from .resume import slice_key
 from .session import Session
 from .tracking import EVAL_FILE
@@ -47,6 +51,8 @@ def start_uploader(s: Session) -> Any:
 
 def finish_outside(s: Session) -> None:
     """After the process group is gone (no collective can time out): rank 0 waits for uploads, closes W&B."""
+    if s.ckpt_writer is not None:
+        s.ckpt_writer.wait()  # a write still in flight after an error: it finishes (or fails) before the uploads end
     if s.uploader is not None:
         failed = s.uploader.finish(s.config.hub.hub_wait_seconds)
         log_pushed(s)
@@ -99,7 +105,50 @@ def run_eval(s: Session) -> dict[str, float]:
     return result
 
 
+class BackgroundWriter:
+    """Rank 0 writes a gathered checkpoint in a thread of its own while training goes on (--async_save).
+
+    One write at a time: start() waits for the one before, so host RAM never holds two gathered states. A failed
+    write is kept in `error`; the training loop reads it at the next step and every rank stops with it.
+    """
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self.error: str | None = None
+
+    def start(self, work: Callable[[], None]) -> None:
+        self.wait()
+        self._thread = threading.Thread(target=self._run, args=(work,), name="checkpoint-writer")
+        self._thread.start()
+
+    def _run(self, work: Callable[[], None]) -> None:
+        try:
+            work()
+        except CheckpointError as exc:
+            self.error = str(exc)
+        except Exception as exc:  # noqa: BLE001 - reported on every rank at the next step, like a disk error
+            self.error = f"writing a checkpoint failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+
+def uses_async_save(config: Config, device_type: str) -> bool:
+    """--async_save; auto: on a GPU, whose host is idle while it trains; not on CPU, where the write would take cores
+    and memory from the steps it overlaps."""
+    choice = config.checkpoint.async_save
+    return choice == "true" or (choice == "auto" and device_type == "cuda")
+
+
 def save(s: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
+    """Every rank: evaluate (--eval_rows), then save. A full checkpoint written in the background (--async_save) is
+    announced, pushed and pruned once it is on disk; the rest of save() is the gather training waits for."""
     dc, cc = s.config.data, s.config.checkpoint
     evaluation = run_eval(s) if evaluate and s.eval_blocks is not None else None
     sharded = cc.state_dict_type == "sharded"
@@ -108,7 +157,10 @@ def save(s: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
     else:
         name = ckpt.checkpoint_name(s.tag, dc.start_idx, s.end_idx, s.state.epoch + 1, s.state.global_step, sharded=sharded)
     path = s.out_dir / name
+    background = s.ckpt_writer is not None and not sharded
     if s.env.is_main:
+        if s.ckpt_writer is not None:
+            s.ckpt_writer.wait()  # the previous write: its bytes count in make_room, its memory is freed first
         make_room(s, keep=path)
     extra = {
         "slice": slice_key(s.config, s.end_idx, len(s.blocks)),
@@ -121,36 +173,72 @@ def save(s: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
         "last_loss": s.last_loss,
         "wandb_run_id": s.wandb.run_id if s.wandb is not None else None,
     }
+    entry = {
+        "global_step": s.state.global_step,
+        "epochs_done": s.state.epoch,
+        "start_idx": dc.start_idx,
+        "end_idx": s.end_idx,
+        "loss": s.last_loss if math.isfinite(s.last_loss) else None,
+        "world_size": s.env.world_size,
+        "sharded": sharded,
+        "eval_loss": evaluation["loss"] if evaluation else None,
+    }
+    kind = "epoch" if epoch_end else "step"
+    started = time.perf_counter()
+
+    def write_in_background(payload: dict[str, Any]) -> None:
+        gathered = time.perf_counter() - started
+
+        def work() -> None:
+            ckpt.save_or_explain(payload, path)
+            payload.clear()
+            release_host_memory()
+            finished(s, path, kind, entry, {"bytes": float(path.stat().st_size), "seconds": time.perf_counter() - started},
+                     waited=gathered)  # fmt: skip
+
+        s.ckpt_writer.start(work)
+
     info = ckpt.save_checkpoint(
         path, s.env, s.model, s.optimizer, state=s.state, epochs_run=s.state.epoch, extra=extra,
-        save_optimizer=cc.save_optimizer, sharded=sharded,
+        save_optimizer=cc.save_optimizer, sharded=sharded, hand_off=write_in_background if background else None,
     )  # fmt: skip
     s.last_saved_step, s.last_saved_path = s.state.global_step, path
     if info is not None:
-        s.last_save_seconds, s.last_save_bytes = info["seconds"], info["bytes"]
-        print0(f"saved {path} ({info['bytes'] / 2**20:,.1f} MiB in {info['seconds']:.1f} s)")
-        if s.uploader is not None:
-            entry = {
-                "global_step": s.state.global_step,
-                "epochs_done": s.state.epoch,
-                "start_idx": dc.start_idx,
-                "end_idx": s.end_idx,
-                "loss": s.last_loss if math.isfinite(s.last_loss) else None,
-                "bytes": info["bytes"],
-                "world_size": s.env.world_size,
-                "sharded": sharded,
-                "eval_loss": evaluation["loss"] if evaluation else None,
-            }
-            s.uploader.submit(path, "epoch" if epoch_end else "step", entry)
-        prune(s, path)
-    s.last_save_seconds = broadcast_object(s.last_save_seconds)
+        finished(s, path, kind, entry, info)
+    if not background:
+        s.last_save_seconds = broadcast_object(s.last_save_seconds)
     return path
+
+
+def finished(s: Session, path: Path, kind: str, entry: dict[str, Any], info: dict[str, float], waited: float | None = None) -> None:
+    """Rank 0, once a checkpoint is whole on disk: say so, queue its upload, prune older ones."""
+    s.last_save_seconds, s.last_save_bytes = info["seconds"], int(info["bytes"])
+    note = f"; training waited {waited:.1f} s of it" if waited is not None else ""
+    print0(f"saved {path} ({info['bytes'] / 2**20:,.1f} MiB in {info['seconds']:.1f} s{note})")
+    if s.uploader is not None:
+        s.uploader.submit(path, kind, {**entry, "bytes": info["bytes"]})
+    prune(s, path)
+
+
+def wait_for_writes(s: Session) -> None:
+    """Every rank: the background write done, and a failed one raised as the same CheckpointError on every rank."""
+    if s.ckpt_writer is not None and s.env.is_main:
+        s.ckpt_writer.wait()
+    raise_if_write_failed(s)
+
+
+def raise_if_write_failed(s: Session) -> None:
+    """Every rank (a collective): stop all ranks with rank 0's write error, if there is one."""
+    failed = max_over_ranks(1 if s.ckpt_writer is not None and s.ckpt_writer.error else 0)
+    if failed:
+        raise CheckpointError(broadcast_object(s.ckpt_writer.error if s.env.is_main else None) or "writing a checkpoint failed")
 
 
 def export_final(s: Session) -> None:
     """--export_hf: every rank joins the gather; rank 0 writes the folder."""
     from .export import export_model_folder
 
+    wait_for_writes(s)  # one gathered state in host RAM at a time
     model_sd, _ = ckpt.gather_full_state(s.model, None)
     dest = Path(s.config.checkpoint.export_hf)
     if s.env.is_main:

@@ -53,3 +53,4 @@ class Session:
     eval_blocks: Blocks | None = None  # --eval_rows
     reduce_each_microbatch: bool = False  # --reduce_every_microbatch, with auto decided by the memory plan
     chunked_loss: Any = None  # a loss.ChunkedLoss with --loss_chunk_tokens
+    ckpt_writer: Any = None  # saving.BackgroundWriter with --async_save (rank 0 writes; None: saves written in place)

@@ -16,7 +16,8 @@ from typing import Any
 
 from .distributed import max_over_ranks
 
-REASONS = ("", "received SIGTERM", "received SIGINT", "time limit")
+REASONS = ("", "received SIGTERM", "received SIGINT", "time limit", "a checkpoint write failed")
+WRITE_FAILED = REASONS[-1]
 
 
 class StopControl:
@@ -24,6 +25,7 @@ class StopControl:
         self.started = time.monotonic() if started is None else started
         self.deadline = None if time_limit_s is None else self.started + time_limit_s
         self.signal_code = 0
+        self.slowest_step = 0.0  # seconds of the slowest step so far: the next one may take as long
         self._previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -37,12 +39,18 @@ class StopControl:
     def seconds_left(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.monotonic()
 
-    def check(self, next_step_s: float, save_s: float) -> str | None:
+    def observe_step(self, seconds: float) -> None:
+        self.slowest_step = max(self.slowest_step, seconds)
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def check(self, save_s: float, write_failed: bool = False) -> str | None:
         """The agreed reason to stop now, or None. Every rank must call it at the same step."""
-        code = self.signal_code
+        code = REASONS.index(WRITE_FAILED) if write_failed else self.signal_code
         left = self.seconds_left()
         # Stop while the next step and a save still fit in what is left, with a margin for exit.
-        if not code and left is not None and left < next_step_s + save_s + 10.0:
+        if not code and left is not None and left < self.slowest_step + save_s + 10.0:
             code = REASONS.index("time limit")
         return REASONS[max_over_ranks(code)] or None
 

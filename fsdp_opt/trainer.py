@@ -42,9 +42,20 @@ from .models import (
 )
 from .hostmem import configure_allocator, peak_rss_bytes, release_host_memory
 from .resume import read_resume, restore
-from .saving import export_final, finish_outside, log_pushed, save, save_estimate, start_uploader
+from .saving import (
+    BackgroundWriter,
+    export_final,
+    finish_outside,
+    log_pushed,
+    raise_if_write_failed,
+    save,
+    save_estimate,
+    start_uploader,
+    uses_async_save,
+    wait_for_writes,
+)
 from .session import Session
-from .stopping import StopControl, resume_command
+from .stopping import WRITE_FAILED, StopControl, resume_command
 from .optim import LossScaler, LRSchedule, build_optimizer, global_grad_norm, unscale_and_clip_
 from .tracking import (
     MetricsWriter,
@@ -167,6 +178,7 @@ def setup(config: Config, env: DistEnv) -> Session:
         eval_blocks=eval_blocks,
         reduce_each_microbatch=_reduce_each_microbatch(config, env, model_config, precision),
         chunked_loss=chunked_loss,
+        ckpt_writer=BackgroundWriter() if uses_async_save(config, env.device.type) else None,
     )
     _print_summary(session, block_classes, units, n_params)
     session.uploader = all_ranks_ok(lambda: start_uploader(session) if env.is_main and hc.hf_repo else None)
@@ -222,6 +234,8 @@ def _print_summary(s: Session, classes: set[type], units: int, n_params: int) ->
                 if s.reduce_each_microbatch or c.train.accum_steps == 1
                 else "last micro-batch of each step",
                 "loss": f"{c.train.loss_chunk_tokens} tokens at a time" if s.chunked_loss else "whole logits at once",
+                "checkpoints": f"{c.checkpoint.state_dict_type}, written "
+                + ("in the background while training goes on" if s.ckpt_writer is not None else "before training goes on"),
                 "steps/epoch": s.plan.steps_per_epoch(),
                 "start": f"global step {s.state.global_step}, epoch {s.state.epoch}",
                 "output": str(s.out_dir),
@@ -236,9 +250,7 @@ def _print_summary(s: Session, classes: set[type], units: int, n_params: int) ->
 
 def train(s: Session) -> None:
     tc, cc = s.config.train, s.config.checkpoint
-    t0 = time.perf_counter()
     stop = StopControl(cc.time_limit_seconds)
-    slowest_step = 0.0
     if s.env.is_main:
         for p in remove_stale_temp(s.out_dir):
             print0(f"removed {p.name}, left by an interrupted save")
@@ -247,32 +259,45 @@ def train(s: Session) -> None:
         for epoch in range(first_epoch, first_epoch + tc.num_epochs):
             s.state.epoch = epoch
             progress = Progress(s.env.is_main, s.plan.steps_per_epoch(s.state.offset), f"epoch {epoch + 1}")
-            for step in s.plan.steps(epoch, s.state.offset):
-                reason = stop.check(slowest_step, save_estimate(s))
-                if reason:
-                    progress.close()
-                    _stop_early(s, reason)
-                    return
-                step_started = time.perf_counter()
-                record = train_step(s, step)
-                slowest_step = max(slowest_step, time.perf_counter() - step_started)
-                s.state.offset = step.end_offset
-                record["elapsed"] = round(time.perf_counter() - t0, 3)
-                s.writer.write(record)
-                s.wandb.log_step(record)
-                if s.uploader is not None:
-                    log_pushed(s)
-                progress.update(record["loss"], record["tokens_per_second"])
-                epoch_done = step.end_offset >= s.plan.num_samples
-                if cc.save_every_steps and s.state.global_step % cc.save_every_steps == 0 and not epoch_done:
-                    save(s, epoch_end=False)
-            progress.close()
+            try:
+                reason = run_epoch(s, epoch, stop, progress)
+            finally:
+                progress.close()  # also on an error: the error line then starts a line of its own
+            if reason:
+                _stop_early(s, reason)
+                return
             s.state.epoch, s.state.offset = epoch + 1, 0
             save(s, epoch_end=True)
         if cc.export_hf:
             export_final(s)
+        wait_for_writes(s)
     finally:
         stop.close()
+
+
+def run_epoch(s: Session, epoch: int, stop: StopControl, progress: Progress) -> str | None:
+    """The steps of one epoch from the saved position; returns the agreed reason to stop early, if any."""
+    cc = s.config.checkpoint
+    for step in s.plan.steps(epoch, s.state.offset):
+        reason = stop.check(save_estimate(s), write_failed=bool(s.ckpt_writer and s.ckpt_writer.error))
+        if reason == WRITE_FAILED:
+            raise_if_write_failed(s)
+        if reason:
+            return reason
+        step_started = time.perf_counter()
+        record = train_step(s, step)
+        stop.observe_step(time.perf_counter() - step_started)
+        s.state.offset = step.end_offset
+        record["elapsed"] = round(stop.elapsed(), 3)
+        s.writer.write(record)
+        s.wandb.log_step(record)
+        if s.uploader is not None:
+            log_pushed(s)
+        progress.update(record["loss"], record["tokens_per_second"])
+        epoch_done = step.end_offset >= s.plan.num_samples
+        if cc.save_every_steps and s.state.global_step % cc.save_every_steps == 0 and not epoch_done:
+            save(s, epoch_end=False)
+    return None
 
 
 def _stop_early(s: Session, reason: str) -> None:
@@ -280,6 +305,7 @@ def _stop_early(s: Session, reason: str) -> None:
     path = s.last_saved_path  # saved at this very step already (an epoch end just before the stop, say)
     if s.last_saved_step != s.state.global_step or path is None:
         path = save(s, epoch_end=False, evaluate=False)  # no time for an evaluation now
+    wait_for_writes(s)
     print0("resume with:\n  " + resume_command(path.name))
 
 

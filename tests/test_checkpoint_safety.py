@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import resource
 import signal
 import subprocess
@@ -17,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from conftest import ASSETS, ROOT, assert_clean_failure, make_local_model, run_cli, sandbox_env, torchrun_cmd
 from fsdp_opt.atomic import remove_stale_temp
-from fsdp_opt.checkpoint import MODEL_KEY, checkpoint_name, list_checkpoints
+from fsdp_opt.checkpoint import MODEL_KEY, STEP_KEY, checkpoint_name, list_checkpoints
 
 END = 80
 TINY = ["--model", "tiny-opt", "--dataset", "python-docs", "--end_idx", str(END), "--max_length", "64",
@@ -126,7 +127,10 @@ def test_kill_during_save_leaves_the_previous_checkpoint_whole(tmp_path):
     assert remove_stale_temp(tmp_path) and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
-def test_full_disk_stops_cleanly_and_keeps_the_previous_checkpoint(tmp_path, trained):
+@pytest.mark.parametrize("mode", ["in place", "background"])
+def test_full_disk_stops_cleanly_and_keeps_the_previous_checkpoint(tmp_path, trained, mode):
+    """In place: the epoch-end save fails. Background (--async_save): a mid-epoch write fails while training goes
+    on; every rank stops at the next step with the writer's error."""
     out = tmp_path / "out"
     out.mkdir()
     previous = out / NAME
@@ -138,9 +142,14 @@ def test_full_disk_stops_cleanly_and_keeps_the_previous_checkpoint(tmp_path, tra
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
     args = TINY + ["--num_epochs", "1", "--resume_file", NAME, "--output_dir", str(out)]
+    if mode == "background":
+        args += ["--async_save", "true", "--save_every_steps", "2"]
     proc = subprocess.run(torchrun_cmd(2) + args, cwd=tmp_path, env=sandbox_env(tmp_path), capture_output=True,
                           text=True, timeout=300, preexec_fn=small_files)  # fmt: skip
-    line = assert_clean_failure(proc, "cannot save", str(out / checkpoint_name("tiny_opt", 0, END, 2)), "MiB needed")
+    resumed_at = torch.load(previous, weights_only=True)[STEP_KEY]
+    first_save = next(k for k in (resumed_at + 1, resumed_at + 2) if k % 2 == 0)  # --save_every_steps 2
+    failing = checkpoint_name("tiny_opt", 0, END, 2, first_save if mode == "background" else None)
+    line = assert_clean_failure(proc, "cannot save", str(out / failing), "MiB needed")
     assert "earlier checkpoints are kept" in line
     assert _sha(previous) == before
     assert [p.name for p in list_checkpoints(out)] == [NAME]
@@ -200,3 +209,16 @@ def test_sharded_folder_converts_to_the_single_file_form(tmp_path, trained):
     # And the single file resumes like any other.
     proc = run_cli(TINY + ["--resume_file", str(out), "--output_dir", str(tmp_path / "o")], tmp_path, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_a_checkpoint_handed_to_the_background_writer_keeps_its_step(tmp_path):
+    """--async_save: the gathered payload is not changed by the steps that run while it is written (on CPU the full
+    optimizer state dict hands out AdamW's live step counters; they are copied at the hand-off)."""
+    out = tmp_path / "handoff.json"
+    cmd = torchrun_cmd(2, ROOT / "tests" / "workers" / "handoff.py") + [str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    main, other = (json.loads((tmp_path / f"handoff.json.rank{r}").read_text()) for r in range(2))
+    assert main["handed"] == 1 and other["handed"] == 0  # rank 0 writes
+    assert main["copied"] > 0  # the payload did share tensors with the live optimizer state
+    assert main["optimizer_unchanged"] and main["model_unchanged"] and main["steps"] == [1.0]
