@@ -88,6 +88,13 @@ def copy_floor(src: Path, dest: Path) -> float:
     return time.perf_counter() - started
 
 
+def import_floor(modules: str) -> float:
+    """Seconds a fresh interpreter takes to import `modules` (the least a launch pays before any work)."""
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-c", f"import {modules}"], check=True)
+    return time.perf_counter() - started
+
+
 def floors(workdir: Path, nbytes: int) -> dict[str, float]:
     a, b = workdir / "floor-a.bin", workdir / "floor-b.bin"
     try:
@@ -97,6 +104,9 @@ def floors(workdir: Path, nbytes: int) -> dict[str, float]:
     finally:
         a.unlink(missing_ok=True)
         b.unlink(missing_ok=True)
+    # torchrun imports torch, then each worker imports the libraries training needs.
+    out["launcher_import_s"] = import_floor("torch.distributed.run")
+    out["worker_import_s"] = import_floor("torch, transformers, datasets")
     return out
 
 
@@ -122,7 +132,7 @@ def build_model(shape: str, dest: Path) -> Path:
 
 
 def run_session(args: argparse.Namespace, model: Path | str, hub_url: str, workdir: Path, name: str, start: int,
-                resume: bool) -> dict:  # fmt: skip
+                resume: bool, async_save: bool) -> dict:  # fmt: skip
     """One session under torchrun; its output lines timestamped, its first metrics line watched."""
     out_dir = workdir / name
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "WANDB_", "RANK", "WORLD_SIZE", "MASTER_"))}
@@ -131,7 +141,8 @@ def run_session(args: argparse.Namespace, model: Path | str, hub_url: str, workd
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            str(ROOT / "fsdp_finetune.py"), "--model", str(model), "--dataset", "python-docs", "--start_idx", str(start),
            "--end_idx", str(start + args.rows), "--max_length", str(args.max_length), "--batch_size", str(args.batch_size),
-           "--precision", "fp32", "--hf_repo", "bench/run", "--output_dir", str(out_dir), "--keep_last", "0"]  # fmt: skip
+           "--precision", "fp32", "--hf_repo", "bench/run", "--output_dir", str(out_dir), "--keep_last", "0",
+           "--async_save", str(async_save).lower()]  # fmt: skip
     if resume:
         cmd += ["--resume_file", "latest"]
     lines: list[tuple[float, str]] = []
@@ -140,10 +151,10 @@ def run_session(args: argparse.Namespace, model: Path | str, hub_url: str, workd
     proc = subprocess.Popen(cmd, env=env, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     def watch_metrics() -> None:
-        path = out_dir / "metrics.jsonl"
-        base = path.stat().st_size if path.exists() else 0
+        # The first line of this session's own slice (a resumed session also fetches earlier lines from the Hub).
+        path, mine = out_dir / "metrics.jsonl", f'"slice": "{start}-{start + args.rows}"'
         while proc.poll() is None and not first_metrics:
-            if path.exists() and path.stat().st_size > base:
+            if path.exists() and mine in path.read_text():
                 first_metrics.append(time.perf_counter())
             time.sleep(0.02)
 
@@ -181,11 +192,12 @@ def summarize(lines: list[tuple[float, str]], first_metrics_s: float | None, end
                  "median_step_s": sorted(r["tokens"] / r["tokens_per_second"] for r in slice_rows)[len(slice_rows) // 2]}  # fmt: skip
     if first_metrics_s is not None:
         out["launch_to_first_step_s"] = first_metrics_s - step_s  # the first step starts this long after launch
-    saved = _find(lines, r"^saved (\S+) \(([\d,.]+) MiB in ([\d.]+) s\)")
+    saved = _find(lines, r"^saved (\S+) \(([\d,.]+) MiB in ([\d.]+) s(?:; training waited ([\d.]+) s of it)?\)")
     if saved:
-        out["save_bytes"] = (out_dir.parent / saved[1].group(1)).stat().st_size if (out_dir.parent / saved[1].group(1)).exists() else int(float(saved[1].group(2).replace(",", "")) * 2**20)
+        out["save_bytes"] = Path(saved[1].group(1)).stat().st_size
         out["save_s"] = float(saved[1].group(3))
-    pushed = _find(lines, r"hub: pushed \S+ to \S+ \(.*?\): ([\d,.]+) GB in ([\d.]+) s, its weights file made in ([\d.]+) s")
+        out["save_training_waited_s"] = float(saved[1].group(4)) if saved[1].group(4) else out["save_s"]
+    pushed = _find(lines, r"hub: pushed \S+ to \S+ \(.*?\): ([\d,.]+) GB in ([\d.]+) s \(its weights file made first in ([\d.]+) s\)")
     if pushed:
         out["push_bytes"] = float(pushed[1].group(1).replace(",", "")) * 1e9
         out["push_s"] = float(pushed[1].group(2))
@@ -194,13 +206,40 @@ def summarize(lines: list[tuple[float, str]], first_metrics_s: float | None, end
     if down:
         out["download_bytes"] = float(down[1].group(1).replace(",", "")) * 1e9
         out["download_s"] = float(down[1].group(2))
-    resumed = _find(lines, r"^resumed ")
-    if resumed and down:
-        out["resume_load_s"] = None  # the load sits inside setup; see launch_to_first_step_s
+    loaded = _find(lines, r"checkpoint found, read and loaded in ([\d.]+) s")
+    if loaded:
+        out["resume_load_s"] = float(loaded[1].group(1)) - out.get("download_s", 0.0)  # read, check, broadcast
     peaks = _find(lines, r"host RAM peak per rank: ([\d., ]+) GiB")
     if peaks:
         out["peak_rss_gib"] = [float(x) for x in peaks[1].group(1).split(",")]
     return out
+
+
+def stage_floors(fresh: dict, resumed: dict, floor: dict, params: int, model: Path | str) -> dict[str, dict]:
+    """Each measured stage with its bytes and its floor on this disk: write once, read once, or copy once."""
+    rate = {k: floor["bytes"] / floor[f"{k}_s"] for k in ("write", "read", "copy")}  # bytes per second
+    model_bytes = sum(f.stat().st_size for f in Path(model).glob("*.safetensors")) if Path(model).is_dir() else 4 * params
+    imports = floor["launcher_import_s"] + floor["worker_import_s"]
+    stages = {
+        "save, in place (fresh)": (fresh["save_s"], fresh["save_bytes"], fresh["save_bytes"] / rate["write"], "write once"),
+        "save, in the background (resumed): training waited": (
+            resumed["save_training_waited_s"], resumed["save_bytes"], resumed["save_bytes"] / rate["write"], "write once"),
+        "weights file for the Hub (read fp32, write fp16)": (
+            fresh["weights_file_s"], 6 * params, 4 * params / rate["read"] + 2 * params / rate["write"], "read + write once"),
+        "push to the Hub stand-in (checkpoint + weights file)": (
+            fresh["push_s"], fresh["push_bytes"], fresh["push_bytes"] / rate["copy"], "copy once"),
+        "download on a fresh machine": (
+            resumed["download_s"], resumed["download_bytes"], resumed["download_bytes"] / rate["copy"], "copy once"),
+        "resume: read and load the checkpoint": (
+            resumed["resume_load_s"], resumed["save_bytes"], resumed["save_bytes"] / rate["read"], "read once"),
+        "launch to the first step (fresh)": (
+            fresh["launch_to_first_step_s"], model_bytes, imports + model_bytes / rate["read"], "imports + read the model"),
+        "launch to the first step (resumed, with the download)": (
+            resumed["launch_to_first_step_s"], resumed["download_bytes"],
+            imports + resumed["download_bytes"] / rate["copy"] + resumed["save_bytes"] / rate["read"],
+            "imports + download + read"),
+    }  # fmt: skip
+    return {k: {"measured_s": m, "bytes": b, "floor_s": f, "floor": what} for k, (m, b, f, what) in stages.items()}
 
 
 def plan_host(shape: str, args: argparse.Namespace) -> dict:
@@ -221,7 +260,11 @@ def plan_host(shape: str, args: argparse.Namespace) -> dict:
 
 
 def kaggle_prediction(args: argparse.Namespace, ratios: dict[str, float]) -> dict:
-    """opt-1.3b on 2xT4: each stage's bytes at the stated link speed, times this machine's measured/floor ratio."""
+    """opt-1.3b on 2xT4: each stage's bytes at the stated link speed, times this machine's measured/floor ratio.
+
+    The background save's ratio is training's wait (the gather) over the disk floor, so on Kaggle it stands for the
+    same share of the write that training does not wait for; a GPU's gather moves over PCIe, not gloo, so it is an
+    upper bound there."""
     from fsdp_opt.hostplan import host_memory
     from fsdp_opt.plan import GIB, Inputs, Shape, model_config
 
@@ -229,12 +272,14 @@ def kaggle_prediction(args: argparse.Namespace, ratios: dict[str, float]) -> dic
     full, weights = 12 * shape.params, 2 * shape.params
     disk, up, down = (x * 1e6 for x in (args.kaggle_disk_mbps, args.kaggle_upload_mbps, args.kaggle_download_mbps))
     host = host_memory(shape, "FULL_SHARD", Inputs(gpus=2, batch_size=4, max_length=512, accum_steps=16, precision="fp16"))
+    waited = ratios["save, in the background (resumed): training waited"]
     stages = {
-        "save (write the full checkpoint)": full / disk * ratios["save"],
-        "weights file (read the weights, write fp16)": (4 * shape.params / disk + weights / disk) * ratios["weights_file"],
-        "push (checkpoint + weights file)": (full + weights) / up * ratios["push"],
-        "download on a fresh machine": full / down * ratios["download"],
-        "resume load (read the checkpoint)": full / disk * ratios["resume_read"],
+        "save, in place (training waits for the disk)": full / disk * ratios["save, in place (fresh)"],
+        "save, in the background (training waits for the gather)": full / disk * waited,
+        "weights file for the Hub": (4 * shape.params + weights) / disk * ratios["weights file for the Hub (read fp32, write fp16)"],
+        "push (checkpoint + weights file)": (full + weights) / up * ratios["push to the Hub stand-in (checkpoint + weights file)"],
+        "download on a fresh machine": full / down * ratios["download on a fresh machine"],
+        "resume: read and load the checkpoint": full / disk * ratios["resume: read and load the checkpoint"],
     }
     return {
         "checkpoint_bytes": full, "weights_bytes": weights,
@@ -248,28 +293,23 @@ def kaggle_prediction(args: argparse.Namespace, ratios: dict[str, float]) -> dic
 # ---------------------------------------------------------------- report
 
 
-def report(args, fresh: dict, resumed: dict, floor: dict, plan: dict, kaggle: dict, machine: dict) -> str:
-    mbps = floor["bytes"] / 1e6
-    write_rate, read_rate, copy_rate = mbps / floor["write_s"], mbps / floor["read_s"], mbps / floor["copy_s"]
-
-    def row(what: str, seconds: float, nbytes: float, rate: float, floor_what: str) -> str:
-        fl = nbytes / 1e6 / rate
-        return f"| {what} | {seconds:.1f} s | {nbytes / 1e9:,.2f} GB | {fl:.1f} s ({floor_what}) | {seconds / fl:.2f}x |"
-
+def report(args, fresh: dict, resumed: dict, floor: dict, plan: dict, kaggle: dict, machine: dict, stages: dict) -> str:
+    rate = {k: floor["bytes"] / 1e6 / floor[f"{k}_s"] for k in ("write", "read", "copy")}
     lines = [
         f"{args.shape} shape ({plan['params']:,} parameters, random weights), {args.nproc} CPU ranks, {machine['cpu']}",
-        f"floors on this disk: write {write_rate:,.0f} MB/s (fsync), read {read_rate:,.0f} MB/s, copy {copy_rate:,.0f} MB/s",
+        f"floors on this disk: write {rate['write']:,.0f} MB/s (fsync), read {rate['read']:,.0f} MB/s, copy "
+        f"{rate['copy']:,.0f} MB/s; imports: torchrun {floor['launcher_import_s']:.1f} s, a worker {floor['worker_import_s']:.1f} s",
         "",
         "| stage | measured | bytes | floor | ratio |",
         "| --- | --- | --- | --- | --- |",
-        row("save (fresh session)", fresh["save_s"], fresh["save_bytes"], write_rate, "write once"),
-        row("weights file for the Hub (fresh)", fresh["weights_file_s"], 0.5 * fresh["save_bytes"], read_rate * 0 + copy_rate, "copy the weights once"),
-        row("push to the Hub stand-in (fresh)", fresh["push_s"], fresh["push_bytes"], copy_rate, "copy once"),
-        row("download on a fresh machine", resumed["download_s"], resumed["download_bytes"], copy_rate, "copy once"),
-        row("save (resumed session)", resumed["save_s"], resumed["save_bytes"], write_rate, "write once"),
+    ]
+    for name, st in stages.items():
+        lines.append(f"| {name} | {st['measured_s']:.1f} s | {st['bytes'] / 1e9:,.2f} GB | {st['floor_s']:.1f} s "
+                     f"({st['floor']}) | {st['measured_s'] / st['floor_s']:.2f}x |")  # fmt: skip
+    lines += [
         "",
-        f"launch to the first step: fresh {fresh['launch_to_first_step_s']:.1f} s, resumed {resumed['launch_to_first_step_s']:.1f} s "
-        f"(of which the download {resumed['download_s']:.1f} s); a training step here: {fresh['median_step_s']:.1f} s",
+        f"saves: in place {fresh['save_s']:.1f} s (training waited all of it); in the background {resumed['save_s']:.1f} s "
+        f"(training waited {resumed['save_training_waited_s']:.1f} s); a training step here: {fresh['median_step_s']:.1f} s",
         f"host peak RSS per rank: fresh {', '.join(f'{x:.2f}' for x in fresh['peak_rss_gib'])} GiB, resumed "
         f"{', '.join(f'{x:.2f}' for x in resumed['peak_rss_gib'])} GiB; plan: fresh "
         f"{', '.join(f'{x:.2f}' for x in plan['fresh'])}, resumed {', '.join(f'{x:.2f}' for x in plan['resumed'])} GiB",
@@ -300,24 +340,19 @@ def main(argv: list[str] | None = None) -> int:
         plan = plan_host(str(model), args)
         floor = floors(workdir, 12 * plan["params"])
         with HubServer(token=TOKEN, storage_dir=workdir / "hub") as server:
-            fresh = run_session(args, model, server.url, workdir, "fresh", 0, resume=False)
-            resumed = run_session(args, model, server.url, workdir, "resumed", args.rows, resume=True)
-        mbps = floor["bytes"] / 1e6
-        rates = {"write": mbps / floor["write_s"], "read": mbps / floor["read_s"], "copy": mbps / floor["copy_s"]}
-        ratios = {
-            "save": fresh["save_s"] / (fresh["save_bytes"] / 1e6 / rates["write"]),
-            "weights_file": fresh["weights_file_s"] / (0.5 * fresh["save_bytes"] / 1e6 / rates["copy"]),
-            "push": fresh["push_s"] / (fresh["push_bytes"] / 1e6 / rates["copy"]),
-            "download": resumed["download_s"] / (resumed["download_bytes"] / 1e6 / rates["copy"]),
-            "resume_read": 1.0,  # inside setup here; on Kaggle taken as one read of the file
-        }
+            # The fresh session writes its checkpoints in place, the resumed one in the background (--async_save):
+            # the same save, side by side, with and without training waiting for the disk.
+            fresh = run_session(args, model, server.url, workdir, "fresh", 0, resume=False, async_save=False)
+            resumed = run_session(args, model, server.url, workdir, "resumed", args.rows, resume=True, async_save=True)
+        stages = stage_floors(fresh, resumed, floor, plan["params"], model)
+        ratios = {k: v["measured_s"] / v["floor_s"] for k, v in stages.items()}
         machine = {"cpu": f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}", "python": platform.python_version()}
         kaggle = kaggle_prediction(args, ratios)
-        text = report(args, fresh, resumed, floor, plan, kaggle, machine)
+        text = report(args, fresh, resumed, floor, plan, kaggle, machine, stages)
         print(text)
         if args.json:
             Path(args.json).write_text(json.dumps({"shape": args.shape, "nproc": args.nproc, "fresh": fresh, "resumed": resumed,
-                                                   "floors": floor, "rates_mbps": rates, "ratios": ratios, "plan": plan,
+                                                   "floors": floor, "stages": stages, "ratios": ratios, "plan": plan,
                                                    "kaggle": kaggle, "machine": machine}, indent=1))  # fmt: skip
     finally:
         if not args.workdir:

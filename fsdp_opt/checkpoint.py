@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from .atomic import _fsync_dir, save_or_explain
-from .distributed import DistEnv, all_ranks_ok, barrier
+from .distributed import DistEnv, all_ranks_ok, barrier, broadcast_object, min_over_ranks
 from .errors import CheckpointError
 from .hostmem import release_host_memory
 
@@ -286,11 +286,17 @@ def load_into(
     *,
     load_optimizer: bool,
     sharded_path: Path | None = None,
+    file_path: Path | None = None,
 ) -> None:
-    """Every rank ends with the same model and optimizer state: a full file is read by rank 0 and
-    broadcast; a sharded folder is read by every rank, each taking its own part (any rank count)."""
+    """Every rank ends with the same model and optimizer state. A full .pt file (`file_path`) that every rank can see
+    is read by every rank, each copying only its own slices (no broadcast; on one machine the ranks share the page
+    cache); otherwise rank 0's payload is broadcast. A sharded folder is read by every rank, each taking its own
+    part (any rank count)."""
     if sharded_path is not None:
         _load_sharded(model, optimizer, sharded_path, load_optimizer)
+        return
+    if file_path is not None and _every_rank_sees(file_path, env):
+        _load_own_slices(model, optimizer, file_path, load_optimizer)
         return
     opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     # NOTE: the set_* calls write the live shards back into the dicts they are given: note the file's
@@ -365,6 +371,49 @@ def detach_from_payload(model: nn.Module, optimizer: torch.optim.Optimizer | Non
         if t.numel() and _storage(t) in loaded:  # load_state_dict copies into the shards; never expected
             raise RuntimeError(f"{name} still shares memory with the loaded checkpoint")
     return copied
+
+
+def _every_rank_sees(path: Path, env: DistEnv) -> bool:
+    """Can every rank read this checkpoint file (one machine, or a filesystem all nodes share)? Agreed by all."""
+    if path.suffix != SUFFIX:
+        return False  # weights files (safetensors) and anything else: rank 0 reads, the others receive
+    size = broadcast_object(path.stat().st_size if env.is_main else None)
+    here = path.is_file() and path.stat().st_size == size
+    return min_over_ranks(int(here)) == 1
+
+
+@torch.no_grad()
+def _copy_own_slice(full: torch.Tensor, into: torch.Tensor) -> None:
+    """Copy this rank's part of a full tensor into `into` (a DTensor shard, or a plain tensor such as AdamW's step)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(into, DTensor):
+        into.copy_(full)
+        return
+    shape, offset = compute_local_shape_and_global_offset(full.shape, into.device_mesh, into.placements)
+    into.to_local().copy_(full[tuple(slice(o, o + n) for n, o in zip(shape, offset))])
+
+
+def _load_own_slices(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: Path, load_optimizer: bool) -> None:
+    """Every rank maps the file and copies its own slices into its shards: each rank reads 1/N of the bytes and
+    nothing is broadcast. The copies go into the tensors the state dicts hand out (the live shards, as torch's own
+    broadcast load does), which are then loaded with set_*_state_dict: no second copy of the state is made."""
+    payload = _load_weights_only(path, "--resume_file")
+    try:
+        shards = get_model_state_dict(model)
+        for name, into in shards.items():
+            _copy_own_slice(payload[MODEL_KEY][name], into)
+        set_model_state_dict(model, shards)
+        if load_optimizer:
+            state = get_optimizer_state_dict(model, optimizer)  # this rank's shards (the state is created if need be)
+            saved = payload["optimizer"]
+            for fqn, values in state["state"].items():
+                for key, into in values.items():
+                    _copy_own_slice(saved["state"][fqn][key], into)
+            set_optimizer_state_dict(model, optimizer, {"state": state["state"], "param_groups": saved["param_groups"]})
+    finally:
+        del payload
 
 
 def _load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path, load_optimizer: bool) -> None:

@@ -97,13 +97,22 @@ def barrier() -> None:
         dist.barrier()
 
 
-def max_over_ranks(value: int) -> int:
-    """The largest `value` of any rank, on every rank: how stop decisions are agreed."""
+def _reduce_int(value: int, op: Any) -> int:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return value
     t = torch.tensor([value], dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=op)
     return int(t.item())
+
+
+def max_over_ranks(value: int) -> int:
+    """The largest `value` of any rank, on every rank: how stop decisions are agreed."""
+    return _reduce_int(value, dist.ReduceOp.MAX)
+
+
+def min_over_ranks(value: int) -> int:
+    """The smallest `value` of any rank, on every rank: whether something holds on all of them."""
+    return _reduce_int(value, dist.ReduceOp.MIN)
 
 
 def broadcast_object(obj: T, src: int = 0) -> T:

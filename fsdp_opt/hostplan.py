@@ -2,7 +2,8 @@
 
 Phases (the engine's order):
   start    a fresh run: rank 0 holds the model's full fp32 weights to broadcast them (from_pretrained)
-  resume   rank 0 maps the whole checkpoint file and broadcasts it; the others receive one tensor at a time
+  resume   on one machine every rank maps the checkpoint file and reads its own slices; across machines rank 0
+           reads it all and broadcasts it, one tensor at a time
   step     a training step (on CPU the device memory of plan.memory() lives in host RAM too)
   save     rank 0 gathers the full state (12 bytes per parameter with AdamW, 4 without) and writes it, with
            --async_save while the next steps run; the others hold one gathered tensor at a time. A sharded save
@@ -56,21 +57,31 @@ def host_memory(
     optimizer_step = 20 * per if held else 0
     step = optimizer_step if inputs.cuda else max(optimizer_step, sum(memory(shape, strategy, inputs).values()))
     full = (12 if save_optimizer else 4) * n
-    largest = 4 * shape.largest_param
+    # One full tensor gathered or received at a time: host memory on CPU; on a GPU it is device memory (only rank 0
+    # copies what it gathers to the host, and that is `full`).
+    largest = 0 if inputs.cuda else 4 * shape.largest_param
     # Each rank's part of a sharded checkpoint, or, for a full one, the tensors a non-zero rank holds at once
     # while saving: one parameter and (with the optimizer) its two AdamW moments, gathered whole.
     own = math.ceil(full / max(1, inputs.gpus)) if sharded else (3 if save_optimizer else 1) * largest
     background = (inputs.cuda if async_save is None else async_save) and not sharded
     saving = between_steps + (own if sharded else full + largest)
+    # Resuming a full checkpoint on one machine: every rank maps the file and reads only its slices of it. Across
+    # machines (no shared filesystem assumed) rank 0 reads it all and the others receive one tensor at a time.
+    if sharded:
+        read0 = read_other = own
+    elif inputs.nodes == 1:
+        read0 = read_other = math.ceil(full / shard_factor(strategy, inputs))
+    else:
+        read0, read_other = full, largest
     rank0 = {
         "start": base + params_held + 4 * n,
-        "resume": base + max(optimizer_step, between_steps + (own if sharded else full)),
+        "resume": base + max(optimizer_step, between_steps + read0),
         "step": base + step,
         "save": base + (max(saving, step + full) if background else saving),
     }
     other = {
         "start": base + params_held + largest,  # receives each full tensor in turn
-        "resume": base + max(optimizer_step, between_steps + (own if sharded else largest)),  # one tensor at a time
+        "resume": base + max(optimizer_step, between_steps + read_other),
         "step": base + step,
         "save": base + between_steps + own,
     }
@@ -97,7 +108,7 @@ def render_host(host: dict[str, Any], host_memory_bytes: int) -> list[str]:
 
     labels = {
         "start": "start (rank 0 holds the model to broadcast)",
-        "resume": "resume (rank 0 maps the checkpoint)",
+        "resume": "resume (read the checkpoint)",
         "step": "training step",
         "save": "save (rank 0 gathers the full state)",
     }

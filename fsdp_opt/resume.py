@@ -69,7 +69,9 @@ def restore(
         header["has_optimizer"] = has_optim
     header = broadcast_object(header)
     sharded_path = Path(header["_path"]) if header["_sharded"] else None
-    ckpt.load_into(model, optimizer, payload, env, load_optimizer=header["has_optimizer"], sharded_path=sharded_path)
+    file_path = None if header["_sharded"] or header["weights_only"] else Path(header["_path"])
+    ckpt.load_into(model, optimizer, payload, env, load_optimizer=header["has_optimizer"], sharded_path=sharded_path,
+                   file_path=file_path)  # fmt: skip
     if header["scaler"]:
         scaler.load_state_dict(header["scaler"])
     here = slice_key(config, end_idx, num_samples)

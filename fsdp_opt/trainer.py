@@ -121,6 +121,7 @@ def setup(config: Config, env: DistEnv) -> Session:
         eval_blocks = all_ranks_ok(lambda: build_blocks(eval_texts, tokenizer, dc.max_length, packing=True))
     out_dir = Path(cc.output_dir)
     hc = config.hub
+    load_started = time.perf_counter()
     payload = all_ranks_ok(
         lambda: read_resume(cc.resume_file, out_dir, hc.hf_repo, hc.hub_retries) if env.is_main else None
     )
@@ -145,6 +146,7 @@ def setup(config: Config, env: DistEnv) -> Session:
     run_id = None
     if resuming:
         state = restore(model, optimizer, scaler, payload, config, env, end_idx, len(blocks))
+        print0(f"  checkpoint found, read and loaded in {time.perf_counter() - load_started:.1f} s")
         run_id = payload.get("wandb_run_id") if env.is_main else None
         del payload  # rank 0's copy of the checkpoint: gone before the first save gathers another
         release_host_memory()

@@ -31,6 +31,7 @@ class Upload:
     commit: str | None = None
     weights: Path | None = None  # its weights file, made for the push when --hub_keep_full is on
     weights_seconds: float = 0.0
+    bytes: int = 0  # what the push sends: the checkpoint and its weights file
     lfs_before: dict[str, str] = field(default_factory=dict)  # the repo's LFS files before the push
 
     @property
@@ -171,6 +172,7 @@ class Uploader:
                 if self.keep_full and job.kind != "export" and job.path.exists():
                     job.weights = self._make_weights(job)
                     job.weights_seconds = time.monotonic() - started
+                job.bytes = ckpt_bytes(job.path) + (ckpt_bytes(job.weights) if job.weights is not None else 0)
                 commit = with_retries(lambda: self._push(job), self.retries, self.backoff, self._note_retry(job))
             except Exception as exc:  # noqa: BLE001 - a failed upload never stops training
                 with self._cond:
@@ -186,10 +188,9 @@ class Uploader:
                     self.remote_names.add(job.name)
                 self._done.append(job)
             where = "the repo root" if job.kind == "export" else job.path_in_repo
-            size = ckpt_bytes(job.path) + (ckpt_bytes(job.weights) if job.weights is not None else 0)
-            made = f", its weights file made in {job.weights_seconds:.1f} s" if job.weights is not None else ""
-            self.log(f"hub: pushed {job.name} to {self.store.repo_id} ({where}): {size / 1e9:,.2f} GB in "
-                     f"{job.seconds:.1f} s{made}")  # fmt: skip
+            made = f" (its weights file made first in {job.weights_seconds:.1f} s)" if job.weights is not None else ""
+            self.log(f"hub: pushed {job.name} to {self.store.repo_id} ({where}): {job.bytes / 1e9:,.2f} GB in "
+                     f"{job.seconds - job.weights_seconds:.1f} s{made}")  # fmt: skip
             if self.on_uploaded is not None:
                 try:
                     self.on_uploaded(job)

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, sandbox_env
 
 
@@ -70,3 +72,32 @@ def test_gc_clock_counts_collections_only_while_started():
     cycles()
     gc.collect()
     assert clock.total == during and clock._callback not in gc.callbacks
+
+
+def test_session_benchmark_reports_every_stage_against_its_floor(tmp_path):
+    """benchmarks/session.py at tiny size: two real sessions through the loopback Hub, each stage next to a floor
+    measured in the same run, host peaks beside the plan, and the Kaggle prediction's arithmetic."""
+    out = tmp_path / "session.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "session.py"), "--shape", "tiny-opt", "--rows", "40", "--max_length",
+           "64", "--batch_size", "2", "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    fresh, resumed, floors = r["fresh"], r["resumed"], r["floors"]
+    # The resumed session ran on an empty machine: it downloaded the fresh session's checkpoint from the Hub.
+    assert resumed["download_bytes"] == pytest.approx(fresh["save_bytes"], rel=0.01)
+    assert fresh["push_bytes"] > fresh["save_bytes"]  # the checkpoint and its weights file
+    # In the background the save took longer than training waited; in place training waited for all of it.
+    assert resumed["save_training_waited_s"] <= resumed["save_s"] and fresh["save_training_waited_s"] == fresh["save_s"]
+    for name, stage in r["stages"].items():
+        assert stage["measured_s"] > 0 and stage["floor_s"] > 0, name
+        assert r["ratios"][name] == pytest.approx(stage["measured_s"] / stage["floor_s"])
+    write_rate = floors["bytes"] / floors["write_s"]
+    assert r["stages"]["save, in place (fresh)"]["floor_s"] == pytest.approx(fresh["save_bytes"] / write_rate)
+    assert len(fresh["peak_rss_gib"]) == 2 and len(r["plan"]["fresh"]) == 2
+    # Kaggle: opt-1.3b's bytes at the stated rates, scaled by the measured ratio of the same stage here.
+    k = r["kaggle"]
+    assert k["checkpoint_bytes"] == 12 * 1_315_758_080 and k["weights_bytes"] == 2 * 1_315_758_080
+    want = k["checkpoint_bytes"] / (k["assumed_mbps"]["download"] * 1e6) * r["ratios"]["download on a fresh machine"]
+    assert k["stages_s"]["download on a fresh machine"] == pytest.approx(want)
+    assert "| push to the Hub stand-in (checkpoint + weights file) |" in proc.stdout and "Kaggle 2xT4, opt-1.3b (prediction)" in proc.stdout

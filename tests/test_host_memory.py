@@ -26,19 +26,22 @@ def wide_vocab_model(tmp_path_factory):
     return make_local_model(tmp_path_factory.mktemp("wide") / "wide-vocab", **SHAPE)
 
 
-def run_phases(tmp, name: str, flags: list[str]) -> list[dict]:
+def run_phases(tmp, name: str, load: str, flags: list[str]) -> list[dict]:
     out = tmp / f"{name}.json"
-    cmd = torchrun_cmd(2, ROOT / "tests" / "workers" / "host_phases.py") + [str(out)] + flags
+    cmd = torchrun_cmd(2, ROOT / "tests" / "workers" / "host_phases.py") + [str(out), load] + flags
     proc = subprocess.run(cmd, cwd=tmp, env=sandbox_env(tmp), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return [json.loads((tmp / f"{name}.json.rank{r}").read_text()) for r in range(2)]
 
 
-def test_resume_releases_the_checkpoint_and_the_plan_predicts_each_phase(tmp_path, wide_vocab_model):
+@pytest.mark.parametrize("load", ["slices", "broadcast"])
+def test_resume_releases_the_checkpoint_and_the_plan_predicts_each_phase(tmp_path, wide_vocab_model, load):
+    """slices: one machine, every rank reads its own part of the file. broadcast: rank 0 reads it all and sends it,
+    as across machines without a shared filesystem."""
     flags = ["--model", str(wide_vocab_model), "--dataset", "python-docs", "--end_idx", "60", "--max_length", str(LENGTH),
              "--batch_size", str(BATCH), "--precision", "fp32", "--output_dir", str(tmp_path / "out"), "--keep_last", "0"]  # fmt: skip
-    fresh = run_phases(tmp_path, "fresh", flags)
-    resumed = run_phases(tmp_path, "resumed", flags + ["--resume_file", "latest"])
+    fresh = run_phases(tmp_path, "fresh", load, flags)
+    resumed = run_phases(tmp_path, "resumed", load, flags + ["--resume_file", "latest"])
 
     for rank, (f, r) in enumerate(zip(fresh, resumed)):
         assert r["mapped_after_setup"] == [], f"rank {rank} still maps {r['mapped_after_setup']}"
@@ -46,7 +49,9 @@ def test_resume_releases_the_checkpoint_and_the_plan_predicts_each_phase(tmp_pat
         assert abs(resumed_peak / fresh_peak - 1) <= 0.05, (rank, f, r)
 
     shape = Shape.of(model_config(str(wide_vocab_model)))
-    inputs = Inputs(gpus=2, batch_size=BATCH, max_length=LENGTH, accum_steps=1, precision="fp32", cuda=False)
+    # The plan takes several machines to mean the broadcast load (no shared filesystem assumed).
+    nodes = 2 if load == "broadcast" else 1
+    inputs = Inputs(gpus=2, nodes=nodes, batch_size=BATCH, max_length=LENGTH, accum_steps=1, precision="fp32", cuda=False)
     plan = host_memory(shape, "FULL_SHARD", inputs)
     measured = {
         ("rank0", "start"): fresh[0]["setup"], ("other", "start"): fresh[1]["setup"],

@@ -1,12 +1,14 @@
 """Run by torchrun from the tests: a session in phases (setup, two steps, a save), reporting this rank's peak
-host RSS in each phase and the checkpoint files still mapped after setup. Arguments: the report path, then the
-trainer's flags."""
+host RSS in each phase and the checkpoint files still mapped after setup. Arguments: the report path, how a full
+checkpoint is loaded ("slices": each rank reads its own, "broadcast": rank 0 reads and broadcasts), the trainer's
+flags."""
 
 from __future__ import annotations
 
 import json
 import sys
 
+from fsdp_opt import checkpoint as ckpt
 from fsdp_opt.config import parse_args
 from fsdp_opt.distributed import init_distributed, teardown
 from fsdp_opt.hostmem import configure_allocator, mapped_files, peak_rss_bytes, reset_peak
@@ -15,7 +17,9 @@ from fsdp_opt.trainer import setup, train_step
 
 
 def main() -> None:
-    out_path, flags = sys.argv[1], sys.argv[2:]
+    out_path, load, flags = sys.argv[1], sys.argv[2], sys.argv[3:]
+    if load == "broadcast":  # as when the other ranks cannot see rank 0's file (nodes without a shared filesystem)
+        ckpt._every_rank_sees = lambda path, env: False
     configure_allocator()
     env = init_distributed("cpu")
     config = parse_args(flags)
