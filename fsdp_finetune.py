@@ -8,6 +8,7 @@ Plain `python fsdp_finetune.py ...` runs as a world of one. `--help` lists every
 
 from __future__ import annotations
 
+import os
 import sys
 
 from fsdp_opt.config import build_parser, parse_args
@@ -35,4 +36,10 @@ if __name__ == "__main__":
     if "-h" in sys.argv[1:] or "--help" in sys.argv[1:]:
         build_parser(description=__doc__.split("\n\n")[0]).print_help()
         sys.exit(0)
-    sys.exit(main())
+    code = main()
+    # NOTE: here every file is written, W&B is closed and the uploads are done. What is left is the interpreter's
+    # teardown, which can destroy gloo's worker threads out of order and abort (SIGABRT) a rank that has finished;
+    # torchrun then kills the other ranks, e.g. rank 0 while it waits for its last push. So the process ends now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -202,9 +202,9 @@ def summarize(lines: list[tuple[float, str]], first_metrics_s: float | None, end
         out["push_bytes"] = float(pushed[1].group(1).replace(",", "")) * 1e9
         out["push_s"] = float(pushed[1].group(2))
         out["weights_file_s"] = float(pushed[1].group(3))
-    down = _find(lines, r"^downloaded \S+: ([\d,.]+) GB in ([\d.]+) s")
+    down = _find(lines, r"^downloaded (\S+): [\d,.]+ GB in ([\d.]+) s")
     if down:
-        out["download_bytes"] = float(down[1].group(1).replace(",", "")) * 1e9
+        out["download_bytes"] = (out_dir / down[1].group(1)).stat().st_size  # the line rounds to 10 MB
         out["download_s"] = float(down[1].group(2))
     loaded = _find(lines, r"checkpoint found, read and loaded in ([\d.]+) s")
     if loaded:
@@ -338,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = "tiny-opt" if args.shape == "tiny-opt" else build_model(args.shape, workdir / "model")
         plan = plan_host(str(model), args)
+        for stale in ("fresh", "resumed", "hub", "hf_home_fresh", "hf_home_resumed"):  # a kept --workdir: new machines
+            shutil.rmtree(workdir / stale, ignore_errors=True)
         floor = floors(workdir, 12 * plan["params"])
         with HubServer(token=TOKEN, storage_dir=workdir / "hub") as server:
             # The fresh session writes its checkpoints in place, the resumed one in the background (--async_save):

@@ -32,7 +32,8 @@ from torch.distributed.checkpoint.state_dict import (
 from .atomic import _fsync_dir, save_or_explain
 from .distributed import DistEnv, all_ranks_ok, barrier, broadcast_object, min_over_ranks
 from .errors import CheckpointError
-from .hostmem import release_host_memory
+from .hostmem import drop_pages, file_ranges, release_host_memory
+from .optim import create_state
 
 FORMAT = "fsdp-opt/1"
 SUFFIX = ".pt"
@@ -292,6 +293,8 @@ def load_into(
     is read by every rank, each copying only its own slices (no broadcast; on one machine the ranks share the page
     cache); otherwise rank 0's payload is broadcast. A sharded folder is read by every rank, each taking its own
     part (any rank count)."""
+    if load_optimizer and optimizer is not None:
+        create_state(optimizer)
     if sharded_path is not None:
         _load_sharded(model, optimizer, sharded_path, load_optimizer)
         return
@@ -383,8 +386,9 @@ def _every_rank_sees(path: Path, env: DistEnv) -> bool:
 
 
 @torch.no_grad()
-def _copy_own_slice(full: torch.Tensor, into: torch.Tensor) -> None:
-    """Copy this rank's part of a full tensor into `into` (a DTensor shard, or a plain tensor such as AdamW's step)."""
+def _copy_own_slice(full: torch.Tensor, into: torch.Tensor, mapped: list[tuple[int, int]]) -> None:
+    """Copy this rank's part of a full tensor into `into` (a DTensor shard, or a plain tensor such as AdamW's step).
+    The pages read leave this process's RSS afterwards when `full` lies in the mapped file (`mapped`)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -393,6 +397,7 @@ def _copy_own_slice(full: torch.Tensor, into: torch.Tensor) -> None:
         return
     shape, offset = compute_local_shape_and_global_offset(full.shape, into.device_mesh, into.placements)
     into.to_local().copy_(full[tuple(slice(o, o + n) for n, o in zip(shape, offset))])
+    drop_pages(full, mapped)
 
 
 def _load_own_slices(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: Path, load_optimizer: bool) -> None:
@@ -400,17 +405,18 @@ def _load_own_slices(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
     nothing is broadcast. The copies go into the tensors the state dicts hand out (the live shards, as torch's own
     broadcast load does), which are then loaded with set_*_state_dict: no second copy of the state is made."""
     payload = _load_weights_only(path, "--resume_file")
+    mapped = file_ranges(path)
     try:
         shards = get_model_state_dict(model)
         for name, into in shards.items():
-            _copy_own_slice(payload[MODEL_KEY][name], into)
+            _copy_own_slice(payload[MODEL_KEY][name], into, mapped)
         set_model_state_dict(model, shards)
         if load_optimizer:
             state = get_optimizer_state_dict(model, optimizer)  # this rank's shards (the state is created if need be)
             saved = payload["optimizer"]
             for fqn, values in state["state"].items():
                 for key, into in values.items():
-                    _copy_own_slice(saved["state"][fqn][key], into)
+                    _copy_own_slice(saved["state"][fqn][key], into, mapped)
             set_optimizer_state_dict(model, optimizer, {"state": state["state"], "param_groups": saved["param_groups"]})
     finally:
         del payload

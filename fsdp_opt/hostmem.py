@@ -72,6 +72,22 @@ def mapped_files(suffix: str = "") -> list[str]:
     return sorted(found)
 
 
+def file_ranges(path) -> list[tuple[int, int]]:
+    """Address ranges where this process maps the file at `path` (Linux; empty elsewhere)."""
+    target = os.path.realpath(path)
+    ranges = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[5].strip() == target:
+                    lo, hi = parts[0].split("-")
+                    ranges.append((int(lo, 16), int(hi, 16)))
+    except OSError:
+        pass
+    return ranges
+
+
 def total_memory_bytes() -> int | None:
     """This machine's RAM (MemTotal), or None where it cannot be read."""
     try:
@@ -115,6 +131,31 @@ def configure_allocator() -> bool:
     libc = _libc()
     mallopt = getattr(libc, "mallopt", None) if libc is not None else None
     return bool(mallopt is not None and mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+
+
+MADV_DONTNEED = 4  # Linux
+
+
+def drop_pages(tensor, ranges: list[tuple[int, int]]) -> bool:
+    """Take a memory-mapped tensor's pages out of this process's resident memory once they have been read.
+
+    Reading a mapped checkpoint makes each page it touches resident (RssFile) until the file is unmapped: copying
+    this rank's slices out of an opt-1.3b checkpoint would hold them all at once. The pages stay in the page
+    cache, and a later read of the tensor maps them in again from the file. Only a tensor that lies inside one of
+    the file's `ranges` (file_ranges) is touched: anywhere else this would discard data. Whole pages only.
+    Returns whether pages were dropped.
+    """
+    storage = tensor.untyped_storage()
+    start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+    if not any(lo <= start and end <= hi for lo, hi in ranges):
+        return False
+    libc = _libc()
+    madvise = getattr(libc, "madvise", None) if libc is not None else None
+    page = os.sysconf("SC_PAGE_SIZE")
+    first, last = -(-start // page) * page, end // page * page
+    if madvise is None or last <= first:
+        return False
+    return madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED) == 0
 
 
 def release_host_memory() -> None:

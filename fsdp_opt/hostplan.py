@@ -2,8 +2,8 @@
 
 Phases (the engine's order):
   start    a fresh run: rank 0 holds the model's full fp32 weights to broadcast them (from_pretrained)
-  resume   on one machine every rank maps the checkpoint file and reads its own slices; across machines rank 0
-           reads it all and broadcasts it, one tensor at a time
+  resume   on one machine every rank maps the checkpoint file and copies its own slices, one tensor at a time;
+           across machines rank 0 reads it all and broadcasts it, one tensor at a time
   step     a training step (on CPU the device memory of plan.memory() lives in host RAM too)
   save     rank 0 gathers the full state (12 bytes per parameter with AdamW, 4 without) and writes it, with
            --async_save while the next steps run; the others hold one gathered tensor at a time. A sharded save
@@ -49,8 +49,8 @@ def host_memory(
     base = PROCESS_BYTES + (CUDA_PROCESS_BYTES if inputs.cuda else 0)
     # Where the sharded state lives in host RAM (CPU runs, or --cpu_offload): fp32 weights; between steps
     # also AdamW's moments (gradients are freed after each step); and at an optimizer step the gradients and
-    # one foreach temporary besides, 20 bytes per local parameter. The optimizer-state load of a resume
-    # starts with such a step (zero gradients) on every rank.
+    # one foreach temporary besides, 20 bytes per local parameter. A resume creates AdamW's state directly
+    # (optim.create_state), without such a step.
     held = not inputs.cuda or offload
     params_held = 4 * per if held else 0
     between_steps = 12 * per if held else 0
@@ -65,23 +65,25 @@ def host_memory(
     own = math.ceil(full / max(1, inputs.gpus)) if sharded else (3 if save_optimizer else 1) * largest
     background = (inputs.cuda if async_save is None else async_save) and not sharded
     saving = between_steps + (own if sharded else full + largest)
-    # Resuming a full checkpoint on one machine: every rank maps the file and reads only its slices of it. Across
-    # machines (no shared filesystem assumed) rank 0 reads it all and the others receive one tensor at a time.
+    # Resuming a full checkpoint on one machine: every rank maps the file and copies only its slices of it, each
+    # tensor's pages leaving RSS once copied (hostmem.drop_pages): one slice of the largest tensor is resident at a
+    # time. Across machines (no shared filesystem assumed) rank 0 reads it all and the others receive one tensor
+    # at a time.
     if sharded:
         read0 = read_other = own
     elif inputs.nodes == 1:
-        read0 = read_other = math.ceil(full / shard_factor(strategy, inputs))
+        read0 = read_other = math.ceil(4 * shape.largest_param / shard_factor(strategy, inputs))
     else:
         read0, read_other = full, largest
     rank0 = {
         "start": base + params_held + 4 * n,
-        "resume": base + max(optimizer_step, between_steps + read0),
+        "resume": base + between_steps + read0,
         "step": base + step,
         "save": base + (max(saving, step + full) if background else saving),
     }
     other = {
         "start": base + params_held + largest,  # receives each full tensor in turn
-        "resume": base + max(optimizer_step, between_steps + read_other),
+        "resume": base + between_steps + read_other,
         "step": base + step,
         "save": base + between_steps + own,
     }

@@ -23,6 +23,27 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float, device: to
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8, **kind)
 
 
+def create_state(optimizer: torch.optim.Optimizer) -> None:
+    """Adam(W)'s per-parameter state as its first step would create it (step 0, zero moments), made directly.
+
+    A resume loads into existing state; torch's state-dict helpers otherwise create it by running a step on zero
+    gradients: one optimizer step of time and a zero gradient per parameter of memory, before the load (on 2 CPU
+    ranks at opt-350m's shape, most of the resume). Other optimizers are left to those helpers.
+    """
+    if not isinstance(optimizer, torch.optim.Adam) or optimizer.state:
+        return
+    for group in optimizer.param_groups:
+        on_device = group.get("fused") or group.get("capturable")  # else `step` lives on the CPU (torch's rule)
+        for p in group["params"]:
+            if not p.requires_grad:
+                continue
+            step = torch.zeros((), dtype=torch.float32, device=p.device) if on_device else torch.tensor(0.0)
+            state = {"step": step, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+            if group.get("amsgrad"):
+                state["max_exp_avg_sq"] = torch.zeros_like(p)
+            optimizer.state[p] = state
+
+
 @dataclass
 class LRSchedule:
     """Learning rate as a function of the global step only, so slices of a run compose into one schedule."""

@@ -201,8 +201,20 @@ def checkpoints(shape: Shape, gpus: int) -> dict[str, int]:
     }
 
 
+def hub_repo_bytes(shape: Shape, *, slices: int, keep_full: int, save_optimizer: bool = True, export: bool = False) -> dict[str, int]:
+    """What a chain of `slices` sessions leaves in the Hub repo (--hub_keep_full): the newest full checkpoints, one
+    fp16 weights file per range, and the exported model if pushed. keep_full 0 keeps every full checkpoint."""
+    full = (12 if save_optimizer else 4) * shape.params
+    weights = 2 * shape.params
+    fulls = slices if keep_full == 0 else min(keep_full, slices)
+    out = {"full_checkpoints": fulls * full, "weights_files": (slices if keep_full else 0) * weights,
+           "export": weights if export else 0}  # fmt: skip
+    out["total"] = sum(out.values())
+    return out
+
+
 def make_plan(model: str, inputs: Inputs, *, disk: int, host_memory: int, keep_last: int, save_optimizer: bool,
-              sharded: bool = False, offload: bool = False) -> dict[str, Any]:  # fmt: skip
+              sharded: bool = False, offload: bool = False, slices: int = 10, keep_full: int = 1) -> dict[str, Any]:  # fmt: skip
     from .hostplan import host_memory as host_phases
 
     shape = Shape.of(model_config(model))
@@ -239,6 +251,10 @@ def make_plan(model: str, inputs: Inputs, *, disk: int, host_memory: int, keep_l
             "fits": None if on_disk is None else on_disk + sizes["export_fp16"] <= disk,
             "checkpoints_that_fit": max(0, disk // one - 1),
         },
+        "hub": {"slices": slices, "keep_full": keep_full,
+                **hub_repo_bytes(shape, slices=slices, keep_full=keep_full, save_optimizer=save_optimizer),
+                "with_export": hub_repo_bytes(shape, slices=slices, keep_full=keep_full, save_optimizer=save_optimizer,
+                                              export=True)["total"]},
         "host_ram": host_ram(
             host_phases(shape, "FULL_SHARD", inputs, save_optimizer=save_optimizer, sharded=sharded, offload=offload),
             shape, host_memory, save_optimizer,
@@ -285,6 +301,10 @@ def render(plan: dict[str, Any]) -> str:
         f"disk: {_gib(d['peak_bytes'])} at the peak of a save with --keep_last {i['keep_last']}, plus the export, of "
         f"{i['disk'] / 1e9:,.0f} GB: {'fits' if d['fits'] else 'DOES NOT FIT' if d['fits'] is False else 'unbounded'} "
         f"({d['checkpoints_that_fit']} checkpoint(s) can be kept while a new one is written)",
+        f"Hub repo after {plan['hub']['slices']} slices with --hub_keep_full {plan['hub']['keep_full']}: "
+        f"{plan['hub']['total'] / 1e9:,.1f} GB ({plan['hub']['full_checkpoints'] / 1e9:,.1f} GB of full checkpoints, "
+        f"{plan['hub']['weights_files'] / 1e9:,.1f} GB of weights files; {plan['hub']['with_export'] / 1e9:,.1f} GB with "
+        "an exported model)",
         "",
     ]
     from .hostplan import render_host
@@ -322,6 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu_offload", type=parse_bool, nargs="?", const=True, default=False, help="the trainer's --cpu_offload")
     p.add_argument("--keep_last", type=int, default=2)
     p.add_argument("--save_optimizer", type=parse_bool, nargs="?", const=True, default=True)
+    p.add_argument("--slices", type=int, default=10, help="sessions in the chain, for the Hub repo's size")
+    p.add_argument("--hub_keep_full", type=int, default=1, help="the trainer's --hub_keep_full (0: keep every full checkpoint)")
     p.add_argument("--cpu", action="store_true", help="plan for CPU processes (no CUDA context)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return p
@@ -332,10 +354,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         a = build_parser().parse_args(argv)
-        for flag in ("gpus", "nodes", "batch_size", "max_length", "accum_steps"):
+        for flag in ("gpus", "nodes", "batch_size", "max_length", "accum_steps", "slices"):
             if getattr(a, flag) < 1:
                 raise ConfigError(f"--{flag} {getattr(a, flag)}: must be at least 1")
-        for flag in ("prefetch", "loss_chunk_tokens"):
+        for flag in ("prefetch", "loss_chunk_tokens", "hub_keep_full"):
             if getattr(a, flag) < 0:
                 raise ConfigError(f"--{flag} {getattr(a, flag)}: must be 0 or more")
         if a.gpus % a.nodes:
@@ -349,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         host = parse_size(a.host_memory, "--host_memory") if a.host_memory is not None else machine_memory()
         plan = make_plan(a.model, inputs, disk=parse_size(a.disk, "--disk"), host_memory=host, keep_last=a.keep_last,
-                         save_optimizer=a.save_optimizer, sharded=a.state_dict_type == "sharded", offload=a.cpu_offload)  # fmt: skip
+                         save_optimizer=a.save_optimizer, sharded=a.state_dict_type == "sharded", offload=a.cpu_offload,
+                         slices=a.slices, keep_full=a.hub_keep_full)  # fmt: skip
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -72,6 +72,16 @@ def run_cli(
     )
 
 
+def run_cli_concurrently(runs: list[tuple[list[str], Path, dict[str, str] | None]], timeout: float = 300) -> list[subprocess.CompletedProcess]:
+    """Plain single-process CLI runs (args, cwd, env), as many at once as there are cores: one such run keeps one
+    core busy, so run one after another they leave the others idle. Results in the order given."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        futures = [pool.submit(run_cli, args, cwd, 0, timeout, env) for args, cwd, env in runs]
+        return [f.result() for f in futures]
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from conftest import ASSETS, ROOT, assert_clean_failure, make_local_model, run_cli, sandbox_env, torchrun_cmd
+from conftest import ASSETS, ROOT, assert_clean_failure, make_local_model, run_cli, run_cli_concurrently, sandbox_env, torchrun_cmd
 from fsdp_opt.atomic import remove_stale_temp
 from fsdp_opt.checkpoint import MODEL_KEY, STEP_KEY, checkpoint_name, list_checkpoints
 
@@ -73,8 +73,8 @@ def test_refusals_name_the_file_and_what_is_wrong(tmp_path, trained):
     bogus_dir = tmp_path / "not_sharded"
     bogus_dir.mkdir()
     cases.append(([str(bogus_dir)], ["not_sharded", "not a sharded fsdp-opt checkpoint"]))
-    for resume, needles in cases:
-        proc = run_cli(TINY + ["--resume_file"] + resume + ["--output_dir", str(tmp_path / "out")], tmp_path, timeout=120)
+    runs = [(TINY + ["--resume_file"] + resume + ["--output_dir", str(tmp_path / "out")], tmp_path, None) for resume, _ in cases]
+    for (_, needles), proc in zip(cases, run_cli_concurrently(runs, timeout=120)):
         assert_clean_failure(proc, "--resume_file", *needles)
         assert proc.returncode == 2
     assert not marker.exists(), "a checkpoint's pickled code was executed"

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import DEAD_ENDPOINT, ROOT, assert_clean_failure, read_jsonl, run_cli, sandbox_env
+from conftest import DEAD_ENDPOINT, ROOT, assert_clean_failure, read_jsonl, run_cli, run_cli_concurrently, sandbox_env
 from fsdp_opt.checkpoint import MODEL_KEY, STEP_KEY, checkpoint_name
 from fsdp_opt.tracking import METRICS_FIELDS
 
@@ -53,7 +53,7 @@ def _end(stdout: str) -> int:
 def test_fp16_with_loss_scaling_trains_and_counts_skipped_steps(tmp_path):
     # A loss scale of 2^32 overflows fp16 gradients at first: those steps must be skipped and counted.
     args = [
-        "--model", "tiny-opt", "--dataset", "python-docs", "--end_idx", "300", "--max_length", "64",
+        "--model", "tiny-opt", "--dataset", "python-docs", "--end_idx", "120", "--max_length", "64",
         "--batch_size", "4", "--lr", "3e-3", "--precision", "fp16", "--init_loss_scale", str(2.0**32),
         "--output_dir", str(tmp_path / "out"),
     ]  # fmt: skip
@@ -86,13 +86,22 @@ BAD_INPUT = [
 ]
 
 
+@pytest.fixture(scope="module")
+def bad_input_runs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """Every BAD_INPUT case run once, each in its own folder, side by side (see run_cli_concurrently)."""
+    folders = [tmp_path_factory.mktemp("bad") for _ in BAD_INPUT]
+    runs = [(["--model", "tiny-opt", "--dataset", "python-docs", "--output_dir", str(d / "out"), *extra], d, None)
+            for d, (extra, _) in zip(folders, BAD_INPUT)]  # fmt: skip
+    procs = run_cli_concurrently(runs, timeout=120)
+    return {" ".join(extra): (proc, d) for (extra, _), proc, d in zip(BAD_INPUT, procs, folders)}
+
+
 @pytest.mark.parametrize("extra,needles", BAD_INPUT, ids=[" ".join(e) for e, _ in BAD_INPUT])
-def test_bad_input_fails_fast_with_one_line(tmp_path, extra, needles):
-    args = ["--model", "tiny-opt", "--dataset", "python-docs", "--output_dir", str(tmp_path / "out")]
-    proc = run_cli(args + extra, tmp_path, timeout=120)
+def test_bad_input_fails_fast_with_one_line(bad_input_runs, extra, needles):
+    proc, folder = bad_input_runs[" ".join(extra)]
     assert_clean_failure(proc, *needles)
     assert proc.returncode == 2
-    _no_outputs(tmp_path)
+    _no_outputs(folder)
 
 
 def test_empty_dataset_is_refused(tmp_path):
@@ -118,14 +127,14 @@ def test_bad_input_under_torchrun_does_not_hang_the_other_rank(tmp_path, extra, 
 
 def test_unreachable_hub_ids_say_so_and_point_to_builtins(tmp_path):
     # The Hub endpoint is a closed local port: the real download path fails (after its retries).
-    env = sandbox_env(tmp_path, HF_ENDPOINT=DEAD_ENDPOINT)
-    proc = run_cli(["--model", "facebook/opt-125m", "--dataset", "python-docs", "--output_dir", str(tmp_path / "out")],
-                   tmp_path, env=env, timeout=180)  # fmt: skip
-    assert_clean_failure(proc, "--model facebook/opt-125m", "Hugging Face Hub", "tiny-opt")
-    env_offline = sandbox_env(tmp_path, HF_HUB_OFFLINE="1")
-    proc = run_cli(["--model", "tiny-opt", "--dataset", "someone/abstracts", "--output_dir", str(tmp_path / "out")],
-                   tmp_path, env=env_offline, timeout=180)  # fmt: skip
-    assert_clean_failure(proc, "--dataset someone/abstracts", "python-docs")
+    model, dataset = run_cli_concurrently([
+        (["--model", "facebook/opt-125m", "--dataset", "python-docs", "--output_dir", str(tmp_path / "out")],
+         tmp_path, sandbox_env(tmp_path, HF_ENDPOINT=DEAD_ENDPOINT)),
+        (["--model", "tiny-opt", "--dataset", "someone/abstracts", "--output_dir", str(tmp_path / "out")],
+         tmp_path, sandbox_env(tmp_path, HF_HUB_OFFLINE="1")),
+    ], timeout=180)  # fmt: skip
+    assert_clean_failure(model, "--model facebook/opt-125m", "Hugging Face Hub", "tiny-opt")
+    assert_clean_failure(dataset, "--dataset someone/abstracts", "python-docs")
     _no_outputs(tmp_path)
 
 

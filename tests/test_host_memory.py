@@ -8,6 +8,7 @@ large share of each process: a resume that kept it would peak about a quarter hi
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 
 import pytest
@@ -34,13 +35,25 @@ def run_phases(tmp, name: str, load: str, flags: list[str]) -> list[dict]:
     return [json.loads((tmp / f"{name}.json.rank{r}").read_text()) for r in range(2)]
 
 
+def session_flags(model, out) -> list[str]:
+    return ["--model", str(model), "--dataset", "python-docs", "--end_idx", "60", "--max_length", str(LENGTH),
+            "--batch_size", str(BATCH), "--precision", "fp32", "--output_dir", str(out), "--keep_last", "0"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fresh_session(tmp_path_factory, wide_vocab_model):
+    """A fresh session's phases (the load mode plays no part without a checkpoint to resume) and its outputs."""
+    tmp = tmp_path_factory.mktemp("fresh")
+    return run_phases(tmp, "fresh", "slices", session_flags(wide_vocab_model, tmp / "out")), tmp / "out"
+
+
 @pytest.mark.parametrize("load", ["slices", "broadcast"])
-def test_resume_releases_the_checkpoint_and_the_plan_predicts_each_phase(tmp_path, wide_vocab_model, load):
+def test_resume_releases_the_checkpoint_and_the_plan_predicts_each_phase(tmp_path, wide_vocab_model, fresh_session, load):
     """slices: one machine, every rank reads its own part of the file. broadcast: rank 0 reads it all and sends it,
     as across machines without a shared filesystem."""
-    flags = ["--model", str(wide_vocab_model), "--dataset", "python-docs", "--end_idx", "60", "--max_length", str(LENGTH),
-             "--batch_size", str(BATCH), "--precision", "fp32", "--output_dir", str(tmp_path / "out"), "--keep_last", "0"]  # fmt: skip
-    fresh = run_phases(tmp_path, "fresh", load, flags)
+    fresh, fresh_out = fresh_session
+    shutil.copytree(fresh_out, tmp_path / "out")
+    flags = session_flags(wide_vocab_model, tmp_path / "out")
     resumed = run_phases(tmp_path, "resumed", load, flags + ["--resume_file", "latest"])
 
     for rank, (f, r) in enumerate(zip(fresh, resumed)):

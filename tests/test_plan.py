@@ -83,3 +83,16 @@ def test_cli_reports_fit_and_disk(tmp_path):
 def test_parse_size():
     assert parse_size("15GiB", "-") == 15 * 2**30 and parse_size("20GB", "-") == 20 * 10**9
     assert parse_size("31G", "-") == 31 * 2**30 and parse_size("512MiB", "-") == 512 * 2**20 and parse_size("100", "-") == 100
+
+
+def test_hub_repo_size_of_a_chain_of_ten_opt_1_3b_slices():
+    """--hub_keep_full 1: one full checkpoint (12 bytes per parameter) and ten fp16 weights files (2 bytes each):
+    42.1 GB, 44.7 GB with an exported model; every full checkpoint kept would be 158 GB."""
+    from fsdp_opt.plan import hub_repo_bytes
+
+    shape = Shape.of(model_config("facebook/opt-1.3b"))
+    n = 1_315_758_080
+    kept = hub_repo_bytes(shape, slices=10, keep_full=1, export=True)
+    assert kept["full_checkpoints"] == 12 * n and kept["weights_files"] == 10 * 2 * n and kept["export"] == 2 * n
+    assert kept["total"] == 34 * n <= 45e9
+    assert hub_repo_bytes(shape, slices=10, keep_full=0)["total"] == 120 * n  # 158 GB: the chain without retention

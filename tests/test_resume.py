@@ -44,12 +44,17 @@ def losses_by_step(path: Path) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    """2 epochs uninterrupted on 2 ranks: the reference for every resume below."""
+def straight_dir(tmp_path_factory) -> Path:
+    """2 epochs uninterrupted on 2 ranks: the reference for every resume below; it keeps both epochs' checkpoints."""
     tmp = tmp_path_factory.mktemp("straight")
     proc = run_cli(TINY + ["--num_epochs", "2", "--output_dir", str(tmp / "out")], tmp, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return losses_by_step(tmp / "out" / "metrics.jsonl")
+    return tmp / "out"
+
+
+@pytest.fixture(scope="module")
+def straight(straight_dir) -> dict[int, float]:
+    return losses_by_step(straight_dir / "metrics.jsonl")
 
 
 def _assert_same(got: dict[int, float], want: dict[int, float], tol: float) -> None:
@@ -147,11 +152,8 @@ def test_new_slice_keeps_the_run_and_starts_at_its_first_batch(tmp_path):
     assert payload["slice"]["start_idx"] == 60 and payload["train_state"]["global_step"] == len(rows)
 
 
-def test_checkpoint_contents_load_with_weights_only(tmp_path):
-    out = tmp_path / "out"
-    proc = run_cli(TINY + ["--num_epochs", "1", "--output_dir", str(out)], tmp_path, nproc=2)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    payload = torch.load(out / checkpoint_name("tiny_opt", 0, END, 1), weights_only=True)
+def test_checkpoint_contents_load_with_weights_only(straight_dir):
+    payload = torch.load(straight_dir / checkpoint_name("tiny_opt", 0, END, 1), weights_only=True)
     assert payload[MODEL_KEY]["lm_head.weight"].dtype == torch.float32
     assert set(payload["optimizer"]["state"]) >= {"model.decoder.layers.0.fc1.weight"}
     assert payload["scaler"]["scale"] == 1.0 and payload["lr_schedule"]["lr"] == 2e-3
@@ -161,34 +163,27 @@ def test_checkpoint_contents_load_with_weights_only(tmp_path):
     assert payload["train_state"] == {"global_step": payload[STEP_KEY], "epoch": 1, "offset": 0}
 
 
-def test_weights_only_checkpoint_is_smaller_and_resumes(tmp_path):
+def test_weights_only_checkpoint_is_smaller_and_resumes_and_keep_last_keeps_the_newest(tmp_path, straight_dir):
     out = tmp_path / "out"
-    full = run_cli(TINY + ["--output_dir", str(tmp_path / "full")], tmp_path, nproc=2)
-    small = run_cli(TINY + ["--save_optimizer", "false", "--output_dir", str(out)], tmp_path, nproc=2)
-    assert full.returncode == 0 and small.returncode == 0, small.stderr[-3000:]
+    small = run_cli(TINY + ["--save_optimizer", "false", "--save_every_steps", "3", "--keep_last", "2",
+                            "--output_dir", str(out)], tmp_path, nproc=2)  # fmt: skip
+    assert small.returncode == 0, small.stderr[-3000:]
     name = checkpoint_name("tiny_opt", 0, END, 1)
+    # --keep_last 2: the final checkpoint and the newest mid-epoch one, by global step.
+    steps = len(read_jsonl(out / "metrics.jsonl"))
+    last_mid = steps - 1 - (steps - 1) % 3
+    assert sorted(p.name for p in list_checkpoints(out)) == sorted([name, checkpoint_name("tiny_opt", 0, END, 1, last_mid)])
     # Independent sizes: fp32 weights are 4 bytes per unique parameter; AdamW adds m and v (8 more).
     from transformers import AutoConfig, AutoModelForCausalLM
 
     n = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ASSETS)).num_parameters()
     assert (out / name).stat().st_size == pytest.approx(4 * n, rel=0.05)
-    assert (tmp_path / "full" / name).stat().st_size == pytest.approx(12 * n, rel=0.05)
+    assert (straight_dir / name).stat().st_size == pytest.approx(12 * n, rel=0.05)
     assert torch.load(out / name, weights_only=True)["optimizer"] is None
     assert "MiB in" in small.stdout  # each save reports its size and duration
     again = run_cli(TINY + ["--resume_file", name, "--output_dir", str(out)], tmp_path, nproc=2)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "no optimizer state" in again.stdout
-
-
-def test_keep_last_keeps_the_newest_by_global_step(tmp_path):
-    out = tmp_path / "out"
-    proc = run_cli(TINY + ["--save_every_steps", "3", "--keep_last", "2", "--output_dir", str(out)], tmp_path, nproc=2)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    steps = len(read_jsonl(out / "metrics.jsonl"))
-    last_mid = steps - 1 - (steps - 1) % 3
-    assert sorted(p.name for p in list_checkpoints(out)) == sorted(
-        [checkpoint_name("tiny_opt", 0, END, 1), checkpoint_name("tiny_opt", 0, END, 1, last_mid)]
-    )
 
 
 def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path):

@@ -78,7 +78,7 @@ def test_chain_of_five_slices_keeps_the_policy(tmp_path):
                 # still holds slice 1's full checkpoint, byte for byte.
                 before = dict(server.repos["me/run"].files)
                 server.fail("lfs-batch", 1000)
-                failed = session(i, "s2-failed", nproc=2, extra=["--hub_retries", "0"])
+                failed = session(i, "s2-failed", nproc=0, extra=["--hub_retries", "0"])
                 server.clear_failures()
                 assert failed.returncode == 0, failed.stdout + failed.stderr
                 assert "warning: upload of" in failed.stdout and "retired" not in failed.stdout

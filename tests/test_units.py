@@ -13,7 +13,7 @@ from fsdp_opt.config import Config, TrainConfig, build_parser, parse_args
 from fsdp_opt.errors import ConfigError, ModelError
 from fsdp_opt.loss import ChunkedLoss
 from fsdp_opt.models import build_meta_model, model_tag, resolve_model
-from fsdp_opt.optim import LossScaler, LRSchedule, unscale_and_clip_
+from fsdp_opt.optim import LossScaler, LRSchedule, build_optimizer, create_state, unscale_and_clip_
 from fsdp_opt.parallelize import check_no_shared_params, find_block_classes, find_blocks
 from fsdp_opt.tracking import flops_per_token
 
@@ -183,6 +183,37 @@ def test_loss_scaler_backs_off_counts_skips_and_grows():
     off = LossScaler(enabled=False)
     off.update(False)
     assert off.scale == 1.0 and off.skipped_steps == 1
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_created_adamw_state_is_what_a_first_step_makes(amsgrad):
+    """create_state makes the state a zero-gradient step makes (torch's own way to create it), without the step:
+    the same keys, shapes, dtypes and devices, and a state_dict that loads back into a fresh optimizer."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    stepped, created = (build_optimizer(model, 1e-3, 0.1, torch.device("cpu")) for _ in range(2))
+    for opt in (stepped, created):
+        for group in opt.param_groups:
+            group["amsgrad"] = amsgrad
+    before = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    for group in stepped.param_groups:
+        group["lr"] = 0.0
+    stepped.step()
+    create_state(created)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # creating it moved nothing
+    assert stepped.state.keys() == created.state.keys()
+    for p, want in stepped.state.items():
+        got = created.state[p]
+        assert got.keys() == want.keys()
+        for k in want:
+            assert (got[k].shape, got[k].dtype, got[k].device) == (want[k].shape, want[k].dtype, want[k].device), k
+        assert float(got["step"]) == 0.0 and not got["exp_avg"].any() and not got["exp_avg_sq"].any()
+    again = build_optimizer(model, 1e-3, 0.1, torch.device("cpu"))
+    again.load_state_dict(created.state_dict())
+    loaded = {p: dict(st) for p, st in again.state.items()}
+    create_state(again)  # state present: left as it is
+    assert all(again.state[p][k] is v for p, st in loaded.items() for k, v in st.items())
 
 
 def test_unscale_and_clip_matches_torch_clip_grad_norm():
