@@ -121,10 +121,11 @@ def setup(config: Config, env: DistEnv) -> Session:
         eval_blocks = all_ranks_ok(lambda: build_blocks(eval_texts, tokenizer, dc.max_length, packing=True))
     out_dir = Path(cc.output_dir)
     hc = config.hub
-    load_started = time.perf_counter()
+    read_started = time.perf_counter()
     payload = all_ranks_ok(
         lambda: read_resume(cc.resume_file, out_dir, hc.hf_repo, hc.hub_retries) if env.is_main else None
     )
+    read_seconds = time.perf_counter() - read_started
 
     model = build_meta_model(model_config)
     chunked_loss = all_ranks_ok(lambda: ChunkedLoss(model, tc.loss_chunk_tokens) if tc.loss_chunk_tokens else None)
@@ -145,8 +146,10 @@ def setup(config: Config, env: DistEnv) -> Session:
     state = ckpt.TrainState(epoch=tc.initial_epoch)
     run_id = None
     if resuming:
+        load_started = time.perf_counter()
         state = restore(model, optimizer, scaler, payload, config, env, end_idx, len(blocks))
-        print0(f"  checkpoint found, read and loaded in {time.perf_counter() - load_started:.1f} s")
+        print0(f"  checkpoint found and read in {read_seconds:.1f} s, loaded into the shards in "
+               f"{time.perf_counter() - load_started:.1f} s")  # fmt: skip
         run_id = payload.get("wandb_run_id") if env.is_main else None
         del payload  # rank 0's copy of the checkpoint: gone before the first save gathers another
         release_host_memory()
