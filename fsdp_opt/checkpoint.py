@@ -412,7 +412,7 @@ def _load_own_slices(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
             _copy_own_slice(payload[MODEL_KEY][name], into, mapped)
         set_model_state_dict(model, shards)
         if load_optimizer:
-            state = get_optimizer_state_dict(model, optimizer)  # this rank's shards (the state is created if need be)
+            state = get_optimizer_state_dict(model, optimizer)  # this rank's shards (made by create_state)
             saved = payload["optimizer"]
             for fqn, values in state["state"].items():
                 for key, into in values.items():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import gc
 import os
 
@@ -107,7 +108,9 @@ M_MMAP_THRESHOLD = -3  # mallopt parameter number (glibc malloc.h)
 MMAP_THRESHOLD_BYTES = 1 << 20
 
 
+@functools.lru_cache(maxsize=1)
 def _libc():
+    """The C library, looked up once (find_library runs a subprocess; drop_pages is called per tensor)."""
     name = ctypes.util.find_library("c")
     if not name:
         return None
