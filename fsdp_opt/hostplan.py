@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .plan import GIB, Inputs, Shape, memory, shard_factor
+from .plan import GIB, Inputs, Shape, memory, peak_bytes, shard_factor
 
 # A worker after setup, on CPU: Python, torch 2.13, transformers 5.23, datasets, the tokenizer, gloo.
 # Measured here: 0.41 GiB after imports and the process group, 0.44 GiB once setup is done.
@@ -55,7 +55,7 @@ def host_memory(
     params_held = 4 * per if held else 0
     between_steps = 12 * per if held else 0
     optimizer_step = 20 * per if held else 0
-    step = optimizer_step if inputs.cuda else max(optimizer_step, sum(memory(shape, strategy, inputs).values()))
+    step = optimizer_step if inputs.cuda else max(optimizer_step, peak_bytes(memory(shape, strategy, inputs)))
     full = (12 if save_optimizer else 4) * n
     # One full tensor gathered or received at a time: host memory on CPU; on a GPU it is device memory (only rank 0
     # copies what it gathers to the host, and that is `full`).

@@ -144,9 +144,12 @@ def memory(shape: Shape, strategy: str, inputs: Inputs, batch_size: int | None =
     # Gathered weights: the root stays gathered through forward and backward; FULL_SHARD/HYBRID hold the block
     # being computed and the one prefetched (`prefetch` of them with --prefetch); SHARD_GRAD_OP and NO_SHARD
     # keep every block from forward to backward.
+    # FSDP2 gathers a unit into one buffer and copies it out into the unit's parameters; that buffer lives until the
+    # next gather, so one unit's worth more is held (the simulation shows it: `plan --simulate`).
     keeps_all = strategy in ("SHARD_GRAD_OP", "NO_SHARD")
     held = L if keeps_all else min(L, 1 + max(1, inputs.prefetch))
-    out["gathered_weights"] = c * (shape.root_params + held * shape.block_params)
+    gather_buffer = c * max(shape.root_params, shape.block_params) if shard_factor(strategy, inputs) > 1 else 0
+    out["gathered_weights"] = c * (shape.root_params + held * shape.block_params) + gather_buffer
     # Reduce-scatter of the largest unit (the root, with the embeddings): its unsharded gradient in the compute
     # dtype and FSDP2's fp32 copy of it that is reduce-scattered, alive together.
     out["reduce_scatter"] = (c + 4) * max(shape.root_params, shape.block_params)
@@ -162,14 +165,25 @@ def memory(shape: Shape, strategy: str, inputs: Inputs, batch_size: int | None =
         # One chunk at a time, at its peak in backward's recompute: the same, plus its gradient in the compute dtype.
         out["logits"] = min(inputs.loss_chunk_tokens, s * b) * shape.vocab * (2 * c + 12 if c == 2 else 16)
     if inputs.cuda:
-        out["runtime"] = CUDA_CONTEXT_BYTES + int(FRAGMENTATION * sum(out.values()))
+        out["runtime"] = CUDA_CONTEXT_BYTES + int(FRAGMENTATION * peak_bytes(out))
     return out
+
+
+def peak_bytes(parts: dict[str, int]) -> int:
+    """The peak of a step from its components. Accumulating without sync, the sharded gradients are made only as the
+    last micro-batch reduce-scatters the accumulated ones, unit by unit, each freeing its accumulated gradient: the two
+    never add up, so the sharded gradients leave the backward peak. The optimizer step's own peak (weights, gradients,
+    state; the fused step adds nothing) is below the backward peak whenever activations are held."""
+    total = sum(parts.values())
+    if parts.get("accumulated_gradients"):
+        total -= parts["gradients"]
+    return max(total, parts["parameters"] + parts["gradients"] + parts["optimizer"] + parts.get("runtime", 0))
 
 
 def reduce_every_microbatch_needed(shape: Shape, strategy: str, inputs: Inputs) -> bool:
     """Does the run fit only when gradients are reduce-scattered after every micro-batch?"""
     keep = Inputs(**{**inputs.__dict__, "reduce_every_microbatch": False})
-    return inputs.accum_steps > 1 and sum(memory(shape, strategy, keep).values()) > inputs.gpu_memory
+    return inputs.accum_steps > 1 and peak_bytes(memory(shape, strategy, keep)) > inputs.gpu_memory
 
 
 def activation_bytes(shape: Shape, inputs: Inputs, checkpointing: bool) -> int:
@@ -178,7 +192,7 @@ def activation_bytes(shape: Shape, inputs: Inputs, checkpointing: bool) -> int:
 
 def largest_micro_batch(shape: Shape, strategy: str, inputs: Inputs, limit: int = 4096) -> int:
     """The largest micro-batch whose peak fits in gpu_memory (0: not even one sequence)."""
-    fits = lambda b: sum(memory(shape, strategy, inputs, b).values()) <= inputs.gpu_memory  # noqa: E731
+    fits = lambda b: peak_bytes(memory(shape, strategy, inputs, b)) <= inputs.gpu_memory  # noqa: E731
     if not fits(1):
         return 0
     lo, hi = 1, 2
@@ -223,7 +237,7 @@ def make_plan(model: str, inputs: Inputs, *, disk: int, host_memory: int, keep_l
         if strategy == "HYBRID_SHARD" and inputs.nodes < 2:
             continue
         parts = memory(shape, strategy, inputs)
-        total = sum(parts.values())
+        total = peak_bytes(parts)
         strategies[strategy] = {
             "components": parts,
             "total_bytes": total,
@@ -292,6 +306,9 @@ def render(plan: dict[str, Any]) -> str:
     lines.append("| **total** | " + " | ".join(f"**{_gib(plan['strategies'][n]['total_bytes'])}**" for n in names) + " |")
     lines.append("| fits | " + " | ".join("yes" if plan["strategies"][n]["fits"] else "NO" for n in names) + " |")
     lines.append("| largest micro-batch | " + " | ".join(str(plan["strategies"][n]["max_micro_batch"]) for n in names) + " |")
+    if any(plan["strategies"][n]["components"]["accumulated_gradients"] for n in names):
+        lines.append("(total: accumulating without sync, the sharded gradients appear only as the accumulated ones are "
+                     "reduce-scattered, so they are not added to them)")
     a, c, d, r = plan["activations"], plan["checkpoints"], plan["disk"], plan["host_ram"]
     lines += [
         "",
@@ -345,6 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slices", type=int, default=10, help="sessions in the chain, for the Hub repo's size")
     p.add_argument("--hub_keep_full", type=int, default=1, help="the trainer's --hub_keep_full (0: keep every full checkpoint)")
     p.add_argument("--cpu", action="store_true", help="plan for CPU processes (no CUDA context)")
+    p.add_argument("--simulate", nargs="?", const="FULL_SHARD", default=None, metavar="STRATEGIES",
+                   help="also run one training step at the model's real shape on fake tensors (no memory used) for "
+                        "these strategies (comma-separated; default FULL_SHARD) and hold its peaks against the plan")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return p
 
@@ -373,10 +393,32 @@ def main(argv: list[str] | None = None) -> int:
         plan = make_plan(a.model, inputs, disk=parse_size(a.disk, "--disk"), host_memory=host, keep_last=a.keep_last,
                          save_optimizer=a.save_optimizer, sharded=a.state_dict_type == "sharded", offload=a.cpu_offload,
                          slices=a.slices, keep_full=a.hub_keep_full)  # fmt: skip
+        simulate = [x.strip() for x in a.simulate.split(",")] if a.simulate else []
+        for strategy in simulate:
+            if strategy not in plan["strategies"]:
+                raise ConfigError(f"--simulate {a.simulate}: {strategy} is not one of {', '.join(plan['strategies'])}")
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(plan, indent=1) if a.json else render(plan))
+    text = [] if a.json else [render(plan)]
+    if simulate:
+        from . import simulate as sim
+
+        plan["simulated"] = {}
+        for strategy in simulate:
+            result = sim.simulate(a.model, inputs, strategy)
+            planned = plan["strategies"][strategy]["components"]
+            rows = sim.compare(result, planned)
+            with_runtime = result["peak_total"] + planned.get("runtime", 0)
+            plan["simulated"][strategy] = {**result, "comparison": rows, "total_bytes": with_runtime,
+                                           "fits": with_runtime <= inputs.gpu_memory}  # fmt: skip
+            text += ["", *sim.render(strategy, rows, result),
+                     f"{strategy} verdict: plan {_gib(plan['strategies'][strategy]['total_bytes'])}, simulated "
+                     f"{_gib(with_runtime)} (with the plan's runtime row) of {_gib(inputs.gpu_memory)}: "
+                     + ("fits" if with_runtime <= inputs.gpu_memory and plan["strategies"][strategy]["fits"]
+                        else "does NOT fit" if with_runtime > inputs.gpu_memory and not plan["strategies"][strategy]["fits"]
+                        else "the two disagree")]  # fmt: skip
+    print(json.dumps(plan, indent=1) if a.json else "\n".join(text))
     return 0
 
 

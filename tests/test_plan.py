@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from conftest import ROOT, make_local_model
-from fsdp_opt.plan import GIB, OPT_FAMILY, Inputs, Shape, memory, model_config, parse_size, reduce_every_microbatch_needed
+from fsdp_opt.plan import (GIB, OPT_FAMILY, Inputs, Shape, memory, model_config, parse_size, peak_bytes,
+                           reduce_every_microbatch_needed)
 
 
 def test_opt_family_parameter_counts():
@@ -49,8 +50,11 @@ def test_memory_arithmetic_for_opt_1_3b_on_two_t4():
     assert reduce_every_microbatch_needed(shape, "FULL_SHARD", t4)
     assert not reduce_every_microbatch_needed(shape, "FULL_SHARD", Inputs(**{**t4.__dict__, "gpu_memory": 80 * GIB}))
     assert not reduce_every_microbatch_needed(shape, "FULL_SHARD", Inputs(**{**t4.__dict__, "accum_steps": 1}))
-    # Gathered fp16 weights: the root (embeddings, positions, final norm) and two of 24 blocks, or 1 + prefetch.
-    assert full["gathered_weights"] == 2 * (shape.root_params + 2 * shape.block_params)
+    # Gathered fp16 weights: the root (embeddings, positions, final norm) and two of 24 blocks, or 1 + prefetch, and
+    # the gather buffer of the largest unit (the root), which outlives its copy-out until the next gather.
+    assert full["gathered_weights"] == 2 * (shape.root_params + 2 * shape.block_params) + 2 * shape.root_params
+    # Without sync the sharded gradients never sit beside the accumulated ones: the total leaves them out.
+    assert peak_bytes(full) == sum(full.values()) - full["gradients"]
     ahead = memory(shape, "FULL_SHARD", Inputs(**{**t4.__dict__, "prefetch": 3}))["gathered_weights"]
     assert ahead - full["gathered_weights"] == 2 * 2 * shape.block_params
     assert shape.block_params == 12 * 2048**2 + 13 * 2048  # an OPT block: 4 h^2 attention + 8 h^2 MLP, biases, 2 norms
