@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh "[test]"
-python -m pytest -q "$@"
+# Two workers (pytest-xdist): most tests wait on subprocesses, so two at a time fill both cores of a small machine.
+python -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist worksteal "$@"

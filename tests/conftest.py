@@ -122,3 +122,27 @@ def assert_clean_failure(proc: subprocess.CompletedProcess, *needles: str) -> st
         # torchrun prints its own ChildFailedError report; the workers must not print tracebacks.
         assert not [l for l in worker_traceback if l.startswith("[rank")], proc.stderr
     return lines[0]
+
+
+# The longest tests (minutes each on 2 cores) start first, so parallel workers (pytest-xdist, scripts/test.sh) do
+# not end with one of them running alone.
+LONGEST_FIRST = (
+    "test_retention.py::test_chain_of_five_slices_keeps_the_policy",
+    "test_cli.py::test_demo_trains_and_loss_falls",
+    "test_benchmark.py::test_memory_only_report",
+    "test_notebooks.py::test_notebooks_run_end_to_end",
+    "test_benchmark.py::test_session_benchmark_reports_every_stage_against_its_floor",
+    "test_hub.py::test_sessions_chain_through_the_hub",
+    "test_evaluate.py::test_base_vs_checkpoints_match_reference",
+    "test_simulate.py::test_fake_step_measures_what_a_real_step_holds_and_the_plan_agrees",
+)
+
+
+def pytest_collection_modifyitems(config, items):  # noqa: ANN001
+    def rank(item) -> int:  # noqa: ANN001
+        for i, suffix in enumerate(LONGEST_FIRST):
+            if item.nodeid.endswith(suffix):
+                return i
+        return len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the rest keep their order
