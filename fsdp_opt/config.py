@@ -167,9 +167,11 @@ class ParallelConfig:
     sharding_strategy: str = _opt(
         "FULL_SHARD",
         "FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2: keep gathered weights until backward), "
-        "HYBRID_SHARD (shard within a node, replicate across nodes) or NO_SHARD (DDP-like replication).",
+        "HYBRID_SHARD (shard within a node, replicate across nodes), NO_SHARD (DDP-like replication), or AUTO: on "
+        "a GPU, the one the memory plan fits with the shortest predicted step (plan's step-time model; FULL_SHARD "
+        "on CPU).",
         type=str.upper,
-        choices=STRATEGIES,
+        choices=STRATEGIES + ("AUTO",),
     )
     precision: str = _opt(
         "auto",
@@ -183,7 +185,8 @@ class ParallelConfig:
         "auto",
         "Reduce-scatter gradients after every micro-batch instead of only the last one of a step: less memory "
         "(no unsharded fp32 gradient kept between micro-batches, 4 bytes per parameter), more communication. "
-        "auto: only on a GPU where the memory plan says the run would not fit otherwise.",
+        "auto: on a GPU, whichever of the two fits with the shorter predicted step (without sync when both fit); "
+        "never on CPU.",
         type=str.lower,
         choices=["auto", "true", "false"],
         nargs="?",
@@ -197,11 +200,19 @@ class ParallelConfig:
         "Gather the weights of the next N blocks ahead, in forward and in backward (FSDP2 explicit prefetch); "
         "each holds one more gathered block in memory. 0: FSDP2's own order (one block ahead in backward).",
     )
+    tflops: float = _opt(
+        0.0, "Sustained TFLOPS per GPU for the step-time prediction (0: T4's 24 on a T4, else 40%% of the GPU's peak)."
+    )
+    link_gbps: float = _opt(3.2, "GB/s between GPUs for the step-time prediction (2 T4s on PCIe 3 through NCCL: 3.2).")
     device: str = _opt("auto", "auto (CUDA when available), cuda or cpu.", type=str.lower, choices=DEVICES)
 
     def __post_init__(self) -> None:
         if self.prefetch < 0:
             raise ConfigError(f"--prefetch {self.prefetch}: must be 0 or more")
+        if not self.tflops >= 0:
+            raise ConfigError(f"--tflops {self.tflops}: must be 0 or more")
+        if not self.link_gbps > 0:
+            raise ConfigError(f"--link_gbps {self.link_gbps}: must be more than 0")
 
 
 @dataclass

@@ -82,6 +82,9 @@ class Shape:
     heads: int
     vocab: int
     largest_param: int = 0  # elements of the largest single tensor (the token embedding for OPT)
+    flop_params: int = 0  # the N of 6N FLOPs per token: parameters less embeddings, plus the output projection
+    # (dim 0, elements) of each parameter, per FSDP unit, the root first: FSDP2 pads dim 0 to the shard count
+    units: tuple = ()
 
     @classmethod
     def of(cls, config) -> "Shape":
@@ -94,11 +97,21 @@ class Shape:
         in_blocks = {id(p) for b in blocks for p in b.parameters()}
         block = max(sum(p.numel() for p in b.parameters()) for b in blocks)
         root = sum(p.numel() for i, p in unique.items() if i not in in_blocks)
+        from .tracking import flops_per_token
+
+        def dims(params) -> tuple:  # noqa: ANN001
+            return tuple((p.shape[0] if p.dim() else 1, p.numel()) for p in params)
+
+        units = (dims(p for i, p in unique.items() if i not in in_blocks),) + tuple(dims(b.parameters()) for b in blocks)
         return cls(
             params=sum(p.numel() for p in unique.values()), block_params=block, root_params=root,
             layers=len(blocks), hidden=config.hidden_size, heads=config.num_attention_heads, vocab=config.vocab_size,
-            largest_param=max(p.numel() for p in unique.values()),
+            largest_param=max(p.numel() for p in unique.values()), flop_params=int(flops_per_token(model, 0) / 6),
+            units=units,
         )  # fmt: skip
+
+    def summary(self) -> dict[str, int]:
+        return {k: v for k, v in self.__dict__.items() if k != "units"}
 
 
 @dataclass
@@ -228,8 +241,10 @@ def hub_repo_bytes(shape: Shape, *, slices: int, keep_full: int, save_optimizer:
 
 
 def make_plan(model: str, inputs: Inputs, *, disk: int, host_memory: int, keep_last: int, save_optimizer: bool,
-              sharded: bool = False, offload: bool = False, slices: int = 10, keep_full: int = 1) -> dict[str, Any]:  # fmt: skip
+              sharded: bool = False, offload: bool = False, slices: int = 10, keep_full: int = 1,
+              rates=None) -> dict[str, Any]:  # fmt: skip
     from .hostplan import host_memory as host_phases
+    from .steptime import candidates, comm_bytes, step_time
 
     shape = Shape.of(model_config(model))
     strategies: dict[str, Any] = {}
@@ -244,20 +259,25 @@ def make_plan(model: str, inputs: Inputs, *, disk: int, host_memory: int, keep_l
             "fits": total <= inputs.gpu_memory,
             "max_micro_batch": largest_micro_batch(shape, strategy, inputs),
             "state_bytes_per_rank": sum(state_bytes(shape, strategy, inputs).values()),
+            "comm_bytes_per_step": comm_bytes(shape, strategy, inputs),
+            "predicted_step_time_s": step_time(shape, strategy, inputs, rates)["step_s"],
         }
+    configurations = candidates(shape, inputs, list(strategies), rates)
     sizes = checkpoints(shape, inputs.gpus)
     one = sizes["full_with_optimizer"] if save_optimizer else sizes["full_weights_only"]
     # A save writes the new file before --keep_last removes the oldest: keep_last + 1 on disk at the peak.
     on_disk = one * (max(1, keep_last) + 1) if keep_last else None
     return {
         "model": model,
-        "shape": shape.__dict__,
+        "shape": shape.summary(),
         "inputs": {**inputs.__dict__, "disk": disk, "host_memory": host_memory, "keep_last": keep_last, "save_optimizer": save_optimizer},
         "activations": {
             "with_checkpointing": activation_bytes(shape, inputs, True),
             "without_checkpointing": activation_bytes(shape, inputs, False),
         },
         "strategies": strategies,
+        "configurations": configurations,
+        "auto_pick": configurations[0] if configurations and configurations[0]["fits"] else None,
         "checkpoints": sizes,
         "disk": {
             "checkpoint_bytes": one,
@@ -309,6 +329,9 @@ def render(plan: dict[str, Any]) -> str:
     if any(plan["strategies"][n]["components"]["accumulated_gradients"] for n in names):
         lines.append("(total: accumulating without sync, the sharded gradients appear only as the accumulated ones are "
                      "reduce-scattered, so they are not added to them)")
+    from .steptime import render_configurations
+
+    lines += ["", *render_configurations(plan)]
     a, c, d, r = plan["activations"], plan["checkpoints"], plan["disk"], plan["host_ram"]
     lines += [
         "",
@@ -362,6 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slices", type=int, default=10, help="sessions in the chain, for the Hub repo's size")
     p.add_argument("--hub_keep_full", type=int, default=1, help="the trainer's --hub_keep_full (0: keep every full checkpoint)")
     p.add_argument("--cpu", action="store_true", help="plan for CPU processes (no CUDA context)")
+    p.add_argument("--tflops", type=float, default=24.0, help="sustained TFLOPS per GPU (T4 fp16: 24)")
+    p.add_argument("--link_gbps", type=float, default=3.2, help="GB/s between GPUs (2 T4s on PCIe 3 through NCCL: 3.2)")
+    p.add_argument("--hbm_gbps", type=float, default=320.0, help="GB/s of GPU memory (T4: 320)")
     p.add_argument("--simulate", nargs="?", const="FULL_SHARD", default=None, metavar="STRATEGIES",
                    help="also run one training step at the model's real shape on fake tensors (no memory used) for "
                         "these strategies (comma-separated; default FULL_SHARD) and hold its peaks against the plan")
@@ -371,12 +397,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from .errors import ConfigError
+    from .steptime import Rates
 
     try:
         a = build_parser().parse_args(argv)
         for flag in ("gpus", "nodes", "batch_size", "max_length", "accum_steps", "slices"):
             if getattr(a, flag) < 1:
                 raise ConfigError(f"--{flag} {getattr(a, flag)}: must be at least 1")
+        for flag in ("tflops", "link_gbps", "hbm_gbps"):
+            if not getattr(a, flag) > 0:
+                raise ConfigError(f"--{flag} {getattr(a, flag)}: must be more than 0")
         for flag in ("prefetch", "loss_chunk_tokens", "hub_keep_full"):
             if getattr(a, flag) < 0:
                 raise ConfigError(f"--{flag} {getattr(a, flag)}: must be 0 or more")
@@ -392,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
         host = parse_size(a.host_memory, "--host_memory") if a.host_memory is not None else machine_memory()
         plan = make_plan(a.model, inputs, disk=parse_size(a.disk, "--disk"), host_memory=host, keep_last=a.keep_last,
                          save_optimizer=a.save_optimizer, sharded=a.state_dict_type == "sharded", offload=a.cpu_offload,
-                         slices=a.slices, keep_full=a.hub_keep_full)  # fmt: skip
+                         slices=a.slices, keep_full=a.hub_keep_full,
+                         rates=Rates(tflops=a.tflops, link_gbps=a.link_gbps, hbm_gbps=a.hbm_gbps))  # fmt: skip
         simulate = [x.strip() for x in a.simulate.split(",")] if a.simulate else []
         for strategy in simulate:
             if strategy not in plan["strategies"]:

@@ -52,5 +52,7 @@ class Session:
     prune_lock: threading.Lock = field(default_factory=threading.Lock)
     eval_blocks: Blocks | None = None  # --eval_rows
     reduce_each_microbatch: bool = False  # --reduce_every_microbatch, with auto decided by the memory plan
+    predicted_step: dict[str, Any] | None = None  # steptime.choose_layout's prediction on a GPU
+    step_seconds: list[float] = field(default_factory=list)  # of this session's optimizer steps
     chunked_loss: Any = None  # a loss.ChunkedLoss with --loss_chunk_tokens
     ckpt_writer: Any = None  # saving.BackgroundWriter with --async_save (rank 0 writes; None: saves written in place)

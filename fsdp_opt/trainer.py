@@ -55,6 +55,7 @@ from .saving import (
     wait_for_writes,
 )
 from .session import Session
+from .steptime import choose_layout
 from .stopping import WRITE_FAILED, StopControl, resume_command
 from .optim import LossScaler, LRSchedule, build_optimizer, global_grad_norm, unscale_and_clip_
 from .tracking import (
@@ -76,6 +77,9 @@ def run(config: Config) -> None:
     try:
         session = setup(config, env)
         train(session)
+        line = step_time_line(session)
+        if line:
+            print0(line)
         print0(host_peaks_line(env))
         # Every rank reaches the end before any closes its connections: no peer is left mid-transfer.
         barrier()
@@ -133,6 +137,7 @@ def setup(config: Config, env: DistEnv) -> Session:
         all_ranks_ok(lambda: ckpt.check_compatible(payload, model, Path(payload["_path"])) if env.is_main else None)
     n_params = count_params(model)
     fpt = flops_per_token(model, dc.max_length)
+    reduce_each, prediction = all_ranks_ok(lambda: choose_layout(config, env, model_config, precision))
     block_classes, units = par.shard_model(
         model, env, strategy=pc.sharding_strategy, precision=precision,
         activation_checkpointing=pc.activation_checkpointing, offload=pc.cpu_offload, compile_blocks=pc.compile,
@@ -181,7 +186,8 @@ def setup(config: Config, env: DistEnv) -> Session:
         model_config=model_config,
         tokenizer=tokenizer,
         eval_blocks=eval_blocks,
-        reduce_each_microbatch=_reduce_each_microbatch(config, env, model_config, precision),
+        reduce_each_microbatch=reduce_each,
+        predicted_step=prediction,
         chunked_loss=chunked_loss,
         ckpt_writer=BackgroundWriter() if uses_async_save(config, env.device.type) else None,
     )
@@ -194,29 +200,6 @@ def setup(config: Config, env: DistEnv) -> Session:
         enabled=env.is_main, project=wc.wandb_project, mode=wc.wandb_mode, run_id=run_id, config=wandb_config, out_dir=out_dir
     )
     return session
-
-
-def _reduce_each_microbatch(config: Config, env: DistEnv, model_config: Any, precision: str) -> bool:
-    """--reduce_every_microbatch; auto asks the memory plan, on a GPU, whether no-sync accumulation would fit."""
-    choice, tc = config.parallel.reduce_every_microbatch, config.train
-    if choice != "auto":
-        return choice == "true"
-    if env.device.type != "cuda" or tc.accum_steps == 1:
-        return False
-    from .plan import Inputs, Shape, reduce_every_microbatch_needed
-
-    pc, dc = config.parallel, config.data
-    inputs = Inputs(
-        gpus=env.world_size, nodes=env.num_nodes, gpu_memory=torch.cuda.get_device_properties(env.device).total_memory,
-        batch_size=tc.batch_size, max_length=dc.max_length, accum_steps=tc.accum_steps, precision=precision,
-        activation_checkpointing=pc.activation_checkpointing, attn_implementation=config.model.attn_implementation,
-        prefetch=pc.prefetch, loss_chunk_tokens=tc.loss_chunk_tokens,
-    )  # fmt: skip
-    needed = reduce_every_microbatch_needed(Shape.of(model_config), pc.sharding_strategy, inputs)
-    if needed:
-        print0("note: the memory plan does not fit no-sync gradient accumulation on this GPU; gradients are "
-               "reduce-scattered after every micro-batch (--reduce_every_microbatch false to override)")  # fmt: skip
-    return needed
 
 
 def _print_summary(s: Session, classes: set[type], units: int, n_params: int) -> None:
@@ -239,6 +222,7 @@ def _print_summary(s: Session, classes: set[type], units: int, n_params: int) ->
                 if s.reduce_each_microbatch or c.train.accum_steps == 1
                 else "last micro-batch of each step",
                 "loss": f"{c.train.loss_chunk_tokens} tokens at a time" if s.chunked_loss else "whole logits at once",
+                "predicted step": _predicted(s.predicted_step),
                 "checkpoints": f"{c.checkpoint.state_dict_type}, written "
                 + ("in the background while training goes on" if s.ckpt_writer is not None else "before training goes on"),
                 "steps/epoch": s.plan.steps_per_epoch(),
@@ -248,6 +232,26 @@ def _print_summary(s: Session, classes: set[type], units: int, n_params: int) ->
         )
     )
     print0("config: " + " ".join(f"--{k} {v}" for k, v in c.flat().items() if v is not None))
+
+
+def _predicted(p: dict[str, Any] | None) -> str:
+    if p is None:
+        return "GPU runs only (the model's rates are a GPU's)"
+    return (f"{p['step_s']:.2f} s: compute {p['compute_s']:.2f} s at {p['tflops']:.0f} TFLOPS, communication "
+            f"{p['communication_s']:.2f} s at {p['link_gbps']:g} GB/s ({p['exposed_communication_s']:.2f} s not "
+            f"overlapped), optimizer {p['optimizer_s']:.2f} s")  # fmt: skip
+
+
+def step_time_line(s: Session) -> str | None:
+    """The measured step time (median, first step left out: it allocates and warms up) beside the prediction."""
+    times = sorted(s.step_seconds[1:] or s.step_seconds)
+    if not times:
+        return None
+    measured = times[(len(times) - 1) // 2]
+    line = f"step time: measured {measured:.3f} s (median of {len(times)})"
+    if s.predicted_step is not None:
+        line += f", predicted {s.predicted_step['step_s']:.3f} s ({measured / s.predicted_step['step_s']:.2f}x)"
+    return line
 
 
 # ---------------------------------------------------------------- loop
@@ -291,7 +295,8 @@ def run_epoch(s: Session, epoch: int, stop: StopControl, progress: Progress) -> 
             return reason
         step_started = time.perf_counter()
         record = train_step(s, step)
-        stop.observe_step(time.perf_counter() - step_started)
+        s.step_seconds.append(time.perf_counter() - step_started)
+        stop.observe_step(s.step_seconds[-1])
         s.state.offset = step.end_offset
         record["elapsed"] = round(stop.elapsed(), 3)
         s.writer.write(record)

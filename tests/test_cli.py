@@ -34,6 +34,7 @@ def test_demo_trains_and_loss_falls(tmp_path):
     # Summary lines a user reads.
     assert "wrapped OPTDecoderLayer x 4 + root = 5 units" in proc.stdout
     assert "world           : 2 rank(s) on cpu" in proc.stdout
+    assert "predicted step  : GPU runs only" in proc.stdout and "step time: measured " in proc.stdout
     # Epoch checkpoints named like the original script, loadable with weights_only.
     per_epoch = len(rows) // 3
     assert [r["epoch"] for r in rows] == [0] * per_epoch + [1] * per_epoch + [2] * per_epoch

@@ -1,0 +1,98 @@
+"""Communication per step counted on gloo equals the plan's formula; the step-time model and what auto picks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import ROOT, sandbox_env, torchrun_cmd
+from fsdp_opt.plan import GIB, Inputs, Shape, model_config
+from fsdp_opt.steptime import Rates, candidates, comm_bytes, fastest_that_fits, step_time
+
+CONFIGS = ["FULL_SHARD:false:true:fp32", "FULL_SHARD:true:true:fp32", "SHARD_GRAD_OP:false:true:fp32",
+           "SHARD_GRAD_OP:true:false:fp32", "NO_SHARD:false:true:fp32", "FULL_SHARD:true:true:fp16"]  # fmt: skip
+
+
+def test_collective_bytes_counted_on_gloo_equal_the_formula(tmp_path):
+    out = tmp_path / "comm.json"
+    cmd = torchrun_cmd(2, ROOT / "tests" / "workers" / "comm_bytes.py") + [str(out), *CONFIGS]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"comm.json.rank{r}").read_text()) for r in range(2)]
+    shape = Shape.of(model_config("tiny-opt"))
+    for item in CONFIGS:
+        strategy, every, _, precision = item.split(":")
+        inputs = Inputs(gpus=2, batch_size=2, max_length=64, accum_steps=3, precision=precision,
+                        reduce_every_microbatch=every == "true")  # fmt: skip
+        want = {k: v for k, v in comm_bytes(shape, strategy, inputs).items() if k in ("all_gather", "reduce_scatter", "all_reduce") and v}
+        for rep in ranks:
+            assert rep[item] == want, (item, rep[item], want)
+    # Independent of the formula: accumulating without sync reduce-scatters 1 of 3 micro-batches' fp32 gradients.
+    assert ranks[0]["FULL_SHARD:true:true:fp32"]["reduce_scatter"] == 3 * ranks[0]["FULL_SHARD:false:true:fp32"]["reduce_scatter"]
+    assert ranks[0]["FULL_SHARD:false:true:fp32"]["reduce_scatter"] == 4 * shape.params
+    # fp16 gathers half the bytes of fp32; gradients are reduced in fp32 either way.
+    assert 2 * ranks[0]["FULL_SHARD:true:true:fp16"]["all_gather"] == ranks[0]["FULL_SHARD:true:true:fp32"]["all_gather"]
+    assert ranks[0]["FULL_SHARD:true:true:fp16"]["reduce_scatter"] == ranks[0]["FULL_SHARD:true:true:fp32"]["reduce_scatter"]
+
+
+def test_step_time_model_and_auto_pick_for_opt_1_3b():
+    shape = Shape.of(model_config("facebook/opt-1.3b"))
+    t4 = Inputs(gpus=2, gpu_memory=15 * GIB, batch_size=4, max_length=512, accum_steps=16, precision="fp16")
+    # 6N + 12*L*H*Q*T at T=512 is about 8.17 GFLOP per token for opt-1.3b (the published figure).
+    base = 6 * shape.flop_params + 12 * shape.layers * shape.hidden * 512
+    assert abs(base / 8.17e9 - 1) < 0.01
+    t = step_time(shape, "FULL_SHARD", Inputs(**{**t4.__dict__, "reduce_every_microbatch": True}))
+    assert t["hardware_flops_per_token"] > base  # checkpointing recomputes the blocks' forward
+    assert abs(t["compute_s"] - 4 * 512 * 16 * t["hardware_flops_per_token"] / 24e12) < 1e-9
+    wire = comm_bytes(shape, "FULL_SHARD", Inputs(**{**t4.__dict__, "reduce_every_microbatch": True}))["wire"]
+    assert abs(t["communication_s"] - wire / 3.2e9) < 1e-9
+    # On 15 GiB T4s only FULL_SHARD reducing every micro-batch fits; auto takes it.
+    pick = fastest_that_fits(shape, t4, ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+    assert (pick["strategy"], pick["reduce_every_microbatch"]) == ("FULL_SHARD", True)
+    # With 80 GiB everything fits and the fastest is taken: every fitting option is at least as slow.
+    big = Inputs(**{**t4.__dict__, "gpu_memory": 80 * GIB})
+    options = candidates(shape, big, ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+    pick = fastest_that_fits(shape, big, ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+    assert all(o["fits"] for o in options) and all(pick["step_s"] <= o["step_s"] for o in options)
+    assert not pick["reduce_every_microbatch"]  # fewer bytes for the same compute
+    # A faster link makes communication cheaper: the prediction moves with the rate.
+    fast = step_time(shape, "FULL_SHARD", t4, Rates(link_gbps=64.0))
+    assert fast["communication_s"] < step_time(shape, "FULL_SHARD", t4)["communication_s"] / 19
+
+
+def test_plan_json_carries_bytes_and_predicted_time():
+    cmd = [sys.executable, "-m", "fsdp_opt.plan", "--json", "--link_gbps", "6.4"]
+    plan = json.loads(subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120).stdout)
+    for name, s in plan["strategies"].items():
+        assert s["comm_bytes_per_step"]["wire"] >= 0 and s["predicted_step_time_s"] > 0, name
+    assert plan["auto_pick"]["fits"] and plan["auto_pick"] == plan["configurations"][0]
+    bad = subprocess.run([sys.executable, "-m", "fsdp_opt.plan", "--link_gbps", "0"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: --link_gbps 0.0: must be more than 0"
+
+
+def test_trainer_resolves_auto_as_on_a_t4():
+    """The CUDA-only branch of the trainer's choice, given a T4's memory and name (no GPU here)."""
+    import torch
+
+    from fsdp_opt.config import parse_args
+    from fsdp_opt.distributed import DistEnv
+    from fsdp_opt.steptime import choose_layout
+
+    env = DistEnv(rank=0, world_size=2, local_rank=0, local_world_size=2, device=torch.device("cpu"))
+    t4 = (15 * GIB, "Tesla T4")
+    args = ["--sharding_strategy", "auto", "--batch_size", "4", "--accum_steps", "16", "--max_length", "512"]
+    config = parse_args(args)
+    every, prediction = choose_layout(config, env, model_config("facebook/opt-1.3b"), "fp16", gpu=t4)
+    assert config.parallel.sharding_strategy == "FULL_SHARD" and every is True
+    assert prediction["tflops"] == 24.0 and prediction["step_s"] > prediction["compute_s"]
+    # An explicit choice is kept; on an 80 GiB H100 without sync, at 40% of its peak.
+    config = parse_args(["--sharding_strategy", "SHARD_GRAD_OP", "--reduce_every_microbatch", "false", *args[2:]])
+    every, prediction = choose_layout(config, env, model_config("facebook/opt-1.3b"), "bf16", gpu=(80 * GIB, "NVIDIA H100"))
+    assert config.parallel.sharding_strategy == "SHARD_GRAD_OP" and every is False
+    assert abs(prediction["tflops"] - 0.4 * 989) < 1e-6
+    # Without a GPU: FULL_SHARD, no prediction.
+    config = parse_args(args)
+    assert choose_layout(config, env, model_config("tiny-opt"), "fp32") == (False, None)
+    assert config.parallel.sharding_strategy == "FULL_SHARD"
