@@ -26,7 +26,8 @@ max_length = 512  # tokens per training sequence
 hf_repo = None  # "user/name": checkpoints are pushed there and the next session resumes from there
 output_dir = "/kaggle/working/outputs"
 nproc = "gpu"  # processes: "gpu" = one per GPU; a number on CPU
-repo_dir = None  # the fsdp-opt checkout; None: this folder or a parent of it, else /kaggle/working/fsdp-opt
+install = None  # pip install this first: a wheel ("/kaggle/input/fsdp-opt/fsdp_opt-0.1.0-py3-none-any.whl") or a git URL
+repo_dir = None  # without `install`: the fsdp-opt checkout; None: this folder or a parent, else /kaggle/working/fsdp-opt
 session_hours = 12.0  # Kaggle ends a session after about 12 hours
 reserve_minutes = 30  # stop this long before the end: the last save and push fit in it
 disk_budget = "19GB"  # checkpoints in output_dir stay under this (Kaggle keeps 20 GB of /kaggle/working)
@@ -45,8 +46,9 @@ extra_flags = ""  # more fsdp_finetune.py flags, e.g. "--save_every_steps 200 --
 # %% [markdown]
 # ## 1. Setup
 #
-# Install the package from its checkout (skipped when it is installed already). On Kaggle, add the fsdp-opt
-# repository as a dataset or clone it into `/kaggle/working/fsdp-opt` first.
+# Install the package: from `install` (a wheel attached as a Kaggle dataset works with the internet off; a
+# `git+https://...` URL needs it on), else from the checkout at `repo_dir` (skipped when it is installed already).
+# pip keeps Kaggle's own torch: it meets the requirement.
 
 # %%
 import importlib.util
@@ -58,13 +60,15 @@ from pathlib import Path
 if repo_dir is None:
     here = Path.cwd().resolve()
     repo_dir = next((str(p) for p in [here, *here.parents] if (p / "fsdp_finetune.py").exists()), "/kaggle/working/fsdp-opt")
-if importlib.util.find_spec("fsdp_opt") is None:
+if install:
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", install], check=True)
+elif importlib.util.find_spec("fsdp_opt") is None:
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", repo_dir], check=True)
 
+import fsdp_opt
 from fsdp_opt import notebook as nb
 
-script = str(Path(repo_dir) / "fsdp_finetune.py")
-print("fsdp-opt from", repo_dir)
+print("fsdp-opt from", Path(fsdp_opt.__file__).parent)
 
 # %% [markdown]
 # **Tokens.** `HF_TOKEN` (write access, for `hf_repo`) and `WANDB_API_KEY` come from the environment or from
@@ -110,7 +114,7 @@ args = nb.flags(
     accum_steps=accum_steps, max_length=max_length, hf_repo=hf_repo, output_dir=output_dir, time_limit=limit,
     disk_budget=disk_budget,
 ) + shlex.split(extra_flags)  # fmt: skip
-train_cmd = nb.torchrun(nproc, script, args)
+train_cmd = nb.torchrun(nproc, "fsdp_opt", args, module=True)  # the training command of the package
 print(train_cmd)
 
 # %%
@@ -133,7 +137,7 @@ args = nb.flags(
     accum_steps=accum_steps, max_length=max_length, hf_repo=hf_repo, output_dir=output_dir, time_limit=limit,
     disk_budget=disk_budget, resume_file="latest",
 ) + shlex.split(extra_flags)  # fmt: skip
-resume_cmd = nb.torchrun(nproc, script, args)
+resume_cmd = nb.torchrun(nproc, "fsdp_opt", args, module=True)
 print(resume_cmd if run_next_slice and limit else "not launched (run_next_slice is off, or too little session time is left)")
 
 # %%

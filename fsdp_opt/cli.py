@@ -1,0 +1,46 @@
+"""The training command: `fsdp_finetune.py` in the repository, `python -m fsdp_opt` from an installed wheel.
+
+    torchrun --standalone --nproc_per_node=gpu -m fsdp_opt --num_epochs 1 \
+        --start_idx 0 --end_idx 5000 --batch_size 4 --accum_steps 16 --hf_repo user/repo
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from .config import build_parser, parse_args
+from .distributed import fail
+from .errors import ConfigError
+
+DESCRIPTION = "Fine-tune a Hugging Face causal LM with PyTorch FSDP2 on a slice [start_idx, end_idx) of a dataset."
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = parse_args(argv)
+    except ConfigError as exc:
+        fail(str(exc))
+    from .trainer import run
+
+    try:
+        run(config)
+    except ConfigError as exc:
+        fail(str(exc))
+    except KeyboardInterrupt:
+        fail("interrupted", code=130)
+    return 0
+
+
+def entry() -> None:
+    """`python fsdp_finetune.py`, `python -m fsdp_opt` and torchrun with either: --help, or train and end the process."""
+    if "-h" in sys.argv[1:] or "--help" in sys.argv[1:]:
+        build_parser(description=DESCRIPTION).print_help()
+        sys.exit(0)
+    code = main()
+    # NOTE: here every file is written, W&B is closed and the uploads are done. What is left is the interpreter's
+    # teardown, which can destroy gloo's worker threads out of order and abort (SIGABRT) a rank that has finished;
+    # torchrun then kills the other ranks, e.g. rank 0 while it waits for its last push. So the process ends now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
