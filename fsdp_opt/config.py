@@ -200,6 +200,9 @@ class ParallelConfig:
         "Gather the weights of the next N blocks ahead, in forward and in backward (FSDP2 explicit prefetch); "
         "each holds one more gathered block in memory. 0: FSDP2's own order (one block ahead in backward).",
     )
+    max_gpu_memory: str | None = _opt(
+        None, "Cap each GPU's memory to this (e.g. 15GiB: a T4 on a bigger GPU); the plan and the auto choices use it."
+    )
     tflops: float = _opt(
         0.0, "Sustained TFLOPS per GPU for the step-time prediction (0: T4's 24 on a T4, else 40%% of the GPU's peak)."
     )
@@ -209,6 +212,11 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.prefetch < 0:
             raise ConfigError(f"--prefetch {self.prefetch}: must be 0 or more")
+        if self.max_gpu_memory is not None:
+            from .plan import parse_size
+
+            if parse_size(self.max_gpu_memory, "--max_gpu_memory") <= 0:
+                raise ConfigError(f"--max_gpu_memory {self.max_gpu_memory}: must be more than 0")
         if not self.tflops >= 0:
             raise ConfigError(f"--tflops {self.tflops}: must be 0 or more")
         if not self.link_gbps > 0:

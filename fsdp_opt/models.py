@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerBase
 from .errors import ModelError, quiet_hub_logs
 
 BUILTIN_MODEL = "tiny-opt"
+RANDOM_PREFIX = "random:"  # random:facebook/opt-1.3b: that shape (built in, offline) with random weights
 ASSETS = Path(__file__).resolve().parent / "assets"
 
 
@@ -29,8 +30,8 @@ class ModelSource:
 
     @property
     def pretrained_weights(self) -> bool:
-        """The built-in model is initialised from the seed; the others load their weights."""
-        return self.kind != "builtin"
+        """The built-in model and `random:` shapes are initialised from the seed; the others load their weights."""
+        return self.kind not in ("builtin", "random")
 
 
 def _looks_like_path(name: str) -> bool:
@@ -40,6 +41,13 @@ def _looks_like_path(name: str) -> bool:
 def resolve_model(name: str) -> ModelSource:
     if name == BUILTIN_MODEL:
         return ModelSource(name, str(ASSETS / BUILTIN_MODEL), "builtin")
+    if name.startswith(RANDOM_PREFIX):
+        from .plan import OPT_FAMILY
+
+        shape = name[len(RANDOM_PREFIX):]
+        if shape not in OPT_FAMILY:
+            raise ModelError(f"--model {name}: random weights are built for {', '.join(OPT_FAMILY)}")
+        return ModelSource(name, shape, "random")
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -54,6 +62,10 @@ def resolve_model(name: str) -> ModelSource:
 
 def model_tag(name: str) -> str:
     """Short clean name used in checkpoint names: facebook/opt-1.3b -> opt_1.3B."""
+    random = name.startswith(RANDOM_PREFIX)
+    name = name[len(RANDOM_PREFIX):] if random else name
+    if random:
+        return "random_" + model_tag(name)
     base = Path(name.rstrip("/\\")).name or name
     m = re.fullmatch(r"opt-(\d+(?:\.\d+)?)([mb])", base.lower())
     if m:
@@ -74,7 +86,12 @@ def _fetch_error(source: ModelSource, exc: Exception) -> ModelError:
 def load_model_config(source: ModelSource, attn_implementation: str = "sdpa") -> PretrainedConfig:
     try:
         with quiet_hub_logs():
-            config = AutoConfig.from_pretrained(source.location)
+            if source.kind == "random":
+                from .plan import opt_config
+
+                config = opt_config(source.location)
+            else:
+                config = AutoConfig.from_pretrained(source.location)
     except Exception as exc:  # noqa: BLE001 - any failure to fetch is reported as one line
         raise _fetch_error(source, exc) from None
     config._attn_implementation = attn_implementation
@@ -85,7 +102,8 @@ def load_model_config(source: ModelSource, attn_implementation: str = "sdpa") ->
 def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
     try:
         with quiet_hub_logs():
-            tokenizer = AutoTokenizer.from_pretrained(source.location)
+            # a random: shape reads text with the built-in tokenizer (its ids fit any OPT vocabulary)
+            tokenizer = AutoTokenizer.from_pretrained(str(ASSETS / BUILTIN_MODEL) if source.kind == "random" else source.location)
     except Exception as exc:  # noqa: BLE001
         raise _fetch_error(source, exc) from None
     if tokenizer.eos_token_id is None:

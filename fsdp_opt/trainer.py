@@ -77,9 +77,9 @@ def run(config: Config) -> None:
     try:
         session = setup(config, env)
         train(session)
-        line = step_time_line(session)
-        if line:
-            print0(line)
+        for line in (step_time_line(session), gpu_memory_line(env)):
+            if line:
+                print0(line)
         print0(host_peaks_line(env))
         # Every rank reaches the end before any closes its connections: no peer is left mid-transfer.
         barrier()
@@ -137,7 +137,7 @@ def setup(config: Config, env: DistEnv) -> Session:
         all_ranks_ok(lambda: ckpt.check_compatible(payload, model, Path(payload["_path"])) if env.is_main else None)
     n_params = count_params(model)
     fpt = flops_per_token(model, dc.max_length)
-    reduce_each, prediction = all_ranks_ok(lambda: choose_layout(config, env, model_config, precision))
+    reduce_each, prediction = all_ranks_ok(lambda: choose_layout(config, env, model_config, precision, gpu=cap_gpu_memory(config, env)))
     block_classes, units = par.shard_model(
         model, env, strategy=pc.sharding_strategy, precision=precision,
         activation_checkpointing=pc.activation_checkpointing, offload=pc.cpu_offload, compile_blocks=pc.compile,
@@ -232,6 +232,28 @@ def _print_summary(s: Session, classes: set[type], units: int, n_params: int) ->
         )
     )
     print0("config: " + " ".join(f"--{k} {v}" for k, v in c.flat().items() if v is not None))
+
+
+def cap_gpu_memory(config: Config, env: DistEnv) -> tuple[int, str] | None:
+    """On CUDA: (usable bytes, name) of this GPU, capped by --max_gpu_memory (the allocator is held to it)."""
+    if env.device.type != "cuda":
+        return None
+    from .plan import parse_size
+
+    total = torch.cuda.get_device_properties(env.device).total_memory
+    cap = config.parallel.max_gpu_memory
+    if cap is not None:
+        cap_bytes = min(total, parse_size(cap, "--max_gpu_memory"))
+        torch.cuda.set_per_process_memory_fraction(cap_bytes / total, env.device)
+        total = cap_bytes
+    return total, torch.cuda.get_device_name(env.device)
+
+
+def gpu_memory_line(env: DistEnv) -> str | None:
+    if env.device.type != "cuda":
+        return None
+    return (f"GPU memory peak on rank {env.rank}: {torch.cuda.max_memory_allocated(env.device) / 2**30:.2f} GiB "
+            f"allocated, {torch.cuda.max_memory_reserved(env.device) / 2**30:.2f} GiB reserved")  # fmt: skip
 
 
 def _predicted(p: dict[str, Any] | None) -> str:

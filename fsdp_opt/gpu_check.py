@@ -1,0 +1,162 @@
+"""One command for a GPU machine: train the real shape, save, resume, and hold every figure against the plan.
+
+    python -m fsdp_opt.gpu_check                      # every visible GPU, opt-1.3b's shape, each capped to 15 GiB
+    python -m fsdp_opt.gpu_check --device cpu --model tiny-opt --nproc 2
+
+On the GPUs present it launches the training command under torchrun, one process per GPU, with `random:` weights of
+the shape (no download), fp16 with loss scaling as on a T4, and each GPU's allocator held to `--gpu_memory` (15 GiB:
+a T4's) with `--max_gpu_memory`. A second launch resumes from the first one's checkpoint on the next rows. The table
+shows the plan's peak against `max_memory_allocated`/`max_memory_reserved`, useful tokens/s, MFU, the predicted
+against the measured step time, skipped fp16 steps, and the save and load times, with the device named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+BLOCKS_PER_ROW_512 = 0.15  # python-docs rows packed into 512-token blocks by the built-in tokenizer (about)
+DOC_ROWS = 754  # rows of python-docs
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m fsdp_opt.gpu_check", description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    p.add_argument("--model", default=None, help="an OPT size (random weights) or tiny-opt; default: facebook/opt-1.3b "
+                   "on GPUs, tiny-opt on CPU")  # fmt: skip
+    p.add_argument("--nproc", type=int, default=0, help="processes (default: one per GPU; 2 on CPU)")
+    p.add_argument("--gpu_memory", default="15GiB", help="each GPU's allocator is capped to this (a T4: 15GiB)")
+    p.add_argument("--batch_size", type=int, default=4)
+    p.add_argument("--max_length", type=int, default=512)
+    p.add_argument("--accum_steps", type=int, default=2)
+    p.add_argument("--steps", type=int, default=6, help="optimizer steps of the first launch (the data allowing)")
+    p.add_argument("--precision", default="fp16", help="fp16 as on a T4 (GPU); CPU runs fp32")
+    p.add_argument("--workdir", default=None, help="where the runs write (default: a temporary folder)")
+    p.add_argument("--json", default=None, help="also write the figures here")
+    return p.parse_args(argv)
+
+
+def _launch(nproc: int, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "fsdp_opt", *args]
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+
+
+def _grab(pattern: str, text: str, cast=float):  # noqa: ANN001
+    m = re.search(pattern, text)
+    return cast(m.group(1)) if m else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    a = parse(argv)
+    cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda: no CUDA device is visible", file=sys.stderr)
+        return 2
+    model = a.model or ("facebook/opt-1.3b" if cuda else "tiny-opt")
+    nproc = a.nproc or (torch.cuda.device_count() if cuda else 2)
+    device = torch.cuda.get_device_name(0) if cuda else f"CPU ({os.cpu_count()} cores)"
+    spec = model if model == "tiny-opt" else f"random:{model}"
+    blocks = a.steps * a.batch_size * nproc * a.accum_steps
+    rows = min(DOC_ROWS // 2, math.ceil(blocks / BLOCKS_PER_ROW_512 * a.max_length / 512) + 8)
+    work = Path(a.workdir or tempfile.mkdtemp(prefix="gpu_check_"))
+    work.mkdir(parents=True, exist_ok=True)
+    out = work / "out"
+    common = ["--model", spec, "--dataset", "python-docs", "--max_length", str(a.max_length), "--batch_size",
+              str(a.batch_size), "--accum_steps", str(a.accum_steps), "--output_dir", str(out), "--num_epochs", "1",
+              "--device", "cuda" if cuda else "cpu"]  # fmt: skip
+    if cuda:
+        common += ["--precision", a.precision, "--max_gpu_memory", a.gpu_memory]
+    print(f"gpu_check: {model} on {nproc} x {device}; first launch trains rows [0, {rows}), the second resumes on "
+          f"[{rows}, {2 * rows})", flush=True)  # fmt: skip
+    first = _launch(nproc, common + ["--start_idx", "0", "--end_idx", str(rows)], work)
+    if first.returncode != 0:
+        print(first.stdout[-3000:] + first.stderr[-3000:], file=sys.stderr)
+        print(f"error: the first launch failed (exit {first.returncode}); its output is above", file=sys.stderr)
+        return 1
+    second = _launch(nproc, common + ["--start_idx", str(rows), "--end_idx", str(2 * rows), "--resume_file", "latest"], work)
+    if second.returncode != 0:
+        print(second.stdout[-3000:] + second.stderr[-3000:], file=sys.stderr)
+        print(f"error: the resumed launch failed (exit {second.returncode}); its output is above", file=sys.stderr)
+        return 1
+    figures = collect(model, nproc, device, cuda, a, out, first.stdout, second.stdout)
+    print("\n".join(render(figures)))
+    if a.json:
+        Path(a.json).write_text(json.dumps(figures, indent=1))
+    return 0
+
+
+def collect(model: str, nproc: int, device: str, cuda: bool, a: argparse.Namespace, out: Path, first: str, second: str) -> dict[str, Any]:  # fmt: skip
+    from .plan import GIB, Inputs, Shape, memory, model_config, parse_size, peak_bytes
+
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    slice1 = rows[0]["slice"]
+    one = [r for r in rows if r["slice"] == slice1]
+    later = one[1:] or one  # the first step allocates and warms up
+    strategy = _grab(r"strategy\s+: (\w+)", first, str)
+    every = "every micro-batch" in (_grab(r"gradient sync\s+: ([^\n]+)", first, str) or "")
+    inputs = Inputs(gpus=nproc, gpu_memory=parse_size(a.gpu_memory, "--gpu_memory") if cuda else 31 * GIB,
+                    batch_size=a.batch_size, max_length=a.max_length, accum_steps=a.accum_steps,
+                    precision=a.precision if cuda else "fp32", reduce_every_microbatch=every, cuda=cuda)  # fmt: skip
+    planned = memory(Shape.of(model_config(model)), strategy, inputs)
+    median = lambda xs: sorted(xs)[(len(xs) - 1) // 2] if xs else None  # noqa: E731
+    return {
+        "device": device, "model": model, "ranks": nproc, "strategy": strategy, "reduce_every_microbatch": every,
+        "steps": len(one), "plan_peak_bytes": peak_bytes(planned),
+        "plan_peak_without_runtime_bytes": peak_bytes({k: v for k, v in planned.items() if k != "runtime"}),
+        "max_memory_allocated_gib": _grab(r"GPU memory peak on rank 0: ([\d.]+) GiB allocated", first),
+        "max_memory_reserved_gib": _grab(r"GiB allocated, ([\d.]+) GiB reserved", first),
+        "useful_tokens_per_s": median([r["tokens_per_second"] for r in later]),
+        "mfu": median([r["mfu"] for r in later if "mfu" in r]),
+        "step_time_measured_s": _grab(r"step time: measured ([\d.]+) s", first),
+        "step_time_predicted_s": _grab(r"predicted ([\d.]+) s \(", first),
+        "skipped_fp16_steps": rows[-1].get("skipped_steps", 0),
+        "save_s": _grab(r"saved \S+ \([\d.]+ \w+ in ([\d.]+) s\)", first),
+        "checkpoint_read_s": _grab(r"checkpoint found and read in ([\d.]+) s", second),
+        "load_into_shards_s": _grab(r"loaded into the shards in ([\d.]+) s", second),
+        "resumed_steps": len(rows) - len(one),
+        "resumed_from_step": next((r["step"] for r in rows if r["slice"] != slice1), None),
+    }  # fmt: skip
+
+
+def render(f: dict[str, Any]) -> list[str]:
+    gib = 2**30
+
+    def num(v: Any, fmt: str = "{:.2f}") -> str:
+        return "-" if v is None else fmt.format(v)
+
+    ratio = (f["step_time_measured_s"] / f["step_time_predicted_s"]
+             if f["step_time_measured_s"] and f["step_time_predicted_s"] else None)  # fmt: skip
+    return [
+        f"gpu_check: {f['model']}, {f['ranks']} x {f['device']}, {f['strategy']}"
+        + (", reduce every micro-batch" if f["reduce_every_microbatch"] else ""),
+        "| figure | value |",
+        "| --- | --- |",
+        f"| plan peak per GPU (with runtime) | {f['plan_peak_bytes'] / gib:.2f} GiB |",
+        f"| max_memory_allocated (rank 0) | {num(f['max_memory_allocated_gib'])} GiB (plan less runtime: "
+        f"{f['plan_peak_without_runtime_bytes'] / gib:.2f} GiB) |",
+        f"| max_memory_reserved (rank 0) | {num(f['max_memory_reserved_gib'])} GiB |",
+        f"| useful tokens/s (median, all ranks) | {num(f['useful_tokens_per_s'], '{:,.0f}')} |",
+        f"| MFU | {num(f['mfu'], '{:.1%}')} |",
+        f"| step time: measured / predicted | {num(f['step_time_measured_s'], '{:.3f}')} s / "
+        f"{num(f['step_time_predicted_s'], '{:.3f}')} s ({num(ratio)}x) |",
+        f"| skipped fp16 steps | {f['skipped_fp16_steps']} of {f['steps'] + f['resumed_steps']} |",
+        f"| save (first launch) | {num(f['save_s'], '{:.1f}')} s |",
+        f"| resume: read / load into the shards | {num(f['checkpoint_read_s'], '{:.1f}')} s / "
+        f"{num(f['load_into_shards_s'], '{:.1f}')} s |",
+        f"| resumed | at global step {f['resumed_from_step']}, {f['resumed_steps']} more steps |",
+    ]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

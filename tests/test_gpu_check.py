@@ -1,0 +1,35 @@
+"""`python -m fsdp_opt.gpu_check` on CPU at tiny size: two launches (train, then resume on the next rows), one table."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import ROOT, sandbox_env
+
+
+def test_gpu_check_trains_saves_resumes_and_reports(tmp_path):
+    cmd = [sys.executable, "-m", "fsdp_opt.gpu_check", "--device", "cpu", "--max_length", "32", "--batch_size", "2",
+           "--steps", "3", "--workdir", str(tmp_path / "work"), "--json", str(tmp_path / "check.json")]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    f = json.loads((tmp_path / "check.json").read_text())
+    assert f["model"] == "tiny-opt" and f["ranks"] == 2 and f["strategy"] == "FULL_SHARD"
+    assert f["steps"] >= 3 and f["resumed_steps"] >= 1 and f["resumed_from_step"] == f["steps"] + 1
+    assert f["useful_tokens_per_s"] > 0 and f["step_time_measured_s"] > 0
+    assert f["save_s"] is not None and f["checkpoint_read_s"] is not None and f["load_into_shards_s"] is not None
+    assert f["max_memory_allocated_gib"] is None and f["step_time_predicted_s"] is None  # GPU figures: none on CPU
+    assert "| step time: measured / predicted |" in proc.stdout and "CPU" in proc.stdout
+
+
+def test_random_shapes_and_the_gpu_cap_flag_refuse_bad_input(tmp_path):
+    from conftest import run_cli_concurrently
+
+    runs = [(["--model", "random:facebook/opt-99b"], tmp_path, None),
+            (["--model", "tiny-opt", "--max_gpu_memory", "lots"], tmp_path, None)]  # fmt: skip
+    first, second = run_cli_concurrently(runs, timeout=120)
+    assert first.returncode != 0 and "--model random:facebook/opt-99b: random weights are built for" in first.stderr
+    assert second.returncode != 0 and "--max_gpu_memory 'lots'" in second.stderr
+    for proc in (first, second):
+        assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
