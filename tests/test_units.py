@@ -286,3 +286,17 @@ def test_chunked_loss_is_refused_where_logits_are_not_a_plain_projection():
     with pytest.raises(ConfigError, match="--loss_chunk_tokens.*final_logit_softcapping"):
         ChunkedLoss(gemma, 64)
     ChunkedLoss(_meta(AutoConfig.from_pretrained(ASSETS)), 64)  # OPT: a bias-free Linear, tied to the embeddings
+
+
+def test_fused_adamw_of_cuda_runs_steps_dtensor_parameters_like_foreach():
+    """CUDA runs build fused AdamW; the same kernel family runs on CPU, so the DTensor path is checked here."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "workers" / "fused_adamw.py")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cpu_fused, cuda_fused, diff = proc.stdout.split()
+    assert cpu_fused == "None" and cuda_fused == "True" and float(diff) < 1e-6
