@@ -85,6 +85,9 @@ BAD_INPUT = [
     (["--text_column", "body"], ["--text_column body", "text"]),
     (["--model", "./no/such/model"], ["--model ./no/such/model", "no such folder"]),
     (["--max_length", "4096"], ["--max_length 4096", "512 positions"]),
+    (["--device", "cuda"], ["--device cuda", "no CUDA device"]),
+    (["--cpu_offload"], ["--cpu_offload", "only useful with CUDA"]),
+    (["--link_gbps", "0"], ["--link_gbps 0"]),
 ]
 
 
