@@ -38,7 +38,8 @@ def sandbox_env(tmp: Path, **extra: str) -> dict[str, str]:
         TOKENIZERS_PARALLELISM="false",
         PYTHONUNBUFFERED="1",
         OMP_NUM_THREADS="1",
-        PYTHONPATH=str(ROOT),
+        # the repo first; an outer PYTHONPATH (scripts/floors.sh: the lowest declared versions) is kept after it
+        PYTHONPATH=os.pathsep.join([str(ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])),
         HF_HUB_DISABLE_XET="1",
     )
     env.update(extra)

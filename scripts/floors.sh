@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The requirement floors, tested: the lowest versions requirements.txt allows (torch aside: Kaggle brings its own)
+# go into .floors, ahead of the test environment on PYTHONPATH, and a subset of the tests runs on them: the engine
+# on 2 ranks, data loading, checkpoints through the Hub stand-in with retention, W&B.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/env.sh "[test]"
+rm -rf .floors
+python -m pip install -q --no-deps --target .floors -r requirements-floors.txt
+export PYTHONPATH="$PWD/.floors"
+python - <<'PY'
+import datasets, huggingface_hub, matplotlib, transformers, wandb
+for m in (transformers, datasets, huggingface_hub, wandb, matplotlib):
+    assert m.__file__.startswith(__import__("os").path.abspath(".floors")), m.__file__
+print("floors:", ", ".join(f"{m.__name__} {m.__version__}" for m in (transformers, datasets, huggingface_hub, wandb, matplotlib)))
+PY
+python -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist worksteal -p no:cacheprovider tests/test_units.py tests/test_data.py \
+    "tests/test_retention.py::test_a_purge_the_hub_refused_is_finished_by_the_next_session" \
+    "tests/test_training_math.py::test_hybrid_shard_across_two_nodes_matches_reference" \
+    "tests/test_hub.py::test_sharded_checkpoints_through_the_hub" "tests/test_hub.py::test_wandb_without_network_falls_back"
