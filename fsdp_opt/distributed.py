@@ -172,3 +172,18 @@ def teardown_quietly() -> None:
         teardown()
     except Exception:  # noqa: BLE001 - exiting on a user error; the group may already be broken
         pass
+
+
+def cap_gpu_memory(config: Any, env: DistEnv) -> tuple[int, str] | None:
+    """On CUDA: (usable bytes, name) of this GPU, capped by --max_gpu_memory (the allocator is held to it)."""
+    if env.device.type != "cuda":
+        return None
+    from .plan import parse_size
+
+    total = torch.cuda.get_device_properties(env.device).total_memory
+    cap = config.parallel.max_gpu_memory
+    if cap is not None:
+        cap_bytes = min(total, parse_size(cap, "--max_gpu_memory"))
+        torch.cuda.set_per_process_memory_fraction(cap_bytes / total, env.device)
+        total = cap_bytes
+    return total, torch.cuda.get_device_name(env.device)

@@ -184,9 +184,9 @@ def _read_checked(path: Path, model: nn.Module) -> dict[str, Any]:
 def _fill(model: nn.Module, entry: dict[str, Any], payload: dict[str, Any] | None, source, model_config, env: DistEnv,
           seed: int) -> None:  # fmt: skip
     """Allocate the shards of a sharded meta model and load one candidate's weights into them."""
-    from . import checkpoint as ckpt
     from . import parallelize as par
     from .distributed import broadcast_object
+    from .loading import load_into
     from .models import resolve_model
 
     if entry["kind"] != "ckpt":
@@ -196,7 +196,7 @@ def _fill(model: nn.Module, entry: dict[str, Any], payload: dict[str, Any] | Non
     sharded = broadcast_object(bool(payload.get("_sharded")) if env.is_main else None)
     par.initialize(model, env, source, model_config, seed, weights=False)
     path = Path(entry["path"])
-    ckpt.load_into(model, None, payload, env, load_optimizer=False, sharded_path=path if sharded else None)
+    load_into(model, None, payload, env, load_optimizer=False, sharded_path=path if sharded else None)
 
 
 def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:

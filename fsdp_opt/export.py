@@ -19,7 +19,8 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig
 
 from .atomic import save_or_explain
-from .checkpoint import MODEL_KEY, load_full_payload
+from .checkpoint import MODEL_KEY
+from .loading import load_full_payload
 from .errors import CheckpointError, ConfigError
 from .models import load_model_config, load_tokenizer, resolve_model
 from .parallelize import DTYPES

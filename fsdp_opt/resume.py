@@ -16,6 +16,7 @@ from torch import nn
 from . import checkpoint as ckpt
 from .config import Config
 from .distributed import DistEnv, broadcast_object, print0
+from .loading import load_into
 from .optim import LossScaler
 
 
@@ -70,7 +71,7 @@ def restore(
     header = broadcast_object(header)
     sharded_path = Path(header["_path"]) if header["_sharded"] else None
     file_path = None if header["_sharded"] or header["weights_only"] else Path(header["_path"])
-    ckpt.load_into(model, optimizer, payload, env, load_optimizer=header["has_optimizer"], sharded_path=sharded_path,
+    load_into(model, optimizer, payload, env, load_optimizer=header["has_optimizer"], sharded_path=sharded_path,
                    file_path=file_path)  # fmt: skip
     if header["scaler"]:
         scaler.load_state_dict(header["scaler"])

@@ -170,3 +170,24 @@ def render_configurations(plan: dict[str, Any]) -> list[str]:
     lines.append("auto picks: " + (f"{pick['strategy']}, " + ("reduce every micro-batch" if pick["reduce_every_microbatch"]
                  else "reduce on the last micro-batch") + f" ({pick['step_s']:.2f} s per step)" if pick else "nothing fits"))  # fmt: skip
     return lines
+
+
+def describe_prediction(p: dict[str, Any] | None) -> str:
+    """The run summary's line for a prediction."""
+    if p is None:
+        return "GPU runs only (the model's rates are a GPU's)"
+    return (f"{p['step_s']:.2f} s: compute {p['compute_s']:.2f} s at {p['tflops']:.0f} TFLOPS, communication "
+            f"{p['communication_s']:.2f} s at {p['link_gbps']:g} GB/s ({p['exposed_communication_s']:.2f} s not "
+            f"overlapped), optimizer {p['optimizer_s']:.2f} s")  # fmt: skip
+
+
+def step_time_line(step_seconds: list[float], predicted: dict[str, Any] | None) -> str | None:
+    """The measured step time (median, first step left out: it allocates and warms up) beside the prediction."""
+    times = sorted(step_seconds[1:] or step_seconds)
+    if not times:
+        return None
+    measured = times[(len(times) - 1) // 2]
+    line = f"step time: measured {measured:.3f} s (median of {len(times)})"
+    if predicted is not None:
+        line += f", predicted {predicted['step_s']:.3f} s ({measured / predicted['step_s']:.2f}x)"
+    return line

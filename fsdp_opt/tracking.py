@@ -249,3 +249,10 @@ def _artifact_name(checkpoint_name: str) -> str:
     import re
 
     return re.sub(r"[^\w.-]", "-", checkpoint_name)
+
+
+def gpu_memory_line(env) -> str | None:  # noqa: ANN001 - a distributed.DistEnv
+    if env.device.type != "cuda":
+        return None
+    return (f"GPU memory peak on rank {env.rank}: {torch.cuda.max_memory_allocated(env.device) / 2**30:.2f} GiB "
+            f"allocated, {torch.cuda.max_memory_reserved(env.device) / 2**30:.2f} GiB reserved")  # fmt: skip

@@ -25,6 +25,7 @@ from .distributed import (
     DistEnv,
     all_ranks_ok,
     barrier,
+    cap_gpu_memory,
     init_distributed,
     print0,
     rank0_first,
@@ -55,7 +56,7 @@ from .saving import (
     wait_for_writes,
 )
 from .session import Session
-from .steptime import choose_layout
+from .steptime import choose_layout, describe_prediction, step_time_line
 from .stopping import WRITE_FAILED, StopControl, resume_command
 from .optim import LossScaler, LRSchedule, build_optimizer, global_grad_norm, unscale_and_clip_
 from .tracking import (
@@ -65,6 +66,7 @@ from .tracking import (
     count_params,
     flops_per_token,
     format_summary,
+    gpu_memory_line,
     peak_flops,
     peak_memory_bytes,
 )
@@ -77,7 +79,7 @@ def run(config: Config) -> None:
     try:
         session = setup(config, env)
         train(session)
-        for line in (step_time_line(session), gpu_memory_line(env)):
+        for line in (step_time_line(session.step_seconds, session.predicted_step), gpu_memory_line(env)):
             if line:
                 print0(line)
         print0(host_peaks_line(env))
@@ -222,7 +224,7 @@ def _print_summary(s: Session, classes: set[type], units: int, n_params: int) ->
                 if s.reduce_each_microbatch or c.train.accum_steps == 1
                 else "last micro-batch of each step",
                 "loss": f"{c.train.loss_chunk_tokens} tokens at a time" if s.chunked_loss else "whole logits at once",
-                "predicted step": _predicted(s.predicted_step),
+                "predicted step": describe_prediction(s.predicted_step),
                 "checkpoints": f"{c.checkpoint.state_dict_type}, written "
                 + ("in the background while training goes on" if s.ckpt_writer is not None else "before training goes on"),
                 "steps/epoch": s.plan.steps_per_epoch(),
@@ -232,48 +234,6 @@ def _print_summary(s: Session, classes: set[type], units: int, n_params: int) ->
         )
     )
     print0("config: " + " ".join(f"--{k} {v}" for k, v in c.flat().items() if v is not None))
-
-
-def cap_gpu_memory(config: Config, env: DistEnv) -> tuple[int, str] | None:
-    """On CUDA: (usable bytes, name) of this GPU, capped by --max_gpu_memory (the allocator is held to it)."""
-    if env.device.type != "cuda":
-        return None
-    from .plan import parse_size
-
-    total = torch.cuda.get_device_properties(env.device).total_memory
-    cap = config.parallel.max_gpu_memory
-    if cap is not None:
-        cap_bytes = min(total, parse_size(cap, "--max_gpu_memory"))
-        torch.cuda.set_per_process_memory_fraction(cap_bytes / total, env.device)
-        total = cap_bytes
-    return total, torch.cuda.get_device_name(env.device)
-
-
-def gpu_memory_line(env: DistEnv) -> str | None:
-    if env.device.type != "cuda":
-        return None
-    return (f"GPU memory peak on rank {env.rank}: {torch.cuda.max_memory_allocated(env.device) / 2**30:.2f} GiB "
-            f"allocated, {torch.cuda.max_memory_reserved(env.device) / 2**30:.2f} GiB reserved")  # fmt: skip
-
-
-def _predicted(p: dict[str, Any] | None) -> str:
-    if p is None:
-        return "GPU runs only (the model's rates are a GPU's)"
-    return (f"{p['step_s']:.2f} s: compute {p['compute_s']:.2f} s at {p['tflops']:.0f} TFLOPS, communication "
-            f"{p['communication_s']:.2f} s at {p['link_gbps']:g} GB/s ({p['exposed_communication_s']:.2f} s not "
-            f"overlapped), optimizer {p['optimizer_s']:.2f} s")  # fmt: skip
-
-
-def step_time_line(s: Session) -> str | None:
-    """The measured step time (median, first step left out: it allocates and warms up) beside the prediction."""
-    times = sorted(s.step_seconds[1:] or s.step_seconds)
-    if not times:
-        return None
-    measured = times[(len(times) - 1) // 2]
-    line = f"step time: measured {measured:.3f} s (median of {len(times)})"
-    if s.predicted_step is not None:
-        line += f", predicted {s.predicted_step['step_s']:.3f} s ({measured / s.predicted_step['step_s']:.2f}x)"
-    return line
 
 
 # ---------------------------------------------------------------- loop

@@ -102,7 +102,8 @@ def read_weights(path: Path, flag: str = "--resume_file") -> dict[str, Any]:
 
 def weights_from_checkpoint(checkpoint: Path, dest: Path) -> Path:
     """Write the weights file of a checkpoint file or sharded folder (reading only its model weights)."""
-    from .checkpoint import MODEL_KEY, load_model_only
+    from .checkpoint import MODEL_KEY
+    from .loading import load_model_only
 
     payload = load_model_only(checkpoint)
     try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 
-from fsdp_opt import checkpoint as ckpt
+from fsdp_opt import loading
 from fsdp_opt.config import parse_args
 from fsdp_opt.distributed import init_distributed, teardown
 from fsdp_opt.hostmem import configure_allocator, mapped_files, peak_rss_bytes, reset_peak
@@ -19,7 +19,7 @@ from fsdp_opt.trainer import setup, train_step
 def main() -> None:
     out_path, load, flags = sys.argv[1], sys.argv[2], sys.argv[3:]
     if load == "broadcast":  # as when the other ranks cannot see rank 0's file (nodes without a shared filesystem)
-        ckpt._every_rank_sees = lambda path, env: False
+        loading._every_rank_sees = lambda path, env: False
     configure_allocator()
     env = init_distributed("cpu")
     config = parse_args(flags)
