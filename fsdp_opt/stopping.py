@@ -60,9 +60,12 @@ class StopControl:
         self._previous.clear()
 
 
-def resume_command(name: str, argv: list[str] | None = None) -> str:
-    """The command line of this run with --resume_file pointing at `name`."""
+def resume_command(name: str, argv: list[str] | None = None, program: str | None = None) -> str:
+    """The command line of this run with --resume_file pointing at `name`, launched as this one was
+    (`fsdp_finetune.py` in a checkout, `-m fsdp_opt` from an installed package)."""
     args = list(sys.argv[1:] if argv is None else argv)
+    program = sys.argv[0] if program is None else program
+    target = "-m fsdp_opt" if os.path.basename(program) == "__main__.py" else "fsdp_finetune.py"
     out = []
     skip = False
     for a in args:
@@ -78,10 +81,10 @@ def resume_command(name: str, argv: list[str] | None = None) -> str:
     out += ["--resume_file", name]
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
     launcher = (
-        f"torchrun --standalone --nproc_per_node={local} fsdp_finetune.py"
+        f"torchrun --standalone --nproc_per_node={local} {target}"
         if local and int(os.environ.get("WORLD_SIZE", "1")) == local
-        else "torchrun <same launcher flags> fsdp_finetune.py"
+        else f"torchrun <same launcher flags> {target}"
         if local
-        else "python fsdp_finetune.py"
+        else f"python {target}"
     )
     return " ".join([launcher] + [shlex.quote(a) for a in out])

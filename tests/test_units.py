@@ -300,3 +300,12 @@ def test_fused_adamw_of_cuda_runs_steps_dtensor_parameters_like_foreach():
     assert proc.returncode == 0, proc.stderr[-2000:]
     cpu_fused, cuda_fused, diff = proc.stdout.split()
     assert cpu_fused == "None" and cuda_fused == "True" and float(diff) < 1e-6
+
+
+def test_resume_command_names_the_launch_that_ran():
+    from fsdp_opt.stopping import resume_command
+
+    argv = ["--end_idx", "40", "--resume_file", "old.pt"]
+    assert resume_command("new.pt", argv, "fsdp_finetune.py") == "python fsdp_finetune.py --end_idx 40 --resume_file new.pt"
+    wheel = resume_command("new.pt", argv, "/site/fsdp_opt/__main__.py")
+    assert wheel == "python -m fsdp_opt --end_idx 40 --resume_file new.pt"
