@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from .errors import ConfigError
+from .steptime import T4_LINK_GBPS
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
 PRECISIONS = ("auto", "fp16", "bf16", "fp32")
@@ -206,7 +207,7 @@ class ParallelConfig:
     tflops: float = _opt(
         0.0, "Sustained TFLOPS per GPU for the step-time prediction (0: T4's 24 on a T4, else 40%% of the GPU's peak)."
     )
-    link_gbps: float = _opt(3.2, "GB/s between GPUs for the step-time prediction (2 T4s on PCIe 3 through NCCL: 3.2).")
+    link_gbps: float = _opt(T4_LINK_GBPS, "GB/s between GPUs for the step-time prediction (2 T4s on PCIe 3 through NCCL: 3.2).")
     device: str = _opt("auto", "auto (CUDA when available), cuda or cpu.", type=str.lower, choices=DEVICES)
 
     def __post_init__(self) -> None:

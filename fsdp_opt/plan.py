@@ -385,9 +385,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slices", type=int, default=10, help="sessions in the chain, for the Hub repo's size")
     p.add_argument("--hub_keep_full", type=int, default=1, help="the trainer's --hub_keep_full (0: keep every full checkpoint)")
     p.add_argument("--cpu", action="store_true", help="plan for CPU processes (no CUDA context)")
-    p.add_argument("--tflops", type=float, default=24.0, help="sustained TFLOPS per GPU (T4 fp16: 24)")
-    p.add_argument("--link_gbps", type=float, default=3.2, help="GB/s between GPUs (2 T4s on PCIe 3 through NCCL: 3.2)")
-    p.add_argument("--hbm_gbps", type=float, default=320.0, help="GB/s of GPU memory (T4: 320)")
+    from .steptime import Rates
+
+    rates = Rates()  # 2×T4's
+    p.add_argument("--tflops", type=float, default=rates.tflops, help="sustained TFLOPS per GPU (T4 fp16: 24)")
+    p.add_argument("--link_gbps", type=float, default=rates.link_gbps, help="GB/s between GPUs (2 T4s on PCIe 3 through NCCL: 3.2)")
+    p.add_argument("--hbm_gbps", type=float, default=rates.hbm_gbps, help="GB/s of GPU memory (T4: 320)")
     p.add_argument("--simulate", nargs="?", const="FULL_SHARD", default=None, metavar="STRATEGIES",
                    help="also run one training step at the model's real shape on fake tensors (no memory used) for "
                         "these strategies (comma-separated; default FULL_SHARD) and hold its peaks against the plan")

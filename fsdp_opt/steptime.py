@@ -118,18 +118,14 @@ def rates_for(gpu_name: str, tflops: float, link_gbps: float) -> Rates:
 def choose_layout(config, env, model_config, precision: str, gpu: tuple[int, str] | None = None):  # noqa: ANN001
     """Resolve --sharding_strategy AUTO and --reduce_every_microbatch auto; on a GPU also predict the step time.
 
-    `gpu` is (memory in bytes, name), read from the device when running on CUDA. Returns (reduce after every
-    micro-batch, the prediction for the chosen layout, or None without a GPU). Sets the config's strategy when it
-    was AUTO."""
+    `gpu` is this GPU's (usable memory in bytes, name), from `distributed.cap_gpu_memory`; None without one.
+    Returns (reduce after every micro-batch, the prediction for the chosen layout, or None without a GPU). Sets the
+    config's strategy when it was AUTO."""
     from .distributed import print0
     from .plan import STRATEGIES, Inputs, Shape
 
     pc, tc, dc = config.parallel, config.train, config.data
     choice = pc.reduce_every_microbatch
-    if gpu is None and env.device.type == "cuda":
-        import torch
-
-        gpu = (torch.cuda.get_device_properties(env.device).total_memory, torch.cuda.get_device_name(env.device))
     if gpu is None:
         pc.sharding_strategy = "FULL_SHARD" if pc.sharding_strategy == "AUTO" else pc.sharding_strategy
         return choice == "true", None
@@ -143,8 +139,9 @@ def choose_layout(config, env, model_config, precision: str, gpu: tuple[int, str
     rates = rates_for(gpu[1], pc.tflops, pc.link_gbps)
     allowed = [s for s in STRATEGIES if s != "HYBRID_SHARD" or env.num_nodes > 1]
     strategies = allowed if pc.sharding_strategy == "AUTO" else [pc.sharding_strategy]
+    # With one micro-batch per step the two modes are one: candidates lists it once.
     options = [c for c in candidates(shape, inputs, strategies, rates)
-               if choice == "auto" or c["reduce_every_microbatch"] == (choice == "true")]  # fmt: skip
+               if choice == "auto" or tc.accum_steps == 1 or c["reduce_every_microbatch"] == (choice == "true")]  # fmt: skip
     if not options[0]["fits"]:  # nothing fits: the least memory, so the failure (if any) is the smallest
         options.sort(key=lambda c: c["peak_bytes"])
     best = options[0]

@@ -92,6 +92,10 @@ def test_trainer_resolves_auto_as_on_a_t4():
     every, prediction = choose_layout(config, env, model_config("facebook/opt-1.3b"), "bf16", gpu=(80 * GIB, "NVIDIA H100"))
     assert config.parallel.sharding_strategy == "SHARD_GRAD_OP" and every is False
     assert abs(prediction["tflops"] - 0.4 * 989) < 1e-6
+    # One micro-batch per step with an explicit --reduce_every_microbatch: one mode, nothing to choose.
+    config = parse_args(["--reduce_every_microbatch", "true", "--batch_size", "4", "--max_length", "512"])
+    every, prediction = choose_layout(config, env, model_config("facebook/opt-1.3b"), "fp16", gpu=t4)
+    assert prediction["strategy"] == "FULL_SHARD" and prediction["fits"]
     # Without a GPU: FULL_SHARD, no prediction.
     config = parse_args(args)
     assert choose_layout(config, env, model_config("tiny-opt"), "fp32") == (False, None)
