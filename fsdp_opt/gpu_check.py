@@ -121,7 +121,7 @@ def collect(model: str, nproc: int, device: str, cuda: bool, a: argparse.Namespa
         "step_time_measured_s": _grab(r"step time: measured ([\d.]+) s", first),
         "step_time_predicted_s": _grab(r"predicted ([\d.]+) s \(", first),
         "skipped_fp16_steps": rows[-1].get("skipped_steps", 0),
-        "save_s": _grab(r"saved \S+ \([\d.]+ \w+ in ([\d.]+) s\)", first),
+        "save_s": _grab(r"saved \S+ \([\d,.]+ MiB in ([\d.]+) s", first),
         "checkpoint_read_s": _grab(r"checkpoint found and read in ([\d.]+) s", second),
         "load_into_shards_s": _grab(r"loaded into the shards in ([\d.]+) s", second),
         "resumed_steps": len(rows) - len(one),
