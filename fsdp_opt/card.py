@@ -63,7 +63,13 @@ def render_card(repo_id: str, index: dict[str, Any]) -> str:
     rows = slices(index)
     latest = max(index.get("checkpoints", {}).items(), key=lambda kv: kv[1].get("global_step", -1), default=(None, {}))
     exported = index.get("export")
-    meta = ["---", "library_name: transformers", "pipeline_tag: text-generation", "tags:", "- fsdp-opt", "- causal-lm"]
+    hyper = run.get("hyperparameters", {})
+    lora_rank = int(hyper.get("lora_rank") or 0)
+    adapter = bool(exported and exported.get("adapter"))
+    library = "peft" if adapter else "transformers"
+    meta = ["---", f"library_name: {library}", "pipeline_tag: text-generation", "tags:", "- fsdp-opt", "- causal-lm"]
+    if lora_rank:
+        meta.append("- lora")
     if "/" in base:
         meta.append(f"base_model: {base}")
     if "/" in dataset:
@@ -75,7 +81,9 @@ def render_card(repo_id: str, index: dict[str, Any]) -> str:
         "",
         f"Fine-tuned from **{base}** on **{dataset}** (text column `{run.get('text_column', 'text')}`) with "
         "fsdp-opt, one session per row range. The sessions resume each other exactly, so together they are "
-        "one training run.",
+        "one training run."
+        + (f" LoRA adapters of rank {lora_rank} were trained on the frozen base; the checkpoints hold the adapters "
+           "only, never the base." if lora_rank else ""),
         "",
         "## Slices trained",
         "",
@@ -98,13 +106,25 @@ def render_card(repo_id: str, index: dict[str, Any]) -> str:
             f"measured {storage.get('date', '')}). The newest full checkpoints stay resumable; older ranges keep "
             "their weights file (`--hub_keep_full`).",
         ]
-    hyper = run.get("hyperparameters", {})
     out += ["", "## Hyperparameters (latest session)", "", "| setting | value |", "|---|---|"]
     out += [f"| {k} | {v} |" for k, v in sorted(hyper.items())]
     if run.get("parameters"):
         out += ["", f"Parameters: {run['parameters']:,}."]
     out += ["", "## Load the model", ""]
-    if exported:
+    if adapter:
+        out += [
+            f"The LoRA adapter of the latest session is at the root of this repo ({exported.get('dtype', 'fp16')}, "
+            f"global step {exported.get('global_step', '?')}). It needs its base model, **{base}**:",
+            "",
+            "```python",
+            "from peft import PeftModel",
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            f'base = AutoModelForCausalLM.from_pretrained("{base}")',
+            f'model = PeftModel.from_pretrained(base, "{repo_id}")',
+            f'tokenizer = AutoTokenizer.from_pretrained("{base}")',
+            "```",
+        ]
+    elif exported:
         out += [
             "The final model of the latest session is at the root of this repo (safetensors, "
             f"{exported.get('dtype', 'fp16')}, exported at global step {exported.get('global_step', '?')}):",
@@ -147,7 +167,8 @@ def render_card(repo_id: str, index: dict[str, Any]) -> str:
         "",
         "```bash",
         f"torchrun --standalone --nproc_per_node=gpu fsdp_finetune.py --model {base} --dataset {dataset} \\",
-        f"  --start_idx {last_end} --end_idx {last_end + span} --resume_file latest --hf_repo {repo_id}",
+        f"  --start_idx {last_end} --end_idx {last_end + span} --resume_file latest --hf_repo {repo_id}"
+        + (f" --lora_rank {lora_rank}" if lora_rank else ""),
         "```",
         "",
         "Keep the other flags of the earlier sessions (batch size, accumulation, learning rate) so the run stays one run.",

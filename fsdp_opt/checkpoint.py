@@ -80,10 +80,28 @@ def _as_tuple(x: Any) -> Any:
     return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
+def model_options(model: nn.Module, **kwargs: Any) -> StateDictOptions:
+    """State-dict options for a checkpoint's model part: frozen parameters (a LoRA run's base, which its --model
+    provides) are never saved, and a load fills only the trainable ones. Full fine-tuning freezes nothing."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen, **kwargs)
+
+
+def model_state(model: nn.Module, **kwargs: Any) -> dict[str, Any]:
+    """get_model_state_dict with model_options: with a frozen base, only the trainable parameters' entries (a tied
+    alias of a frozen weight, such as OPT's lm_head, is left out too)."""
+    state = get_model_state_dict(model, options=model_options(model, **kwargs))
+    if all(p.requires_grad for p in model.parameters()):
+        return state
+    trainable = {n.replace("_checkpoint_wrapped_module.", "") for n, p in model.named_parameters(remove_duplicate=False)
+                 if p.requires_grad}  # fmt: skip
+    return {k: v for k, v in state.items() if k in trainable}
+
+
 def gather_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict | None]:
     """Full fp32 model (and optimizer) state on rank 0's CPU; empty elsewhere. Every rank must call it."""
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_sd = get_model_state_dict(model, options=opts)
+    model_sd = model_state(model, full_state_dict=True, cpu_offload=True)
     optim_sd = get_optimizer_state_dict(model, optimizer, options=opts) if optimizer is not None else None
     # Tied weights (OPT's lm_head and embed_tokens) arrive as two copies: alias them so a save stores one.
     for names in tied_names(model):
@@ -168,7 +186,7 @@ def _save_sharded(path: Path, env: DistEnv, model: nn.Module, optimizer: torch.o
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
-    tensors: dict[str, Any] = {"model": get_model_state_dict(model)}
+    tensors: dict[str, Any] = {"model": model_state(model)}
     if optimizer is not None:
         tensors["optim"] = get_optimizer_state_dict(model, optimizer)
     try:
@@ -250,7 +268,7 @@ def _sharded_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 def check_compatible(payload: dict[str, Any], model: nn.Module, path: Path, flag: str = "--resume_file") -> None:
     """The checkpoint's weights must have the names and shapes of `model` (a meta or sharded skeleton)."""
-    expected = {k: tuple(v.shape) for k, v in get_model_state_dict(model).items()}
+    expected = {k: tuple(v.shape) for k, v in model_state(model).items()}
     if payload.get("_sharded"):
         try:
             got = _sharded_shapes(path)

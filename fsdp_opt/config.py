@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from .errors import ConfigError
+from .lora import LoraConfig
 from .steptime import T4_LINK_GBPS
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
@@ -259,6 +260,9 @@ class CheckpointConfig:
         None, "After training, write a Hugging Face model folder (safetensors, tokenizer) to this directory."
     )
     export_dtype: str = _opt("fp16", "Weight dtype of --export_hf: fp16, bf16 or fp32.", choices=("fp16", "bf16", "fp32"))
+    export_merge: bool = _opt(
+        False, "LoRA runs: --export_hf writes the base with the adapters merged in, not the peft adapter folder."
+    )
 
     def __post_init__(self) -> None:
         if self.save_every_steps < 0:
@@ -339,6 +343,7 @@ SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "data": DataConfig,
     "train": TrainConfig,
+    "lora": LoraConfig,
     "parallel": ParallelConfig,
     "checkpoint": CheckpointConfig,
     "hub": HubConfig,
@@ -351,6 +356,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     hub: HubConfig = field(default_factory=HubConfig)

@@ -1,10 +1,12 @@
 """Turn a checkpoint into a Hugging Face model folder, or a sharded checkpoint into the single-file form.
 
-    python -m fsdp_opt.export CHECKPOINT DIR [--dtype fp16|bf16|fp32] [--model NAME]
+    python -m fsdp_opt.export CHECKPOINT DIR [--dtype fp16|bf16|fp32] [--model NAME] [--merge]
     python -m fsdp_opt.export --single_file SHARDED_FOLDER OUT.pt
 
 The folder holds config.json, model.safetensors, the tokenizer and generation_config.json, and loads with
-`AutoModelForCausalLM.from_pretrained(DIR)`. Writes go to a temporary folder renamed at the end.
+`AutoModelForCausalLM.from_pretrained(DIR)`. A LoRA checkpoint gives a peft adapter folder (adapter_config.json,
+adapter_model.safetensors) that `PeftModel.from_pretrained(base, DIR)` loads, or with --merge the base with the
+adapters merged in, as a model folder. Writes go to a temporary folder renamed at the end.
 """
 
 from __future__ import annotations
@@ -56,8 +58,31 @@ def _is_tied(model: torch.nn.Module, key: str) -> bool:
     return head is not None and key.endswith("weight") and head.weight is model.get_input_embeddings().weight
 
 
-def export_checkpoint(path: Path, dest: Path, dtype: str = "fp16", model_name: str | None = None) -> Path:
+def export_lora(adapters: dict[str, torch.Tensor], info: dict[str, Any], dest: Path, dtype: str = "fp16", *,
+                merge: bool = False, seed: int = 0) -> Path:  # fmt: skip
+    """A LoRA run's adapters as a peft adapter folder; with `merge`, as a full model folder (the base with the
+    update merged in, by peft), which needs the base: `info` names it and holds its fingerprint."""
+    from .lora import merged_state, write_adapter
+
+    if not merge:
+        return write_adapter(adapters, info, dest, DTYPES[dtype])
+    import tempfile
+
+    source = resolve_model(info["base"])
+    with tempfile.TemporaryDirectory(dir=Path(dest).parent) as tmp:
+        folder = write_adapter(adapters, info, Path(tmp) / "adapter", torch.float32)
+        state = merged_state(folder, info, seed)
+    return export_model_folder(state, load_model_config(source), load_tokenizer(source), dest, dtype)
+
+
+def export_checkpoint(path: Path, dest: Path, dtype: str = "fp16", model_name: str | None = None, merge: bool = False) -> Path:
     payload = load_full_payload(Path(path), "checkpoint")
+    info = payload.get("lora")
+    if info is not None:
+        seed = int((payload.get("config") or {}).get("seed", 0))
+        return export_lora(payload[MODEL_KEY], info, dest, dtype, merge=merge, seed=seed)
+    if merge:
+        raise ConfigError(f"--merge: {path} is a full fine-tuning checkpoint (nothing to merge); leave --merge out")
     name = model_name or (payload.get("config") or {}).get("model")
     if not name:
         raise ConfigError(f"checkpoint {path}: it does not record its model; pass --model NAME")
@@ -79,13 +104,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="fp16", choices=sorted(DTYPES), help="weight dtype of the folder")
     parser.add_argument("--model", default=None, help="model the checkpoint belongs to, if it does not say")
     parser.add_argument("--single_file", action="store_true", help="convert a sharded folder into one .pt file")
+    parser.add_argument("--merge", action="store_true",
+                        help="a LoRA checkpoint: write the base with the adapters merged in (default: the adapter folder)")
     args = parser.parse_args(argv)
     try:
         if args.single_file:
             print(f"wrote {to_single_file(Path(args.checkpoint), Path(args.dest))}")
         else:
-            print(f"wrote {export_checkpoint(Path(args.checkpoint), Path(args.dest), args.dtype, args.model)}")
-    except ConfigError as exc:
+            print(f"wrote {export_checkpoint(Path(args.checkpoint), Path(args.dest), args.dtype, args.model, args.merge)}")
+    except (ConfigError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

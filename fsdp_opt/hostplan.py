@@ -56,7 +56,13 @@ def host_memory(
     between_steps = 12 * per if held else 0
     optimizer_step = 20 * per if held else 0
     step = optimizer_step if inputs.cuda else max(optimizer_step, peak_bytes(memory(shape, strategy, inputs)))
-    full = (12 if save_optimizer else 4) * n
+    lora = bool(getattr(inputs, "lora_rank", 0))
+    if lora:
+        from .loraplan import adapter_params
+
+        saved = adapter_params(shape, inputs)
+        per = math.ceil(saved / shard_factor(strategy, inputs))  # the trainable state: the adapters'
+    full = (12 if save_optimizer else 4) * (saved if lora else n)
     # One full tensor gathered or received at a time: host memory on CPU; on a GPU it is device memory (only rank 0
     # copies what it gathers to the host, and that is `full`).
     largest = 0 if inputs.cuda else 4 * shape.largest_param
@@ -75,8 +81,14 @@ def host_memory(
         read0 = read_other = math.ceil(4 * shape.largest_param / shard_factor(strategy, inputs))
     else:
         read0, read_other = full, largest
+    # Rank 0 reads the whole model to broadcast it: fp32 for full fine-tuning; a LoRA base in the compute dtype (fp16
+    # weights are quantized to NF4 after they are read), and again at a resume, whose checkpoint has no base.
+    c = 4 if inputs.precision == "fp32" else 2
+    start = c * n if lora else 4 * n
+    if lora:
+        read0 = max(read0, start)
     rank0 = {
-        "start": base + params_held + 4 * n,
+        "start": base + params_held + start,
         "resume": base + between_steps + read0,
         "step": base + step,
         "save": base + (max(saving, step + full) if background else saving),

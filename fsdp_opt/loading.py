@@ -13,13 +13,12 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
 
-from .checkpoint import MODEL_KEY, SUFFIX, _first_line, _load_weights_only, _storage, _tensors, read_checkpoint
+from .checkpoint import MODEL_KEY, SUFFIX, _first_line, _load_weights_only, _storage, _tensors, model_options, model_state, read_checkpoint
 from .distributed import DistEnv, broadcast_object, min_over_ranks
 from .errors import CheckpointError
 from .hostmem import drop_pages, file_ranges
@@ -52,7 +51,8 @@ def load_into(
     # NOTE: the set_* calls write the live shards back into the dicts they are given: note the file's
     # storages first.
     loaded = payload_storages(payload) if env.is_main else set()
-    set_model_state_dict(model, payload[MODEL_KEY] if env.is_main else {}, options=opts)
+    model_opts = model_options(model, full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, payload[MODEL_KEY] if env.is_main else {}, options=model_opts)
     if load_optimizer:
         set_optimizer_state_dict(model, optimizer, payload["optimizer"] if env.is_main else {}, options=opts)
     if env.is_main:
@@ -114,10 +114,10 @@ def _load_own_slices(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
     payload = _load_weights_only(path, "--resume_file")
     mapped = file_ranges(path)
     try:
-        shards = get_model_state_dict(model)
+        shards = model_state(model)
         for name, into in shards.items():
             _copy_own_slice(payload[MODEL_KEY][name], into, mapped)
-        set_model_state_dict(model, shards)
+        set_model_state_dict(model, shards, options=model_options(model))
         if load_optimizer:
             state = get_optimizer_state_dict(model, optimizer)  # this rank's shards (made by create_state)
             saved = payload["optimizer"]
@@ -132,14 +132,14 @@ def _load_own_slices(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
 def _load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path, load_optimizer: bool) -> None:
     import torch.distributed.checkpoint as dcp
 
-    tensors: dict[str, Any] = {"model": get_model_state_dict(model)}
+    tensors: dict[str, Any] = {"model": model_state(model)}
     if load_optimizer:
         tensors["optim"] = get_optimizer_state_dict(model, optimizer)
     try:
         dcp.load(tensors, checkpoint_id=str(path))
     except Exception as exc:  # noqa: BLE001 - DCP raises on every rank
         raise CheckpointError(f"--resume_file {path}: sharded checkpoint does not match this model ({_first_line(exc)})") from None
-    set_model_state_dict(model, tensors["model"])
+    set_model_state_dict(model, tensors["model"], options=model_options(model))
     if load_optimizer:
         set_optimizer_state_dict(model, optimizer, tensors["optim"])
 

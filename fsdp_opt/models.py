@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -121,20 +122,24 @@ def build_meta_model(config: PretrainedConfig) -> PreTrainedModel:
 
 
 def load_full_state_dict(
-    source: ModelSource, config: PretrainedConfig, seed: int, *, weights: bool = True
+    source: ModelSource, config: PretrainedConfig, seed: int, *, weights: bool = True,
+    dtype: torch.dtype = torch.float32, prepare: Callable[[nn.Module], None] | None = None,
 ) -> tuple[dict[str, torch.Tensor] | None, dict[str, torch.Tensor]]:
-    """Full fp32 weights (or None when `weights` is False) and the non-persistent buffers, on CPU.
+    """Full weights (or None when `weights` is False) and the non-persistent buffers, on CPU.
 
-    Called on rank 0 only. The built-in model is initialised from `seed`; the others load their weights.
+    Called on rank 0 only. The built-in model is initialised from `seed` (in fp32, then cast to `dtype`); the others
+    load their weights in `dtype`. `prepare` changes the model before its state is taken (LoRA adds its adapters).
     """
     if source.pretrained_weights and weights:
         try:
-            model = AutoModelForCausalLM.from_pretrained(source.location, config=config, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(source.location, config=config, dtype=dtype)
         except Exception as exc:  # noqa: BLE001
             raise _fetch_error(source, exc) from None
     else:
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(dtype)
+    if prepare is not None:
+        prepare(model)
     own = dict(model.named_buffers())
     buffers = {n: own[n].detach().clone() for n in non_persistent_buffer_names(model)}
     return (model.state_dict() if weights else None), buffers

@@ -8,6 +8,7 @@ nothing is left on meta.
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -183,13 +184,13 @@ def shard_model(
     return classes, len(blocks)
 
 
-def initialize(model: nn.Module, env: DistEnv, source: ModelSource, config, seed: int, *, weights: bool) -> None:
+def initialize(model: nn.Module, env: DistEnv, source: ModelSource, config, seed: int, *, weights: bool, **load: Any) -> None:
     """Allocate the local shards; with `weights`, fill them with the source's weights (rank 0 reads them once).
 
     Without `weights` (a checkpoint fills them next) rank 0 still builds the model on CPU when it has
-    non-persistent buffers, which no state dict carries."""
+    non-persistent buffers, which no state dict carries. `load` goes to load_full_state_dict (dtype, prepare)."""
     need = weights or bool(non_persistent_buffer_names(model))
-    init = all_ranks_ok(lambda: load_full_state_dict(source, config, seed, weights=weights) if env.is_main and need else None)
+    init = all_ranks_ok(lambda: load_full_state_dict(source, config, seed, weights=weights, **load) if env.is_main and need else None)
     full_state, buffers = init if init is not None else (None, None)
     materialize(model, env, buffers)
     if weights:

@@ -85,9 +85,12 @@ class Shape:
     flop_params: int = 0  # the N of 6N FLOPs per token: parameters less embeddings, plus the output projection
     # (dim 0, elements) of each parameter, per FSDP unit, the root first: FSDP2 pads dim 0 to the shard count
     units: tuple = ()
+    linears: tuple = ()  # (leaf name, in, out) of each linear layer of one block: where LoRA adapters go
 
     @classmethod
     def of(cls, config) -> "Shape":
+        import torch
+
         from .models import build_meta_model
         from .parallelize import find_block_classes, find_blocks
 
@@ -103,15 +106,18 @@ class Shape:
             return tuple((p.shape[0] if p.dim() else 1, p.numel()) for p in params)
 
         units = (dims(p for i, p in unique.items() if i not in in_blocks),) + tuple(dims(b.parameters()) for b in blocks)
+        first = blocks[0]
+        linears = tuple((n.rsplit(".", 1)[-1], m.weight.shape[1], m.weight.shape[0]) for n, m in first.named_modules()
+                        if isinstance(m, torch.nn.Linear))  # fmt: skip
         return cls(
             params=sum(p.numel() for p in unique.values()), block_params=block, root_params=root,
             layers=len(blocks), hidden=config.hidden_size, heads=config.num_attention_heads, vocab=config.vocab_size,
             largest_param=max(p.numel() for p in unique.values()), flop_params=int(flops_per_token(model, 0) / 6),
-            units=units,
+            units=units, linears=linears,
         )  # fmt: skip
 
     def summary(self) -> dict[str, int]:
-        return {k: v for k, v in self.__dict__.items() if k != "units"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("units", "linears")}
 
 
 @dataclass
@@ -129,6 +135,10 @@ class Inputs:
     prefetch: int = 0
     loss_chunk_tokens: int = 0
     cuda: bool = True
+    lora_rank: int = 0  # 0: full fine-tuning
+    lora_targets: str | None = None  # None: every linear layer of the blocks
+    lora_dropout: float = 0.05
+    base_bits: int = 16
 
 
 def shard_factor(strategy: str, inputs: Inputs) -> int:
@@ -177,6 +187,10 @@ def memory(shape: Shape, strategy: str, inputs: Inputs, batch_size: int | None =
     if inputs.loss_chunk_tokens:
         # One chunk at a time, at its peak in backward's recompute: the same, plus its gradient in the compute dtype.
         out["logits"] = min(inputs.loss_chunk_tokens, s * b) * shape.vocab * (2 * c + 12 if c == 2 else 16)
+    if inputs.lora_rank:
+        from .loraplan import components
+
+        out.update(components(shape, strategy, inputs, b, c))
     if inputs.cuda:
         out["runtime"] = CUDA_CONTEXT_BYTES + int(FRAGMENTATION * peak_bytes(out))
     return out
@@ -228,11 +242,14 @@ def checkpoints(shape: Shape, gpus: int) -> dict[str, int]:
     }
 
 
-def hub_repo_bytes(shape: Shape, *, slices: int, keep_full: int, save_optimizer: bool = True, export: bool = False) -> dict[str, int]:
+def hub_repo_bytes(shape: Shape, *, slices: int, keep_full: int, save_optimizer: bool = True, export: bool = False,
+                   saved: int | None = None) -> dict[str, int]:  # fmt: skip
     """What a chain of `slices` sessions leaves in the Hub repo (--hub_keep_full): the newest full checkpoints, one
-    fp16 weights file per range, and the exported model if pushed. keep_full 0 keeps every full checkpoint."""
-    full = (12 if save_optimizer else 4) * shape.params
-    weights = 2 * shape.params
+    fp16 weights file per range, and the exported model if pushed. keep_full 0 keeps every full checkpoint.
+    `saved`: the parameters a checkpoint holds (a LoRA run's adapters; default every parameter)."""
+    n = shape.params if saved is None else saved
+    full = (12 if save_optimizer else 4) * n
+    weights = 2 * n
     fulls = slices if keep_full == 0 else min(keep_full, slices)
     out = {"full_checkpoints": fulls * full, "weights_files": (slices if keep_full else 0) * weights,
            "export": weights if export else 0}  # fmt: skip
@@ -263,13 +280,23 @@ def make_plan(model: str, inputs: Inputs, *, disk: int, host_memory: int, keep_l
             "predicted_step_time_s": step_time(shape, strategy, inputs, rates)["step_s"],
         }
     configurations = candidates(shape, inputs, list(strategies), rates)
-    sizes = checkpoints(shape, inputs.gpus)
+    if inputs.lora_rank:
+        from .loraplan import checkpoints as lora_checkpoints
+
+        sizes = lora_checkpoints(shape, inputs)
+    else:
+        sizes = checkpoints(shape, inputs.gpus)
     one = sizes["full_with_optimizer"] if save_optimizer else sizes["full_weights_only"]
+    saved = sizes["full_weights_only"] // 4  # parameters a checkpoint holds
     # A save writes the new file before --keep_last removes the oldest: keep_last + 1 on disk at the peak.
     on_disk = one * (max(1, keep_last) + 1) if keep_last else None
+    from .loraplan import adapter_params, describe
+
     return {
         "model": model,
         "shape": shape.summary(),
+        "lora": describe(shape, inputs) if inputs.lora_rank else None,
+        "adapter_params": adapter_params(shape, inputs) if inputs.lora_rank else 0,
         "inputs": {**inputs.__dict__, "disk": disk, "host_memory": host_memory, "keep_last": keep_last, "save_optimizer": save_optimizer},
         "activations": {
             "with_checkpointing": activation_bytes(shape, inputs, True),
@@ -286,20 +313,20 @@ def make_plan(model: str, inputs: Inputs, *, disk: int, host_memory: int, keep_l
             "checkpoints_that_fit": max(0, disk // one - 1),
         },
         "hub": {"slices": slices, "keep_full": keep_full,
-                **hub_repo_bytes(shape, slices=slices, keep_full=keep_full, save_optimizer=save_optimizer),
+                **hub_repo_bytes(shape, slices=slices, keep_full=keep_full, save_optimizer=save_optimizer, saved=saved),
                 "with_export": hub_repo_bytes(shape, slices=slices, keep_full=keep_full, save_optimizer=save_optimizer,
-                                              export=True)["total"]},
+                                              export=True, saved=saved)["total"]},
         "host_ram": host_ram(
             host_phases(shape, "FULL_SHARD", inputs, save_optimizer=save_optimizer, sharded=sharded, offload=offload),
-            shape, host_memory, save_optimizer,
+            shape, host_memory, save_optimizer, saved,
         ),
     }
 
 
-def host_ram(phases: dict[str, Any], shape: Shape, host_memory: int, save_optimizer: bool) -> dict[str, Any]:
+def host_ram(phases: dict[str, Any], shape: Shape, host_memory: int, save_optimizer: bool, saved: int) -> dict[str, Any]:
     worst = max(phases["peak_fresh"]["machine"], phases["peak_resumed"]["machine"])
     # gather_bytes: what rank 0 gathers for a full save (and maps again to resume).
-    gather = (12 if save_optimizer else 4) * shape.params
+    gather = (12 if save_optimizer else 4) * saved
     return {**phases, "gather_bytes": gather, "host_memory": host_memory, "fits": worst <= host_memory}
 
 
@@ -315,6 +342,7 @@ def render(plan: dict[str, Any]) -> str:
         f"{i['gpus']} GPU(s) on {i['nodes']} node(s), {_gib(i['gpu_memory'])} each; micro-batch {i['batch_size']} x "
         f"{i['max_length']} tokens, {i['precision']}, accum {i['accum_steps']}, activation checkpointing "
         f"{'on' if i['activation_checkpointing'] else 'off'}",
+        *([plan["lora"]] if plan.get("lora") else []),
         "",
     ]
     names = list(plan["strategies"])
@@ -336,8 +364,9 @@ def render(plan: dict[str, Any]) -> str:
     lines += [
         "",
         f"activations: {_gib(a['with_checkpointing'])} with checkpointing, {_gib(a['without_checkpointing'])} without",
-        f"checkpoints: full {_gib(c['full_with_optimizer'])} (weights only {_gib(c['full_weights_only'])}), "
-        f"sharded {_gib(c['sharded_with_optimizer_per_rank'])} per rank, fp16 export {_gib(c['export_fp16'])}",
+        f"checkpoints{' (the adapters)' if plan.get('lora') else ''}: full {_gib(c['full_with_optimizer'])} (weights "
+        f"only {_gib(c['full_weights_only'])}), sharded {_gib(c['sharded_with_optimizer_per_rank'])} per rank, fp16 "
+        f"export {_gib(c['export_fp16'])}" + (f" (merged into the base: {_gib(c['merged_export_fp16'])})" if plan.get("lora") else ""),
         f"disk: {_gib(d['peak_bytes'])} at the peak of a save with --keep_last {i['keep_last']}, plus the export, of "
         f"{i['disk'] / 1e9:,.0f} GB: {'fits' if d['fits'] else 'DOES NOT FIT' if d['fits'] is False else 'unbounded'} "
         f"({d['checkpoints_that_fit']} checkpoint(s) can be kept while a new one is written)",
@@ -376,6 +405,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reduce_every_microbatch", type=parse_bool, nargs="?", const=True, default=False)
     p.add_argument("--prefetch", type=int, default=0, help="blocks gathered ahead (the trainer's --prefetch)")
     p.add_argument("--loss_chunk_tokens", type=int, default=0, help="the trainer's --loss_chunk_tokens")
+    p.add_argument("--lora_rank", type=int, default=0, help="the trainer's --lora_rank (0: full fine-tuning)")
+    p.add_argument("--lora_targets", default=None, help="the trainer's --lora_targets (default: every linear layer of the blocks)")
+    p.add_argument("--lora_dropout", type=float, default=0.05, help="the trainer's --lora_dropout")
+    p.add_argument("--base_bits", type=int, default=16, choices=[16, 4], help="the trainer's --base_bits")
     p.add_argument("--disk", default="20GB", help="disk for checkpoints (Kaggle's /kaggle/working: 20GB)")
     p.add_argument("--host_memory", default=None, help="RAM of one machine (default: this machine's; Kaggle: 31GB)")
     p.add_argument("--state_dict_type", default="full", choices=["full", "sharded"], help="the trainer's --state_dict_type")
@@ -420,8 +453,13 @@ def main(argv: list[str] | None = None) -> int:
             max_length=a.max_length, accum_steps=a.accum_steps, precision=a.precision,
             activation_checkpointing=a.activation_checkpointing, attn_implementation=a.attn_implementation,
             reduce_every_microbatch=a.reduce_every_microbatch, prefetch=a.prefetch,
-            loss_chunk_tokens=a.loss_chunk_tokens, cuda=not a.cpu,
+            loss_chunk_tokens=a.loss_chunk_tokens, cuda=not a.cpu, lora_rank=a.lora_rank, lora_targets=a.lora_targets,
+            lora_dropout=a.lora_dropout, base_bits=a.base_bits,
         )  # fmt: skip
+        if a.lora_rank < 0:
+            raise ConfigError(f"--lora_rank {a.lora_rank}: must be 0 (full fine-tuning) or more")
+        if a.base_bits != 16 and not a.lora_rank:
+            raise ConfigError(f"--base_bits {a.base_bits}: only with --lora_rank (a 4-bit base is frozen)")
         host = parse_size(a.host_memory, "--host_memory") if a.host_memory is not None else machine_memory()
         plan = make_plan(a.model, inputs, disk=parse_size(a.disk, "--disk"), host_memory=host, keep_last=a.keep_last,
                          save_optimizer=a.save_optimizer, sharded=a.state_dict_type == "sharded", offload=a.cpu_offload,

@@ -172,6 +172,7 @@ def save(s: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
         "global_batch": s.plan.global_batch,
         "last_loss": s.last_loss,
         "wandb_run_id": s.wandb.run_id if s.wandb is not None else None,
+        "lora": s.lora,
     }
     entry = {
         "global_step": s.state.global_step,
@@ -238,14 +239,23 @@ def export_final(s: Session) -> None:
     """--export_hf: every rank joins the gather; rank 0 writes the folder."""
     from .export import export_model_folder
 
+    from .export import export_lora
+
+    cc = s.config.checkpoint
     wait_for_writes(s)  # one gathered state in host RAM at a time
     model_sd, _ = ckpt.gather_full_state(s.model, None)
-    dest = Path(s.config.checkpoint.export_hf)
+    dest = Path(cc.export_hf)
     if s.env.is_main:
-        all_ranks_ok(lambda: export_model_folder(model_sd, s.model_config, s.tokenizer, dest, s.config.checkpoint.export_dtype))
-        print0(f"exported {dest} ({s.config.checkpoint.export_dtype} safetensors, tokenizer, generation config)")
+        if s.lora is not None:
+            all_ranks_ok(lambda: export_lora(model_sd, s.lora, dest, cc.export_dtype, merge=cc.export_merge, seed=s.config.train.seed))
+            what = "the base with the adapters merged in" if cc.export_merge else "a peft adapter folder"
+        else:
+            all_ranks_ok(lambda: export_model_folder(model_sd, s.model_config, s.tokenizer, dest, cc.export_dtype))
+            what = "safetensors, tokenizer, generation config"
+        print0(f"exported {dest} ({cc.export_dtype}, {what})")
         if s.uploader is not None:
-            entry = {"global_step": s.state.global_step, "dtype": s.config.checkpoint.export_dtype}
+            entry = {"global_step": s.state.global_step, "dtype": cc.export_dtype,
+                     "adapter": s.lora is not None and not cc.export_merge}  # fmt: skip
             s.uploader.submit(dest, "export", entry)
     else:
         all_ranks_ok(lambda: None)

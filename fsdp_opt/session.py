@@ -55,4 +55,5 @@ class Session:
     predicted_step: dict[str, Any] | None = None  # steptime.choose_layout's prediction on a GPU
     step_seconds: list[float] = field(default_factory=list)  # of this session's optimizer steps
     chunked_loss: Any = None  # a loss.ChunkedLoss with --loss_chunk_tokens
+    lora: dict[str, Any] | None = None  # lora.identity() of a LoRA run: what its checkpoints record
     ckpt_writer: Any = None  # saving.BackgroundWriter with --async_save (rank 0 writes; None: saves written in place)

@@ -51,15 +51,27 @@ def comm_bytes(shape, strategy: str, inputs) -> dict[str, Any]:  # noqa: ANN001
     root_padded, blocks_padded = _padded(root, f), sum(_padded(b, f) for b in blocks)
     block_gathers = 2 if strategy in ("FULL_SHARD", "HYBRID_SHARD") else 1
     sharded = f > 1
+    gathered = c * (root_padded + block_gathers * blocks_padded)
+    reduced = 4 * (root_padded + blocks_padded)  # fp32 gradients of every parameter
+    root_reduced = 4 * root_padded
+    if getattr(inputs, "lora_rank", 0):
+        # LoRA: the frozen base is gathered as stored (NF4 with --base_bits 4) with the adapters; only the adapters'
+        # gradients are reduced (the root has none).
+        from .loraplan import adapter_dims, block_base_bytes
+
+        adapters = _padded(adapter_dims(shape, inputs), f)
+        block = block_base_bytes(shape, inputs, c) + c * adapters
+        gathered = int(c * root_padded + block_gathers * len(blocks) * block)
+        reduced, root_reduced = 4 * adapters * len(blocks), 0
     out = {
-        "all_gather": micro * c * (root_padded + block_gathers * blocks_padded) if sharded else 0,
-        "reduce_scatter": reduces * 4 * (root_padded + blocks_padded) if sharded else 0,
-        "all_reduce": reduces * 4 * (root_padded + blocks_padded) // f if replicas > 1 else 0,
+        "all_gather": micro * gathered if sharded else 0,
+        "reduce_scatter": reduces * reduced if sharded else 0,
+        "all_reduce": reduces * reduced // f if replicas > 1 else 0,
     }
     out["wire"] = int((f - 1) / f * (out["all_gather"] + out["reduce_scatter"])
                       + 2 * (replicas - 1) / replicas * out["all_reduce"])  # fmt: skip
     # What waits on the link with no compute beside it: the root's gather and its reduce-scatter, every micro-batch.
-    out["exposed_wire"] = int((f - 1) / f * (micro * c * root_padded + reduces * 4 * root_padded)) if sharded else 0
+    out["exposed_wire"] = int((f - 1) / f * (micro * c * root_padded + reduces * root_reduced)) if sharded else 0
     return out
 
 
@@ -69,7 +81,10 @@ def step_time(shape, strategy: str, inputs, rates: Rates | None = None) -> dict[
 
     rates = rates or Rates()
     tokens = inputs.batch_size * inputs.max_length * inputs.accum_steps
-    per_token = 6.0 * shape.flop_params + 12.0 * shape.layers * shape.hidden * inputs.max_length
+    lora = bool(getattr(inputs, "lora_rank", 0))
+    # forward + input gradients (+ weight gradients, which a frozen base does not compute)
+    passes = 2.0 if lora else 3.0
+    per_token = 2.0 * passes * shape.flop_params + 4.0 * passes * shape.layers * shape.hidden * inputs.max_length
     if inputs.activation_checkpointing:  # one more forward of the blocks
         per_token += 2.0 * (shape.flop_params - shape.vocab * shape.hidden) + 4.0 * shape.layers * shape.hidden * inputs.max_length
     if inputs.loss_chunk_tokens:  # the output projection again, in backward
@@ -79,7 +94,13 @@ def step_time(shape, strategy: str, inputs, rates: Rates | None = None) -> dict[
     link = rates.link_gbps * 1e9
     overlapped = (comm["wire"] - comm["exposed_wire"]) / link
     exposed = comm["exposed_wire"] / link
-    local = math.ceil(shape.params / shard_factor(strategy, inputs))
+    if lora:
+        from .loraplan import adapter_params
+
+        trainable = adapter_params(shape, inputs)
+    else:
+        trainable = shape.params
+    local = math.ceil(trainable / shard_factor(strategy, inputs))
     optimizer = 28 * local / (rates.hbm_gbps * 1e9)
     return {"compute_s": compute, "communication_s": comm["wire"] / link, "exposed_communication_s": exposed,
             "optimizer_s": optimizer, "step_s": max(compute, overlapped) + exposed + optimizer,

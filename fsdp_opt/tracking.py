@@ -78,8 +78,10 @@ def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in _unique_params(model))
 
 
-def flops_per_token(model: nn.Module, seq_len: int) -> float:
-    """Training FLOPs per token: 6N + 12*L*H*Q*T (PaLM appendix B), N = non-embedding params + lm_head."""
+def flops_per_token(model: nn.Module, seq_len: int, frozen_base: bool = False) -> float:
+    """Training FLOPs per token: 6N + 12*L*H*Q*T (PaLM appendix B), N = non-embedding params + lm_head.
+
+    With a frozen base (LoRA) no weight gradient is computed: 4N + 8*L*H*Q*T (the adapters' own FLOPs are left out)."""
     config = model.config
     embedding = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
     head = model.get_output_embeddings()
@@ -87,7 +89,8 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
     layers = config.num_hidden_layers
     heads = config.num_attention_heads
     head_dim = config.hidden_size // heads
-    return 6.0 * n + 12.0 * layers * heads * head_dim * seq_len
+    per_matmul = 2.0 if frozen_base else 3.0  # forward, input gradient (, weight gradient)
+    return 2.0 * per_matmul * n + 4.0 * per_matmul * layers * heads * head_dim * seq_len
 
 
 def peak_flops(device: torch.device) -> float | None:

@@ -32,6 +32,8 @@ from .distributed import (
     teardown,
 )
 from .errors import ConfigError
+from . import lora
+from .lora import Adapters
 from .loss import ChunkedLoss, causal_lm_loss_sum
 from .models import (
     build_meta_model,
@@ -104,12 +106,14 @@ def host_peaks_line(env: DistEnv) -> str:
 
 
 def setup(config: Config, env: DistEnv) -> Session:
-    mc, dc, tc, pc, cc = config.model, config.data, config.train, config.parallel, config.checkpoint
+    mc, dc, tc, pc, cc, lc = config.model, config.data, config.train, config.parallel, config.checkpoint, config.lora
     source = all_ranks_ok(lambda: resolve_model(mc.model))
     precision = all_ranks_ok(lambda: par.resolve_precision(pc.precision, env.device))
     if pc.cpu_offload and env.device.type != "cuda":
         raise ConfigError("--cpu_offload: only useful with CUDA devices (the run is on CPU already)")
     tc.accum_steps = tc.accum_for(env.world_size)
+    if cc.export_merge and not (lc.enabled and cc.export_hf):
+        raise ConfigError("--export_merge: only for a LoRA run (--lora_rank) with --export_hf DIR")
     model_config, tokenizer = rank0_first(lambda: (load_model_config(source, mc.attn_implementation), load_tokenizer(source)))
     positions = max_positions(model_config)
     if positions is not None and dc.max_length > positions:
@@ -134,11 +138,20 @@ def setup(config: Config, env: DistEnv) -> Session:
     read_seconds = time.perf_counter() - read_started
 
     model = build_meta_model(model_config)
+    n_params = count_params(model)
+    fpt = flops_per_token(model, dc.max_length, frozen_base=lc.enabled)
+    adapters = Adapters(lc, mc.model, par.DTYPES[precision], tc.seed) if lc.enabled else None
+    if adapters is not None:
+        all_ranks_ok(lambda: adapters.add_to(model))
     chunked_loss = all_ranks_ok(lambda: ChunkedLoss(model, tc.loss_chunk_tokens) if tc.loss_chunk_tokens else None)
     if cc.resume_file:
-        all_ranks_ok(lambda: ckpt.check_compatible(payload, model, Path(payload["_path"])) if env.is_main else None)
-    n_params = count_params(model)
-    fpt = flops_per_token(model, dc.max_length)
+        def check() -> None:
+            path = Path(payload["_path"])
+            same_base = lora.check_resume(payload.get(lora.KEY), adapters.identity() if adapters else None, path)
+            if adapters is None or same_base:  # else checked once the base is read
+                ckpt.check_compatible(payload, model, path)
+
+        all_ranks_ok(lambda: check() if env.is_main else None)
     reduce_each, prediction = all_ranks_ok(lambda: choose_layout(config, env, model_config, precision, gpu=cap_gpu_memory(config, env)))
     block_classes, units = par.shard_model(
         model, env, strategy=pc.sharding_strategy, precision=precision,
@@ -146,7 +159,17 @@ def setup(config: Config, env: DistEnv) -> Session:
         prefetch=pc.prefetch,
     )  # fmt: skip
     resuming = bool(cc.resume_file)
-    par.initialize(model, env, source, model_config, tc.seed, weights=not resuming)
+    # A LoRA run always loads its base from --model; a checkpoint holds only the adapters.
+    par.initialize(model, env, source, model_config, tc.seed, weights=not resuming or adapters is not None,
+                   **(adapters.load_options() if adapters else {}))  # fmt: skip
+    if adapters is not None:
+        adapters.share_fingerprint(env)
+        if resuming:
+            def check_base() -> None:
+                lora.check_resume(payload.get(lora.KEY), adapters.identity(), Path(payload["_path"]))
+                ckpt.check_compatible(payload, model, Path(payload["_path"]))
+
+            all_ranks_ok(lambda: check_base() if env.is_main else None)
     optimizer = build_optimizer(model, tc.lr, tc.weight_decay, env.device)
     scaler = LossScaler(enabled=precision == "fp16", init_scale=tc.init_loss_scale)
     torch.manual_seed(tc.seed + 7919 * env.rank)  # dropout masks: per rank, reproducible
@@ -191,6 +214,7 @@ def setup(config: Config, env: DistEnv) -> Session:
         reduce_each_microbatch=reduce_each,
         predicted_step=prediction,
         chunked_loss=chunked_loss,
+        lora=adapters.identity() if adapters else None,
         ckpt_writer=BackgroundWriter() if uses_async_save(config, env.device.type) else None,
     )
     _print_summary(session, block_classes, units, n_params)
@@ -215,6 +239,7 @@ def _print_summary(s: Session, classes: set[type], units: int, n_params: int) ->
                 "strategy": f"{c.parallel.sharding_strategy}, wrapped {', '.join(sorted(k.__name__ for k in classes))} x {units} + root = {units + 1} units",
                 "precision": f"{s.precision} compute, fp32 master weights and gradient reduction"
                 + (", dynamic loss scaling" if s.scaler.enabled else ""),
+                "lora": describe_lora(s) if s.lora else "off (every weight trains)",
                 "activation ckpt": c.parallel.activation_checkpointing,
                 "world": f"{s.env.world_size} rank(s) on {s.env.device.type}, {s.env.num_nodes} node(s)",
                 "data": f"{c.data.dataset} rows [{c.data.start_idx}, {s.end_idx}) -> {len(s.blocks)} "
@@ -234,6 +259,13 @@ def _print_summary(s: Session, classes: set[type], units: int, n_params: int) ->
         )
     )
     print0("config: " + " ".join(f"--{k} {v}" for k, v in c.flat().items() if v is not None))
+
+
+def describe_lora(s: Session) -> str:
+    info, trainable = s.lora, sum(p.numel() for p in s.params)
+    return (f"rank {info['rank']}, alpha {info['alpha']:g}, dropout {info['dropout']:g} on {len(info['targets'])} layers: "
+            f"{trainable:,} trainable parameters ({100 * trainable / max(1, s.n_params):.2f}%); base frozen in "
+            f"{s.precision}, weights {info['base_fingerprint']}")  # fmt: skip
 
 
 # ---------------------------------------------------------------- loop

@@ -24,7 +24,7 @@ SUFFIX = ".safetensors"
 FORMAT = "fsdp-opt-weights/1"
 # What a checkpoint's metadata carries over into its weights file (small values only).
 CARRIED = ("GLOBAL_STEP", "EPOCHS_RUN", "train_state", "slice", "config", "model_name", "world_size", "global_batch",
-           "last_loss", "wandb_run_id")  # fmt: skip
+           "last_loss", "wandb_run_id", "lora")  # fmt: skip
 
 
 def weights_name(checkpoint: str) -> str:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The requirement floors, tested: the lowest versions requirements.txt allows (torch aside: Kaggle brings its own)
 # go into .floors, ahead of the test environment on PYTHONPATH, and a subset of the tests runs on them: the engine
-# on 2 ranks, data loading, checkpoints through the Hub stand-in with retention, W&B.
+# on 2 ranks, data loading, checkpoints through the Hub stand-in with retention, W&B, LoRA (peft) with export and merge.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh "[test]"
@@ -9,12 +9,13 @@ rm -rf .floors
 python -m pip install -q --no-deps --target .floors -r requirements-floors.txt
 export PYTHONPATH="$PWD/.floors"
 python - <<'PY'
-import datasets, huggingface_hub, matplotlib, transformers, wandb
-for m in (transformers, datasets, huggingface_hub, wandb, matplotlib):
+import datasets, huggingface_hub, matplotlib, peft, transformers, wandb
+for m in (transformers, datasets, huggingface_hub, wandb, matplotlib, peft):
     assert m.__file__.startswith(__import__("os").path.abspath(".floors")), m.__file__
-print("floors:", ", ".join(f"{m.__name__} {m.__version__}" for m in (transformers, datasets, huggingface_hub, wandb, matplotlib)))
+print("floors:", ", ".join(f"{m.__name__} {m.__version__}" for m in (transformers, datasets, huggingface_hub, wandb, matplotlib, peft)))
 PY
 python -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist worksteal -p no:cacheprovider tests/test_units.py tests/test_data.py \
     "tests/test_retention.py::test_a_purge_the_hub_refused_is_finished_by_the_next_session" \
     "tests/test_training_math.py::test_hybrid_shard_across_two_nodes_matches_reference" \
-    "tests/test_hub.py::test_sharded_checkpoints_through_the_hub" "tests/test_hub.py::test_wandb_without_network_falls_back"
+    "tests/test_hub.py::test_sharded_checkpoints_through_the_hub" "tests/test_hub.py::test_wandb_without_network_falls_back" \
+    "tests/test_lora.py::test_lora_checkpoint_is_small_resumes_exactly_after_sigkill_and_merges"

@@ -100,3 +100,45 @@ def test_hub_repo_size_of_a_chain_of_ten_opt_1_3b_slices():
     assert kept["full_checkpoints"] == 12 * n and kept["weights_files"] == 10 * 2 * n and kept["export"] == 2 * n
     assert kept["total"] == 34 * n <= 45e9
     assert hub_repo_bytes(shape, slices=10, keep_full=0)["total"] == 120 * n  # 158 GB: the chain without retention
+
+
+@pytest.mark.parametrize("model,targets", [("facebook/opt-125m", None), ("facebook/opt-6.7b", None),
+                                           ("facebook/opt-1.3b", "q_proj,v_proj")])  # fmt: skip
+def test_lora_plan_counts_what_peft_adds(model, targets):
+    """The planner's adapter count against peft's own: peft adds its layers to the meta model and counts them."""
+    from peft import LoraConfig, get_peft_model
+
+    from fsdp_opt.models import build_meta_model
+    from fsdp_opt.loraplan import adapter_params, checkpoints
+
+    rank = 16
+    names = targets.split(",") if targets else ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
+    peft = get_peft_model(build_meta_model(model_config(model)), LoraConfig(r=rank, target_modules=names))
+    trainable = sum(p.numel() for p in peft.parameters() if p.requires_grad)
+    shape = Shape.of(model_config(model))
+    inputs = Inputs(lora_rank=rank, lora_targets=targets)
+    assert adapter_params(shape, inputs) == trainable
+    assert checkpoints(shape, inputs)["full_with_optimizer"] == 12 * trainable
+    parts = memory(shape, "FULL_SHARD", inputs)
+    # 2 ranks: half the fp16 base and half the fp32 adapters, half their gradients and AdamW moments
+    assert parts["parameters"] == pytest.approx(2 * shape.params / 2 + 4 * trainable / 2, abs=8)
+    assert parts["gradients"] == pytest.approx(4 * trainable / 2, abs=4)
+    assert parts["optimizer"] == pytest.approx(8 * trainable / 2, abs=8)
+
+
+def test_lora_makes_opt_6_7b_fit_two_t4_and_full_fine_tuning_does_not():
+    shape = Shape.of(model_config("facebook/opt-6.7b"))
+    t4 = Inputs(gpus=2, gpu_memory=15 * GIB, batch_size=4, max_length=512, accum_steps=16)
+    assert peak_bytes(memory(shape, "FULL_SHARD", t4)) > 60 * GIB
+    lora = Inputs(**{**t4.__dict__, "lora_rank": 16})
+    assert peak_bytes(memory(shape, "FULL_SHARD", lora)) < 12 * GIB
+    assert peak_bytes(memory(shape, "SHARD_GRAD_OP", lora)) > 15 * GIB  # every block's fp16 weights kept gathered
+    out = subprocess.run([sys.executable, "-m", "fsdp_opt.plan", "--model", "facebook/opt-6.7b", "--lora_rank", "16",
+                          "--host_memory", "31GB", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["auto_pick"]["strategy"] == "FULL_SHARD" and plan["strategies"]["FULL_SHARD"]["fits"]
+    assert plan["host_ram"]["fits"] and plan["checkpoints"]["full_with_optimizer"] < 0.5e9
+    bad = subprocess.run([sys.executable, "-m", "fsdp_opt.plan", "--base_bits", "4"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: --base_bits 4: only with --lora_rank (a 4-bit base is frozen)"
