@@ -10,6 +10,8 @@ Configurations (throughput mode):
               (on CPU accelerate would use DDP instead; the benchmark switches its FSDP2 plugin on there)
   packed_compiled   packed, with --compile (torch.compile of each block's forward)
   packed_prefetch2  packed, with --prefetch 2 (FSDP2 gathers two blocks ahead in forward and backward)
+  packed_lora packed, with --lora_rank 16: peft adapters on every linear layer of the blocks, the base frozen (stored
+              in the compute dtype); its state per rank against packed's is the point
   packed_chunked_loss  packed, with --loss_chunk_tokens 256 (the logits 256 tokens at a time); its memory
               effect shows with a large vocabulary: --vocab 50272 (opt-1.3b's) trains a copy of the model
               with that many token embeddings
@@ -37,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-THROUGHPUT = ("packed", "padded", "hf_trainer", "packed_compiled", "packed_prefetch2", "packed_chunked_loss")
+THROUGHPUT = ("packed", "padded", "hf_trainer", "packed_compiled", "packed_prefetch2", "packed_chunked_loss", "packed_lora")
 MEMORY = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 
 
@@ -121,7 +123,7 @@ def run_engine(args: argparse.Namespace, name: str, env, out_dir: str) -> dict:
 
     strategy = name if args.memory_only else "FULL_SHARD"
     extra = {"packed_compiled": ["--compile"], "packed_prefetch2": ["--prefetch", "2"],
-             "packed_chunked_loss": ["--loss_chunk_tokens", "256"]}.get(name, [])  # fmt: skip
+             "packed_chunked_loss": ["--loss_chunk_tokens", "256"], "packed_lora": ["--lora_rank", "16"]}.get(name, [])  # fmt: skip
     config = parse_args(engine_flags(args, out_dir, strategy, padded=name == "padded", extra=extra))
     s = setup(config, env)
     times, tokens = [], 0
@@ -149,7 +151,9 @@ def run_engine(args: argparse.Namespace, name: str, env, out_dir: str) -> dict:
     s.model(**s.blocks.batch(last.micro_batches[0], env.device)).loss.backward()
     state = local_state_bytes(s.model, s.optimizer)
     shape = plan.Shape.of(plan.model_config(args.model))
-    inputs = plan.Inputs(gpus=env.world_size, nodes=env.num_nodes, precision=s.precision, cuda=env.device.type == "cuda")
+    inputs = plan.Inputs(gpus=env.world_size, nodes=env.num_nodes, precision=s.precision, cuda=env.device.type == "cuda",
+                         lora_rank=config.lora.lora_rank)  # fmt: skip
+    planned = plan.memory(shape, strategy, inputs)
     timed = times[args.warmup :]
     return {
         "useful_tokens_per_s": tokens / sum(timed),
@@ -157,7 +161,7 @@ def run_engine(args: argparse.Namespace, name: str, env, out_dir: str) -> dict:
         "flops_per_token": s.flops_per_token,
         "global_batch": s.plan.global_batch,
         "peak_state_bytes_per_rank": state["total"],
-        "predicted_state_bytes_per_rank": sum(plan.state_bytes(shape, strategy, inputs).values()),
+        "predicted_state_bytes_per_rank": planned["parameters"] + planned["gradients"] + planned["optimizer"],
         "peak_memory_bytes_per_rank": peak_memory_bytes(env.device),
         "gc_seconds": gc_seconds,
         "precision": s.precision,
@@ -306,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     if "packed" in ok and "packed_chunked_loss" in ok:
         ratios["packed_chunked_loss_over_packed_peak_memory"] = ok["packed_chunked_loss"]["peak_memory_bytes_per_rank"] / ok["packed"]["peak_memory_bytes_per_rank"]
         ratios["packed_chunked_loss_over_packed_tokens_per_s"] = ok["packed_chunked_loss"]["useful_tokens_per_s"] / ok["packed"]["useful_tokens_per_s"]
+    if "packed" in ok and "packed_lora" in ok:
+        ratios["packed_lora_over_packed_state"] = ok["packed_lora"]["peak_state_bytes_per_rank"] / ok["packed"]["peak_state_bytes_per_rank"]
+        ratios["packed_lora_over_packed_tokens_per_s"] = ok["packed_lora"]["useful_tokens_per_s"] / ok["packed"]["useful_tokens_per_s"]
     if "FULL_SHARD" in ok and "NO_SHARD" in ok:
         ratios["full_shard_over_no_shard_state"] = ok["FULL_SHARD"]["peak_state_bytes_per_rank"] / ok["NO_SHARD"]["peak_state_bytes_per_rank"]
     for name, r in ok.items():

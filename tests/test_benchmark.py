@@ -35,7 +35,7 @@ def test_memory_only_report(tmp_path):
 
 def test_throughput_report_runs_the_trainer_under_fsdp2(tmp_path):
     """hf_trainer really is transformers' Trainer with FSDP2 shards (the worker refuses a DDP-wrapped model)."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--configs", "packed", "hf_trainer",
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--configs", "packed", "hf_trainer", "packed_lora",
            "--nproc", "2", "--warmup", "1", "--steps", "1", "--max_length", "64", "--json", str(tmp_path / "bench.json")]  # fmt: skip
     proc = subprocess.run(cmd, cwd=tmp_path, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -47,6 +47,12 @@ def test_throughput_report_runs_the_trainer_under_fsdp2(tmp_path):
     assert trainer["peak_state_bytes_per_rank"] == trainer["predicted_state_bytes_per_rank"]
     assert trainer["peak_state_bytes_per_rank"] == ours["peak_state_bytes_per_rank"]
     assert "packed_over_hf_trainer_tokens_per_s" in proc.stdout
+    # LoRA: the frozen base and the adapters' state, as the planner counts them; a fraction of full fine-tuning's.
+    lora = configs["packed_lora"]
+    assert "error" not in lora, lora
+    assert abs(lora["predicted_state_bytes_per_rank"] / lora["peak_state_bytes_per_rank"] - 1) <= 0.02
+    assert lora["peak_state_bytes_per_rank"] < 0.5 * ours["peak_state_bytes_per_rank"]
+    assert "packed_lora_over_packed_state" in proc.stdout
 
 
 def test_gc_clock_counts_collections_only_while_started():
