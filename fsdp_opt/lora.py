@@ -11,6 +11,7 @@ FSDP2 takes frozen fp16 and trainable fp32 parameters in one unit: only trainabl
 from __future__ import annotations
 
 import hashlib
+import logging
 import json
 import shutil
 from dataclasses import dataclass, field
@@ -21,6 +22,10 @@ import torch
 from torch import nn
 
 from .errors import CheckpointError, ConfigError
+
+# peft imports torchao when it is installed. NF4 is plain torch code; torchao's compiled kernels for other hardware,
+# which it reports failing to load on import, are not used.
+logging.getLogger("torchao").setLevel(logging.ERROR)
 
 ADAPTER = "default"  # peft's adapter name inside the model; not part of the exported keys
 KEY = "lora"  # the checkpoint key holding the run's LoRA identity
@@ -54,9 +59,6 @@ class LoraConfig:
             if self.base_bits != 16:
                 raise ConfigError(f"--base_bits {self.base_bits}: only with LoRA (--lora_rank 1 or more): a 4-bit base is frozen")
             return
-        if self.base_bits == 4:
-            raise ConfigError("--base_bits 4: a 4-bit base is not trained yet (python -m fsdp_opt.plan --base_bits 4 plans "
-                              "it); use --base_bits 16")  # fmt: skip
         if self.lora_alpha is not None and not self.lora_alpha > 0:
             raise ConfigError(f"--lora_alpha {self.lora_alpha}: must be greater than 0")
         if self.lora_dropout is not None and not 0.0 <= self.lora_dropout < 1.0:
@@ -142,18 +144,113 @@ def store_base(model: nn.Module, dtype: torch.dtype) -> None:
             p.data = p.data.to(want)
 
 
+def _to_nf4() -> Any:
+    """torchao's NF4 quantizer (its module moved between releases)."""
+    try:
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+    except ImportError:
+        try:
+            from torchao.dtypes.nf4tensor import to_nf4
+        except ImportError:
+            raise ConfigError("--base_bits 4: needs torchao (pip install torchao)") from None
+    return to_nf4
+
+
+def base_linears(model: nn.Module) -> list[str]:
+    """The frozen linear layers of the blocks (an adapted layer's base_layer; not the adapters themselves)."""
+    return [n for n in block_linear_names(model) if ".lora_" not in n and not isinstance(model.get_submodule(n), _peft_layer())]
+
+
+def _peft_layer() -> type:
+    from peft.tuners.lora import LoraLayer
+
+    return LoraLayer
+
+
+NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256  # torchao's defaults: 64 weights share a scale, 256 scales a factor
+
+
+def quantize_base(model: nn.Module, shards: int) -> list[str]:
+    """Every frozen linear weight of the blocks as a torchao NF4 tensor (4 bits, blocks of 64 with scales), which
+    FSDP2 shards and gathers as its packed bytes. On meta only the layout is made. Returns the weights' names."""
+    to_nf4 = _to_nf4()
+    names = []
+    unit = NF4_BLOCK * NF4_SCALER_BLOCK * shards
+    for name in base_linears(model):
+        layer = model.get_submodule(name)
+        rows = layer.weight.shape[0]
+        if layer.weight.numel() % unit or rows % shards:
+            raise ConfigError(
+                f"--base_bits 4: {name} ({rows} x {layer.weight.shape[1]}) does not split into {shards} NF4 shards "
+                f"(each needs a multiple of {NF4_BLOCK * NF4_SCALER_BLOCK} weights); use --base_bits 16 or fewer ranks"
+            )
+        layer.weight = nn.Parameter(to_nf4(layer.weight.detach()), requires_grad=False)
+        names.append(f"{name}.weight")
+    return names
+
+
+@torch.no_grad()
+def load_quantized(model: nn.Module, full_state: dict[str, torch.Tensor] | None, names: list[str], env: Any) -> None:
+    """Fill the NF4 shards: rank 0 sends each weight whole, every rank quantizes it whole (the same bytes on every
+    rank and for any rank count) and keeps its own rows. The other weights load as usual."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    to_nf4 = _to_nf4()
+    params = dict(model.named_parameters())
+    for name in names:
+        into = params[_sharded_name(params, name)]
+        local = into._local_tensor if hasattr(into, "_local_tensor") else into  # the object FSDP2 gathers from
+        shape = tuple(into.shape)
+        full = full_state.pop(name).to(env.device) if env.is_main else torch.empty(shape, dtype=local.dtype, device=env.device)
+        if env.world_size > 1:
+            dist.broadcast(full, src=0)
+        quantized = to_nf4(full)
+        rows = shape[0] // env.world_size if hasattr(into, "to_local") else shape[0]
+        part = torch.split(quantized, rows)[env.rank] if hasattr(into, "to_local") else quantized
+        local.copy_(part)  # the packed bytes and scales
+        # The whole tensor's scale mean and the NF4 code table travel with every shard (FSDP2 passes them to the
+        # gathered weight as they are): made on meta with the skeleton, set here.
+        local.scaler_mean, local.nf4 = part.scaler_mean.clone(), part.nf4.clone()
+    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    set_model_state_dict(model, full_state if env.is_main else {}, options=opts)
+
+
+def _sharded_name(params: dict[str, Any], name: str) -> str:
+    if name in params:
+        return name
+    return next(n for n in params if n.replace("_checkpoint_wrapped_module.", "") == name)
+
+
 class Adapters:
     """One run's adapters: added to the meta model every rank shards, and to rank 0's CPU model that fills it."""
 
     def __init__(self, settings: LoraConfig, base: str, dtype: torch.dtype, seed: int):
         self.settings, self.base, self.dtype, self.seed = settings, base, dtype, seed
         self.targets: list[str] = []
+        self.quantized: list[str] = []  # the NF4 weights with --base_bits 4
+        self.shards = 1
         self.base_fingerprint: str | None = None  # known once rank 0 has read the base (and shared it)
 
-    def add_to(self, model: nn.Module) -> None:
-        """Every rank, on the meta skeleton, before sharding."""
+    def add_to(self, model: nn.Module, shards: int = 1) -> None:
+        """Every rank, on the meta skeleton, before sharding into `shards`."""
         self.targets = inject(model, self.settings, meta=True)
         store_base(model, self.dtype)
+        self.quantized = quantize_base(model, shards) if self.settings.base_bits == 4 else []
+        self.shards = shards
+
+    def unsharded(self, model: nn.Module) -> set[nn.Parameter]:
+        """The NF4 weights when they are not split across ranks (one rank, NO_SHARD): they stay out of FSDP, whole on
+        every rank. (They are frozen, so nothing is reduced; FSDP2 would hand a one-rank NF4 weight to torchao without
+        its gathered parts.)"""
+        return {model.get_parameter(n) for n in self.quantized} if self.shards == 1 else set()
+
+    def load_weights(self, model: nn.Module, full_state: dict[str, torch.Tensor] | None, env: Any) -> bool:
+        """Load the weights into the shards when the base is quantized (returns False: the usual load does it)."""
+        if not self.quantized:
+            return False
+        load_quantized(model, full_state, self.quantized, env)
+        return True
 
     def load_options(self) -> dict[str, Any]:
         """What rank 0's load of the base needs: its dtype, and the same adapters added (seeded) before its state is

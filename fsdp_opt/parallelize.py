@@ -135,12 +135,16 @@ def apply_fsdp(
     mp_policy: MixedPrecisionPolicy,
     offload: bool,
     prefetch: int = 0,
+    ignored: set[nn.Parameter] | None = None,
 ) -> nn.Module:
-    """Shard each block as its own unit, then the root (embeddings, tied lm_head, final norm)."""
+    """Shard each block as its own unit, then the root (embeddings, tied lm_head, final norm). `ignored` parameters
+    stay whole on every rank, outside FSDP."""
     offload_policy: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
     # FULL_SHARD frees gathered weights after forward; SHARD_GRAD_OP keeps them until backward.
     reshard = strategy in ("FULL_SHARD", "HYBRID_SHARD")
     common = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    if ignored:
+        common["ignored_params"] = set(ignored)
     for block in blocks:
         fully_shard(block, reshard_after_forward=reshard, **common)
     fully_shard(model, reshard_after_forward=False, **common)
@@ -164,7 +168,7 @@ def apply_fsdp(
 
 def shard_model(
     model: nn.Module, env: DistEnv, *, strategy: str, precision: str, activation_checkpointing: bool, offload: bool = False,
-    compile_blocks: bool = False, prefetch: int = 0,
+    compile_blocks: bool = False, prefetch: int = 0, ignored: set[nn.Parameter] | None = None,
 ) -> tuple[set[type[nn.Module]], int]:
     """Wrap policy -> (activation checkpointing) -> mesh -> FSDP2, on a meta model. Returns the block classes
     and the number of blocks (each its own FSDP unit, plus the root)."""
@@ -180,20 +184,22 @@ def shard_model(
             inner.forward = torch.compile(inner.forward)
     mesh = build_mesh(strategy, env)
     apply_fsdp(model, blocks, mesh, strategy=strategy, mp_policy=mixed_precision_policy(precision), offload=offload,
-               prefetch=prefetch)  # fmt: skip
+               prefetch=prefetch, ignored=ignored)  # fmt: skip
     return classes, len(blocks)
 
 
-def initialize(model: nn.Module, env: DistEnv, source: ModelSource, config, seed: int, *, weights: bool, **load: Any) -> None:
+def initialize(model: nn.Module, env: DistEnv, source: ModelSource, config, seed: int, *, weights: bool,
+               loader: Any = None, **load: Any) -> None:  # fmt: skip
     """Allocate the local shards; with `weights`, fill them with the source's weights (rank 0 reads them once).
 
     Without `weights` (a checkpoint fills them next) rank 0 still builds the model on CPU when it has
-    non-persistent buffers, which no state dict carries. `load` goes to load_full_state_dict (dtype, prepare)."""
+    non-persistent buffers, which no state dict carries. `load` goes to load_full_state_dict (dtype, prepare);
+    `loader(model, full_state, env)` may load the weights itself (a quantized LoRA base) and return True."""
     need = weights or bool(non_persistent_buffer_names(model))
     init = all_ranks_ok(lambda: load_full_state_dict(source, config, seed, weights=weights, **load) if env.is_main and need else None)
     full_state, buffers = init if init is not None else (None, None)
     materialize(model, env, buffers)
-    if weights:
+    if weights and not (loader is not None and loader(model, full_state, env)):
         load_weights(model, full_state, env)
 
 

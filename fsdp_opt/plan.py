@@ -62,9 +62,23 @@ def opt_config(name: str):
     )  # fmt: skip
 
 
+# Llama-3.1-8B's shape (its config.json on the Hub), for planning a Llama-style 8B offline.
+LLAMA_8B = "meta-llama/Llama-3.1-8B"
+
+
+def llama_8b_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                       intermediate_size=14336, vocab_size=128256, max_position_embeddings=131072,
+                       tie_word_embeddings=False)  # fmt: skip
+
+
 def model_config(name: str):
     if name in OPT_FAMILY:
         return opt_config(name)
+    if name == LLAMA_8B:
+        return llama_8b_config()
     from .models import load_model_config, resolve_model
 
     return load_model_config(resolve_model(name))
@@ -392,7 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
     from .config import _Parser, parse_bool
 
     p = _Parser(prog="python -m fsdp_opt.plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="facebook/opt-1.3b", help=f"one of {', '.join(OPT_FAMILY)}, tiny-opt, or a local model folder")
+    p.add_argument("--model", default="facebook/opt-1.3b",
+                   help=f"one of {', '.join(OPT_FAMILY)}, {LLAMA_8B}, tiny-opt, or a local model folder")
     p.add_argument("--gpus", type=int, default=2, help="GPUs in all (ranks)")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpu_memory", default="15GiB", help="memory of one GPU (Kaggle's T4: 15GiB)")

@@ -142,7 +142,8 @@ def setup(config: Config, env: DistEnv) -> Session:
     fpt = flops_per_token(model, dc.max_length, frozen_base=lc.enabled)
     adapters = Adapters(lc, mc.model, par.DTYPES[precision], tc.seed) if lc.enabled else None
     if adapters is not None:
-        all_ranks_ok(lambda: adapters.add_to(model))
+        shards = 1 if pc.sharding_strategy == "NO_SHARD" else env.local_world_size if pc.sharding_strategy == "HYBRID_SHARD" else env.world_size
+        all_ranks_ok(lambda: adapters.add_to(model, shards))
     chunked_loss = all_ranks_ok(lambda: ChunkedLoss(model, tc.loss_chunk_tokens) if tc.loss_chunk_tokens else None)
     if cc.resume_file:
         def check() -> None:
@@ -156,11 +157,12 @@ def setup(config: Config, env: DistEnv) -> Session:
     block_classes, units = par.shard_model(
         model, env, strategy=pc.sharding_strategy, precision=precision,
         activation_checkpointing=pc.activation_checkpointing, offload=pc.cpu_offload, compile_blocks=pc.compile,
-        prefetch=pc.prefetch,
+        prefetch=pc.prefetch, ignored=adapters.unsharded(model) if adapters else None,
     )  # fmt: skip
     resuming = bool(cc.resume_file)
     # A LoRA run always loads its base from --model; a checkpoint holds only the adapters.
     par.initialize(model, env, source, model_config, tc.seed, weights=not resuming or adapters is not None,
+                   loader=adapters.load_weights if adapters else None,
                    **(adapters.load_options() if adapters else {}))  # fmt: skip
     if adapters is not None:
         adapters.share_fingerprint(env)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import assert_clean_failure, make_local_model, read_jsonl, run_cli, sandbox_env, torchrun_cmd
+from conftest import ASSETS, assert_clean_failure, make_local_model, read_jsonl, run_cli, sandbox_env, torchrun_cmd
 from fsdp_opt.checkpoint import MODEL_KEY, checkpoint_name
 from fsdp_opt.models import model_tag
 from fsdp_opt.data import StepPlan, build_blocks, load_rows, select_texts
@@ -40,10 +40,10 @@ def peft_model(det_model, targets=LINEAR):
     return get_peft_model(model, config)
 
 
-def step_batches(det_model) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def step_batches(det_model, end_idx: int = END_IDX) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Each optimizer step's global batch (ids, attention mask, labels), in the order the engine draws them."""
     tokenizer = AutoTokenizer.from_pretrained(det_model)
-    texts, _ = select_texts(load_rows("python-docs"), "text", 0, END_IDX)
+    texts, _ = select_texts(load_rows("python-docs"), "text", 0, end_idx)
     blocks = build_blocks(texts, tokenizer, MAX_LEN, packing=True)
     order = StepPlan(blocks, batch_size=GLOBAL_BATCH, accum_steps=1, rank=0, world_size=1, seed=SEED).epoch_order(0)
     out = []
@@ -301,3 +301,90 @@ def test_lora_chain_of_three_slices_through_the_hub(tmp_path):
         card = repo.files["README.md"].decode()
         assert "library_name: peft" in card and "PeftModel.from_pretrained(base, \"me/lora\")" in card
         assert "--lora_rank 4" in card and "tiny-opt" in card
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory):
+    """tiny-opt with hidden 256: every linear weight splits into 2 NF4 shards (multiples of 64 x 256 weights)."""
+    return make_local_model(tmp_path_factory.mktemp("wide") / "wide-opt", dropout=0.0, hidden_size=256, ffn_dim=1024,
+                            word_embed_proj_dim=256, num_attention_heads=4)  # fmt: skip
+
+
+@pytest.mark.parametrize("nproc", [2, 0])
+def test_4bit_base_matches_peft_on_a_whole_tensor_nf4_base(tmp_path, wide_model, nproc):
+    """--base_bits 4 under FSDP2 (2 ranks) and on one process: the losses of peft on a base whose linear weights
+    torchao quantized whole, within 1e-4. (Quantizing each rank's rows on their own would give other scales, from a
+    per-shard mean: weights up to 2.5e-4 apart on a 256 x 256 matrix, so another base for each rank count.)"""
+    from peft import LoraConfig, get_peft_model
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    batches = step_batches(wide_model, 40)
+    model = AutoModelForCausalLM.from_pretrained(wide_model, dtype=torch.float32)
+    torch.manual_seed(SEED)
+    model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=2 * RANK, lora_dropout=0.0, target_modules=list(LINEAR)))
+    for name, module in model.named_modules():
+        if name.endswith("base_layer"):
+            module.weight = torch.nn.Parameter(to_nf4(module.weight.detach()), requires_grad=False)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    want = []
+    for ids, mask, labels in batches[:6]:
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, CLIP)
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+
+    out = tmp_path / "out"
+    per_rank = ["--batch_size", "2", "--accum_steps", "2"] if nproc else ["--batch_size", "8"]
+    proc = run_cli(COMMON + per_rank + ["--model", str(wide_model), "--base_bits", "4", "--output_dir", str(out),
+                                        "--end_idx", "40"], tmp_path, nproc=nproc)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Failed to load" not in proc.stdout + proc.stderr
+    got = [r["loss"] for r in read_jsonl(out / "metrics.jsonl")]
+    assert len(got) >= 4
+    for step, (g, w) in enumerate(zip(got, want), 1):
+        assert abs(g - w) <= 1e-4 * max(1.0, abs(w)), (step, g, w)
+    saved = torch.load(out / checkpoint_name(model_tag(str(wide_model)), 0, 40, 1), weights_only=True)
+    assert saved["lora"]["base_bits"] == 4 and all(".lora_" in k for k in saved[MODEL_KEY])
+
+
+def _local_model(dest: Path, config) -> Path:
+    """A local model folder of another architecture, with the built-in tokenizer (its ids fit the vocabulary)."""
+    import shutil
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(dest)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ASSETS / name, dest / name)
+    return dest
+
+
+@pytest.mark.parametrize("arch,layers_adapted", [("gpt2", 4 * 2), ("llama", 7 * 2)])
+def test_lora_on_gpt2_and_llama_blocks(tmp_path, arch, layers_adapted):
+    """The default targets are found inside the blocks the wrap policy finds (GPT-2's Conv1D layers, Llama's seven
+    projections); 2 ranks train them, and the exported adapter loads with peft on the base, changing its output."""
+    from peft import PeftModel
+    from transformers import GPT2Config, LlamaConfig
+
+    vocab = AutoTokenizer.from_pretrained(ASSETS).vocab_size + 8
+    config = (GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=vocab, n_positions=128) if arch == "gpt2" else
+              LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                          num_key_value_heads=1, vocab_size=vocab, max_position_embeddings=128))  # fmt: skip
+    base = _local_model(tmp_path / f"tiny-{arch}", config)
+    out, export = tmp_path / "out", tmp_path / "adapter"
+    proc = run_cli(["--model", str(base), "--dataset", "python-docs", "--end_idx", "24", "--max_length", "64",
+                    "--batch_size", "2", "--lr", "1e-2", "--precision", "fp32", "--lora_rank", "4",
+                    "--output_dir", str(out), "--export_hf", str(export), "--export_dtype", "fp32"], tmp_path, nproc=2)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"on {layers_adapted} layers" in proc.stdout
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(export)).eval()
+    ids = torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        adapted = model(input_ids=ids).logits
+        with model.disable_adapter():
+            plain = model(input_ids=ids).logits
+    assert (adapted - plain).abs().max().item() > 1e-4
