@@ -129,7 +129,9 @@ def assert_clean_failure(proc: subprocess.CompletedProcess, *needles: str) -> st
 # not end with one of them running alone.
 LONGEST_FIRST = (
     "test_retention.py::test_chain_of_five_slices_keeps_the_policy",
+    "test_lora.py::test_lora_checkpoint_is_small_resumes_exactly_after_sigkill_and_merges",
     "test_cli.py::test_demo_trains_and_loss_falls",
+    "test_benchmark.py::test_throughput_report_runs_the_trainer_under_fsdp2",
     "test_benchmark.py::test_memory_only_report",
     "test_notebooks.py::test_notebooks_run_end_to_end",
     "test_benchmark.py::test_session_benchmark_reports_every_stage_against_its_floor",
