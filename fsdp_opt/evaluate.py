@@ -181,11 +181,26 @@ def _read_checked(path: Path, model: nn.Module) -> dict[str, Any]:
     return payload
 
 
+def _adapters(info: dict[str, Any] | None, model: nn.Module, precision: str, env: DistEnv, strategy: str, seed: int):
+    """A LoRA checkpoint's adapters (as its run had them) added to the meta model every rank shards; None otherwise."""
+    if info is None:
+        return None
+    from .lora import Adapters, LoraConfig
+    from .parallelize import DTYPES
+
+    settings = LoraConfig(lora_rank=info["rank"], lora_alpha=info["alpha"], lora_dropout=info["dropout"],
+                          lora_targets=",".join(info["targets"]), base_bits=info.get("base_bits", 16))  # fmt: skip
+    adapters = Adapters(settings, info["base"], DTYPES[precision], seed)
+    adapters.add_to(model, 1 if strategy == "NO_SHARD" else env.world_size)
+    return adapters
+
+
 def _fill(model: nn.Module, entry: dict[str, Any], payload: dict[str, Any] | None, source, model_config, env: DistEnv,
-          seed: int) -> None:  # fmt: skip
-    """Allocate the shards of a sharded meta model and load one candidate's weights into them."""
+          seed: int, adapters: Any = None) -> None:  # fmt: skip
+    """Allocate the shards of a sharded meta model and load one candidate's weights into them (a LoRA checkpoint:
+    the base from --model, checked against the base the adapters were trained on, then the adapters)."""
     from . import parallelize as par
-    from .distributed import broadcast_object
+    from .distributed import all_ranks_ok, broadcast_object
     from .loading import load_into
     from .models import resolve_model
 
@@ -194,8 +209,16 @@ def _fill(model: nn.Module, entry: dict[str, Any], payload: dict[str, Any] | Non
         par.initialize(model, env, weights_from, model_config, seed, weights=True)
         return
     sharded = broadcast_object(bool(payload.get("_sharded")) if env.is_main else None)
-    par.initialize(model, env, source, model_config, seed, weights=False)
     path = Path(entry["path"])
+    if adapters is not None:
+        from .lora import check_resume
+
+        par.initialize(model, env, source, model_config, seed, weights=True, loader=adapters.load_weights,
+                       **adapters.load_options())  # fmt: skip
+        adapters.share_fingerprint(env)
+        all_ranks_ok(lambda: check_resume(payload["lora"], adapters.identity(), path, "--checkpoints") if env.is_main else None)
+    else:
+        par.initialize(model, env, source, model_config, seed, weights=False)
     load_into(model, None, payload, env, load_optimizer=False, sharded_path=path if sharded else None)
 
 
@@ -234,11 +257,19 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
     models, samples = [], [{"prompt": p, "outputs": {}} for p in prompts]
     for entry in candidates:
         model = build_meta_model(model_config)
-        payload = None
+        payload, adapters, seed = None, None, args.seed
         if entry["kind"] == "ckpt":
-            payload = all_ranks_ok(lambda: _read_checked(Path(entry["path"]), model) if env.is_main else None)
-        par.shard_model(model, env, strategy=args.sharding_strategy, precision=precision, activation_checkpointing=False)
-        _fill(model, entry, payload, source, model_config, env, args.seed)
+            from .checkpoint import read_checkpoint
+
+            payload = all_ranks_ok(lambda: read_checkpoint(Path(entry["path"]), "--checkpoints") if env.is_main else None)
+            # A LoRA checkpoint's base is built from its run's seed when the base is the built-in or a random: one.
+            info, seed = broadcast_object((payload.get("lora"), int((payload.get("config") or {}).get("seed", args.seed)))
+                                          if env.is_main else None)  # fmt: skip
+            adapters = all_ranks_ok(lambda: _adapters(info, model, precision, env, args.sharding_strategy, seed))
+            all_ranks_ok(lambda: _read_checked(Path(entry["path"]), model) if env.is_main else None)
+        par.shard_model(model, env, strategy=args.sharding_strategy, precision=precision, activation_checkpointing=False,
+                        ignored=adapters.unsharded(model) if adapters else None)  # fmt: skip
+        _fill(model, entry, payload, source, model_config, env, seed, adapters)
         payload = None
         par.tie_and_check(model)
         result = evaluate_loss(model, blocks, args.batch_size, env)

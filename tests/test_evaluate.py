@@ -93,3 +93,29 @@ def test_evaluate_bad_input(tmp_path):
     assert_clean_failure(proc, "--start_idx", "needed")
     proc = evaluate(tmp_path, ["--eval_rows", "0"])
     assert_clean_failure(proc, "--eval_rows 0")
+
+
+def test_lora_checkpoint_evaluates_as_peft_on_its_base(tmp_path, det_model):
+    """A LoRA checkpoint is evaluated as its adapters on the base (read again, checked by fingerprint): the loss,
+    token count and greedy continuations of peft's model from the exported adapter folder."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fsdp_opt.data import held_out_texts, load_rows
+
+    train = run_cli(["--model", str(det_model), *TRAIN, "--lora_rank", "4", "--lr", "1e-2", "--export_hf", "out/adapter",
+                     "--export_dtype", "fp32"], tmp_path, nproc=2)  # fmt: skip
+    assert train.returncode == 0, train.stdout + train.stderr
+    proc = evaluate(tmp_path, ["--checkpoints", "latest", "--output_dir", "out", "--eval_rows", "11", "--max_new_tokens", "6",
+                               "--num_prompts", "1", "--json", "report.json"], nproc=2)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    base, adapted = json.loads((tmp_path / "report.json").read_text())["models"]
+    texts, _ = held_out_texts(load_rows("python-docs"), "text", 40, 11)
+    report = json.loads((tmp_path / "report.json").read_text())
+    prompts = [s["prompt"] for s in report["samples"]]
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(det_model, dtype=torch.float32),
+                                     str(tmp_path / "out" / "adapter")).eval()  # fmt: skip
+    loss, tokens, outs = hf_reference(peft, AutoTokenizer.from_pretrained(det_model), texts, 64, prompts, 6)
+    assert adapted["tokens"] == tokens and adapted["loss"] == pytest.approx(loss, rel=1e-5)
+    assert [s["outputs"][adapted["name"]] for s in report["samples"]] == outs
+    assert adapted["loss"] < base["loss"]
