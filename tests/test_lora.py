@@ -340,8 +340,9 @@ def test_4bit_base_matches_peft_on_a_whole_tensor_nf4_base(tmp_path, wide_model,
 
     out = tmp_path / "out"
     per_rank = ["--batch_size", "2", "--accum_steps", "2"] if nproc else ["--batch_size", "8"]
-    proc = run_cli(COMMON + per_rank + ["--model", str(wide_model), "--base_bits", "4", "--output_dir", str(out),
-                                        "--end_idx", "40"], tmp_path, nproc=nproc)  # fmt: skip
+    args = COMMON + per_rank + ["--model", str(wide_model), "--base_bits", "4", "--end_idx", "40", "--save_every_steps", "2",
+                                "--keep_last", "0"]  # fmt: skip
+    proc = run_cli(args + ["--output_dir", str(out)], tmp_path, nproc=nproc)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Failed to load" not in proc.stdout + proc.stderr
     got = [r["loss"] for r in read_jsonl(out / "metrics.jsonl")]
@@ -350,6 +351,18 @@ def test_4bit_base_matches_peft_on_a_whole_tensor_nf4_base(tmp_path, wide_model,
         assert abs(g - w) <= 1e-4 * max(1.0, abs(w)), (step, g, w)
     saved = torch.load(out / checkpoint_name(model_tag(str(wide_model)), 0, 40, 1), weights_only=True)
     assert saved["lora"]["base_bits"] == 4 and all(".lora_" in k for k in saved[MODEL_KEY])
+    if nproc:  # resumed at step 2 on one process: the base quantized again, the same bytes, the same losses
+        again = tmp_path / "again"
+        again.mkdir()
+        step2 = checkpoint_name(model_tag(str(wide_model)), 0, 40, 1, 2)
+        (again / step2).write_bytes((out / step2).read_bytes())
+        resumed = run_cli(COMMON + ["--batch_size", "8", "--model", str(wide_model), "--base_bits", "4", "--end_idx", "40",
+                                    "--output_dir", str(again), "--resume_file", step2], tmp_path, nproc=0)  # fmt: skip
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        tail = [r["loss"] for r in read_jsonl(again / "metrics.jsonl")]
+        assert len(tail) == len(got) - 2
+        for g, w in zip(tail, got[2:]):
+            assert abs(g - w) <= 1e-5 * max(1.0, abs(w)), (g, w)
 
 
 def _local_model(dest: Path, config) -> Path:
