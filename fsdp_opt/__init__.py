@@ -1,3 +1,11 @@
 """fsdp-opt: fine-tune Hugging Face causal LMs with PyTorch FSDP2, one resumable run across sessions."""
 
 __version__ = "0.1.0"
+
+import logging as _logging
+
+# transformers imports torchao (the NF4 tensor of --base_bits 4) whenever it is installed. torchao then reports the
+# compiled kernels it has for other hardware failing to load, and torch warns about how it registers its enums: none
+# of that is used here, so those two loggers only speak up for errors.
+for _name in ("torchao", "torch.utils._pytree"):
+    _logging.getLogger(_name).setLevel(_logging.ERROR)

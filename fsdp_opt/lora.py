@@ -11,7 +11,6 @@ FSDP2 takes frozen fp16 and trainable fp32 parameters in one unit: only trainabl
 from __future__ import annotations
 
 import hashlib
-import logging
 import json
 import shutil
 from dataclasses import dataclass, field
@@ -22,10 +21,6 @@ import torch
 from torch import nn
 
 from .errors import CheckpointError, ConfigError
-
-# peft imports torchao when it is installed. NF4 is plain torch code; torchao's compiled kernels for other hardware,
-# which it reports failing to load on import, are not used.
-logging.getLogger("torchao").setLevel(logging.ERROR)
 
 ADAPTER = "default"  # peft's adapter name inside the model; not part of the exported keys
 KEY = "lora"  # the checkpoint key holding the run's LoRA identity

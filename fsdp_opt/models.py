@@ -43,7 +43,7 @@ def resolve_model(name: str) -> ModelSource:
     if name == BUILTIN_MODEL:
         return ModelSource(name, str(ASSETS / BUILTIN_MODEL), "builtin")
     if name.startswith(RANDOM_PREFIX):
-        from .plan import OPT_FAMILY
+        from .shapes import OPT_FAMILY
 
         shape = name[len(RANDOM_PREFIX):]
         if shape not in OPT_FAMILY:
@@ -88,7 +88,7 @@ def load_model_config(source: ModelSource, attn_implementation: str = "sdpa") ->
     try:
         with quiet_hub_logs():
             if source.kind == "random":
-                from .plan import opt_config
+                from .shapes import opt_config
 
                 config = opt_config(source.location)
             else:
