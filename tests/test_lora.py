@@ -376,10 +376,11 @@ def _local_model(dest: Path, config) -> Path:
     return dest
 
 
-@pytest.mark.parametrize("arch,layers_adapted", [("gpt2", 4 * 2), ("llama", 7 * 2)])
-def test_lora_on_gpt2_and_llama_blocks(tmp_path, arch, layers_adapted):
+@pytest.mark.parametrize("arch,layers_adapted,strategy", [("gpt2", 4 * 2, "FULL_SHARD"), ("llama", 7 * 2, "NO_SHARD")])
+def test_lora_on_gpt2_and_llama_blocks(tmp_path, arch, layers_adapted, strategy):
     """The default targets are found inside the blocks the wrap policy finds (GPT-2's Conv1D layers, Llama's seven
-    projections); 2 ranks train them, and the exported adapter loads with peft on the base, changing its output."""
+    projections); 2 ranks train them (with the held-out evaluation at the save), and the exported adapter loads with
+    peft on the base, changing its output."""
     from peft import PeftModel
     from transformers import GPT2Config, LlamaConfig
 
@@ -391,9 +392,12 @@ def test_lora_on_gpt2_and_llama_blocks(tmp_path, arch, layers_adapted):
     out, export = tmp_path / "out", tmp_path / "adapter"
     proc = run_cli(["--model", str(base), "--dataset", "python-docs", "--end_idx", "24", "--max_length", "64",
                     "--batch_size", "2", "--lr", "1e-2", "--precision", "fp32", "--lora_rank", "4",
-                    "--output_dir", str(out), "--export_hf", str(export), "--export_dtype", "fp32"], tmp_path, nproc=2)  # fmt: skip
+                    "--output_dir", str(out), "--export_hf", str(export), "--export_dtype", "fp32", "--eval_rows", "8",
+                    "--sharding_strategy", strategy], tmp_path, nproc=2)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"on {layers_adapted} layers" in proc.stdout
+    (evaluation,) = read_jsonl(out / "eval.jsonl")
+    assert 0 < evaluation["loss"] < 20
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(export)).eval()
     ids = torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
