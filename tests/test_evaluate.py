@@ -103,7 +103,7 @@ def test_lora_checkpoint_evaluates_as_peft_on_its_base(tmp_path, det_model):
 
     from fsdp_opt.data import held_out_texts, load_rows
 
-    train = run_cli(["--model", str(det_model), *TRAIN, "--lora_rank", "4", "--lr", "1e-2", "--export_hf", "out/adapter",
+    train = run_cli(["--model", str(det_model), *TRAIN, "--lora_rank", "4", "--lr", "1e-2", "--num_epochs", "1", "--export_hf", "out/adapter",
                      "--export_dtype", "fp32"], tmp_path, nproc=2)  # fmt: skip
     assert train.returncode == 0, train.stdout + train.stderr
     proc = evaluate(tmp_path, ["--checkpoints", "latest", "--output_dir", "out", "--eval_rows", "11", "--max_new_tokens", "6",

@@ -22,7 +22,7 @@ from fsdp_opt.data import StepPlan, build_blocks, load_rows, select_texts
 from test_resume import kill_all_with, losses_by_step
 
 
-END_IDX, MAX_LEN, LR, CLIP, SEED, GLOBAL_BATCH, RANK = 100, 64, 1e-2, 0.5, 3, 8, 4
+END_IDX, MAX_LEN, LR, CLIP, SEED, GLOBAL_BATCH, RANK = 64, 64, 1e-2, 0.5, 3, 8, 4
 COMMON = [
     "--dataset", "python-docs", "--end_idx", str(END_IDX), "--max_length", str(MAX_LEN), "--lr", str(LR),
     "--max_grad_norm", str(CLIP), "--seed", str(SEED), "--num_epochs", "1", "--precision", "fp32",
@@ -94,8 +94,8 @@ def reference(det_model, batches):
 @pytest.mark.parametrize(
     "strategy,extra",
     [
-        ("FULL_SHARD", ["--accum_steps", "2"]),  # activation checkpointing (the default), accumulation without sync
-        ("SHARD_GRAD_OP", ["--accum_steps", "2", "--loss_chunk_tokens", "100", "--reduce_every_microbatch"]),
+        # activation checkpointing (the default), accumulation without sync, the loss 100 tokens at a time
+        ("FULL_SHARD", ["--accum_steps", "2", "--loss_chunk_tokens", "100"]),
     ],
 )
 def test_two_rank_lora_matches_one_process_peft(tmp_path, det_model, batches, reference, strategy, extra):
@@ -131,7 +131,7 @@ def test_base_unchanged_adapters_fp32_and_export_gives_the_training_logits(tmp_p
     out = tmp_path / "out"
     export = tmp_path / "adapter"
     args = COMMON + ["--model", str(det_model), "--batch_size", "2", "--accum_steps", "2", "--output_dir", str(out),
-                     "--precision", precision, "--export_hf", str(export), "--export_dtype", "fp32",
+                     "--end_idx", "40", "--precision", precision, "--export_hf", str(export), "--export_dtype", "fp32",
                      "--wandb_mode", "disabled"]  # fmt: skip
     worker = str(Path(__file__).parent / "workers" / "lora_base.py")
     proc = subprocess.run(torchrun_cmd(2, worker) + args, cwd=tmp_path, env=sandbox_env(tmp_path),
@@ -161,7 +161,7 @@ def test_base_unchanged_adapters_fp32_and_export_gives_the_training_logits(tmp_p
 
 def test_lora_checkpoint_is_small_resumes_exactly_after_sigkill_and_merges(tmp_path):
     """tiny-opt with dropout (base and adapters): exactness needs every rank's RNG and the adapters' optimizer state."""
-    args = ["--model", "tiny-opt", "--dataset", "python-docs", "--end_idx", "120", "--max_length", "64",
+    args = ["--model", "tiny-opt", "--dataset", "python-docs", "--end_idx", "80", "--max_length", "64",
             "--batch_size", "2", "--accum_steps", "2", "--lr", "2e-3", "--precision", "fp32", "--seed", "11",
             "--lora_rank", "8", "--lora_targets", "q_proj,v_proj,fc2"]  # fmt: skip
     straight = tmp_path / "straight"
@@ -171,7 +171,7 @@ def test_lora_checkpoint_is_small_resumes_exactly_after_sigkill_and_merges(tmp_p
     full = tmp_path / "full"
     proc = run_cli(args[:-4] + ["--end_idx", "8", "--output_dir", str(full)], tmp_path, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lora_bytes = (straight / checkpoint_name("tiny_opt", 0, 120, 1)).stat().st_size
+    lora_bytes = (straight / checkpoint_name("tiny_opt", 0, 80, 1)).stat().st_size
     full_bytes = (full / checkpoint_name("tiny_opt", 0, 8, 1)).stat().st_size
     assert lora_bytes * 10 < full_bytes, (lora_bytes, full_bytes)
 
@@ -179,7 +179,7 @@ def test_lora_checkpoint_is_small_resumes_exactly_after_sigkill_and_merges(tmp_p
     run = subprocess.Popen(torchrun_cmd(2) + args + ["--save_every_steps", "3", "--keep_last", "0", "--output_dir", str(out)],
                            cwd=tmp_path, env=sandbox_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                            start_new_session=True)  # fmt: skip
-    target = out / checkpoint_name("tiny_opt", 0, 120, 1, 6)
+    target = out / checkpoint_name("tiny_opt", 0, 80, 1, 6)
     deadline = time.time() + 240
     while not target.exists() and run.poll() is None and time.time() < deadline:
         time.sleep(0.05)
@@ -195,7 +195,7 @@ def test_lora_checkpoint_is_small_resumes_exactly_after_sigkill_and_merges(tmp_p
         assert abs(got[step] - loss) <= 1e-6 * max(1.0, abs(loss)), (step, got[step], loss)
 
     # --merge: the base with the update in, a plain model folder; its logits are peft's on the adapter folder.
-    final = straight / checkpoint_name("tiny_opt", 0, 120, 1)
+    final = straight / checkpoint_name("tiny_opt", 0, 80, 1)
     for dest, extra in ((tmp_path / "adapter", []), (tmp_path / "merged", ["--merge"])):
         proc = subprocess.run(["python", "-m", "fsdp_opt.export", str(final), str(dest), "--dtype", "fp32", *extra],
                               cwd=tmp_path, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=120)  # fmt: skip
@@ -310,7 +310,7 @@ def wide_model(tmp_path_factory):
                             word_embed_proj_dim=256, num_attention_heads=4)  # fmt: skip
 
 
-@pytest.mark.parametrize("nproc", [2, 0])
+@pytest.mark.parametrize("nproc", [2])  # one process: the resume below
 def test_4bit_base_matches_peft_on_a_whole_tensor_nf4_base(tmp_path, wide_model, nproc):
     """--base_bits 4 under FSDP2 (2 ranks) and on one process: the losses of peft on a base whose linear weights
     torchao quantized whole, within 1e-4. (Quantizing each rank's rows on their own would give other scales, from a
@@ -376,7 +376,7 @@ def _local_model(dest: Path, config) -> Path:
     return dest
 
 
-@pytest.mark.parametrize("arch,layers_adapted,strategy", [("gpt2", 4 * 2, "FULL_SHARD"), ("llama", 7 * 2, "NO_SHARD")])
+@pytest.mark.parametrize("arch,layers_adapted,strategy", [("gpt2", 4 * 2, "SHARD_GRAD_OP"), ("llama", 7 * 2, "NO_SHARD")])
 def test_lora_on_gpt2_and_llama_blocks(tmp_path, arch, layers_adapted, strategy):
     """The default targets are found inside the blocks the wrap policy finds (GPT-2's Conv1D layers, Llama's seven
     projections); 2 ranks train them (with the held-out evaluation at the save), and the exported adapter loads with
