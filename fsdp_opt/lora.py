@@ -191,18 +191,24 @@ def load_quantized(model: nn.Module, full_state: dict[str, torch.Tensor] | None,
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     to_nf4 = _to_nf4()
     params = dict(model.named_parameters())
     for name in names:
         into = params[_sharded_name(params, name)]
-        local = into._local_tensor if hasattr(into, "_local_tensor") else into  # the object FSDP2 gathers from
+        sharded = isinstance(into, DTensor)
+        local = into._local_tensor if sharded else into  # the object FSDP2 gathers from
         shape = tuple(into.shape)
         full = full_state.pop(name).to(env.device) if env.is_main else torch.empty(shape, dtype=local.dtype, device=env.device)
         if env.world_size > 1:
             dist.broadcast(full, src=0)
         quantized = to_nf4(full)
-        rows = shape[0] // env.world_size if hasattr(into, "to_local") else shape[0]
-        part = torch.split(quantized, rows)[env.rank] if hasattr(into, "to_local") else quantized
+        part = quantized
+        if sharded:  # this rank's rows, wherever the mesh puts them (a shard group of HYBRID_SHARD included)
+            (rows, _), (offset, _) = compute_local_shape_and_global_offset(shape, into.device_mesh, into.placements)
+            part = torch.split(quantized, rows)[offset // rows]
         local.copy_(part)  # the packed bytes and scales
         # The whole tensor's scale mean and the NF4 code table travel with every shard (FSDP2 passes them to the
         # gathered weight as they are): made on meta with the skeleton, set here.
