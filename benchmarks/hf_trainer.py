@@ -21,7 +21,7 @@ def run_hf_trainer(args: argparse.Namespace, env, out_dir: str) -> dict:
     source = resolve_model(args.model)
     config, tokenizer = load_model_config(source), load_tokenizer(source)
     texts, _ = select_texts(load_rows(args.dataset), "text", 0, None)
-    blocks = build_blocks(texts, tokenizer, args.max_length, packing=True)
+    blocks = build_blocks(texts, tokenizer, args.max_length, packing="concat")
     precision = resolve_precision(args.precision, env.device)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

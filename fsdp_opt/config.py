@@ -72,9 +72,15 @@ class DataConfig:
         "Held-out rows right after the slice, [end_idx, end_idx + N): eval loss and perplexity at every save "
         "(0: no evaluation).",
     )
-    pad_to_max_length: bool = _opt(
-        False, "Pad every row to max_length (the original recipe) instead of packing rows into full blocks."
+    packing: str = _opt(
+        "docs",
+        "How rows fill the blocks of max_length tokens. docs: whole rows share a block, each attending only to "
+        "itself with positions from 0 (the same losses as padding, in far fewer blocks); concat: rows joined end to "
+        "end and cut every max_length tokens, attending across row ends; pad: one row per block, truncated and "
+        "padded (the original recipe).",
+        choices=("docs", "concat", "pad"),
     )
+    pad_to_max_length: bool = _opt(False, "Same as --packing pad (the original recipe's padding).")
 
     def __post_init__(self) -> None:
         if self.start_idx < 0:
@@ -87,6 +93,11 @@ class DataConfig:
             raise ConfigError(f"--eval_rows {self.eval_rows}: must be 0 or more")
         if not self.text_column:
             raise ConfigError("--text_column: must not be empty")
+        if self.pad_to_max_length:
+            if self.packing == "concat":
+                raise ConfigError("--pad_to_max_length: contradicts --packing concat (it means --packing pad)")
+            self.packing = "pad"
+        self.pad_to_max_length = self.packing == "pad"
 
 
 @dataclass

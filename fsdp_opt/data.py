@@ -16,6 +16,7 @@ from typing import Iterator, Sequence
 import torch
 
 from .errors import DataError, quiet_hub_logs
+from .packing import MODES, document_mask, pack_documents
 
 BUILTIN_DATASET = "python-docs"
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
@@ -119,11 +120,18 @@ def tokenize(texts: Sequence[str], tokenizer, batch: int = 1000) -> list[list[in
 
 @dataclass
 class Blocks:
-    """Fixed-length training sequences, right-padded; `lengths` counts the real tokens of each."""
+    """Fixed-length training sequences, right-padded; `lengths` counts the real tokens of each.
+
+    `positions` is set for document-aware blocks (`--packing docs`): each token's position inside its document,
+    0 where a document starts. Such blocks are fed with `position_ids` and a block-diagonal causal mask, and a
+    document's first token is never a target. Without it a block is one sequence, positions counted by the model.
+    """
 
     input_ids: torch.Tensor  # [n, max_length] int32
     lengths: torch.Tensor  # [n] int64
     pad_id: int
+    positions: torch.Tensor | None = None  # [n, max_length] int32
+    attention: str = "sdpa"  # the model's attention implementation: the form the mask takes
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -133,8 +141,11 @@ class Blocks:
         return self.input_ids.shape[1]
 
     def target_counts(self) -> torch.Tensor:
-        """Predicted tokens per block: every real token but the first."""
-        return (self.lengths - 1).clamp(min=0)
+        """Predicted tokens per block: every real token but the first of each document."""
+        if self.positions is None:
+            return (self.lengths - 1).clamp(min=0)
+        valid = torch.arange(self.max_length)[None, :] < self.lengths[:, None]
+        return ((self.positions != 0) & valid).sum(1)
 
     def batch(self, index: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
         """Rows `index` as model inputs; index -1 is a filler row that has no targets."""
@@ -145,6 +156,16 @@ class Blocks:
         valid = pos[None, :] < lengths[:, None]
         rows = torch.where(valid, rows, self.pad_id)
         labels = torch.where(valid, rows, IGNORE_INDEX)
+        if self.positions is not None:
+            # Filler rows are one segment from position 0. A document's first token is no target.
+            positions = torch.where(real[:, None], self.positions[index.clamp(min=0)].long(), pos[None, :])
+            labels = torch.where(positions == 0, IGNORE_INDEX, labels)
+            out = {"input_ids": rows.to(device, non_blocking=True), "labels": labels.to(device, non_blocking=True)}
+            if not bool((positions == pos).all()):  # else: one full document per row, plain causal is the same
+                positions = positions.to(device, non_blocking=True)
+                out["position_ids"] = positions
+                out["attention_mask"] = document_mask(positions, self.attention)
+            return out
         out = {
             "input_ids": rows.to(device, non_blocking=True),
             "labels": labels.to(device, non_blocking=True),
@@ -154,6 +175,14 @@ class Blocks:
             # all ignored. Full blocks pass no mask at all, which keeps SDPA on its causal fast path.
             out["attention_mask"] = (valid | ~real[:, None]).long().to(device, non_blocking=True)
         return out
+
+
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The keyword arguments of the model's forward from `Blocks.batch`: everything but the labels."""
+    return {k: batch[k] for k in MODEL_INPUTS if k in batch}
 
 
 def pack(rows: Sequence[Sequence[int]], max_length: int, pad_id: int) -> Blocks:
@@ -179,10 +208,20 @@ def pad_rows(rows: Sequence[Sequence[int]], max_length: int, pad_id: int) -> Blo
     return Blocks(ids, lengths, pad_id)
 
 
-def build_blocks(texts: Sequence[str], tokenizer, max_length: int, packing: bool) -> Blocks:
+def build_blocks(texts: Sequence[str], tokenizer, max_length: int, packing: str, attention: str = "sdpa") -> Blocks:
+    """--packing docs: whole documents per block, each seeing only itself; concat: rows joined and cut every
+    max_length tokens; pad: one row per block, truncated and padded (the original recipe)."""
     rows = tokenize(texts, tokenizer)
     pad_id = tokenizer.pad_token_id
-    blocks = pack(rows, max_length, pad_id) if packing else pad_rows(rows, max_length, pad_id)
+    if packing == "docs":
+        ids, lengths, positions = pack_documents(rows, max_length, pad_id)
+        blocks = Blocks(ids, lengths, pad_id, positions, attention)
+    elif packing == "concat":
+        blocks = pack(rows, max_length, pad_id)
+    elif packing == "pad":
+        blocks = pad_rows(rows, max_length, pad_id)
+    else:
+        raise ValueError(f"packing {packing!r}: one of {', '.join(MODES)}")
     if int(blocks.target_counts().sum()) == 0:
         raise DataError("--dataset: the slice has no tokens to train on")
     return blocks

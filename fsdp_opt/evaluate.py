@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .data import IGNORE_INDEX, Blocks
+from .data import IGNORE_INDEX, Blocks, model_inputs
 from .distributed import DistEnv
 from .loss import causal_lm_loss_sum
 
@@ -48,7 +48,7 @@ def evaluate_loss(model: nn.Module, blocks: Blocks, batch_size: int, env: DistEn
     try:
         for index in rank_batches(len(blocks), batch_size, env.rank, env.world_size):
             batch = blocks.batch(index, env.device)
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+            logits = model(**model_inputs(batch)).logits
             totals[0] += causal_lm_loss_sum(logits, batch["labels"]).double()
             totals[1] += (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
     finally:
@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start_idx", type=int, default=None, help="first held-out row (default: the end of the first checkpoint's range)")
     p.add_argument("--eval_rows", type=int, default=DEFAULT_EVAL_ROWS, help="held-out rows [start_idx, start_idx + N)")
     p.add_argument("--max_length", type=int, default=None, help="block length (default: the first checkpoint's)")
+    p.add_argument("--packing", default=None, choices=["docs", "concat", "pad"],
+                   help="how the rows fill the blocks (default: docs, or concat for a run trained that way); docs and "
+                        "pad give each row's loss on its own, so their results agree")  # fmt: skip
     p.add_argument("--batch_size", type=int, default=4, help="blocks per forward pass per rank")
     p.add_argument("--prompts", nargs="*", default=None, help="default: the first words of the first held-out rows")
     p.add_argument("--num_prompts", type=int, default=3)
@@ -248,11 +251,12 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
     precision = all_ranks_ok(lambda: par.resolve_precision(args.precision, env.device))
     model_config, tokenizer = rank0_first(lambda: (load_model_config(source), load_tokenizer(source)))
     texts, end = rank0_first(lambda: held_out_texts(load_rows(dataset), text_column, start, args.eval_rows))
-    blocks = all_ranks_ok(lambda: build_blocks(texts, tokenizer, max_length, packing=True))
+    packing = args.packing or ("concat" if trained.get("packing") == "concat" else "docs")
+    blocks = all_ranks_ok(lambda: build_blocks(texts, tokenizer, max_length, packing))
     prompts = args.prompts or [" ".join(t.split()[:12]) for t in texts[: args.num_prompts]]
     candidates = ([] if args.no_base else [{"name": f"base ({model_name})", "kind": "base"}]) + entries
     print0(f"evaluating {len(candidates)} model(s) on rows [{start}, {end}) of {dataset}: {len(blocks)} blocks of "
-           f"{max_length} tokens, {env.world_size} rank(s), {precision}")  # fmt: skip
+           f"{max_length} tokens ({packing}), {env.world_size} rank(s), {precision}")  # fmt: skip
 
     models, samples = [], [{"prompt": p, "outputs": {}} for p in prompts]
     for entry in candidates:

@@ -41,7 +41,7 @@ def slice_key(config: Config, end_idx: int, num_samples: int) -> dict[str, Any]:
         "end_idx": end_idx,
         "text_column": dc.text_column,
         "max_length": dc.max_length,
-        "packing": not dc.pad_to_max_length,
+        "packing": dc.packing,
         "seed": config.train.seed,
         "num_samples": num_samples,
     }
@@ -77,7 +77,14 @@ def restore(
         scaler.load_state_dict(header["scaler"])
     here = slice_key(config, end_idx, num_samples)
     ts = header["train_state"] or {"global_step": int(header[ckpt.STEP_KEY]), "epoch": 0, "offset": 0}
-    same_slice = header["slice"] == here
+    saved = dict(header["slice"] or {})
+    if isinstance(saved.get("packing"), bool):  # checkpoints from before --packing: True was concat, False pad
+        saved["packing"] = "concat" if saved["packing"] else "pad"
+    same_slice = saved == here
+    rest = lambda key: {k: v for k, v in key.items() if k not in ("packing", "num_samples")}  # noqa: E731
+    if not same_slice and saved.get("packing") != here["packing"] and rest(saved) == rest(here):
+        print0(f"note: the checkpoint packed this slice with --packing {saved['packing']}; this run packs it with "
+               f"--packing {here['packing']}, so its blocks differ and the slice starts again from its first batch")
     rngs = header["rng"] or []
     if same_slice and len(rngs) == env.world_size:
         ckpt.set_rng_state(rngs[env.rank])

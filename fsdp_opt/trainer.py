@@ -20,7 +20,7 @@ from . import checkpoint as ckpt
 from .atomic import remove_stale_temp
 from . import parallelize as par
 from .config import Config
-from .data import StepBatch, StepPlan, build_blocks, held_out_texts, load_rows, select_texts
+from .data import StepBatch, StepPlan, build_blocks, held_out_texts, load_rows, model_inputs, select_texts
 from .distributed import (
     DistEnv,
     all_ranks_ok,
@@ -125,10 +125,12 @@ def setup(config: Config, env: DistEnv) -> Session:
         return texts, end, held_out_texts(ds, dc.text_column, end, dc.eval_rows)[0] if dc.eval_rows else None
 
     texts, end_idx, eval_texts = rank0_first(read_data)
-    blocks = all_ranks_ok(lambda: build_blocks(texts, tokenizer, dc.max_length, packing=not dc.pad_to_max_length))
+    attention = mc.attn_implementation
+    blocks = all_ranks_ok(lambda: build_blocks(texts, tokenizer, dc.max_length, dc.packing, attention))
     eval_blocks = None
-    if eval_texts is not None:  # packed like training data, always: the loss is a token mean either way
-        eval_blocks = all_ranks_ok(lambda: build_blocks(eval_texts, tokenizer, dc.max_length, packing=True))
+    if eval_texts is not None:  # docs and pad give the same per-row losses; docs in fewer blocks
+        eval_packing = "concat" if dc.packing == "concat" else "docs"
+        eval_blocks = all_ranks_ok(lambda: build_blocks(eval_texts, tokenizer, dc.max_length, eval_packing, attention))
     out_dir = Path(cc.output_dir)
     hc = config.hub
     read_started = time.perf_counter()
@@ -245,7 +247,7 @@ def _print_summary(s: Session, classes: set[type], units: int, n_params: int) ->
                 "activation ckpt": c.parallel.activation_checkpointing,
                 "world": f"{s.env.world_size} rank(s) on {s.env.device.type}, {s.env.num_nodes} node(s)",
                 "data": f"{c.data.dataset} rows [{c.data.start_idx}, {s.end_idx}) -> {len(s.blocks)} "
-                f"{'padded rows' if c.data.pad_to_max_length else 'packed blocks'} of {c.data.max_length} tokens",
+                f"{PACKING_WORDS[c.data.packing]} of {c.data.max_length} tokens",
                 "batch": f"{c.train.batch_size} per rank x {s.env.world_size} ranks x {c.train.accum_steps} accum = {global_batch} sequences per step",
                 "gradient sync": "every micro-batch"
                 if s.reduce_each_microbatch or c.train.accum_steps == 1
@@ -261,6 +263,13 @@ def _print_summary(s: Session, classes: set[type], units: int, n_params: int) ->
         )
     )
     print0("config: " + " ".join(f"--{k} {v}" for k, v in c.flat().items() if v is not None))
+
+
+PACKING_WORDS = {
+    "docs": "blocks of whole documents (each attends to itself only, positions from 0)",
+    "concat": "blocks of rows joined end to end",
+    "pad": "padded rows",
+}
 
 
 def describe_lora(s: Session) -> str:
@@ -335,29 +344,38 @@ def _stop_early(s: Session, reason: str) -> None:
     print0("resume with:\n  " + resume_command(path.name))
 
 
-def train_step(s: Session, step: StepBatch) -> dict[str, Any]:
-    started = time.perf_counter()
+def accumulate(s: Session, step: StepBatch, scale: float = 1.0) -> torch.Tensor:
+    """Forward and backward over this rank's micro-batches of `step`; returns this rank's summed token loss.
+
+    The gradients add up to `scale` times the token mean over the whole step (all ranks): each micro-batch's loss
+    sum is divided by the step's global target count.
+    """
     model, env = s.model, s.env
-    lr = s.schedule(s.state.global_step)
-    for group in s.optimizer.param_groups:
-        group["lr"] = lr
-    scale = s.scaler.scale
-    # Divide by the step's global target count so the summed gradients are the token mean of the step.
     weight = scale / max(1, step.target_tokens)
     loss_sum = torch.zeros((), device=env.device, dtype=torch.float32)
     n_micro = len(step.micro_batches)
     for i, index in enumerate(step.micro_batches):
-        last = i == n_micro - 1
         if not s.reduce_each_microbatch:
-            model.set_requires_gradient_sync(last)
+            model.set_requires_gradient_sync(i == n_micro - 1)
         batch = s.blocks.batch(index, env.device)
         chunked = s.chunked_loss
         with chunked.hidden_states() if chunked else nullcontext():
             # With a chunked loss `.logits` holds the final hidden states: the projection runs in the loss.
-            out = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+            out = model(**model_inputs(batch)).logits
         loss = chunked.loss_sum(out, batch["labels"]) if chunked else causal_lm_loss_sum(out, batch["labels"])
         (loss * weight).backward()
         loss_sum += loss.detach()
+    return loss_sum
+
+
+def train_step(s: Session, step: StepBatch) -> dict[str, Any]:
+    started = time.perf_counter()
+    env = s.env
+    lr = s.schedule(s.state.global_step)
+    for group in s.optimizer.param_groups:
+        group["lr"] = lr
+    scale = s.scaler.scale
+    loss_sum = accumulate(s, step, scale)
     scaled_norm = global_grad_norm(s.params)
     if env.world_size > 1:
         dist.all_reduce(loss_sum)

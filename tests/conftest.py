@@ -83,6 +83,27 @@ def run_cli_concurrently(runs: list[tuple[list[str], Path, dict[str, str] | None
         return [f.result() for f in futures]
 
 
+def row_pieces(tokenizer, texts, max_length: int) -> list[list[int]]:
+    """What --packing docs trains on, made here without the packing code: each row's tokens with EOS appended,
+    cut into pieces of at most max_length."""
+    rows = [ids + [tokenizer.eos_token_id] for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+    return [r[i : i + max_length] for r in rows for i in range(0, len(r), max_length)]
+
+
+def loss_alone(model, pieces: list[list[int]]) -> tuple[float, int]:
+    """(summed next-token loss, target count) of each piece run through `model` by itself: no padding, no mask."""
+    import torch
+
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for piece in pieces:
+            if len(piece) > 1:
+                ids = torch.tensor([piece])
+                total += model(input_ids=ids, labels=ids).loss.item() * (len(piece) - 1)
+                tokens += len(piece) - 1
+    return total, tokens
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 

@@ -165,6 +165,6 @@ def test_help_lists_every_flag():
     for flag in ("--num_epochs", "--start_idx", "--end_idx", "--batch_size", "--accum_steps", "--hf_repo",
                  "--resume_file", "--initial_epoch", "--model", "--dataset", "--text_column", "--max_length",
                  "--lr", "--warmup_steps", "--weight_decay", "--max_grad_norm", "--precision",
-                 "--sharding_strategy", "--activation_checkpointing", "--cpu_offload", "--pad_to_max_length",
+                 "--sharding_strategy", "--activation_checkpointing", "--cpu_offload", "--pad_to_max_length", "--packing",
                  "--seed", "--output_dir", "--save_every_steps"):  # fmt: skip
         assert flag in proc.stdout, flag

@@ -132,7 +132,7 @@ def _steps(blocks, batch, accum, world, seed=0, epoch=0):
 
 
 def test_global_batches_do_not_depend_on_rank_count(tokenizer):
-    blocks = build_blocks(python_docs_texts()[:60], tokenizer, 32, packing=True)
+    blocks = build_blocks(python_docs_texts()[:60], tokenizer, 32, packing="concat")
     one = _steps(blocks, batch=8, accum=2, world=1)
     two = _steps(blocks, batch=4, accum=2, world=2)
     four = _steps(blocks, batch=1, accum=4, world=4)
@@ -143,7 +143,7 @@ def test_global_batches_do_not_depend_on_rank_count(tokenizer):
 
 
 def test_order_depends_on_seed_and_epoch(tokenizer):
-    blocks = build_blocks(python_docs_texts()[:60], tokenizer, 32, packing=True)
+    blocks = build_blocks(python_docs_texts()[:60], tokenizer, 32, packing="concat")
     plan = StepPlan(blocks, batch_size=4, accum_steps=1, rank=0, world_size=1, seed=1)
     again = StepPlan(blocks, batch_size=2, accum_steps=3, rank=1, world_size=2, seed=1)
     assert torch.equal(plan.epoch_order(0), again.epoch_order(0))
@@ -153,7 +153,7 @@ def test_order_depends_on_seed_and_epoch(tokenizer):
 
 
 def test_resume_offset_continues_the_same_sequence(tokenizer):
-    blocks = build_blocks(python_docs_texts()[:60], tokenizer, 32, packing=True)
+    blocks = build_blocks(python_docs_texts()[:60], tokenizer, 32, packing="concat")
     plan = StepPlan(blocks, batch_size=4, accum_steps=1, rank=0, world_size=1, seed=5)
     full = list(plan.steps(2))
     tail = list(plan.steps(2, start_offset=full[2].end_offset))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from conftest import read_jsonl, run_cli
 
@@ -21,22 +20,16 @@ def test_eval_rows_match_reference(tmp_path, det_model):
     (record,) = read_jsonl(tmp_path / "out" / "eval.jsonl")
     assert record["rows"] == "[24, 37)" and record["step"] == len(read_jsonl(tmp_path / "out" / "metrics.jsonl"))
 
-    # Reference: one process, no FSDP, the model's own loss (mean over shifted labels) on each packed block.
+    # Reference: one process, no FSDP, the model's own loss (mean over shifted labels) on each held-out row alone,
+    # cut into 64-token pieces as --packing docs cuts it.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fsdp_opt.data import build_blocks, held_out_texts, load_rows
+    from conftest import loss_alone, row_pieces
+    from fsdp_opt.data import held_out_texts, load_rows
 
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "export").eval()
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out" / "export")
-    blocks = build_blocks(held_out_texts(load_rows("python-docs"), "text", 24, 13)[0], tokenizer, 64, packing=True)
-    total, tokens = 0.0, 0
-    with torch.no_grad():
-        for i in range(len(blocks)):
-            n = int(blocks.lengths[i])
-            ids = blocks.input_ids[i : i + 1, :n].long()
-            out = model(input_ids=ids, labels=ids)
-            total += out.loss.item() * (n - 1)
-            tokens += n - 1
+    total, tokens = loss_alone(model, row_pieces(tokenizer, held_out_texts(load_rows("python-docs"), "text", 24, 13)[0], 64))
     assert record["tokens"] == tokens
     assert record["loss"] == pytest.approx(total / tokens, rel=1e-5)
     assert record["perplexity"] == pytest.approx(math.exp(total / tokens), rel=1e-5)

@@ -23,17 +23,12 @@ def evaluate(tmp, args, nproc=0):
 
 
 def hf_reference(model, tokenizer, texts, max_length, prompts, max_new_tokens):
-    """One process, no FSDP: the model's own loss on each packed block, and greedy generate()."""
-    from fsdp_opt.data import build_blocks
+    """One process, no FSDP: the model's own loss on each row alone (cut into max_length pieces, as --packing docs
+    does), and greedy generate()."""
+    from conftest import loss_alone, row_pieces
 
-    blocks = build_blocks(texts, tokenizer, max_length, packing=True)
-    total, tokens = 0.0, 0
+    total, tokens = loss_alone(model, row_pieces(tokenizer, texts, max_length))
     with torch.no_grad():
-        for i in range(len(blocks)):
-            n = int(blocks.lengths[i])
-            ids = blocks.input_ids[i : i + 1, :n].long()
-            total += model(input_ids=ids, labels=ids).loss.item() * (n - 1)
-            tokens += n - 1
         outs = []
         for p in prompts:
             enc = tokenizer(p, return_tensors="pt")

@@ -26,7 +26,7 @@ END_IDX, MAX_LEN, LR, CLIP, SEED, GLOBAL_BATCH, RANK = 64, 64, 1e-2, 0.5, 3, 8, 
 COMMON = [
     "--dataset", "python-docs", "--end_idx", str(END_IDX), "--max_length", str(MAX_LEN), "--lr", str(LR),
     "--max_grad_norm", str(CLIP), "--seed", str(SEED), "--num_epochs", "1", "--precision", "fp32",
-    "--lora_rank", str(RANK), "--lora_dropout", "0",
+    "--lora_rank", str(RANK), "--lora_dropout", "0", "--packing", "concat",  # the references below join rows as concat does
 ]  # fmt: skip
 LINEAR = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
 
@@ -44,7 +44,7 @@ def step_batches(det_model, end_idx: int = END_IDX) -> list[tuple[torch.Tensor, 
     """Each optimizer step's global batch (ids, attention mask, labels), in the order the engine draws them."""
     tokenizer = AutoTokenizer.from_pretrained(det_model)
     texts, _ = select_texts(load_rows("python-docs"), "text", 0, end_idx)
-    blocks = build_blocks(texts, tokenizer, MAX_LEN, packing=True)
+    blocks = build_blocks(texts, tokenizer, MAX_LEN, packing="concat")
     order = StepPlan(blocks, batch_size=GLOBAL_BATCH, accum_steps=1, rank=0, world_size=1, seed=SEED).epoch_order(0)
     out = []
     for begin in range(0, len(order), GLOBAL_BATCH):

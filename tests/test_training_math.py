@@ -1,7 +1,7 @@
 """Sharding must not change the math: per-step loss and grad norm of the CLI against a plain PyTorch loop.
 
-The reference runs the whole global batch in one forward pass on an unsharded model, takes the token
-mean with torch's cross_entropy, and clips with torch.nn.utils.clip_grad_norm_. The CLI runs FSDP2 with
+The reference runs each row of the global batch through an unsharded model by itself (the default --packing docs
+gives every row its own positions and attention), takes the token mean with torch's cross_entropy, and clips with torch.nn.utils.clip_grad_norm_. The CLI runs FSDP2 with
 micro-batches, gradient accumulation and a per-step global token count. In fp32 they must agree.
 """
 
@@ -27,19 +27,24 @@ def reference(det_model):
     """Per-step (loss, grad_norm) of an unsharded, un-accumulated fp32 training loop."""
     tokenizer = AutoTokenizer.from_pretrained(det_model)
     texts, _ = select_texts(load_rows("python-docs"), "text", 0, END_IDX)
-    blocks = build_blocks(texts, tokenizer, MAX_LEN, packing=True)
+    blocks = build_blocks(texts, tokenizer, MAX_LEN, packing="docs")
     order = StepPlan(blocks, batch_size=GLOBAL_BATCH, accum_steps=1, rank=0, world_size=1, seed=SEED).epoch_order(0)
     model = AutoModelForCausalLM.from_pretrained(det_model, dtype=torch.float32)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     out = []
     for begin in range(0, len(order), GLOBAL_BATCH):
-        idx = order[begin : begin + GLOBAL_BATCH]
-        ids = blocks.input_ids[idx].long()
-        valid = torch.arange(MAX_LEN)[None, :] < blocks.lengths[idx][:, None]
-        labels = torch.where(valid, ids, -100)
-        logits = model(input_ids=ids, attention_mask=valid.long()).logits
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
+        # Each row (or piece of a long row) of the step's blocks runs through the model alone, without any mask.
+        loss_sum, targets = 0.0, 0
+        for i in order[begin : begin + GLOBAL_BATCH].tolist():
+            n = int(blocks.lengths[i])
+            starts = (blocks.positions[i, :n] == 0).nonzero().flatten().tolist() + [n]
+            for a, b in zip(starts, starts[1:]):
+                ids = blocks.input_ids[i : i + 1, a:b].long()
+                logits = model(input_ids=ids).logits
+                loss_sum = loss_sum + F.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum")
+                targets += b - a - 1
+        loss = loss_sum / targets
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
@@ -90,9 +95,9 @@ def test_sharded_run_matches_unsharded_reference(tmp_path, det_model, reference,
 def _expected_targets(model_dir) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     texts, _ = select_texts(load_rows("python-docs"), "text", 0, END_IDX)
-    n_tokens = sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) + 1 for t in texts)
-    n_blocks = -(-n_tokens // MAX_LEN)
-    return n_tokens - n_blocks  # the first token of each block is input only
+    lengths = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) + 1 for t in texts]
+    # Every token of a row but its first, and but the first of each further MAX_LEN piece of a long row.
+    return sum(n - -(-n // MAX_LEN) for n in lengths)
 
 
 def test_hybrid_shard_across_two_nodes_matches_reference(tmp_path, det_model, reference):

@@ -34,6 +34,8 @@ def test_original_flags_keep_their_meaning():
 
 def test_boolean_flags_take_optional_values():
     assert parse_args(["--pad_to_max_length"]).data.pad_to_max_length is True
+    assert parse_args(["--pad_to_max_length"]).data.packing == "pad"
+    assert parse_args([]).data.packing == "docs" and parse_args(["--packing", "pad"]).data.pad_to_max_length is True
     assert parse_args(["--activation_checkpointing", "false"]).parallel.activation_checkpointing is False
     assert parse_args(["--sharding_strategy", "shard_grad_op"]).parallel.sharding_strategy == "SHARD_GRAD_OP"
 
@@ -51,6 +53,8 @@ def test_boolean_flags_take_optional_values():
         ("--prefetch -1", "--prefetch"),
         ("--loss_chunk_tokens -5", "--loss_chunk_tokens"),
         ("--bogus 1", "--bogus"),
+        ("--packing none", "--packing"),
+        ("--packing concat --pad_to_max_length", "--pad_to_max_length"),
     ],
 )
 def test_bad_flags_raise_one_line_naming_the_flag(argv, needle):
