@@ -16,7 +16,7 @@ from .tracking import read_metrics
 ENTRY = Path(__file__).resolve().parents[1] / "fsdp_finetune.py"
 DEMO_ARGS = [
     "--model", "tiny-opt", "--dataset", "python-docs", "--max_length", "128", "--batch_size", "4",
-    "--num_epochs", "3", "--lr", "3e-3", "--warmup_steps", "20", "--seed", "0",
+    "--num_epochs", "2", "--lr", "3e-3", "--warmup_steps", "20", "--seed", "0",
 ]  # fmt: skip
 
 

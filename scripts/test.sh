@@ -3,5 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh "[test]"
-# Two workers (pytest-xdist): most tests wait on subprocesses, so two at a time fill both cores of a small machine.
-python -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist worksteal "$@"
+# Three workers (pytest-xdist): most tests wait on subprocesses (launches, sleeps, timeouts), so three at a time keep
+# both cores of a small machine busy; two left a third of the CPU idle.
+python -m pytest -q -n "${PYTEST_WORKERS:-3}" --dist worksteal "$@"

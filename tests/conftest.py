@@ -149,7 +149,7 @@ def assert_clean_failure(proc: subprocess.CompletedProcess, *needles: str) -> st
 # The longest tests (minutes each on 2 cores) start first, so parallel workers (pytest-xdist, scripts/test.sh) do
 # not end with one of them running alone.
 LONGEST_FIRST = (
-    "test_retention.py::test_chain_of_five_slices_keeps_the_policy",
+    "test_retention.py::test_chain_of_four_slices_keeps_the_policy",
     "test_lora.py::test_lora_checkpoint_is_small_resumes_exactly_after_sigkill_and_merges",
     "test_cli.py::test_demo_trains_and_loss_falls",
     "test_benchmark.py::test_throughput_report_runs_the_trainer_under_fsdp2",

@@ -24,7 +24,7 @@ def test_demo_trains_and_loss_falls(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = read_jsonl(out / "metrics.jsonl")
-    assert len(rows) >= 150
+    assert len(rows) >= 100
     assert all(tuple(r)[: len(METRICS_FIELDS)] == METRICS_FIELDS for r in rows)
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
     first = sum(r["loss"] for r in rows[:10]) / 10
@@ -36,14 +36,12 @@ def test_demo_trains_and_loss_falls(tmp_path):
     assert "world           : 2 rank(s) on cpu" in proc.stdout
     assert "predicted step  : GPU runs only" in proc.stdout and "step time: measured " in proc.stdout
     # Epoch checkpoints named like the original script, loadable with weights_only.
-    per_epoch = len(rows) // 3
-    assert [r["epoch"] for r in rows] == [0] * per_epoch + [1] * per_epoch + [2] * per_epoch
+    per_epoch = len(rows) // 2
+    assert [r["epoch"] for r in rows] == [0] * per_epoch + [1] * per_epoch
     end = _end(proc.stdout)
-    for epoch in (2, 3):
+    for epoch in (1, 2):
         payload = torch.load(out / checkpoint_name("tiny_opt", 0, end, epoch), weights_only=True)
         assert payload[STEP_KEY] == per_epoch * epoch and "model.decoder.embed_tokens.weight" in payload[MODEL_KEY]
-    # --keep_last 2 (the default) removed the first once the third was complete.
-    assert not (out / checkpoint_name("tiny_opt", 0, end, 1)).exists()
 
 
 def _end(stdout: str) -> int:
