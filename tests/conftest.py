@@ -170,3 +170,12 @@ def pytest_collection_modifyitems(config, items):  # noqa: ANN001
         return len(LONGEST_FIRST)
 
     items.sort(key=rank)  # stable: the rest keep their order
+    # Tests that share an expensive module fixture (a training run, a set of CLI runs) go to one xdist worker
+    # (`--dist loadgroup`), so the fixture runs once, not once per worker that happens to get one of them.
+    for item in items:
+        shared = sorted(SHARED_FIXTURES & set(getattr(item, "fixturenames", ())))
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(f"{item.path.name}:{shared[0]}"))
+
+
+SHARED_FIXTURES = {"trained", "bad_input_runs", "fresh_session", "straight_dir", "reference", "wide_model"}
