@@ -14,7 +14,7 @@ for m in (transformers, datasets, huggingface_hub, wandb, matplotlib, peft):
     assert m.__file__.startswith(__import__("os").path.abspath(".floors")), m.__file__
 print("floors:", ", ".join(f"{m.__name__} {m.__version__}" for m in (transformers, datasets, huggingface_hub, wandb, matplotlib, peft)))
 PY
-python -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist loadgroup -p no:cacheprovider tests/test_units.py tests/test_data.py \
+python -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist worksteal -p no:cacheprovider tests/test_units.py tests/test_data.py \
     "tests/test_retention.py::test_a_purge_the_hub_refused_is_finished_by_the_next_session" \
     "tests/test_training_math.py::test_hybrid_shard_across_two_nodes_matches_reference" \
     "tests/test_hub.py::test_sharded_checkpoints_through_the_hub" "tests/test_hub.py::test_wandb_without_network_falls_back" \

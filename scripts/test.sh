@@ -3,6 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh "[test]"
-# Two workers (pytest-xdist), one per core of a small machine (three measured slower: 33:41 against 30:42). Tests that
-# share an expensive fixture run on one worker (loadgroup; conftest marks them), so the fixture runs once.
-python -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist loadgroup "$@"
+# Two workers (pytest-xdist), one per core of a small machine (three measured slower: 33:41 against 30:42). The
+# expensive module fixtures are built once for both workers (conftest.built_once), not once per worker.
+python -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist worksteal "$@"

@@ -83,6 +83,24 @@ def run_cli_concurrently(runs: list[tuple[list[str], Path, dict[str, str] | None
         return [f.result() for f in futures]
 
 
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """The folder of an expensive module fixture (training runs, a set of CLI runs), built once for the whole session:
+    pytest-xdist's workers share the parent of their base temp folders, and the first worker to ask builds it under
+    a file lock while the others wait, then reuse it. (Module scope alone builds it once per worker.)"""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    folder = root / f"shared-{name}"
+    with FileLock(str(root / f"shared-{name}.lock")):
+        if not (folder / ".done").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+            build(folder)
+            (folder / ".done").touch()
+    return folder
+
+
 def row_pieces(tokenizer, texts, max_length: int) -> list[list[int]]:
     """What --packing docs trains on, made here without the packing code: each row's tokens with EOS appended,
     cut into pieces of at most max_length."""
@@ -170,12 +188,3 @@ def pytest_collection_modifyitems(config, items):  # noqa: ANN001
         return len(LONGEST_FIRST)
 
     items.sort(key=rank)  # stable: the rest keep their order
-    # Tests that share an expensive module fixture (a training run, a set of CLI runs) go to one xdist worker
-    # (`--dist loadgroup`), so the fixture runs once, not once per worker that happens to get one of them.
-    for item in items:
-        shared = sorted(SHARED_FIXTURES & set(getattr(item, "fixturenames", ())))
-        if shared:
-            item.add_marker(pytest.mark.xdist_group(f"{item.path.name}:{shared[0]}"))
-
-
-SHARED_FIXTURES = {"trained", "bad_input_runs", "fresh_session", "straight_dir", "reference", "wide_model"}

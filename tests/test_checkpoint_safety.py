@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from conftest import ASSETS, ROOT, assert_clean_failure, make_local_model, run_cli, run_cli_concurrently, sandbox_env, torchrun_cmd
+from conftest import ASSETS, ROOT, assert_clean_failure, built_once, make_local_model, run_cli, run_cli_concurrently, sandbox_env, torchrun_cmd
 from fsdp_opt.atomic import remove_stale_temp
 from fsdp_opt.checkpoint import MODEL_KEY, STEP_KEY, checkpoint_name, list_checkpoints
 
@@ -29,14 +29,16 @@ NAME = checkpoint_name("tiny_opt", 0, END, 1)
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """One epoch of tiny-opt on 2 ranks, saved both ways, with an fp32 export at the end."""
-    tmp = tmp_path_factory.mktemp("trained")
-    for kind in ("full", "sharded"):
-        args = TINY + ["--state_dict_type", kind, "--output_dir", str(tmp / kind)]
-        if kind == "full":
-            args += ["--export_hf", str(tmp / "export"), "--export_dtype", "fp32"]
-        proc = run_cli(args, tmp, nproc=2)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    return tmp
+
+    def build(tmp: Path) -> None:
+        for kind in ("full", "sharded"):
+            args = TINY + ["--state_dict_type", kind, "--output_dir", str(tmp / kind)]
+            if kind == "full":
+                args += ["--export_hf", str(tmp / "export"), "--export_dtype", "fp32"]
+            proc = run_cli(args, tmp, nproc=2)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+
+    return built_once(tmp_path_factory, "trained", build)
 
 
 def _sha(path: Path) -> str:

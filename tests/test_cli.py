@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import DEAD_ENDPOINT, ROOT, assert_clean_failure, read_jsonl, run_cli, run_cli_concurrently, sandbox_env
+from conftest import DEAD_ENDPOINT, ROOT, assert_clean_failure, built_once, read_jsonl, run_cli, run_cli_concurrently, sandbox_env
 from fsdp_opt.checkpoint import MODEL_KEY, STEP_KEY, checkpoint_name
 from fsdp_opt.tracking import METRICS_FIELDS
 
@@ -92,11 +92,19 @@ BAD_INPUT = [
 @pytest.fixture(scope="module")
 def bad_input_runs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
     """Every BAD_INPUT case run once, each in its own folder, side by side (see run_cli_concurrently)."""
-    folders = [tmp_path_factory.mktemp("bad") for _ in BAD_INPUT]
-    runs = [(["--model", "tiny-opt", "--dataset", "python-docs", "--output_dir", str(d / "out"), *extra], d, None)
-            for d, (extra, _) in zip(folders, BAD_INPUT)]  # fmt: skip
-    procs = run_cli_concurrently(runs, timeout=120)
-    return {" ".join(extra): (proc, d) for (extra, _), proc, d in zip(BAD_INPUT, procs, folders)}
+
+    def build(root: Path) -> None:
+        folders = [root / f"case{i}" for i in range(len(BAD_INPUT))]
+        for d in folders:
+            d.mkdir()
+        runs = [(["--model", "tiny-opt", "--dataset", "python-docs", "--output_dir", str(d / "out"), *extra], d, None)
+                for d, (extra, _) in zip(folders, BAD_INPUT)]  # fmt: skip
+        procs = run_cli_concurrently(runs, timeout=120)
+        (root / "runs.json").write_text(json.dumps([[p.args, p.returncode, p.stdout, p.stderr] for p in procs]))
+
+    root = built_once(tmp_path_factory, "bad_input_runs", build)
+    procs = [subprocess.CompletedProcess(*run) for run in json.loads((root / "runs.json").read_text())]
+    return {" ".join(extra): (proc, root / f"case{i}") for i, ((extra, _), proc) in enumerate(zip(BAD_INPUT, procs))}
 
 
 @pytest.mark.parametrize("extra,needles", BAD_INPUT, ids=[" ".join(e) for e, _ in BAD_INPUT])

@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from conftest import ROOT, make_local_model, sandbox_env, torchrun_cmd
+from conftest import ROOT, built_once, make_local_model, sandbox_env, torchrun_cmd
 from fsdp_opt.hostplan import host_memory
 from fsdp_opt.plan import Inputs, Shape, model_config
 
@@ -24,7 +24,8 @@ BATCH, LENGTH = 2, 64
 
 @pytest.fixture(scope="module")
 def wide_vocab_model(tmp_path_factory):
-    return make_local_model(tmp_path_factory.mktemp("wide") / "wide-vocab", **SHAPE)
+    # one folder for every worker: the fresh session's checkpoint, shared too, names the model it trained
+    return built_once(tmp_path_factory, "wide_vocab", lambda d: make_local_model(d / "wide-vocab", **SHAPE)) / "wide-vocab"
 
 
 def run_phases(tmp, name: str, load: str, flags: list[str]) -> list[dict]:
@@ -43,8 +44,12 @@ def session_flags(model, out) -> list[str]:
 @pytest.fixture(scope="module")
 def fresh_session(tmp_path_factory, wide_vocab_model):
     """A fresh session's phases (the load mode plays no part without a checkpoint to resume) and its outputs."""
-    tmp = tmp_path_factory.mktemp("fresh")
-    return run_phases(tmp, "fresh", "slices", session_flags(wide_vocab_model, tmp / "out")), tmp / "out"
+
+    def build(tmp) -> None:
+        run_phases(tmp, "fresh", "slices", session_flags(wide_vocab_model, tmp / "out"))
+
+    tmp = built_once(tmp_path_factory, "fresh_session", build)
+    return [json.loads((tmp / f"fresh.json.rank{r}").read_text()) for r in range(2)], tmp / "out"
 
 
 @pytest.mark.parametrize("load", ["slices", "broadcast"])

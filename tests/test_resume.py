@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ASSETS, ENTRY, read_jsonl, run_cli, sandbox_env, torchrun_cmd
+from conftest import ASSETS, ENTRY, built_once, read_jsonl, run_cli, sandbox_env, torchrun_cmd
 from fsdp_opt.checkpoint import EPOCHS_KEY, MODEL_KEY, STEP_KEY, checkpoint_name, list_checkpoints
 
 END = 120
@@ -46,10 +46,12 @@ def losses_by_step(path: Path) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def straight_dir(tmp_path_factory) -> Path:
     """2 epochs uninterrupted on 2 ranks: the reference for every resume below; it keeps both epochs' checkpoints."""
-    tmp = tmp_path_factory.mktemp("straight")
-    proc = run_cli(TINY + ["--num_epochs", "2", "--output_dir", str(tmp / "out")], tmp, nproc=2)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return tmp / "out"
+
+    def build(tmp: Path) -> None:
+        proc = run_cli(TINY + ["--num_epochs", "2", "--output_dir", str(tmp / "out")], tmp, nproc=2)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    return built_once(tmp_path_factory, "straight", build) / "out"
 
 
 @pytest.fixture(scope="module")

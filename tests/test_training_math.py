@@ -7,12 +7,14 @@ micro-batches, gradient accumulation and a per-step global token count. In fp32 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import read_jsonl, run_cli
+from conftest import built_once, read_jsonl, run_cli
 from fsdp_opt.data import StepPlan, build_blocks, load_rows, select_texts
 
 END_IDX, MAX_LEN, LR, CLIP, SEED, GLOBAL_BATCH = 100, 64, 1e-3, 0.5, 3, 8
@@ -23,8 +25,16 @@ COMMON = [
 
 
 @pytest.fixture(scope="module")
-def reference(det_model):
-    """Per-step (loss, grad_norm) of an unsharded, un-accumulated fp32 training loop."""
+def reference(det_model, tmp_path_factory):
+    """Per-step (loss, grad_norm) of an unsharded, un-accumulated fp32 training loop (computed once per session)."""
+
+    def build(folder) -> None:
+        (folder / "reference.json").write_text(json.dumps(_reference(det_model)))
+
+    return [tuple(r) for r in json.loads((built_once(tmp_path_factory, "math_reference", build) / "reference.json").read_text())]
+
+
+def _reference(det_model) -> list[tuple[float, float]]:
     tokenizer = AutoTokenizer.from_pretrained(det_model)
     texts, _ = select_texts(load_rows("python-docs"), "text", 0, END_IDX)
     blocks = build_blocks(texts, tokenizer, MAX_LEN, packing="docs")
