@@ -56,6 +56,7 @@ class Inputs:
     precision: str = "fp16"
     activation_checkpointing: bool = True
     attn_implementation: str = "sdpa"
+    packing: str = "docs"  # the trainer's --packing: docs and pad attend through a [batch, 1, L, L] mask
     reduce_every_microbatch: bool = False
     prefetch: int = 0
     loss_chunk_tokens: int = 0
@@ -107,6 +108,7 @@ def memory(shape: Shape, strategy: str, inputs: Inputs, batch_size: int | None =
         out["activations"] = L * s * b * h * c + full_layer  # block inputs, plus one block being recomputed
     else:
         out["activations"] = L * full_layer
+    out["attention_mask"] = mask_bytes(shape, inputs, b, c)
     # Logits in the compute dtype, their fp32 copy for the loss, the saved log-softmax and the fp32 gradient.
     out["logits"] = s * b * shape.vocab * (c + 4 + 4 + 4 if c == 2 else 12)
     if inputs.loss_chunk_tokens:
@@ -119,6 +121,26 @@ def memory(shape: Shape, strategy: str, inputs: Inputs, batch_size: int | None =
     if inputs.cuda:
         out["runtime"] = CUDA_CONTEXT_BYTES + int(FRAGMENTATION * peak_bytes(out))
     return out
+
+
+def mask_bytes(shape: Shape, inputs: Inputs, b: int, c: int) -> int:
+    """The attention mask of a micro-batch: `--packing docs` (block-diagonal, built by the engine) and `pad`
+    (transformers builds it from the padding) attend through a [b, 1, L, L] mask; `concat` blocks need none.
+
+    SDPA takes the boolean mask, kept from forward to backward (activation checkpointing recomputes with it), and
+    turns it into an additive one in the compute dtype at every call, which its kernel saves for backward: one
+    layer's worth with checkpointing, every layer's without. The memory-efficient kernel a T4 runs also needs the
+    mask's last dimension in multiples of 16 columns: otherwise it pads the mask, spread over every head.
+    Eager attention gets the additive mask once (fp32 from the engine, the compute dtype from transformers)."""
+    if inputs.packing == "concat":
+        return 0
+    s, L = inputs.max_length, shape.layers
+    if inputs.attn_implementation == "eager":
+        return b * s * s * (4 if inputs.packing == "docs" else c)
+    per_call = b * s * s * c
+    if inputs.cuda and s % 16:
+        per_call = b * shape.heads * s * (s + 16 - s % 16) * c
+    return b * s * s + (1 if inputs.activation_checkpointing else L) * per_call
 
 
 def peak_bytes(parts: dict[str, int]) -> int:
@@ -315,6 +337,7 @@ def machine_memory() -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from .config import _Parser, parse_bool
+    from .packing import MODES
 
     p = _Parser(prog="python -m fsdp_opt.plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="facebook/opt-1.3b",
@@ -328,6 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="fp16", choices=["fp16", "bf16", "fp32"])
     p.add_argument("--activation_checkpointing", type=parse_bool, nargs="?", const=True, default=True)
     p.add_argument("--attn_implementation", default="sdpa", choices=["sdpa", "eager"])
+    p.add_argument("--packing", default="docs", choices=MODES,
+                   help="the trainer's --packing (docs and pad attend through a mask, which the plan counts)")
     p.add_argument("--reduce_every_microbatch", type=parse_bool, nargs="?", const=True, default=False)
     p.add_argument("--prefetch", type=int, default=0, help="blocks gathered ahead (the trainer's --prefetch)")
     p.add_argument("--loss_chunk_tokens", type=int, default=0, help="the trainer's --loss_chunk_tokens")
@@ -378,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
             gpus=a.gpus, nodes=a.nodes, gpu_memory=parse_size(a.gpu_memory, "--gpu_memory"), batch_size=a.batch_size,
             max_length=a.max_length, accum_steps=a.accum_steps, precision=a.precision,
             activation_checkpointing=a.activation_checkpointing, attn_implementation=a.attn_implementation,
-            reduce_every_microbatch=a.reduce_every_microbatch, prefetch=a.prefetch,
+            packing=a.packing, reduce_every_microbatch=a.reduce_every_microbatch, prefetch=a.prefetch,
             loss_chunk_tokens=a.loss_chunk_tokens, cuda=not a.cpu, lora_rank=a.lora_rank, lora_targets=a.lora_targets,
             lora_dropout=a.lora_dropout, base_bits=a.base_bits,
         )  # fmt: skip

@@ -39,8 +39,36 @@ GROUPS = {
     "accumulated_gradients": ((), ("accumulated_gradients",)),
     "reduce_scatter": (("Unsharded Grad", "Reduce Scatter"), ("reduce_scatter",)),
     # Less the accumulated gradients, which sit in the tracker's "Temp".
-    "activations_and_logits": (("Activation", "Temp", "Inputs", "Buffer"), ("activations", "logits")),
+    "activations_and_logits": (("Activation", "Temp", "Inputs", "Buffer"), ("activations", "logits", "attention_mask")),
 }
+
+
+def micro_batch(vocab_size: int, inputs, device: torch.device) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    """One micro-batch of model inputs in the form the engine feeds for `inputs.packing`.
+
+    docs: two documents per row (positions restart halfway), with the engine's own block-diagonal mask.
+    pad: the last row a quarter padding, as the [b, 1, L, L] boolean mask transformers makes of a padding mask for
+    SDPA (built here: transformers inspects the padding's values, which fake tensors do not have).
+    concat: whole rows, no mask."""
+    from .packing import document_mask
+
+    b, s = inputs.batch_size, inputs.max_length
+    batch = {"input_ids": torch.randint(0, vocab_size, (b, s), device=device)}
+    if inputs.packing == "docs":
+        half = torch.arange(s // 2, device=device)
+        positions = torch.cat([half, torch.arange(s - s // 2, device=device)]).repeat(b, 1)
+        batch.update(position_ids=positions, attention_mask=document_mask(positions, inputs.attn_implementation))
+    elif inputs.packing == "pad":
+        keys = torch.ones(b, s, dtype=torch.bool, device=device)
+        keys[-1, s - s // 4 :] = False
+        causal = torch.ones(s, s, dtype=torch.bool, device=device).tril()
+        mask = keys[:, None, None, :] & causal
+        if inputs.attn_implementation == "eager":  # additive, in the compute dtype
+            dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(inputs.precision, torch.float32)
+            mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, torch.finfo(dtype).min)
+        # the positions OPT would count from a right-padded [b, L] mask: 0.. along every row
+        batch.update(attention_mask=mask, position_ids=torch.arange(s, device=device).repeat(b, 1))
+    return batch
 
 
 def accumulated_gradient_bytes(model) -> int:  # noqa: ANN001
@@ -130,7 +158,6 @@ def simulate(model_name: str, inputs, strategy: str, *, fake: bool = True, micro
             for state in optimizer.state.values() for t in state.values() if t.dim() > 0
         )  # fmt: skip
         chunked = ChunkedLoss(model, inputs.loss_chunk_tokens) if inputs.loss_chunk_tokens else None
-        ids = torch.randint(0, config.vocab_size, (inputs.batch_size, inputs.max_length), device=env.device)
         tracker = _tracker_class()(model)
         tracker.group_peaks, tracker.group_moments = {}, {}
         accumulated = 0
@@ -139,11 +166,13 @@ def simulate(model_name: str, inputs, strategy: str, *, fake: bool = True, micro
                 if not inputs.reduce_every_microbatch:
                     model.set_requires_gradient_sync(i == micro - 1)
                 tracker.reset_mod_stats()  # the tracker follows one forward per module between resets
+                batch = micro_batch(config.vocab_size, inputs, env.device)
+                ids = batch["input_ids"]
                 with chunked.hidden_states() if chunked else nullcontext():
-                    out = model(input_ids=ids).logits
+                    out = model(**batch).logits
                 loss = chunked.loss_sum(out, ids) if chunked else causal_lm_loss_sum(out, ids)
                 loss.backward()
-                del out, loss
+                del out, loss, batch, ids
                 if i < micro - 1:
                     accumulated = max(accumulated, accumulated_gradient_bytes(model))
         peak = {_label(k): v for k, v in next(iter(tracker.get_tracker_snapshot("peak").values())).items()}

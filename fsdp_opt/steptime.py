@@ -154,7 +154,7 @@ def choose_layout(config, env, model_config, precision: str, gpu: tuple[int, str
         gpus=env.world_size, nodes=env.num_nodes, gpu_memory=gpu[0],
         batch_size=tc.batch_size, max_length=dc.max_length, accum_steps=tc.accum_steps, precision=precision,
         activation_checkpointing=pc.activation_checkpointing, attn_implementation=config.model.attn_implementation,
-        prefetch=pc.prefetch, loss_chunk_tokens=tc.loss_chunk_tokens,
+        packing=dc.packing, prefetch=pc.prefetch, loss_chunk_tokens=tc.loss_chunk_tokens,
     )  # fmt: skip
     shape = Shape.of(model_config)
     rates = rates_for(gpu[1], pc.tflops, pc.link_gbps)

@@ -58,6 +58,18 @@ def test_memory_arithmetic_for_opt_1_3b_on_two_t4():
     ahead = memory(shape, "FULL_SHARD", Inputs(**{**t4.__dict__, "prefetch": 3}))["gathered_weights"]
     assert ahead - full["gathered_weights"] == 2 * 2 * shape.block_params
     assert shape.block_params == 12 * 2048**2 + 13 * 2048  # an OPT block: 4 h^2 attention + 8 h^2 MLP, biases, 2 norms
+
+    # --packing docs (the default): the boolean [4, 1, 512, 512] mask, and SDPA's fp16 copy of it in the block
+    # being recomputed (the simulation measures the rule: tests/test_simulate.py). concat needs no mask.
+    assert full["attention_mask"] == 4 * 512 * 512 + 4 * 512 * 512 * 2
+    assert memory(shape, "FULL_SHARD", Inputs(**{**t4.__dict__, "packing": "concat"}))["attention_mask"] == 0
+    # 500 tokens: a T4's memory-efficient kernel pads the copy to 512 columns, over each of the 32 heads.
+    odd = memory(shape, "FULL_SHARD", Inputs(**{**t4.__dict__, "max_length": 500}))["attention_mask"]
+    assert odd == 4 * 500 * 500 + 4 * 32 * 500 * 512 * 2
+    # Without checkpointing every block keeps its copy; eager attention gets the engine's fp32 mask once.
+    off = Inputs(**{**t4.__dict__, "activation_checkpointing": False})
+    assert memory(shape, "FULL_SHARD", off)["attention_mask"] == 4 * 512 * 512 + 24 * 4 * 512 * 512 * 2
+    assert memory(shape, "FULL_SHARD", Inputs(**{**off.__dict__, "attn_implementation": "eager"}))["attention_mask"] == 4 * 512 * 512 * 4
     nosync = memory(shape, "NO_SHARD", t4)
     assert nosync["parameters"] == 4 * n and nosync["optimizer"] == 8 * n
 

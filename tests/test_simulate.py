@@ -23,6 +23,14 @@ for strategy, every in (("FULL_SHARD", False), ("SHARD_GRAD_OP", True)):
     planned = memory(Shape.of(model_config("tiny-opt")), strategy, inputs)
     out[strategy] = {"fake": fake, "real": real, "planned": planned, "rows": compare(fake, planned),
                      "params": Shape.of(model_config("tiny-opt")).params}
+# The mask --packing docs attends through, without activation checkpointing: the same step packed end to end.
+masks = {}
+for packing in ("concat", "docs"):
+    inputs = Inputs(gpus=2, batch_size=2, max_length=64, accum_steps=2, precision="fp16", packing=packing,
+                    activation_checkpointing=False, cuda=False)
+    masks[packing] = {"groups": simulate("tiny-opt", inputs, "FULL_SHARD")["groups"],
+                      "planned": memory(Shape.of(model_config("tiny-opt")), "FULL_SHARD", inputs)["attention_mask"]}
+out["masks"] = masks
 print(json.dumps(out))
 """
 
@@ -31,6 +39,13 @@ def test_fake_step_measures_what_a_real_step_holds_and_the_plan_agrees():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
+    masks = result.pop("masks")
+    # By hand: the boolean [2, 1, 64, 64] mask, plus the fp16 copy SDPA makes of it and saves in each of the 4
+    # blocks; the simulated step also holds the int64 [2, 64] position_ids, which the plan leaves out.
+    mask = 2 * 64 * 64 + 4 * 2 * 64 * 64 * 2
+    held = lambda packing: masks[packing]["groups"]["activations_and_logits"]  # noqa: E731
+    assert held("docs") - held("concat") == mask + 2 * 64 * 8
+    assert masks["docs"]["planned"] == mask and masks["concat"]["planned"] == 0
     for strategy, r in result.items():
         fake, real, planned, rows = r["fake"], r["real"], r["planned"], r["rows"]
         # The simulation itself: fake tensors count the bytes real tensors hold, group by group and at the peak.
