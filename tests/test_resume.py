@@ -78,6 +78,7 @@ def test_one_epoch_plus_resume_equals_two_epochs(tmp_path, straight, kind):
     second = run_cli(args + ["--num_epochs", "1", "--resume_file", name], tmp_path, nproc=2)
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"resumed {out / name} at global step {len(straight) // 2}" in second.stdout
+    assert "--packing" not in second.stdout  # the same packing: no note about another one
     # metrics.jsonl kept growing: one file holds both sessions, step numbers continuing.
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == sorted(straight)
@@ -152,6 +153,22 @@ def test_new_slice_keeps_the_run_and_starts_at_its_first_batch(tmp_path):
     payload = torch.load(out / checkpoint_name("tiny_opt", 60, 120, 1), weights_only=True)
     assert payload[STEP_KEY] == len(rows) and payload[EPOCHS_KEY] == 1
     assert payload["slice"]["start_idx"] == 60 and payload["train_state"]["global_step"] == len(rows)
+
+
+def test_resume_with_another_packing_says_so_and_starts_the_slice_again(tmp_path, straight_dir, straight):
+    """The same slice packed another way has other blocks, so the saved position means nothing in it: the run keeps
+    the model, optimizer and global step, starts the slice at its first batch, and says why."""
+    out = tmp_path / "out"
+    args = TINY + ["--packing", "concat", "--resume_file", str(straight_dir / checkpoint_name("tiny_opt", 0, END, 1)),
+                   "--output_dir", str(out)]  # fmt: skip
+    proc = run_cli(args, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ("note: the checkpoint packed this slice with --packing docs; this run packs it with --packing concat, "
+            "so its blocks differ and the slice starts again from its first batch") in proc.stdout
+    per_epoch = len(straight) // 2
+    assert f"at global step {per_epoch}; continuing at the first batch of slice [0, {END})" in proc.stdout
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert rows[0]["step"] == per_epoch + 1 and rows[0]["epoch"] == 0
 
 
 def test_checkpoint_contents_load_with_weights_only(straight_dir):
