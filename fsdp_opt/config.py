@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from .errors import ConfigError
+from .flags import OneLineParser, flag, parse_bool, parse_duration
 from .lora import LoraConfig
 from .steptime import T4_LINK_GBPS
 
@@ -23,56 +24,30 @@ DEVICES = ("auto", "cuda", "cpu")
 STATE_DICT_TYPES = ("full", "sharded")
 
 
-def _opt(default: Any, help: str, **argparse_kwargs: Any) -> Any:
-    return field(default=default, metadata={"help": help, **argparse_kwargs})
-
-
-def parse_bool(text: str | bool) -> bool:
-    if isinstance(text, bool):
-        return text
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
-def parse_duration(text: str | None, flag: str = "--time_limit") -> float | None:
-    """'11h30m', '90m', '45s', '2h' or plain seconds -> seconds."""
-    if text is None or text == "":
-        return None
-    m = re.fullmatch(r"\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*(?:(\d+(?:\.\d+)?)s?)?\s*", text)
-    if not m or not any(m.groups()):
-        raise ConfigError(f"{flag} {text!r}: use a duration such as 11h30m, 90m or 3600")
-    h, mnt, s = (float(g) if g else 0.0 for g in m.groups())
-    return h * 3600 + mnt * 60 + s
-
-
 @dataclass
 class ModelConfig:
-    model: str = _opt("facebook/opt-1.3b", "Hugging Face hub id, local model folder, or the built-in 'tiny-opt'.")
-    attn_implementation: str = _opt(
+    model: str = flag("facebook/opt-1.3b", "Hugging Face hub id, local model folder, or the built-in 'tiny-opt'.")
+    attn_implementation: str = flag(
         "sdpa", "Attention kernel: 'sdpa' (PyTorch scaled-dot-product) or 'eager'.", choices=("sdpa", "eager")
     )
 
 
 @dataclass
 class DataConfig:
-    dataset: str = _opt(
+    dataset: str = flag(
         "ash001/arxiv-abstract",
         "Hub dataset id, a local .jsonl/.json/.csv/.parquet/.txt file or folder, or the built-in 'python-docs'.",
     )
-    text_column: str = _opt("text", "Column holding the training text.")
-    start_idx: int = _opt(0, "First row of the slice to train on (inclusive).")
-    end_idx: int | None = _opt(None, "End of the slice (exclusive). Default: the end of the dataset.")
-    max_length: int = _opt(512, "Tokens per training sequence.")
-    eval_rows: int = _opt(
+    text_column: str = flag("text", "Column holding the training text.")
+    start_idx: int = flag(0, "First row of the slice to train on (inclusive).")
+    end_idx: int | None = flag(None, "End of the slice (exclusive). Default: the end of the dataset.")
+    max_length: int = flag(512, "Tokens per training sequence.")
+    eval_rows: int = flag(
         0,
         "Held-out rows right after the slice, [end_idx, end_idx + N): eval loss and perplexity at every save "
         "(0: no evaluation).",
     )
-    packing: str = _opt(
+    packing: str = flag(
         "docs",
         "How rows fill the blocks of max_length tokens. docs: whole rows share a block, each attending only to "
         "itself with positions from 0 (the same losses as padding, in far fewer blocks); concat: rows joined end to "
@@ -80,7 +55,7 @@ class DataConfig:
         "padded (the original recipe).",
         choices=("docs", "concat", "pad"),
     )
-    pad_to_max_length: bool = _opt(False, "Same as --packing pad (the original recipe's padding).")
+    pad_to_max_length: bool = flag(False, "Same as --packing pad (the original recipe's padding).")
 
     def __post_init__(self) -> None:
         if self.start_idx < 0:
@@ -102,29 +77,29 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    num_epochs: int = _opt(1, "Epochs this invocation runs over the slice, counting one that a resume finishes.")
-    initial_epoch: int = _opt(0, "Epoch number to start counting from when not resuming.")
-    batch_size: int = _opt(4, "Micro-batch size per rank (sequences per forward pass).")
-    accum_steps: int = _opt(1, "Micro-batches per optimizer step. Global batch = batch_size x ranks x accum_steps.")
-    total_batch_size: int | None = _opt(
+    num_epochs: int = flag(1, "Epochs this invocation runs over the slice, counting one that a resume finishes.")
+    initial_epoch: int = flag(0, "Epoch number to start counting from when not resuming.")
+    batch_size: int = flag(4, "Micro-batch size per rank (sequences per forward pass).")
+    accum_steps: int = flag(1, "Micro-batches per optimizer step. Global batch = batch_size x ranks x accum_steps.")
+    total_batch_size: int | None = flag(
         None,
         "Sequences per optimizer step, instead of --accum_steps: accum_steps = total / (batch_size x ranks), "
         "which must divide exactly. Keeps the global batch when the rank count changes between sessions.",
     )
-    lr: float = _opt(5e-6, "Peak learning rate (AdamW).")
-    warmup_steps: int = _opt(0, "Linear warm-up steps, counted in global optimizer steps.")
-    lr_schedule: str = _opt(
+    lr: float = flag(5e-6, "Peak learning rate (AdamW).")
+    warmup_steps: int = flag(0, "Linear warm-up steps, counted in global optimizer steps.")
+    lr_schedule: str = flag(
         "constant",
         "After warm-up: 'constant', or 'linear'/'cosine' decay to min_lr_ratio*lr over lr_decay_steps.",
         choices=LR_SCHEDULES,
     )
-    lr_decay_steps: int = _opt(0, "Global steps (after warm-up) over which linear/cosine decay runs.")
-    min_lr_ratio: float = _opt(0.0, "Final learning rate of a decay schedule, as a fraction of lr.")
-    weight_decay: float = _opt(0.0, "AdamW weight decay, applied to matrices and embeddings only.")
-    max_grad_norm: float = _opt(1.0, "Clip the global gradient norm to this value; 0 disables clipping.")
-    seed: int = _opt(42, "Seed for model init, data order and dropout.")
-    init_loss_scale: float = _opt(2.0**16, "Starting loss scale for fp16 (halved on overflow, doubled after 2000 good steps).")
-    loss_chunk_tokens: int = _opt(
+    lr_decay_steps: int = flag(0, "Global steps (after warm-up) over which linear/cosine decay runs.")
+    min_lr_ratio: float = flag(0.0, "Final learning rate of a decay schedule, as a fraction of lr.")
+    weight_decay: float = flag(0.0, "AdamW weight decay, applied to matrices and embeddings only.")
+    max_grad_norm: float = flag(1.0, "Clip the global gradient norm to this value; 0 disables clipping.")
+    seed: int = flag(42, "Seed for model init, data order and dropout.")
+    init_loss_scale: float = flag(2.0**16, "Starting loss scale for fp16 (halved on overflow, doubled after 2000 good steps).")
+    loss_chunk_tokens: int = flag(
         0,
         "Compute the output projection and loss N tokens at a time, recomputed in backward, so the whole "
         "micro-batch's logits never exist at once (opt-1.3b at 4 x 512: about 1.3 GiB less; see the plan). "
@@ -177,7 +152,7 @@ class TrainConfig:
 
 @dataclass
 class ParallelConfig:
-    sharding_strategy: str = _opt(
+    sharding_strategy: str = flag(
         "FULL_SHARD",
         "FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2: keep gathered weights until backward), "
         "HYBRID_SHARD (shard within a node, replicate across nodes), NO_SHARD (DDP-like replication), or AUTO: on "
@@ -186,15 +161,15 @@ class ParallelConfig:
         type=str.upper,
         choices=STRATEGIES + ("AUTO",),
     )
-    precision: str = _opt(
+    precision: str = flag(
         "auto",
         "Compute precision. auto: bf16 on GPUs that support it, fp16 on others (e.g. T4), fp32 on CPU.",
         type=str.lower,
         choices=PRECISIONS,
     )
-    activation_checkpointing: bool = _opt(True, "Recompute each decoder layer in backward to save memory.")
-    cpu_offload: bool = _opt(False, "Keep sharded parameters, gradients and optimizer state in CPU memory.")
-    reduce_every_microbatch: str = _opt(
+    activation_checkpointing: bool = flag(True, "Recompute each decoder layer in backward to save memory.")
+    cpu_offload: bool = flag(False, "Keep sharded parameters, gradients and optimizer state in CPU memory.")
+    reduce_every_microbatch: str = flag(
         "auto",
         "Reduce-scatter gradients after every micro-batch instead of only the last one of a step: less memory "
         "(no unsharded fp32 gradient kept between micro-batches, 4 bytes per parameter), more communication. "
@@ -205,22 +180,22 @@ class ParallelConfig:
         nargs="?",
         const="true",
     )
-    compile: bool = _opt(
+    compile: bool = flag(
         False, "torch.compile each decoder block's forward (FSDP2's gathers stay eager); the first steps compile."
     )
-    prefetch: int = _opt(
+    prefetch: int = flag(
         0,
         "Gather the weights of the next N blocks ahead, in forward and in backward (FSDP2 explicit prefetch); "
         "each holds one more gathered block in memory. 0: FSDP2's own order (one block ahead in backward).",
     )
-    max_gpu_memory: str | None = _opt(
+    max_gpu_memory: str | None = flag(
         None, "Cap each GPU's memory to this (e.g. 15GiB: a T4 on a bigger GPU); the plan and the auto choices use it."
     )
-    tflops: float = _opt(
+    tflops: float = flag(
         0.0, "Sustained TFLOPS per GPU for the step-time prediction (0: T4's 24 on a T4, else 40%% of the GPU's peak)."
     )
-    link_gbps: float = _opt(T4_LINK_GBPS, "GB/s between GPUs for the step-time prediction (2 T4s on PCIe 3 through NCCL: 3.2).")
-    device: str = _opt("auto", "auto (CUDA when available), cuda or cpu.", type=str.lower, choices=DEVICES)
+    link_gbps: float = flag(T4_LINK_GBPS, "GB/s between GPUs for the step-time prediction (2 T4s on PCIe 3 through NCCL: 3.2).")
+    device: str = flag("auto", "auto (CUDA when available), cuda or cpu.", type=str.lower, choices=DEVICES)
 
     def __post_init__(self) -> None:
         if self.prefetch < 0:
@@ -238,27 +213,27 @@ class ParallelConfig:
 
 @dataclass
 class CheckpointConfig:
-    output_dir: str = _opt("outputs", "Folder for checkpoints and metrics.jsonl.")
-    save_every_steps: int = _opt(0, "Also save a mid-epoch checkpoint every N optimizer steps (0: epoch ends only).")
-    resume_file: str | None = _opt(
+    output_dir: str = flag("outputs", "Folder for checkpoints and metrics.jsonl.")
+    save_every_steps: int = flag(0, "Also save a mid-epoch checkpoint every N optimizer steps (0: epoch ends only).")
+    resume_file: str | None = flag(
         None, "Checkpoint to resume from: a path, a checkpoint name in --output_dir, or 'latest' (highest global step)."
     )
-    time_limit: str | None = _opt(
+    time_limit: str | None = flag(
         None, "Wall-clock budget such as 11h30m: save and exit 0 before it runs out, printing the resume command."
     )
-    keep_last: int = _opt(2, "Keep the newest K checkpoints of output_dir, deleting older ones after a save (0: keep all).")
-    disk_budget: str | None = _opt(
+    keep_last: int = flag(2, "Keep the newest K checkpoints of output_dir, deleting older ones after a save (0: keep all).")
+    disk_budget: str | None = flag(
         None,
         "Most bytes the checkpoints in output_dir may take (Kaggle: 19GB of the 20 GB output cap). Before a save, "
         "local checkpoints that are on the Hub are deleted, oldest first, to make room.",
     )
-    state_dict_type: str = _opt(
+    state_dict_type: str = flag(
         "full",
         "full: one .pt file gathered on rank 0. sharded: one folder per checkpoint, each rank writing its own shard.",
         choices=STATE_DICT_TYPES,
     )
-    save_optimizer: bool = _opt(True, "Include the optimizer state (false: weights only, about a third of the size).")
-    async_save: str = _opt(
+    save_optimizer: bool = flag(True, "Include the optimizer state (false: weights only, about a third of the size).")
+    async_save: str = flag(
         "auto",
         "Write a full checkpoint in a background thread while training goes on (the gather still pauses it). "
         "auto: on with CUDA; off on CPU, where the write would compete with the steps for cores and memory.",
@@ -267,11 +242,11 @@ class CheckpointConfig:
         nargs="?",
         const="true",
     )
-    export_hf: str | None = _opt(
+    export_hf: str | None = flag(
         None, "After training, write a Hugging Face model folder (safetensors, tokenizer) to this directory."
     )
-    export_dtype: str = _opt("fp16", "Weight dtype of --export_hf: fp16, bf16 or fp32.", choices=("fp16", "bf16", "fp32"))
-    export_merge: bool = _opt(
+    export_dtype: str = flag("fp16", "Weight dtype of --export_hf: fp16, bf16 or fp32.", choices=("fp16", "bf16", "fp32"))
+    export_merge: bool = flag(
         False, "LoRA runs: --export_hf writes the base with the adapters merged in, not the peft adapter folder."
     )
 
@@ -301,15 +276,15 @@ class CheckpointConfig:
 
 @dataclass
 class HubConfig:
-    hf_repo: str | None = _opt(
+    hf_repo: str | None = flag(
         None,
         "Hugging Face repo (user/name) that stores the checkpoints: created if missing, each checkpoint pushed in "
         "the background, --resume_file looked up there too.",
     )
-    hub_public: bool = _opt(False, "Create the repo public (default: private). An existing repo keeps its visibility.")
-    hub_retries: int = _opt(5, "Retries of a failed upload (network errors, 5xx), with exponential backoff.")
-    hub_wait: str = _opt("30m", "At exit, wait at most this long for pending uploads (a duration such as 30m).")
-    hub_keep_full: int | None = _opt(
+    hub_public: bool = flag(False, "Create the repo public (default: private). An existing repo keeps its visibility.")
+    hub_retries: int = flag(5, "Retries of a failed upload (network errors, 5xx), with exponential backoff.")
+    hub_wait: str = flag("30m", "At exit, wait at most this long for pending uploads (a duration such as 30m).")
+    hub_keep_full: int | None = flag(
         None,
         "Full resumable checkpoints the repo keeps (default 1 with --hf_repo): older ones leave only their fp16 "
         "weights file (weights/<name>.safetensors, one per range), and their storage is freed. 0 keeps every one.",
@@ -339,13 +314,13 @@ class HubConfig:
 
 @dataclass
 class WandbConfig:
-    wandb_project: str = _opt("opt-fsdp", "W&B project (rank 0 logs; the config goes in without secrets).")
-    wandb_mode: str = _opt(
+    wandb_project: str = flag("opt-fsdp", "W&B project (rank 0 logs; the config goes in without secrets).")
+    wandb_mode: str = flag(
         "auto",
         "W&B mode: online, offline or disabled. auto: online when an API key is configured, else offline.",
         choices=["auto", "online", "offline", "disabled"],
     )
-    wandb_new_run: bool = _opt(
+    wandb_new_run: bool = flag(
         False, "Start a new W&B run instead of continuing the run whose id the resumed checkpoint holds."
     )
 
@@ -389,12 +364,6 @@ class Config:
         return cls(**sections)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        # NOTE: one line instead of argparse's usage dump, like every other user error.
-        raise ConfigError(message)
-
-
 def _field_type(f: dataclasses.Field) -> Any:
     kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
     if "bool" in kind:
@@ -407,7 +376,7 @@ def _field_type(f: dataclasses.Field) -> Any:
 
 
 def build_parser(prog: str = "fsdp_finetune.py", description: str | None = None) -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = OneLineParser(
         prog=prog,
         description=description,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,

@@ -105,9 +105,9 @@ def report_markdown(results: dict[str, Any] | str | Path) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .config import _Parser
+    from .flags import OneLineParser
 
-    p = _Parser(prog="python -m fsdp_opt.evaluate", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="python -m fsdp_opt.evaluate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="base model (default: the one the first checkpoint was trained from)")
     p.add_argument("--checkpoints", nargs="*", default=["latest"],
                    help="checkpoints or model folders to compare with the base: paths, names in --output_dir or the "

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,28 +21,25 @@ import torch
 from torch import nn
 
 from .errors import CheckpointError, ConfigError
+from .flags import flag
 
 ADAPTER = "default"  # peft's adapter name inside the model; not part of the exported keys
 KEY = "lora"  # the checkpoint key holding the run's LoRA identity
 
 
-def _opt(default: Any, help: str, **kwargs: Any) -> Any:
-    return field(default=default, metadata={"help": help, **kwargs})
-
-
 @dataclass
 class LoraConfig:
-    lora_rank: int = _opt(
+    lora_rank: int = flag(
         0, "LoRA rank: train low-rank adapters (peft) on a frozen base instead of every weight. 0: full fine-tuning."
     )
-    lora_alpha: float | None = _opt(None, "LoRA scaling numerator (the update is alpha/rank x B A). Default: 2 x rank.")
-    lora_dropout: float | None = _opt(None, "Dropout on the adapters' input. Default: 0.05.")
-    lora_targets: str | None = _opt(
+    lora_alpha: float | None = flag(None, "LoRA scaling numerator (the update is alpha/rank x B A). Default: 2 x rank.")
+    lora_dropout: float | None = flag(None, "Dropout on the adapters' input. Default: 0.05.")
+    lora_targets: str | None = flag(
         None,
         "Comma-separated layer names to adapt (e.g. q_proj,v_proj), matched inside the decoder blocks. Default: every "
         "linear layer of the blocks (embeddings and lm_head stay frozen).",
     )
-    base_bits: int = _opt(16, "Storage of the frozen base: 16 (the compute dtype) or 4 (NF4, torchao).", choices=(16, 4))
+    base_bits: int = flag(16, "Storage of the frozen base: 16 (the compute dtype) or 4 (NF4, torchao).", choices=(16, 4))
 
     def __post_init__(self) -> None:
         if self.lora_rank < 0:

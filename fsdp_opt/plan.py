@@ -336,10 +336,10 @@ def machine_memory() -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .config import _Parser, parse_bool
+    from .flags import OneLineParser, parse_bool
     from .packing import MODES
 
-    p = _Parser(prog="python -m fsdp_opt.plan", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="python -m fsdp_opt.plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="facebook/opt-1.3b",
                    help=f"one of {', '.join(OPT_FAMILY)}, {LLAMA_8B}, tiny-opt, or a local model folder")
     p.add_argument("--gpus", type=int, default=2, help="GPUs in all (ranks)")
