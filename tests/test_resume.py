@@ -78,7 +78,7 @@ def test_one_epoch_plus_resume_equals_two_epochs(tmp_path, straight, kind):
     second = run_cli(args + ["--num_epochs", "1", "--resume_file", name], tmp_path, nproc=2)
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"resumed {out / name} at global step {len(straight) // 2}" in second.stdout
-    assert "--packing" not in second.stdout  # the same packing: no note about another one
+    assert "note: the checkpoint packed" not in second.stdout  # the same packing: no note about another one
     # metrics.jsonl kept growing: one file holds both sessions, step numbers continuing.
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == sorted(straight)
