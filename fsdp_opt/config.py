@@ -15,6 +15,7 @@ from typing import Any, Sequence
 from .errors import ConfigError
 from .flags import OneLineParser, flag, parse_bool, parse_duration
 from .lora import LoraConfig
+from .packing import MODES as PACKING_MODES
 from .steptime import T4_LINK_GBPS
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
@@ -53,7 +54,7 @@ class DataConfig:
         "itself with positions from 0 (the same losses as padding, in far fewer blocks); concat: rows joined end to "
         "end and cut every max_length tokens, attending across row ends; pad: one row per block, truncated and "
         "padded (the original recipe).",
-        choices=("docs", "concat", "pad"),
+        choices=PACKING_MODES,
     )
     pad_to_max_length: bool = flag(False, "Same as --packing pad (the original recipe's padding).")
 

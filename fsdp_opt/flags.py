@@ -27,13 +27,13 @@ def parse_bool(text: str | bool) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
-def parse_duration(text: str | None, flag: str = "--time_limit") -> float | None:
+def parse_duration(text: str | None, name: str = "--time_limit") -> float | None:
     """'11h30m', '90m', '45s', '2h' or plain seconds -> seconds."""
     if text is None or text == "":
         return None
     m = re.fullmatch(r"\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*(?:(\d+(?:\.\d+)?)s?)?\s*", text)
     if not m or not any(m.groups()):
-        raise ConfigError(f"{flag} {text!r}: use a duration such as 11h30m, 90m or 3600")
+        raise ConfigError(f"{name} {text!r}: use a duration such as 11h30m, 90m or 3600")
     h, mnt, s = (float(g) if g else 0.0 for g in m.groups())
     return h * 3600 + mnt * 60 + s
 

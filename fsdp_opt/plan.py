@@ -179,35 +179,11 @@ def largest_micro_batch(shape: Shape, strategy: str, inputs: Inputs, limit: int 
     return lo
 
 
-def checkpoints(shape: Shape, gpus: int) -> dict[str, int]:
-    n = shape.params
-    return {
-        "full_with_optimizer": 12 * n,
-        "full_weights_only": 4 * n,
-        "sharded_with_optimizer_per_rank": math.ceil(12 * n / gpus),
-        "export_fp16": 2 * n,
-    }
-
-
-def hub_repo_bytes(shape: Shape, *, slices: int, keep_full: int, save_optimizer: bool = True, export: bool = False,
-                   saved: int | None = None) -> dict[str, int]:  # fmt: skip
-    """What a chain of `slices` sessions leaves in the Hub repo (--hub_keep_full): the newest full checkpoints, one
-    fp16 weights file per range, and the exported model if pushed. keep_full 0 keeps every full checkpoint.
-    `saved`: the parameters a checkpoint holds (a LoRA run's adapters; default every parameter)."""
-    n = shape.params if saved is None else saved
-    full = (12 if save_optimizer else 4) * n
-    weights = 2 * n
-    fulls = slices if keep_full == 0 else min(keep_full, slices)
-    out = {"full_checkpoints": fulls * full, "weights_files": (slices if keep_full else 0) * weights,
-           "export": weights if export else 0}  # fmt: skip
-    out["total"] = sum(out.values())
-    return out
-
-
 def make_plan(model: str, inputs: Inputs, *, disk: int, host_memory: int, keep_last: int, save_optimizer: bool,
               sharded: bool = False, offload: bool = False, slices: int = 10, keep_full: int = 1,
               rates=None) -> dict[str, Any]:  # fmt: skip
     from .hostplan import host_memory as host_phases
+    from .diskplan import disk_and_hub
     from .steptime import candidates, comm_bytes, step_time
 
     shape = Shape.of(model_config(model))
@@ -227,16 +203,9 @@ def make_plan(model: str, inputs: Inputs, *, disk: int, host_memory: int, keep_l
             "predicted_step_time_s": step_time(shape, strategy, inputs, rates)["step_s"],
         }
     configurations = candidates(shape, inputs, list(strategies), rates)
-    if inputs.lora_rank:
-        from .loraplan import checkpoints as lora_checkpoints
-
-        sizes = lora_checkpoints(shape, inputs)
-    else:
-        sizes = checkpoints(shape, inputs.gpus)
-    one = sizes["full_with_optimizer"] if save_optimizer else sizes["full_weights_only"]
-    saved = sizes["full_weights_only"] // 4  # parameters a checkpoint holds
-    # A save writes the new file before --keep_last removes the oldest: keep_last + 1 on disk at the peak.
-    on_disk = one * (max(1, keep_last) + 1) if keep_last else None
+    stored = disk_and_hub(shape, inputs, disk=disk, keep_last=keep_last, save_optimizer=save_optimizer, slices=slices,
+                          keep_full=keep_full)  # fmt: skip
+    saved = stored.pop("saved")
     from .loraplan import adapter_params, describe
 
     return {
@@ -252,17 +221,7 @@ def make_plan(model: str, inputs: Inputs, *, disk: int, host_memory: int, keep_l
         "strategies": strategies,
         "configurations": configurations,
         "auto_pick": configurations[0] if configurations and configurations[0]["fits"] else None,
-        "checkpoints": sizes,
-        "disk": {
-            "checkpoint_bytes": one,
-            "peak_bytes": on_disk,
-            "fits": None if on_disk is None else on_disk + sizes["export_fp16"] <= disk,
-            "checkpoints_that_fit": max(0, disk // one - 1),
-        },
-        "hub": {"slices": slices, "keep_full": keep_full,
-                **hub_repo_bytes(shape, slices=slices, keep_full=keep_full, save_optimizer=save_optimizer, saved=saved),
-                "with_export": hub_repo_bytes(shape, slices=slices, keep_full=keep_full, save_optimizer=save_optimizer,
-                                              export=True, saved=saved)["total"]},
+        **stored,
         "host_ram": host_ram(
             host_phases(shape, "FULL_SHARD", inputs, save_optimizer=save_optimizer, sharded=sharded, offload=offload),
             shape, host_memory, save_optimizer, saved,

@@ -50,13 +50,13 @@ def micro_batch(vocab_size: int, inputs, device: torch.device) -> dict[str, torc
     pad: the last row a quarter padding, as the [b, 1, L, L] boolean mask transformers makes of a padding mask for
     SDPA (built here: transformers inspects the padding's values, which fake tensors do not have).
     concat: whole rows, no mask."""
-    from .packing import document_mask
+    from .packing import document_mask, segment_positions
+    from .parallelize import DTYPES
 
     b, s = inputs.batch_size, inputs.max_length
     batch = {"input_ids": torch.randint(0, vocab_size, (b, s), device=device)}
     if inputs.packing == "docs":
-        half = torch.arange(s // 2, device=device)
-        positions = torch.cat([half, torch.arange(s - s // 2, device=device)]).repeat(b, 1)
+        positions = segment_positions([0, s // 2], s).long().repeat(b, 1).to(device)
         batch.update(position_ids=positions, attention_mask=document_mask(positions, inputs.attn_implementation))
     elif inputs.packing == "pad":
         keys = torch.ones(b, s, dtype=torch.bool, device=device)
@@ -64,7 +64,7 @@ def micro_batch(vocab_size: int, inputs, device: torch.device) -> dict[str, torc
         causal = torch.ones(s, s, dtype=torch.bool, device=device).tril()
         mask = keys[:, None, None, :] & causal
         if inputs.attn_implementation == "eager":  # additive, in the compute dtype
-            dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(inputs.precision, torch.float32)
+            dtype = DTYPES[inputs.precision]
             mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, torch.finfo(dtype).min)
         # the positions OPT would count from a right-padded [b, L] mask: 0.. along every row
         batch.update(attention_mask=mask, position_ids=torch.arange(s, device=device).repeat(b, 1))

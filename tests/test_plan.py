@@ -104,7 +104,7 @@ def test_parse_size():
 def test_hub_repo_size_of_a_chain_of_ten_opt_1_3b_slices():
     """--hub_keep_full 1: one full checkpoint (12 bytes per parameter) and ten fp16 weights files (2 bytes each):
     42.1 GB, 44.7 GB with an exported model; every full checkpoint kept would be 158 GB."""
-    from fsdp_opt.plan import hub_repo_bytes
+    from fsdp_opt.diskplan import hub_repo_bytes
 
     shape = Shape.of(model_config("facebook/opt-1.3b"))
     n = 1_315_758_080
