@@ -9,3 +9,9 @@ import logging as _logging
 # of that is used here, so those two loggers only speak up for errors.
 for _name in ("torchao", "torch.utils._pytree"):
     _logging.getLogger(_name).setLevel(_logging.ERROR)
+
+from . import torchao_gate as _torchao_gate
+
+# A torchao this torch or peft cannot use is hidden before transformers or peft look for it (only --base_bits 4 needs
+# it, and that flag then stops in one line naming the install that fixes it).
+_torchao_gate.gate()

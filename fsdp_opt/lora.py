@@ -22,6 +22,7 @@ from torch import nn
 
 from .errors import CheckpointError, ConfigError
 from .flags import flag
+from .torchao_gate import check_for_nf4
 
 ADAPTER = "default"  # peft's adapter name inside the model; not part of the exported keys
 KEY = "lora"  # the checkpoint key holding the run's LoRA identity
@@ -138,13 +139,11 @@ def store_base(model: nn.Module, dtype: torch.dtype) -> None:
 
 def _to_nf4() -> Any:
     """torchao's NF4 quantizer (its module moved between releases)."""
+    check_for_nf4()
     try:
         from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
     except ImportError:
-        try:
-            from torchao.dtypes.nf4tensor import to_nf4
-        except ImportError:
-            raise ConfigError("--base_bits 4: needs torchao (pip install torchao)") from None
+        from torchao.dtypes.nf4tensor import to_nf4
     return to_nf4
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import torch
+
+from . import torchao_gate
 from .distributed import print0
 from .session import Session
 from .steptime import describe_prediction
@@ -39,6 +42,9 @@ def print_summary(s: Session, classes: set[type], units: int, n_params: int) -> 
         )
     )
     print0("config: " + " ".join(f"--{k} {v}" for k, v in c.flat().items() if v is not None))
+    if torchao_gate.hidden_reason:
+        print0(f"note: {torchao_gate.hidden_reason}: it is not used (only --base_bits 4 needs torchao; for this torch: "
+               f"{torchao_gate.install_line(torch.__version__)})")  # fmt: skip
 
 
 PACKING_WORDS = {

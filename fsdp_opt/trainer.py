@@ -59,6 +59,7 @@ from .saving import (
 )
 from .session import Session
 from .summary import print_summary
+from .torchao_gate import check_for_nf4
 from .steptime import choose_layout, step_time_line
 from .stopping import WRITE_FAILED, StopControl, resume_command
 from .optim import LossScaler, LRSchedule, build_optimizer, global_grad_norm, unscale_and_clip_
@@ -109,6 +110,8 @@ def setup(config: Config, env: DistEnv) -> Session:
     mc, dc, tc, pc, cc, lc = config.model, config.data, config.train, config.parallel, config.checkpoint, config.lora
     source = all_ranks_ok(lambda: resolve_model(mc.model))
     precision = all_ranks_ok(lambda: par.resolve_precision(pc.precision, env.device))
+    if lc.enabled and lc.base_bits == 4:
+        all_ranks_ok(check_for_nf4)  # the torch/torchao pair, before anything is built
     if pc.cpu_offload and env.device.type != "cuda":
         raise ConfigError("--cpu_offload: only useful with CUDA devices (the run is on CPU already)")
     tc.accum_steps = tc.accum_for(env.world_size)
