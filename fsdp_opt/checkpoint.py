@@ -26,6 +26,7 @@ from .atomic import _fsync_dir, save_or_explain
 from .distributed import DistEnv, all_ranks_ok, barrier
 from .errors import CheckpointError
 from .hostmem import release_host_memory
+from .room import bytes_on_disk
 
 FORMAT = "fsdp-opt/1"
 SUFFIX = ".pt"
@@ -169,13 +170,7 @@ def save_checkpoint(
     release_host_memory()  # the gathered state: back to the system, not kept in the heap for later steps
     if not env.is_main:
         return None
-    return {"bytes": float(_size_on_disk(path)), "seconds": time.perf_counter() - start}
-
-
-def _size_on_disk(path: Path) -> int:
-    if path.is_dir():
-        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-    return path.stat().st_size
+    return {"bytes": float(bytes_on_disk(path)), "seconds": time.perf_counter() - start}
 
 
 def _save_sharded(path: Path, env: DistEnv, model: nn.Module, optimizer: torch.optim.Optimizer | None, meta: dict) -> None:

@@ -45,8 +45,11 @@ def disk_and_hub(shape: Shape, inputs, *, disk: int, keep_last: int, save_optimi
         sizes = checkpoints(shape, inputs.gpus)
     one = sizes["full_with_optimizer"] if save_optimizer else sizes["full_weights_only"]
     saved = sizes["full_weights_only"] // 4
-    # A save writes the new file before --keep_last removes the oldest: keep_last + 1 on disk at the peak.
-    on_disk = one * (max(1, keep_last) + 1) if keep_last else None
+    # A save writes the new file before --keep_last removes the oldest; older ones that would not fit beside the new
+    # one are removed before it (saving.make_room). With none fitting beside it, the newest goes once the Hub has it.
+    fit_beside = max(0, disk // one - 1)
+    kept = min(max(1, keep_last), fit_beside) if keep_last else fit_beside
+    on_disk = one * (kept + 1)
     repo = lambda export: hub_repo_bytes(shape, slices=slices, keep_full=keep_full, save_optimizer=save_optimizer,  # noqa: E731
                                          export=export, saved=saved)  # fmt: skip
     return {
@@ -54,8 +57,10 @@ def disk_and_hub(shape: Shape, inputs, *, disk: int, keep_last: int, save_optimi
         "disk": {
             "checkpoint_bytes": one,
             "peak_bytes": on_disk,
-            "fits": None if on_disk is None else on_disk + sizes["export_fp16"] <= disk,
-            "checkpoints_that_fit": max(0, disk // one - 1),
+            "fits": one + sizes["export_fp16"] <= disk,
+            "checkpoints_that_fit": fit_beside,
+            "kept_while_saving": kept,
+            "needs_hub_for_room": fit_beside == 0 and one <= disk,
         },
         "hub": {"slices": slices, "keep_full": keep_full, **repo(False), "with_export": repo(True)["total"]},
         "saved": saved,

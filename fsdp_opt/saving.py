@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import checkpoint as ckpt
+from . import room
 from .config import Config
 from .distributed import all_ranks_ok, broadcast_object, max_over_ranks, print0
 from .errors import CheckpointError
@@ -262,32 +263,48 @@ def export_final(s: Session) -> None:
 
 
 def make_room(s: Session, keep: Path) -> None:
-    """--disk_budget, rank 0, before a save: delete local checkpoints the Hub has (oldest first) until the
-    checkpoints left plus the new one fit. What is not on the Hub is never deleted for room."""
-    from .uploads import ckpt_bytes
-
-    budget = s.config.checkpoint.disk_budget_bytes
-    if budget is None:
-        return
+    """Rank 0, before a save: remove local checkpoints until the new one fits the disk's free space and --disk_budget
+    (room.choose: those the Hub has first, then older ones, the newest only once the Hub has it). What still does not
+    fit is left to the save, which stops in one line when the disk is full; over --disk_budget alone it warns."""
     cc = s.config.checkpoint
-    needed = s.last_save_bytes or (12 if cc.save_optimizer else 4) * s.n_params
+    up = s.uploader
     with s.prune_lock:
-        present = sorted(ckpt.list_checkpoints(s.out_dir), key=lambda p: (ckpt.checkpoint_step(p), p.stat().st_mtime))
-        used = sum(ckpt_bytes(p) for p in present if p != keep)
-        for p in present:
-            if used + needed <= budget:
-                break
-            if p != keep and s.uploader is not None and s.uploader.is_on_hub(p):
-                size = ckpt_bytes(p)
-                if p.is_dir():
-                    shutil.rmtree(p, ignore_errors=True)
-                else:
-                    p.unlink(missing_ok=True)
-                used -= size
-                print0(f"removed {p} to make room for the next save (it is on the Hub; --disk_budget {cc.disk_budget})")
-    if used + needed > budget:
+        paths = sorted((p for p in ckpt.list_checkpoints(s.out_dir) if p != keep),
+                       key=lambda p: (ckpt.checkpoint_step(p), p.stat().st_mtime))  # fmt: skip
+        state = {p: up.upload_state(p) if up is not None else None for p in paths}
+        held = [room.Held(p, room.bytes_on_disk(p), ckpt.checkpoint_step(p), on_hub=up is not None and up.is_on_hub(p),
+                          uploading=state[p] == "uploading", queued=state[p] in ("waiting", "uploading"))
+                for p in paths]  # fmt: skip
+        s.out_dir.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(s.out_dir).free
+        plan = room.choose(held, s.last_save_bytes or save_bytes_estimate(s), free, cc.disk_budget_bytes)
+        why = f"{plan.needed / 1e9:,.2f} GB needed, {free / 1e9:,.2f} GB free" + (
+            f", --disk_budget {cc.disk_budget}" if cc.disk_budget_bytes is not None else "")  # fmt: skip
+        for h in plan.remove:
+            on_hub = h.on_hub
+            if h is plan.remove[-1] and plan.wait_for_newest:
+                print0(f"waiting for the upload of {h.path.name} before removing it to make room ({why})")
+                on_hub = up.wait_for(h.path, s.config.hub.hub_wait_seconds)
+                if not on_hub:
+                    break  # the only copy of the newest checkpoint: kept; the save says in one line what is missing
+            if h.path.is_dir():
+                shutil.rmtree(h.path, ignore_errors=True)
+            else:
+                h.path.unlink(missing_ok=True)
+            if up is not None and not on_hub:
+                up.drop(h.path)
+            where = "the Hub has it" if on_hub else "a newer checkpoint is kept"
+            print0(f"removed {h.path} ({h.bytes / 1e9:,.2f} GB; {where}) to make room for the next save: {why}")
+    if plan.fits_disk and not plan.fits_budget:
         print0(f"warning: --disk_budget {cc.disk_budget}: the checkpoints in {s.out_dir} and the next save need about "
-               f"{(used + needed) / 1e9:,.2f} GB; nothing more can be removed (not on the Hub yet); saving anyway")  # fmt: skip
+               f"{(plan.used_after + plan.needed) / 1e9:,.2f} GB; nothing more can be removed (the newest is not on "
+               "the Hub); saving anyway")  # fmt: skip
+
+
+def save_bytes_estimate(s: Session) -> int:
+    """The first save's size before one is measured: fp32 weights (+ AdamW's two moments) of what trains."""
+    trainable = sum(p.numel() for p in s.params)
+    return (12 if s.config.checkpoint.save_optimizer else 4) * trainable + 2**20
 
 
 def prune(s: Session, keep: Path) -> None:

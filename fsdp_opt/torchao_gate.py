@@ -10,6 +10,7 @@ only `--base_bits 4` refuses to start, naming the `pip install` line that fixes 
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import importlib.util
 import re
@@ -57,8 +58,8 @@ def unusable_reason(version: str, torch_version: str) -> str | None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            import torchao  # noqa: F401
-            import torchao.quantization  # noqa: F401  (what transformers imports)
+            importlib.import_module("torchao")
+            importlib.import_module("torchao.quantization")  # what transformers imports
     except Exception as exc:  # noqa: BLE001 - any failure to import means it cannot be used
         line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         return f"torchao {version} does not import on torch {torch_version} ({line})"

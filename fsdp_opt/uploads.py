@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from .hub import CARD_FILE, CKPT_DIR, INDEX_FILE, METRICS_IN_REPO, HubStore, describe, now_iso, with_retries
 from .retention import decide
+from .room import bytes_on_disk as ckpt_bytes
 from .weightsfile import WEIGHTS_DIR, checkpoint_of, weights_from_checkpoint, weights_name
 
 
@@ -121,6 +122,30 @@ class Uploader:
                 return False
             return any(j.status == "done" and j.entry.get("global_step", -1) > job.entry.get("global_step", -1) for j in self.jobs)
 
+    def upload_state(self, path: Path) -> str | None:
+        """The status of this checkpoint's latest upload job in this session (None: not submitted here)."""
+        with self._cond:
+            job = next((j for j in reversed(self.jobs) if j.name == Path(path).name), None)
+            return None if job is None else job.status
+
+    def drop(self, path: Path) -> None:
+        """A checkpoint removed for room before its upload started: a newer one is pushed instead."""
+        with self._cond:
+            for job in self.jobs:
+                if job.name == Path(path).name and job.status == "waiting":
+                    job.status = "superseded"
+
+    def wait_for(self, path: Path, timeout: float) -> bool:
+        """Wait up to `timeout` s for this checkpoint's upload to end; True when the Hub has it."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                job = next((j for j in reversed(self.jobs) if j.name == Path(path).name), None)
+                if job is None or job.status not in ("waiting", "uploading") or time.monotonic() >= deadline:
+                    break
+                self._cond.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+        return self.is_on_hub(path)
+
     def take_done(self) -> list[Upload]:
         with self._cond:
             done, self._done = self._done, []
@@ -177,6 +202,7 @@ class Uploader:
             except Exception as exc:  # noqa: BLE001 - a failed upload never stops training
                 with self._cond:
                     job.status, job.error = "failed", describe(exc)
+                    self._cond.notify_all()
                 self.log(f"hub: upload of {job.name} failed ({job.error}); the local copy is kept: {job.path.resolve()}")
                 continue
             finally:
@@ -187,6 +213,7 @@ class Uploader:
                 if job.kind != "export":
                     self.remote_names.add(job.name)
                 self._done.append(job)
+                self._cond.notify_all()
             where = "the repo root" if job.kind == "export" else job.path_in_repo
             made = f" (its weights file made first in {job.weights_seconds:.1f} s)" if job.weights is not None else ""
             self.log(f"hub: pushed {job.name} to {self.store.repo_id} ({where}): {job.bytes / 1e9:,.2f} GB in "
@@ -328,13 +355,3 @@ class Uploader:
         self._commit([], index, "fsdp-opt: repo storage")
         if freed:
             self.log(f"hub: freed {freed / 1e9:,.2f} GB of the repo's storage; it holds {size / 1e9:,.2f} GB")
-
-
-
-def ckpt_bytes(path: Path) -> int:
-    try:
-        if path.is_dir():
-            return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-        return path.stat().st_size
-    except OSError:
-        return 0
