@@ -48,8 +48,33 @@ def choose_device(preference: str = "auto") -> torch.device:
         raise ConfigError("--device cuda: no CUDA device is visible (use --device cpu or auto)")
     use_cuda = preference == "cuda" or (preference == "auto" and torch.cuda.is_available())
     if use_cuda:
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        return torch.device("cuda", cuda_index(local, per_node, torch.cuda.device_count()))
     return torch.device("cpu")
+
+
+def cuda_index(local_rank: int, local_world_size: int, device_count: int) -> int:
+    """This process's GPU: one GPU per process. Two processes on one GPU would make NCCL fail (a duplicate GPU in the
+    communicator) with a traceback, so more processes than GPUs is refused in one line."""
+    if local_world_size > device_count:
+        raise ConfigError(
+            f"--nproc_per_node {local_world_size}: this node has {device_count} GPU(s), one per process "
+            f"(use --nproc_per_node=gpu, or {device_count})"
+        )
+    return local_rank
+
+
+def backend_for(device: torch.device) -> tuple[str, dict[str, Any]]:
+    """The process group's backend and init_process_group's extra arguments for this device.
+
+    CUDA: NCCL for CUDA tensors, gloo for CPU tensors and object collectives. No `device_id`: a default group bound to
+    a device makes init_device_mesh build a 2-D mesh (NO_SHARD, HYBRID_SHARD) by `split_group`, which fails on torch
+    2.8 for a "cpu:gloo,cuda:nccl" group ("Unknown c10d backend type CPU:GLOO,CUDA:NCCL"); unbound, it builds each
+    dimension's group with `new_group`. torch.cuda.set_device comes first, so NCCL still uses this process's GPU."""
+    if device.type == "cuda":
+        return "cpu:gloo,cuda:nccl", {}
+    return "gloo", {}
 
 
 def init_distributed(device_preference: str = "auto", timeout_minutes: float = 30.0) -> DistEnv:
@@ -58,20 +83,16 @@ def init_distributed(device_preference: str = "auto", timeout_minutes: float = 3
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    backend, kwargs = backend_for(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        backend = "cpu:gloo,cuda:nccl"
     else:
-        backend = "gloo"
         # NOTE: torchrun sets OMP_NUM_THREADS=1 for several workers; share the cores instead.
         if "OMP_NUM_THREADS" not in os.environ or local_world_size > 1:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
     if not dist.is_initialized():
         timeout = timedelta(minutes=timeout_minutes)
         if "MASTER_ADDR" in os.environ:
-            kwargs: dict[str, Any] = {}
-            if device.type == "cuda":
-                kwargs["device_id"] = device
             dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
         else:
             # A plain `python` launch: a world of one, no port needed.

@@ -13,6 +13,9 @@ from typing import Any
 
 # torchao's NF4 tensor: 4 bits per weight, one int8 scale per 64 weights, one fp32 factor per 256 scales.
 NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
+# The live peak of dequantizing one NF4 weight to fp16, per weight: 7.8 to 8.1 bytes measured on CPU (torchao 0.18, the
+# process's peak RSS around `linear(x, nf4_weight)`; tests/test_cuda_paths.py measures it again), rounded up.
+NF4_DEQUANT_BYTES = 9
 
 
 def chosen(shape, targets: str | None) -> list[tuple[str, int, int]]:  # noqa: ANN001
@@ -57,8 +60,9 @@ def components(shape, strategy: str, inputs, b: int, c: int) -> dict[str, Any]: 
     held = shape.layers if keeps_all else min(shape.layers, 1 + max(1, inputs.prefetch))
     gathered_block = block_base_bytes(shape, inputs, c) + c * unit
     buffer = max(c * shape.root_params, gathered_block) if f > 1 else 0
-    # An NF4 weight is dequantized to the compute dtype for its matmul, one at a time.
-    dequantized = c * max((i * o for _, i, o in shape.linears), default=0) if inputs.base_bits == 4 else 0
+    # An NF4 weight is dequantized for its matmul, one at a time, through temporaries (the unpacked codes, their
+    # values, the scales spread out) that peak at NF4_DEQUANT_BYTES per weight, the compute-dtype result included.
+    dequantized = NF4_DEQUANT_BYTES * max((i * o for _, i, o in shape.linears), default=0) if inputs.base_bits == 4 else 0
     # lora_dropout makes its own copy of each adapted layer's input, kept for backward: one block's worth under
     # activation checkpointing (the block being recomputed), every block's without.
     inputs_of_adapted = sum(i for _, i, _ in chosen(shape, inputs.lora_targets))
