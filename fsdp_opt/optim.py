@@ -70,6 +70,9 @@ class LRSchedule:
         return asdict(self)
 
 
+MIN_SCALE = 2.0**-24  # fp16's smallest subnormal
+
+
 class LossScaler:
     """Dynamic loss scaling for fp16, with the skip decision taken from the global gradient norm.
 
@@ -90,7 +93,8 @@ class LossScaler:
             self.skipped_steps += 1
             self.good_steps = 0
             if self.enabled:
-                self.scale = max(self.scale * 0.5, 1.0)
+                # NOTE: below 1 only when the loss itself overflows; fp16watch warns then and stops a storm.
+                self.scale = max(self.scale * 0.5, MIN_SCALE)
             return
         self.good_steps += 1
         if self.enabled and self.good_steps % self.growth_interval == 0:

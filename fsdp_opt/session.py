@@ -14,6 +14,7 @@ from . import checkpoint as ckpt
 from .config import Config
 from .data import Blocks, StepPlan
 from .distributed import DistEnv
+from .fp16watch import SkipWatch
 from .optim import LossScaler, LRSchedule
 from .tracking import MetricsWriter
 
@@ -56,4 +57,5 @@ class Session:
     step_seconds: list[float] = field(default_factory=list)  # of this session's optimizer steps
     chunked_loss: Any = None  # a loss.ChunkedLoss with --loss_chunk_tokens
     lora: dict[str, Any] | None = None  # lora.identity() of a LoRA run: what its checkpoints record
+    skip_watch: SkipWatch = field(default_factory=SkipWatch)  # fp16: skipped-step rate, warnings, the storm stop
     ckpt_writer: Any = None  # saving.BackgroundWriter with --async_save (rank 0 writes; None: saves written in place)

@@ -32,6 +32,7 @@ from .distributed import (
     teardown,
 )
 from .errors import ConfigError
+from .fp16watch import Fp16Overflow, overflow_probe, trained_in_bf16
 from . import lora
 from .lora import Adapters
 from .loss import ChunkedLoss, causal_lm_loss_sum
@@ -118,6 +119,7 @@ def setup(config: Config, env: DistEnv) -> Session:
     if cc.export_merge and not (lc.enabled and cc.export_hf):
         raise ConfigError("--export_merge: only for a LoRA run (--lora_rank) with --export_hf DIR")
     model_config, tokenizer = rank0_first(lambda: (load_model_config(source, mc.attn_implementation), load_tokenizer(source)))
+    bf16_pretrained = trained_in_bf16(model_config)  # as the model's files say; loading sets the engine's dtype
     positions = max_positions(model_config)
     if positions is not None and dc.max_length > positions:
         raise ConfigError(f"--max_length {dc.max_length}: {mc.model} has only {positions} positions")
@@ -225,6 +227,9 @@ def setup(config: Config, env: DistEnv) -> Session:
         ckpt_writer=BackgroundWriter() if uses_async_save(config, env.device.type) else None,
     )
     print_summary(session, block_classes, units, n_params)
+    advice = overflow_probe(bf16_pretrained, precision, lambda: first_batch_loss(session), mc.model)
+    if advice:
+        print0(f"warning: {advice}")
     session.uploader = all_ranks_ok(lambda: start_uploader(session) if env.is_main and hc.hf_repo else None)
     wc = config.wandb
     run_id = None if wc.wandb_new_run else run_id
@@ -280,11 +285,16 @@ def run_epoch(s: Session, epoch: int, stop: StopControl, progress: Progress) -> 
         stop.observe_step(s.step_seconds[-1])
         s.state.offset = step.end_offset
         record["elapsed"] = round(stop.elapsed(), 3)
+        record["skipped_rate"], warning, overflow = s.skip_watch.observe(record["skipped"], record["loss_scale"])
         s.writer.write(record)
         s.wandb.log_step(record)
         if s.uploader is not None:
             log_pushed(s)
         progress.update(record["loss"], record["tokens_per_second"])
+        if warning:
+            print0(warning)
+        if overflow:
+            raise Fp16Overflow(overflow)
         epoch_done = step.end_offset >= s.plan.num_samples
         if cc.save_every_steps and s.state.global_step % cc.save_every_steps == 0 and not epoch_done:
             save(s, epoch_end=False)
@@ -322,6 +332,28 @@ def accumulate(s: Session, step: StepBatch, scale: float = 1.0) -> torch.Tensor:
         (loss * weight).backward()
         loss_sum += loss.detach()
     return loss_sum
+
+
+def first_batch_loss(s: Session) -> torch.Tensor:
+    """The mean loss of this session's first micro-batch (summed over ranks), in eval mode: no dropout draws, so the
+    training that follows is the same with or without this forward. Every rank calls it."""
+    first = next(iter(s.plan.steps(s.state.epoch, s.state.offset)), None)
+    total = torch.zeros(2, device=s.env.device, dtype=torch.float32)
+    if first is not None and first.micro_batches:
+        batch = s.blocks.batch(first.micro_batches[0], s.env.device)
+        s.model.eval()
+        try:
+            chunked = s.chunked_loss
+            with chunked.hidden_states() if chunked else nullcontext():
+                out = s.model(**model_inputs(batch)).logits
+            loss = chunked.loss_sum(out, batch["labels"]) if chunked else causal_lm_loss_sum(out, batch["labels"])
+        finally:
+            s.model.train()
+        total[0] = loss.float()
+        total[1] = (batch["labels"][:, 1:] != -100).sum()
+    if s.env.world_size > 1:
+        dist.all_reduce(total)
+    return total[0] / total[1].clamp(min=1)
 
 
 def train_step(s: Session, step: StepBatch) -> dict[str, Any]:

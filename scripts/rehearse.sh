@@ -130,7 +130,7 @@ else
   grep -q "^error: --base_bits 4: .*$AO_LINE" "$RUN/four_before.log" || { tail -20 "$RUN/four_before.log" >&2; fail "--base_bits 4 did not name '$AO_LINE'"; }
   grep "^error:" "$RUN/four_before.log"
   echo "  running: $AO_LINE"
-  python -m $AO_LINE -q
+  eval "python -m $AO_LINE -q"
   [ "$(python -c 'import torch; print(torch.__version__)')" = "$TORCH_AFTER" ] || fail "$AO_LINE replaced torch"
   expect_rc0 four "${FOUR[@]}"
 fi
