@@ -1,13 +1,17 @@
 """One command for a GPU machine: train the real shape, save, resume, and hold every figure against the plan.
 
-    python -m fsdp_opt.gpu_check                      # every visible GPU, opt-1.3b's shape, each capped to 15 GiB
+    python -m fsdp_opt.gpu_check                      # every visible GPU, opt-1.3b's shape, each capped to a T4's 14.56 GiB
     python -m fsdp_opt.gpu_check --device cpu --model tiny-opt --nproc 2
 
 On the GPUs present it launches the training command under torchrun, one process per GPU, with `random:` weights of
-the shape (no download), fp16 with loss scaling as on a T4, and each GPU's allocator held to `--gpu_memory` (15 GiB:
-a T4's) with `--max_gpu_memory`. A second launch resumes from the first one's checkpoint on the next rows. The table
-shows the plan's peak against `max_memory_allocated`/`max_memory_reserved`, useful tokens/s, MFU, the predicted
-against the measured step time, skipped fp16 steps, and the save and load times, with the device named.
+the shape (no download), fp16 with loss scaling as on a T4, and each GPU's allocator held to `--gpu_memory` (14.56 GiB:
+a T4's total_memory) with `--max_gpu_memory`. A second launch resumes from the first one's checkpoint on the next rows.
+Before them it reads each GPU (name, compute capability, the precision --precision auto picks, the memory free once a
+context exists) from nvidia-smi or a short-lived process, never creating a CUDA context in its own process; after them
+it times NCCL's all-gather and reduce-scatter with peer-to-peer on and off (NCCL_P2P_DISABLE=1). The table shows the
+plan's peak against the usable memory and `max_memory_allocated`/`max_memory_reserved`, useful tokens/s, MFU, the
+predicted against the measured step time, skipped fp16 steps, the save and load times and the link, with the device
+named.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from . import gpus as gpu_info
+from .plan import NCCL_BUFFER_BYTES, T4_MEMORY
+
 BLOCKS_PER_ROW_512 = 0.15  # python-docs rows packed into 512-token blocks by the built-in tokenizer (about)
 DOC_ROWS = 754  # rows of python-docs
 
@@ -33,7 +40,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="an OPT size (random weights) or tiny-opt; default: facebook/opt-1.3b "
                    "on GPUs, tiny-opt on CPU")  # fmt: skip
     p.add_argument("--nproc", type=int, default=0, help="processes (default: one per GPU; 2 on CPU)")
-    p.add_argument("--gpu_memory", default="15GiB", help="each GPU's allocator is capped to this (a T4: 15GiB)")
+    p.add_argument("--gpu_memory", default=T4_MEMORY, help=f"each GPU's allocator is capped to this (a T4: {T4_MEMORY})")
     p.add_argument("--batch_size", type=int, default=4)
     p.add_argument("--max_length", type=int, default=512)
     p.add_argument("--accum_steps", type=int, default=2)
@@ -65,7 +72,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     model = a.model or ("facebook/opt-1.3b" if cuda else "tiny-opt")
     nproc = a.nproc or (torch.cuda.device_count() if cuda else 2)
-    device = torch.cuda.get_device_name(0) if cuda else f"CPU ({os.cpu_count()} cores)"
+    # The child process's reading includes the memory free once a context exists; nvidia-smi's does not.
+    gpus = (gpu_info.from_a_child_process() or gpu_info.from_nvidia_smi()) if cuda else []
+    device = gpus[0]["name"] if gpus else ("a CUDA GPU" if cuda else f"CPU ({os.cpu_count()} cores)")
+    for g, line in zip(gpus, gpu_info.describe(gpus)):
+        print(f"gpu_check: {line}; --precision auto trains in {gpu_info.precision_for(g['capability'])}")
     spec = model if model == "tiny-opt" else f"random:{model}"
     blocks = a.steps * a.batch_size * nproc * a.accum_steps
     rows = min(DOC_ROWS // 2, math.ceil(blocks / BLOCKS_PER_ROW_512 * a.max_length / 512) + 8)
@@ -90,10 +101,33 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: the resumed launch failed (exit {second.returncode}); its output is above", file=sys.stderr)
         return 1
     figures = collect(model, nproc, device, cuda, a, out, first.stdout, second.stdout)
+    figures["gpus"] = gpus
+    free = [g["free_after_context_gib"] for g in gpus if "free_after_context_gib" in g]
+    figures["usable_gib"] = min(free) - NCCL_BUFFER_BYTES / 2**30 if free and nproc > 1 else min(free) if free else None
+    figures["links"] = link_speeds(nproc, cuda, work) if nproc > 1 else []
+    figures["cuda_context_in_this_process"] = bool(cuda and torch.cuda.is_initialized())
     print("\n".join(render(figures)))
     if a.json:
         Path(a.json).write_text(json.dumps(figures, indent=1))
     return 0
+
+
+def link_speeds(nproc: int, cuda: bool, work: Path) -> list[dict[str, Any]]:
+    """commbench under torchrun: NCCL with peer-to-peer, then with NCCL_P2P_DISABLE=1; gloo once on CPU."""
+    results = []
+    for p2p_off in ([False, True] if cuda else [False]):
+        out = work / f"comm_p2p_{'off' if p2p_off else 'on'}.json"
+        env = {**os.environ, **({"NCCL_P2P_DISABLE": "1"} if p2p_off else {})}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
+               "fsdp_opt.commbench", "--device", "cuda" if cuda else "cpu", "--json", str(out)]  # fmt: skip
+        if not cuda:
+            cmd += ["--mib", "16", "--iters", "3"]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        if proc.returncode == 0 and out.exists():
+            results.append({"p2p": not p2p_off, "backend": "nccl" if cuda else "gloo", **json.loads(out.read_text())})
+        else:
+            results.append({"p2p": not p2p_off, "backend": "nccl" if cuda else "gloo", "error": (proc.stderr.strip().splitlines() or ["failed"])[-1]})
+    return results
 
 
 def collect(model: str, nproc: int, device: str, cuda: bool, a: argparse.Namespace, out: Path, first: str, second: str) -> dict[str, Any]:  # fmt: skip
@@ -137,7 +171,7 @@ def render(f: dict[str, Any]) -> list[str]:
 
     ratio = (f["step_time_measured_s"] / f["step_time_predicted_s"]
              if f["step_time_measured_s"] and f["step_time_predicted_s"] else None)  # fmt: skip
-    return [
+    lines = [
         f"gpu_check: {f['model']}, {f['ranks']} x {f['device']}, {f['strategy']}"
         + (", reduce every micro-batch" if f["reduce_every_microbatch"] else ""),
         "| figure | value |",
@@ -155,7 +189,18 @@ def render(f: dict[str, Any]) -> list[str]:
         f"| resume: read / load into the shards | {num(f['checkpoint_read_s'], '{:.1f}')} s / "
         f"{num(f['load_into_shards_s'], '{:.1f}')} s |",
         f"| resumed | at global step {f['resumed_from_step']}, {f['resumed_steps']} more steps |",
+        f"| usable memory per GPU (free with a context, less NCCL's buffers) | {num(f.get('usable_gib'))} GiB"
+        + (f": the plan's {f['plan_peak_bytes'] / gib:.2f} GiB "
+           + ("fits" if f["plan_peak_bytes"] / gib <= f["usable_gib"] else "does NOT fit") if f.get("usable_gib") else "")
+        + " |",
+        f"| CUDA context in gpu_check's own process | {'yes (a bug)' if f.get('cuda_context_in_this_process') else 'none'} |",
     ]
+    for link in f.get("links", []):
+        what = f"{link['backend']}" + (f", P2P {'on' if link['p2p'] else 'off (NCCL_P2P_DISABLE=1)'}" if link["backend"] == "nccl" else "")
+        value = (f"all-gather {link['all_gather_gbps']:.2f} GB/s, reduce-scatter {link['reduce_scatter_gbps']:.2f} GB/s"
+                 if "error" not in link else f"failed: {link['error']}")  # fmt: skip
+        lines.append(f"| link ({what}) | {value} |")
+    return lines
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable
 
+from . import gpus
 from .tracking import METRICS_FILE
 
 SECRET_NAMES = ("HF_TOKEN", "WANDB_API_KEY")
@@ -48,59 +49,14 @@ def load_secrets(names: Iterable[str] = SECRET_NAMES) -> dict[str, str]:
 
 
 def gpu_summary() -> str:
-    """One line per GPU: name, memory, compute capability and whether it has bf16 (compute capability 8.0 or more;
-    `torch.cuda.is_bf16_supported()` answers True on a T4, which only emulates it). Asked of nvidia-smi, or of a
-    short-lived Python process: CUDA is never initialised in this kernel, whose context would hold about 0.3-0.5 GiB
-    of GPU 0 for as long as the notebook runs, taken from the training's rank 0."""
+    """One line per GPU: name, memory, compute capability, bf16 or not; CUDA is never initialised in this kernel
+    (fsdp_opt.gpus asks nvidia-smi or a short-lived process)."""
     import torch
 
     if not torch.cuda.is_available():  # asks the driver for a count; creates no context
         return "no CUDA GPU: training runs on CPU with gloo (use nproc = 2 or more for FSDP across processes)"
-    gpus = gpus_from_nvidia_smi() or gpus_from_a_child_process()
-    lines = []
-    for g in gpus:
-        major, minor = (int(x) for x in str(g["capability"]).split("."))
-        bf16 = "bf16" if major >= 8 else "no bf16 (fp16 with loss scaling)"
-        lines.append(f"cuda:{g['index']} {g['name']}, {g['memory_gib']:.2f} GiB, compute {major}.{minor}, {bf16}")
-    return "\n".join(lines) or "CUDA is available but no GPU could be described"
-
-
-def gpus_from_nvidia_smi() -> list[dict[str, Any]]:
-    import subprocess
-
-    exe = shutil.which("nvidia-smi")
-    if not exe:
-        return []
-    query = [exe, "--query-gpu=index,name,memory.total,compute_cap", "--format=csv,noheader,nounits"]
-    try:
-        out = subprocess.run(query, capture_output=True, text=True, timeout=30, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    gpus = []
-    for line in out.strip().splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) != 4:
-            return []  # an older nvidia-smi without compute_cap
-        gpus.append({"index": int(parts[0]), "name": parts[1], "memory_gib": float(parts[2]) / 1024, "capability": parts[3]})
-    return gpus
-
-
-CHILD_QUERY = """
-import json, torch
-print(json.dumps([{"index": i, "name": p.name, "memory_gib": p.total_memory / 2**30, "capability": f"{p.major}.{p.minor}"}
-                  for i, p in ((i, torch.cuda.get_device_properties(i)) for i in range(torch.cuda.device_count()))]))
-"""
-
-
-def gpus_from_a_child_process() -> list[dict[str, Any]]:
-    """torch's own reading, from a process that ends (and frees its CUDA context) before this returns."""
-    import subprocess
-
-    try:
-        out = subprocess.run([sys.executable, "-c", CHILD_QUERY], capture_output=True, text=True, timeout=120, check=True)
-        return json.loads(out.stdout.strip().splitlines()[-1])
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-        return []
+    return "\n".join(gpus.describe(gpus.from_nvidia_smi() or gpus.from_a_child_process())) or \
+        "CUDA is available but no GPU could be described"
 
 
 def process_age_seconds() -> float:

@@ -21,6 +21,10 @@ def test_gpu_check_trains_saves_resumes_and_reports(tmp_path):
     assert f["save_s"] is not None and f["checkpoint_read_s"] is not None and f["load_into_shards_s"] is not None
     assert f["max_memory_allocated_gib"] is None and f["step_time_predicted_s"] is None  # GPU figures: none on CPU
     assert "| step time: measured / predicted |" in proc.stdout and "CPU" in proc.stdout
+    assert f["cuda_context_in_this_process"] is False and f["usable_gib"] is None
+    [link] = f["links"]  # gloo on CPU: one measurement (NCCL: P2P on and off)
+    assert link["backend"] == "gloo" and link["world_size"] == 2 and link["all_gather_gbps"] > 0
+    assert link["reduce_scatter_gbps"] > 0 and "| link (gloo) | all-gather" in proc.stdout
 
 
 def test_random_shapes_and_the_gpu_cap_flag_refuse_bad_input(tmp_path):
