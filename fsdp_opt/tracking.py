@@ -26,6 +26,7 @@ METRICS_FIELDS = (
     "skipped",  # true when the step was skipped for a non-finite gradient
     "skipped_steps",  # skipped steps so far in the run
     "slice",  # the rows this session trains, "start-end"
+    "skipped_rate",  # share of the last 20 steps (fewer at the start) skipped for a non-finite gradient (fp16 overflow)
 )
 
 # Dense fp16/bf16 tensor-core peaks from vendor datasheets, by substring of the device name.
