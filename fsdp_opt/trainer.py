@@ -393,6 +393,7 @@ def train_step(s: Session, step: StepBatch) -> dict[str, Any]:
         "skipped": not finite,
         "skipped_steps": s.scaler.skipped_steps,
         "slice": f"{s.config.data.start_idx}-{s.end_idx}",
+        "skipped_rate": 0.0,  # set by the loop's SkipWatch
     }
     if s.peak_flops:
         record["mfu"] = tokens_per_second * s.flops_per_token / (s.peak_flops * env.world_size)
