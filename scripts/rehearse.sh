@@ -143,7 +143,7 @@ ok "packing docs (above), concat, pad"
 
 step "evaluate and plan"
 expect_rc0 evaluate python -m fsdp_opt.evaluate --model tiny-opt --dataset python-docs --checkpoints out/tiny_opt_64-128-epoch-1.pt \
-  --eval_rows 16 --max_length 64 --num_prompts 1 --max_new_tokens 4 --output_dir out
+  --eval_rows 16 --max_length 64 --num_prompts 1 --max_new_tokens 4 --output_dir out --json out/eval_results.json
 grep -q "tiny_opt_64-128-epoch-1.pt" out/eval_results.json || fail "evaluate wrote no result for the checkpoint"
 expect_rc0 plan python -m fsdp_opt.plan --model facebook/opt-1.3b --gpus 2 --gpu_memory 14.5GiB --batch_size 4 --accum_steps 16
 grep -q "total" "$RUN/plan.log" || fail "plan printed no total"
