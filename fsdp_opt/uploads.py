@@ -215,7 +215,7 @@ class Uploader:
                 self._done.append(job)
                 self._cond.notify_all()
             where = "the repo root" if job.kind == "export" else job.path_in_repo
-            made = f" (its weights file made first in {job.weights_seconds:.1f} s)" if job.weights is not None else ""
+            made = f" (its weights file made first in {job.weights_seconds:.2f} s)" if job.weights is not None else ""
             self.log(f"hub: pushed {job.name} to {self.store.repo_id} ({where}): {job.bytes / 1e9:,.2f} GB in "
                      f"{job.seconds - job.weights_seconds:.1f} s{made}")  # fmt: skip
             if self.on_uploaded is not None:

@@ -345,7 +345,7 @@ def test_disk_budget_makes_room_with_hub_copies(tmp_path):
                      tmp_path, env=hub_env(tmp_path, server, "b"))  # fmt: skip
         assert s2.returncode == 0, s2.stdout + s2.stderr
         repo = set(server.repos["me/run"].files)
-    removed = [Path(p).name for p in re.findall(r"^removed (\S+) to make room", s2.stdout, flags=re.M)]
+    removed = [Path(p).name for p in re.findall(r"^removed (\S+) \([\d.,]+ GB; the Hub has it\) to make room", s2.stdout, flags=re.M)]
     assert removed == [p.name for p in first[: len(removed)]] and len(removed) == len(first) - 1  # oldest first
     assert all(f"checkpoints/{name}" in repo for name in removed)
     left = list((tmp_path / "out").glob("*.pt"))
