@@ -65,3 +65,16 @@ def disk_and_hub(shape: Shape, inputs, *, disk: int, keep_last: int, save_optimi
         "hub": {"slices": slices, "keep_full": keep_full, **repo(False), "with_export": repo(True)["total"]},
         "saved": saved,
     }
+
+
+def disk_line(d: dict[str, Any], keep_last: int, disk: int) -> str:
+    """The plan's line on the disk: the peak of a save, and what happens before saves when checkpoints do not fit."""
+    verdict = (
+        "DOES NOT FIT: one checkpoint is larger than the disk" if not d["fits"]
+        else "only one checkpoint fits: before each save the previous one is removed once the Hub has it (--hf_repo); "
+        "without the Hub the second save stops" if d["needs_hub_for_room"]
+        else "fits; older checkpoints that would not fit beside a new one are removed before it"
+        if not keep_last or d["checkpoints_that_fit"] < keep_last else "fits"
+    )
+    return (f"disk: {d['peak_bytes'] / 2**30:.2f} GiB at the peak of a save ({d['kept_while_saving']} older checkpoint(s) "
+            f"kept while one is written, --keep_last {keep_last}), of {disk / 1e9:,.0f} GB: {verdict}")

@@ -268,6 +268,7 @@ def render(plan: dict[str, Any]) -> str:
     if any(plan["strategies"][n]["components"]["accumulated_gradients"] for n in names):
         lines.append("(total: accumulating without sync, the sharded gradients appear only as the accumulated ones are "
                      "reduce-scattered, so they are not added to them)")
+    from .diskplan import disk_line
     from .steptime import render_configurations
 
     lines += ["", *render_configurations(plan)]
@@ -278,13 +279,7 @@ def render(plan: dict[str, Any]) -> str:
         f"checkpoints{' (the adapters)' if plan.get('lora') else ''}: full {_gib(c['full_with_optimizer'])} (weights "
         f"only {_gib(c['full_weights_only'])}), sharded {_gib(c['sharded_with_optimizer_per_rank'])} per rank, fp16 "
         f"export {_gib(c['export_fp16'])}" + (f" (merged into the base: {_gib(c['merged_export_fp16'])})" if plan.get("lora") else ""),
-        f"disk: {_gib(d['peak_bytes'])} at the peak of a save ({d['kept_while_saving']} older checkpoint(s) kept while one "
-        f"is written, --keep_last {i['keep_last']}), of {i['disk'] / 1e9:,.0f} GB: "
-        + ("DOES NOT FIT: one checkpoint is larger than the disk" if not d["fits"] else
-           "only one checkpoint fits: before each save the previous one is removed once the Hub has it (--hf_repo); "
-           "without the Hub the second save stops" if d["needs_hub_for_room"] else
-           f"fits; older checkpoints that would not fit beside a new one are removed before it"
-           if d["checkpoints_that_fit"] < max(1, i["keep_last"]) or not i["keep_last"] else "fits"),
+        disk_line(d, i["keep_last"], i["disk"]),
         f"Hub repo after {plan['hub']['slices']} slices with --hub_keep_full {plan['hub']['keep_full']}: "
         f"{plan['hub']['total'] / 1e9:,.1f} GB ({plan['hub']['full_checkpoints'] / 1e9:,.1f} GB of full checkpoints, "
         f"{plan['hub']['weights_files'] / 1e9:,.1f} GB of weights files; {plan['hub']['with_export'] / 1e9:,.1f} GB with "

@@ -8,7 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+
+from .hostmem import peak_rss_bytes
 
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"  # one line per --eval_rows evaluation: step, epoch, rows, loss, perplexity, tokens, seconds
@@ -107,8 +110,6 @@ def peak_flops(device: torch.device) -> float | None:
 def peak_memory_bytes(device: torch.device) -> int | None:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    from .hostmem import peak_rss_bytes
-
     return peak_rss_bytes() or None
 
 
@@ -260,3 +261,12 @@ def gpu_memory_line(env) -> str | None:  # noqa: ANN001 - a distributed.DistEnv
         return None
     return (f"GPU memory peak on rank {env.rank}: {torch.cuda.max_memory_allocated(env.device) / 2**30:.2f} GiB "
             f"allocated, {torch.cuda.max_memory_reserved(env.device) / 2**30:.2f} GiB reserved")  # fmt: skip
+
+
+def host_peaks_line(world_size: int) -> str:
+    """Every rank's peak host RSS so far, gathered to one line (a collective: every rank calls it)."""
+    peaks = [peak_rss_bytes()]
+    if world_size > 1:
+        peaks = [0] * world_size
+        dist.all_gather_object(peaks, peak_rss_bytes())
+    return "host RAM peak per rank: " + ", ".join(f"{p / 2**30:.2f}" for p in peaks) + " GiB"

@@ -44,7 +44,7 @@ from .models import (
     model_tag,
     resolve_model,
 )
-from .hostmem import configure_allocator, peak_rss_bytes, release_host_memory
+from .hostmem import configure_allocator, release_host_memory
 from .resume import read_resume, restore
 from .saving import (
     BackgroundWriter,
@@ -71,6 +71,7 @@ from .tracking import (
     count_params,
     flops_per_token,
     gpu_memory_line,
+    host_peaks_line,
     peak_flops,
     peak_memory_bytes,
 )
@@ -86,22 +87,13 @@ def run(config: Config) -> None:
         for line in (step_time_line(session.step_seconds, session.predicted_step), gpu_memory_line(env)):
             if line:
                 print0(line)
-        print0(host_peaks_line(env))
+        print0(host_peaks_line(env.world_size))
         # Every rank reaches the end before any closes its connections: no peer is left mid-transfer.
         barrier()
     finally:
         teardown()
         if session is not None:
             finish_outside(session)
-
-
-def host_peaks_line(env: DistEnv) -> str:
-    """Every rank's peak host RSS so far, gathered to one line (a collective: every rank calls it)."""
-    peaks = [peak_rss_bytes()]
-    if env.world_size > 1:
-        peaks = [0] * env.world_size
-        dist.all_gather_object(peaks, peak_rss_bytes())
-    return "host RAM peak per rank: " + ", ".join(f"{p / 2**30:.2f}" for p in peaks) + " GiB"
 
 
 # ---------------------------------------------------------------- setup
