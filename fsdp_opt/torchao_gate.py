@@ -22,8 +22,9 @@ from .errors import ConfigError
 # The oldest torchao peft accepts (peft 0.19: "only versions above 0.16.0 are supported", 0.16.0 included).
 TORCHAO_MIN = (0, 16, 0)
 # The torchao to install for a torch release (major, minor): each torchao release is built against one torch. 0.16.0
-# was built for torch 2.10 and is also the oldest peft accepts, so it is the answer for 2.10 and older; 0.17 and 0.18
-# ask for torch >= 2.11.
+# was built for torch 2.10 and is also the oldest peft accepts, so it is the answer for 2.10 and older (scripts/
+# rehearse.sh ran the 4-bit base with it on torch 2.10 and 2.8); 0.17 and 0.18 ask for torch >= 2.11, and 0.18 does not
+# import on torch 2.8.
 TORCHAO_FOR_TORCH: tuple[tuple[tuple[int, int], str], ...] = (((2, 11), "0.18.0"), ((0, 0), "0.16.0"))
 
 hidden_reason: str | None = None  # why an installed torchao was hidden, if it was
@@ -62,6 +63,7 @@ def unusable_reason(version: str, torch_version: str) -> str | None:
             importlib.import_module("torchao.quantization")  # what transformers imports
     except Exception as exc:  # noqa: BLE001 - any failure to import means it cannot be used
         line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        line = re.sub(r"\s*\(/[^)]*\)", "", line)  # the file torch's module was read from: long, and no help
         return f"torchao {version} does not import on torch {torch_version} ({line})"
     return None
 
