@@ -28,7 +28,6 @@ def bytes_on_disk(path: Path) -> int:
 class Held:
     path: Path
     bytes: int
-    step: int  # ordering: the global step (then the modification time, by list order)
     on_hub: bool = False
     uploading: bool = False  # its upload is running now: its file is being read
     queued: bool = False  # its upload waits its turn (or runs): the Hub will have it once that ends
@@ -46,7 +45,8 @@ class Room:
 
 
 def choose(held: list[Held], needed: int, free: int, budget: int | None) -> Room:
-    """`held`: the checkpoints in the folder, oldest first. `needed`: the new checkpoint's bytes."""
+    """`held`: the checkpoints in the folder, oldest first (by global step, then time). `needed`: the new
+    checkpoint's bytes."""
     needed = int(needed * MARGIN)
     used = sum(h.bytes for h in held)
 

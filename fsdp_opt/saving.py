@@ -272,7 +272,7 @@ def make_room(s: Session, keep: Path) -> None:
         paths = sorted((p for p in ckpt.list_checkpoints(s.out_dir) if p != keep),
                        key=lambda p: (ckpt.checkpoint_step(p), p.stat().st_mtime))  # fmt: skip
         state = {p: up.upload_state(p) if up is not None else None for p in paths}
-        held = [room.Held(p, room.bytes_on_disk(p), ckpt.checkpoint_step(p), on_hub=up is not None and up.is_on_hub(p),
+        held = [room.Held(p, room.bytes_on_disk(p), on_hub=up is not None and up.is_on_hub(p),
                           uploading=state[p] == "uploading", queued=state[p] in ("waiting", "uploading"))
                 for p in paths]  # fmt: skip
         s.out_dir.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,8 @@ import re
 import sys
 import warnings
 
+import torch
+
 from .errors import ConfigError
 
 # The oldest torchao peft accepts (peft 0.19: "only versions above 0.16.0 are supported", 0.16.0 included).
@@ -83,8 +85,6 @@ def gate() -> str | None:
         return hidden_reason
     if importlib.util.find_spec("torchao") is None:
         return None
-    import torch
-
     reason = unusable_reason(version, torch.__version__)
     if reason:
         hide_torchao(reason)
@@ -93,8 +93,6 @@ def gate() -> str | None:
 
 def check_for_nf4(flag: str = "--base_bits 4") -> None:
     """Raise a ConfigError naming the install line when torchao cannot give an NF4 base."""
-    import torch
-
     line = install_line(torch.__version__)
     if hidden_reason is not None:
         raise ConfigError(f"{flag}: {hidden_reason}; install the one for torch {torch.__version__.split('+')[0]}: {line}")

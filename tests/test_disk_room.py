@@ -17,7 +17,8 @@ GB = 10**9
 
 
 def held(name: str, size: float, step: int, **kw) -> Held:
-    return Held(Path(name), int(size * GB), step, **kw)
+    """`step` only names the order: the lists below are oldest first."""
+    return Held(Path(name), int(size * GB), **kw)
 
 
 def names(room) -> list[str]:
