@@ -6,17 +6,20 @@ import argparse
 import statistics
 import time
 
+
 def run_hf_trainer(args: argparse.Namespace, env, out_dir: str) -> dict:
     """transformers' Trainer with FSDP2 on the blocks fsdp-opt packs, the same wrap, precision and global batch."""
     import torch
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-    from fsdp_opt import plan
-    from fsdp_opt.data import build_blocks, load_rows, select_texts
-    from fsdp_opt.models import load_model_config, load_tokenizer, resolve_model
-    from fsdp_opt.parallelize import find_block_classes, local_state_bytes, resolve_precision
-    from fsdp_opt.tracking import flops_per_token, peak_memory_bytes
+    from fsdp_opt.data.blocks import build_blocks
+    from fsdp_opt.data.sources import load_rows, select_texts
+    from fsdp_opt.model.parallelize import find_block_classes, local_state_bytes, resolve_precision
+    from fsdp_opt.model.shapes import Shape, flops_per_token, model_config
+    from fsdp_opt.model.sources import load_model_config, load_tokenizer, resolve_model
+    from fsdp_opt.planner.inputs import Inputs, state_bytes
+    from fsdp_opt.runtime.gpus import peak_memory_bytes
 
     source = resolve_model(args.model)
     config, tokenizer = load_model_config(source), load_tokenizer(source)
@@ -79,8 +82,8 @@ def run_hf_trainer(args: argparse.Namespace, env, out_dir: str) -> dict:
     batch = {k: v.to(env.device) for k, v in blocks.batch(torch.arange(args.batch_size), env.device).items()}
     trainer.model(**batch).loss.backward()
     state = local_state_bytes(trainer.model, trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer)
-    shape = plan.Shape.of(plan.model_config(args.model))
-    inputs = plan.Inputs(gpus=env.world_size, nodes=env.num_nodes, precision=precision, cuda=not cpu)
+    shape = Shape.of(model_config(args.model))
+    inputs = Inputs(gpus=env.world_size, nodes=env.num_nodes, precision=precision, cuda=not cpu)
     timed = times[args.warmup :]
     global_batch = args.batch_size * env.world_size * args.accum_steps
     return {
@@ -89,7 +92,7 @@ def run_hf_trainer(args: argparse.Namespace, env, out_dir: str) -> dict:
         "flops_per_token": flops_per_token(model, args.max_length),
         "global_batch": global_batch,
         "peak_state_bytes_per_rank": state["total"],
-        "predicted_state_bytes_per_rank": sum(plan.state_bytes(shape, "FULL_SHARD", inputs).values()),
+        "predicted_state_bytes_per_rank": sum(state_bytes(shape, "FULL_SHARD", inputs).values()),
         "peak_memory_bytes_per_rank": peak_memory_bytes(env.device),
         "precision": precision,
         "strategy": "FULL_SHARD (Trainer, FSDP2)",

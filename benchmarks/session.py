@@ -118,8 +118,8 @@ def build_model(shape: str, dest: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from fsdp_opt.models import ASSETS
-    from fsdp_opt.plan import model_config
+    from fsdp_opt.model.shapes import model_config
+    from fsdp_opt.model.sources import ASSETS
 
     if (dest / "config.json").exists():
         return dest
@@ -182,7 +182,7 @@ def _find(lines: list[tuple[float, str]], pattern: str) -> tuple[float, re.Match
 
 
 def summarize(lines: list[tuple[float, str]], first_metrics_s: float | None, ended: float, out_dir: Path) -> dict:
-    from fsdp_opt.tracking import read_metrics
+    from fsdp_opt.tracking.metrics import read_metrics
 
     rows = read_metrics(out_dir)
     slice_rows = [r for r in rows if r["slice"] == rows[-1]["slice"]]
@@ -245,8 +245,9 @@ def stage_floors(fresh: dict, resumed: dict, floor: dict, params: int, model: Pa
 
 
 def plan_host(shape: str, args: argparse.Namespace) -> dict:
-    from fsdp_opt.hostplan import host_memory
-    from fsdp_opt.plan import Inputs, Shape, model_config
+    from fsdp_opt.model.shapes import Shape, model_config
+    from fsdp_opt.planner.host import host_memory
+    from fsdp_opt.planner.inputs import Inputs
 
     s = Shape.of(model_config(shape))
     inputs = Inputs(gpus=args.nproc, batch_size=args.batch_size, max_length=args.max_length, accum_steps=1,
@@ -270,8 +271,10 @@ def kaggle_prediction(args: argparse.Namespace, stages: dict[str, dict]) -> dict
     written or downloaded), so on Kaggle it is the file read once at the disk rate plus the work beyond that read
     measured here (copying the slices into the shards), scaled by the bytes."""
     ratios = {k: v["measured_s"] / v["floor_s"] for k, v in stages.items()}
-    from fsdp_opt.hostplan import host_memory
-    from fsdp_opt.plan import GIB, Inputs, Shape, model_config
+    from fsdp_opt.base import GIB
+    from fsdp_opt.model.shapes import Shape, model_config
+    from fsdp_opt.planner.host import host_memory
+    from fsdp_opt.planner.inputs import Inputs
 
     shape = Shape.of(model_config("facebook/opt-1.3b"))
     full, weights = 12 * shape.params, 2 * shape.params

@@ -118,11 +118,14 @@ def engine_flags(args: argparse.Namespace, out_dir: str, strategy: str = "FULL_S
 def run_engine(args: argparse.Namespace, name: str, env, out_dir: str) -> dict:
     import torch
 
-    from fsdp_opt import plan
-    from fsdp_opt.config import parse_args
-    from fsdp_opt.parallelize import local_state_bytes
-    from fsdp_opt.tracking import peak_memory_bytes
-    from fsdp_opt.trainer import setup, train_step
+    from fsdp_opt.config.parse import parse_args
+    from fsdp_opt.engine.step import train_step
+    from fsdp_opt.model.parallelize import local_state_bytes
+    from fsdp_opt.model.shapes import Shape, model_config
+    from fsdp_opt.planner.inputs import Inputs
+    from fsdp_opt.planner.memory import memory
+    from fsdp_opt.runtime.gpus import peak_memory_bytes
+    from fsdp_opt.train.run import setup
 
     strategy = name if args.memory_only else "FULL_SHARD"
     extra = {"packed_compiled": ["--compile"], "packed_prefetch2": ["--prefetch", "2"],
@@ -154,10 +157,10 @@ def run_engine(args: argparse.Namespace, name: str, env, out_dir: str) -> dict:
     # One more backward without a step, so gradients exist next to parameters and Adam state.
     s.model(**s.blocks.batch(last.micro_batches[0], env.device)).loss.backward()
     state = local_state_bytes(s.model, s.optimizer)
-    shape = plan.Shape.of(plan.model_config(args.model))
-    inputs = plan.Inputs(gpus=env.world_size, nodes=env.num_nodes, precision=s.precision, cuda=env.device.type == "cuda",
+    shape = Shape.of(model_config(args.model))
+    inputs = Inputs(gpus=env.world_size, nodes=env.num_nodes, precision=s.precision, cuda=env.device.type == "cuda",
                          lora_rank=config.lora.lora_rank)  # fmt: skip
-    planned = plan.memory(shape, strategy, inputs)
+    planned = memory(shape, strategy, inputs)
     timed = times[args.warmup :]
     return {
         "useful_tokens_per_s": tokens / sum(timed),
@@ -177,8 +180,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from fsdp_opt.distributed import init_distributed, teardown
-    from fsdp_opt.tracking import peak_flops
+    from fsdp_opt.runtime.distributed import init_distributed, teardown
+    from fsdp_opt.runtime.gpus import peak_flops
 
     env = init_distributed("auto")
     out_dir = tempfile.mkdtemp(prefix="bench-")
@@ -233,7 +236,7 @@ def widened_model(model: str, vocab: int, folder: str) -> str:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from fsdp_opt.models import load_model_config, load_tokenizer, resolve_model
+    from fsdp_opt.model.sources import load_model_config, load_tokenizer, resolve_model
 
     source = resolve_model(model)
     config = load_model_config(source)

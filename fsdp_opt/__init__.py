@@ -1,8 +1,13 @@
-"""fsdp-opt: fine-tune Hugging Face causal LMs with PyTorch FSDP2, one resumable run across sessions."""
+"""fsdp-opt: fine-tune Hugging Face causal LMs with PyTorch FSDP2, one resumable run across sessions.
+"""
 
-__version__ = "0.1.0"
+from __future__ import annotations
 
 import logging as _logging
+
+from fsdp_opt.runtime.torchao_gate import gate
+
+__version__ = "0.1.0"
 
 # transformers imports torchao (the NF4 tensor of --base_bits 4) whenever it is installed. torchao then reports the
 # compiled kernels it has for other hardware failing to load, and torch warns about how it registers its enums: none
@@ -10,8 +15,6 @@ import logging as _logging
 for _name in ("torchao", "torch.utils._pytree"):
     _logging.getLogger(_name).setLevel(_logging.ERROR)
 
-from . import torchao_gate as _torchao_gate
-
 # A torchao this torch or peft cannot use is hidden before transformers or peft look for it (only --base_bits 4 needs
 # it, and that flag then stops in one line naming the install that fixes it).
-_torchao_gate.gate()
+gate()

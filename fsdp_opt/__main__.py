@@ -1,5 +1,8 @@
-"""`python -m fsdp_opt` (and `torchrun ... -m fsdp_opt`): the training command of an installed package."""
+"""`python -m fsdp_opt` (and `torchrun ... -m fsdp_opt`): the training command of an installed package.
+"""
 
-from .cli import entry
+from __future__ import annotations
+
+from fsdp_opt.cli import entry
 
 entry()

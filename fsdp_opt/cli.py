@@ -1,7 +1,6 @@
 """The training command: `fsdp_finetune.py` in the repository, `python -m fsdp_opt` from an installed wheel.
 
-    torchrun --standalone --nproc_per_node=gpu -m fsdp_opt --num_epochs 1 \
-        --start_idx 0 --end_idx 5000 --batch_size 4 --accum_steps 16 --hf_repo user/repo
+torchrun --standalone --nproc_per_node=gpu -m fsdp_opt --num_epochs 1         --start_idx 0 --end_idx 5000 --batch_size 4 --accum_steps 16 --hf_repo user/repo
 """
 
 from __future__ import annotations
@@ -9,9 +8,10 @@ from __future__ import annotations
 import os
 import sys
 
-from .config import build_parser, parse_args
-from .distributed import fail
-from .errors import ConfigError
+from fsdp_opt.base import ConfigError
+from fsdp_opt.config.parse import build_parser, parse_args
+from fsdp_opt.runtime.distributed import fail
+from fsdp_opt.train.run import run
 
 DESCRIPTION = "Fine-tune a Hugging Face causal LM with PyTorch FSDP2 on a slice [start_idx, end_idx) of a dataset."
 
@@ -21,7 +21,6 @@ def main(argv: list[str] | None = None) -> int:
         config = parse_args(argv)
     except ConfigError as exc:
         fail(str(exc))
-    from .trainer import run
 
     try:
         run(config)

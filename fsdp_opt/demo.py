@@ -1,6 +1,6 @@
 """The CPU demo: tiny-opt on python-docs, 2 processes, end to end, then a one-line verdict.
 
-    python -m fsdp_opt.demo [--nproc 2] [--output_dir outputs/demo] [extra fsdp_finetune.py flags]
+python -m fsdp_opt.demo [--nproc 2] [--output_dir outputs/demo] [extra fsdp_finetune.py flags]
 """
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .tracking import read_metrics
+from fsdp_opt.tracking.metrics import read_metrics
 
 ENTRY = Path(__file__).resolve().parents[1] / "fsdp_finetune.py"
+
 DEMO_ARGS = [
     "--model", "tiny-opt", "--dataset", "python-docs", "--max_length", "128", "--batch_size", "4",
     "--num_epochs", "2", "--lr", "3e-3", "--warmup_steps", "20", "--seed", "0",

@@ -3,7 +3,7 @@
 Used by training (`--eval_rows`) and on its own, to put the base model next to checkpoints:
 
     python -m fsdp_opt.evaluate --checkpoints latest            # in the training run's folder
-    torchrun --standalone --nproc_per_node=gpu -m fsdp_opt.evaluate --model facebook/opt-1.3b \\
+    torchrun --standalone --nproc_per_node=gpu -m fsdp_opt.evaluate --model facebook/opt-1.3b \
         --checkpoints opt_1.3B_0-5000-epoch-1.pt opt_1.3B_5000-10000-epoch-1.pt --hf_repo user/repo --json eval.json
 
 Under torchrun the models are sharded with FSDP, so one that does not fit a single GPU is still evaluated.
@@ -15,72 +15,41 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from .data import IGNORE_INDEX, Blocks, model_inputs
-from .distributed import DistEnv
-from .loss import causal_lm_loss_sum
+from fsdp_opt.base import ConfigError
+from fsdp_opt.checkpoint.atomic import atomic_save_text
+from fsdp_opt.checkpoint.loading import load_into
+from fsdp_opt.checkpoint.read import check_compatible, read_checkpoint
+from fsdp_opt.checkpoint.read import read_checkpoint as ckpt_read_checkpoint
+from fsdp_opt.config.choices import DTYPES
+from fsdp_opt.config.flags import OneLineParser
+from fsdp_opt.config.training import DataConfig, LoraConfig, ModelConfig
+from fsdp_opt.data.blocks import build_blocks
+from fsdp_opt.data.sources import held_out_texts, load_rows
+from fsdp_opt.engine.evaluation import evaluate_loss, generate
+from fsdp_opt.hub.store import find_resume
+from fsdp_opt.model.adapters import Adapters, check_resume
+from fsdp_opt.model.parallelize import initialize, resolve_precision, shard_model, tie_and_check
+from fsdp_opt.model.sources import build_meta_model, load_model_config, load_tokenizer, resolve_model
+from fsdp_opt.runtime.distributed import (
+    DistEnv,
+    all_ranks_ok,
+    broadcast_object,
+    fail,
+    init_distributed,
+    print0,
+    rank0_first,
+    teardown,
+)
+from fsdp_opt.runtime.hostmem import configure_allocator
 
 DEFAULT_EVAL_ROWS = 200
-
-
-def rank_batches(num_blocks: int, batch_size: int, rank: int, world_size: int) -> list[torch.Tensor]:
-    """This rank's block indices in micro-batches; -1 pads so every rank has the same batch shapes and count."""
-    per_rank = math.ceil(num_blocks / world_size)
-    mine = torch.arange(rank, num_blocks, world_size)
-    mine = torch.cat([mine, torch.full((per_rank - len(mine),), -1, dtype=mine.dtype)])
-    return [mine[i : i + batch_size] for i in range(0, per_rank, batch_size)]
-
-
-@torch.no_grad()
-def evaluate_loss(model: nn.Module, blocks: Blocks, batch_size: int, env: DistEnv) -> dict[str, float]:
-    """{"loss": token-mean loss, "perplexity": exp(loss), "tokens": target tokens} over all of `blocks`."""
-    was_training = model.training
-    model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=env.device)
-    try:
-        for index in rank_batches(len(blocks), batch_size, env.rank, env.world_size):
-            batch = blocks.batch(index, env.device)
-            logits = model(**model_inputs(batch)).logits
-            totals[0] += causal_lm_loss_sum(logits, batch["labels"]).double()
-            totals[1] += (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
-    finally:
-        model.train(was_training)
-    if env.world_size > 1:
-        dist.all_reduce(totals)
-    loss_sum, tokens = totals.tolist()
-    loss = loss_sum / max(1.0, tokens)
-    return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": int(tokens)}
-
-
-@torch.no_grad()
-def generate(model: nn.Module, tokenizer, prompts: list[str], env: DistEnv, *, max_new_tokens: int,
-             do_sample: bool, temperature: float, top_p: float, seed: int) -> list[str]:  # fmt: skip
-    """Continuations of each prompt. Every rank runs the same calls with the same seed (a sharded model
-    gathers its weights in each forward), so all ranks produce the same text."""
-    model.eval()
-    outputs = []
-    for prompt in prompts:
-        torch.manual_seed(seed)
-        enc = tokenizer(prompt, return_tensors="pt")
-        sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if do_sample else {"do_sample": False}
-        out = model.generate(
-            input_ids=enc["input_ids"].to(env.device),
-            attention_mask=enc["attention_mask"].to(env.device),
-            max_new_tokens=max_new_tokens,
-            pad_token_id=tokenizer.pad_token_id,
-            use_cache=True,
-            **sampling,
-        )
-        outputs.append(tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True))
-    return outputs
 
 
 def report_markdown(results: dict[str, Any] | str | Path) -> str:
@@ -105,8 +74,6 @@ def report_markdown(results: dict[str, Any] | str | Path) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .flags import OneLineParser
-
     p = OneLineParser(prog="python -m fsdp_opt.evaluate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="base model (default: the one the first checkpoint was trained from)")
     p.add_argument("--checkpoints", nargs="*", default=["latest"],
@@ -139,8 +106,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _checked(args: argparse.Namespace) -> argparse.Namespace:
-    from .errors import ConfigError
-
     for flag in ("eval_rows", "batch_size", "max_new_tokens", "num_prompts"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag} {getattr(args, flag)}: must be at least 1")
@@ -151,18 +116,16 @@ def _checked(args: argparse.Namespace) -> argparse.Namespace:
 
 def _trained_from(entries: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
     """The flags and the slice the first checkpoint was trained with (rank 0)."""
-    from . import checkpoint as ckpt
 
     first = next((e for e in entries if e["kind"] == "ckpt"), None)
     if first is None:
         return {}, {}
-    payload = ckpt.read_checkpoint(Path(first["path"]), "--checkpoints")
+    payload = ckpt_read_checkpoint(Path(first["path"]), "--checkpoints")
     return payload.get("config") or {}, payload.get("slice") or {}
 
 
 def _find(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
     """Rank 0: each --checkpoints entry as a model folder or a checkpoint (fetched from the Hub if need be)."""
-    from .hub import find_resume
 
     entries = []
     for spec in args.checkpoints:
@@ -177,10 +140,9 @@ def _find(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any
 
 def _read_checked(path: Path, model: nn.Module) -> dict[str, Any]:
     """Rank 0: a checkpoint, refused unless it fits the (meta) model."""
-    from . import checkpoint as ckpt
 
-    payload = ckpt.read_checkpoint(path, "--checkpoints")
-    ckpt.check_compatible(payload, model, path, "--checkpoints")
+    payload = ckpt_read_checkpoint(path, "--checkpoints")
+    check_compatible(payload, model, path, "--checkpoints")
     return payload
 
 
@@ -188,8 +150,6 @@ def _adapters(info: dict[str, Any] | None, model: nn.Module, precision: str, env
     """A LoRA checkpoint's adapters (as its run had them) added to the meta model every rank shards; None otherwise."""
     if info is None:
         return None
-    from .lora import Adapters, LoraConfig
-    from .parallelize import DTYPES
 
     settings = LoraConfig(lora_rank=info["rank"], lora_alpha=info["alpha"], lora_dropout=info["dropout"],
                           lora_targets=",".join(info["targets"]), base_bits=info.get("base_bits", 16))  # fmt: skip
@@ -202,40 +162,27 @@ def _fill(model: nn.Module, entry: dict[str, Any], payload: dict[str, Any] | Non
           seed: int, adapters: Any = None) -> None:  # fmt: skip
     """Allocate the shards of a sharded meta model and load one candidate's weights into them (a LoRA checkpoint:
     the base from --model, checked against the base the adapters were trained on, then the adapters)."""
-    from . import parallelize as par
-    from .distributed import all_ranks_ok, broadcast_object
-    from .loading import load_into
-    from .models import resolve_model
 
     if entry["kind"] != "ckpt":
         weights_from = source if entry["kind"] == "base" else resolve_model(entry["path"])
-        par.initialize(model, env, weights_from, model_config, seed, weights=True)
+        initialize(model, env, weights_from, model_config, seed, weights=True)
         return
     sharded = broadcast_object(bool(payload.get("_sharded")) if env.is_main else None)
     path = Path(entry["path"])
     if adapters is not None:
-        from .lora import check_resume
 
-        par.initialize(model, env, source, model_config, seed, weights=True, loader=adapters.load_weights,
+        initialize(model, env, source, model_config, seed, weights=True, loader=adapters.load_weights,
                        **adapters.load_options())  # fmt: skip
         adapters.share_fingerprint(env)
         all_ranks_ok(lambda: check_resume(payload["lora"], adapters.identity(), path, "--checkpoints") if env.is_main else None)
     else:
-        par.initialize(model, env, source, model_config, seed, weights=False)
+        initialize(model, env, source, model_config, seed, weights=False)
     load_into(model, None, payload, env, load_optimizer=False, sharded_path=path if sharded else None)
 
 
 def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
     """Evaluate the base model and each checkpoint in turn (one in memory at a time) on the same rows."""
     import gc
-
-    from . import parallelize as par
-    from .atomic import atomic_save_text
-    from .config import DataConfig, ModelConfig
-    from .data import build_blocks, held_out_texts, load_rows
-    from .distributed import all_ranks_ok, broadcast_object, print0, rank0_first
-    from .errors import ConfigError
-    from .models import build_meta_model, load_model_config, load_tokenizer, resolve_model
 
     found = all_ranks_ok(lambda: _find(args) if env.is_main else None)
     entries, trained, trained_slice = broadcast_object(found)
@@ -248,7 +195,7 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
         raise ConfigError("--start_idx: needed when no checkpoint says which rows it was trained on")
 
     source = all_ranks_ok(lambda: resolve_model(model_name))
-    precision = all_ranks_ok(lambda: par.resolve_precision(args.precision, env.device))
+    precision = all_ranks_ok(lambda: resolve_precision(args.precision, env.device))
     model_config, tokenizer = rank0_first(lambda: (load_model_config(source), load_tokenizer(source)))
     texts, end = rank0_first(lambda: held_out_texts(load_rows(dataset), text_column, start, args.eval_rows))
     packing = args.packing or ("concat" if trained.get("packing") == "concat" else "docs")
@@ -263,7 +210,6 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
         model = build_meta_model(model_config)
         payload, adapters, seed = None, None, args.seed
         if entry["kind"] == "ckpt":
-            from .checkpoint import read_checkpoint
 
             payload = all_ranks_ok(lambda: read_checkpoint(Path(entry["path"]), "--checkpoints") if env.is_main else None)
             # A LoRA checkpoint's base is built from its run's seed when the base is the built-in or a random: one.
@@ -271,11 +217,11 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
                                           if env.is_main else None)  # fmt: skip
             adapters = all_ranks_ok(lambda: _adapters(info, model, precision, env, args.sharding_strategy, seed))
             all_ranks_ok(lambda: _read_checked(Path(entry["path"]), model) if env.is_main else None)
-        par.shard_model(model, env, strategy=args.sharding_strategy, precision=precision, activation_checkpointing=False,
+        shard_model(model, env, strategy=args.sharding_strategy, precision=precision, activation_checkpointing=False,
                         ignored=adapters.unsharded(model) if adapters else None)  # fmt: skip
         _fill(model, entry, payload, source, model_config, env, seed, adapters)
         payload = None
-        par.tie_and_check(model)
+        tie_and_check(model)
         result = evaluate_loss(model, blocks, args.batch_size, env)
         texts_out = generate(model, tokenizer, prompts, env, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
                              temperature=args.temperature, top_p=args.top_p, seed=args.seed)  # fmt: skip
@@ -303,10 +249,6 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .distributed import fail, init_distributed, teardown
-    from .errors import ConfigError
-    from .hostmem import configure_allocator
-
     try:
         args = _checked(build_parser().parse_args(argv))
     except ConfigError as exc:

@@ -27,10 +27,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from . import gpus as gpu_info
-from .plan import NCCL_BUFFER_BYTES, T4_MEMORY
+from fsdp_opt.base import GIB, parse_size
+from fsdp_opt.config.choices import T4_MEMORY
+from fsdp_opt.model.shapes import Shape, model_config
+from fsdp_opt.planner.inputs import NCCL_BUFFER_BYTES, Inputs
+from fsdp_opt.planner.memory import memory, peak_bytes
+from fsdp_opt.runtime.gpus import describe, from_a_child_process, from_nvidia_smi, precision_for
 
 BLOCKS_PER_ROW_512 = 0.15  # python-docs rows packed into 512-token blocks by the built-in tokenizer (about)
+
 DOC_ROWS = 754  # rows of python-docs
 
 
@@ -73,10 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     model = a.model or ("facebook/opt-1.3b" if cuda else "tiny-opt")
     nproc = a.nproc or (torch.cuda.device_count() if cuda else 2)
     # The child process's reading includes the memory free once a context exists; nvidia-smi's does not.
-    gpus = (gpu_info.from_a_child_process() or gpu_info.from_nvidia_smi()) if cuda else []
+    gpus = (from_a_child_process() or from_nvidia_smi()) if cuda else []
     device = gpus[0]["name"] if gpus else ("a CUDA GPU" if cuda else f"CPU ({os.cpu_count()} cores)")
-    for g, line in zip(gpus, gpu_info.describe(gpus)):
-        print(f"gpu_check: {line}; --precision auto trains in {gpu_info.precision_for(g['capability'])}")
+    for g, line in zip(gpus, describe(gpus)):
+        print(f"gpu_check: {line}; --precision auto trains in {precision_for(g['capability'])}")
     spec = model if model == "tiny-opt" else f"random:{model}"
     blocks = a.steps * a.batch_size * nproc * a.accum_steps
     rows = min(DOC_ROWS // 2, math.ceil(blocks / BLOCKS_PER_ROW_512 * a.max_length / 512) + 8)
@@ -131,7 +136,6 @@ def link_speeds(nproc: int, cuda: bool, work: Path) -> list[dict[str, Any]]:
 
 
 def collect(model: str, nproc: int, device: str, cuda: bool, a: argparse.Namespace, out: Path, first: str, second: str) -> dict[str, Any]:  # fmt: skip
-    from .plan import GIB, Inputs, Shape, memory, model_config, parse_size, peak_bytes
 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     slice1 = rows[0]["slice"]

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable
 
-from . import gpus
-from .tracking import METRICS_FILE
+from fsdp_opt.runtime.gpus import describe, from_a_child_process, from_nvidia_smi
+from fsdp_opt.tracking.metrics import METRICS_FILE
 
 SECRET_NAMES = ("HF_TOKEN", "WANDB_API_KEY")
 
@@ -55,7 +55,7 @@ def gpu_summary() -> str:
 
     if not torch.cuda.is_available():  # asks the driver for a count; creates no context
         return "no CUDA GPU: training runs on CPU with gloo (use nproc = 2 or more for FSDP across processes)"
-    return "\n".join(gpus.describe(gpus.from_nvidia_smi() or gpus.from_a_child_process())) or \
+    return "\n".join(describe(from_nvidia_smi() or from_a_child_process())) or \
         "CUDA is available but no GPU could be described"
 
 

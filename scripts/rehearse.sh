@@ -106,7 +106,7 @@ grep -h "^note: torchao" "$RUN/lora.log" || true
 ok "LoRA"
 
 step "LoRA on a 4-bit base: the torchao install line the run names, then the run"
-AO_LINE="$(python -c 'import torch; from fsdp_opt.torchao_gate import install_line; print(install_line(torch.__version__))')"
+AO_LINE="$(python -c 'import torch; from fsdp_opt.runtime.torchao_gate import install_line; print(install_line(torch.__version__))')"
 AO_VERSION="$(python -c 'import importlib.metadata as m; print(m.version("torchao"))' 2>/dev/null || echo none)"
 FOUR=("${TORCHRUN[@]}" --model wide-opt --dataset python-docs --max_length 64 --batch_size 2 --num_epochs 1 --end_idx 32
       --lora_rank 8 --base_bits 4 --output_dir out_4bit)

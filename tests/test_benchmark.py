@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT, sandbox_env
 
 

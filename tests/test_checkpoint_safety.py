@@ -14,11 +14,22 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import (
+    ASSETS,
+    ROOT,
+    assert_clean_failure,
+    built_once,
+    make_local_model,
+    run_cli,
+    run_cli_concurrently,
+    sandbox_env,
+    torchrun_cmd,
+)
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from conftest import ASSETS, ROOT, assert_clean_failure, built_once, make_local_model, run_cli, run_cli_concurrently, sandbox_env, torchrun_cmd
-from fsdp_opt.atomic import remove_stale_temp
-from fsdp_opt.checkpoint import MODEL_KEY, STEP_KEY, checkpoint_name, list_checkpoints
+from fsdp_opt.checkpoint.atomic import remove_stale_temp
+from fsdp_opt.checkpoint.names import MODEL_KEY, checkpoint_name, list_checkpoints
+from fsdp_opt.checkpoint.save import STEP_KEY
 
 END = 80
 TINY = ["--model", "tiny-opt", "--dataset", "python-docs", "--end_idx", str(END), "--max_length", "64",

@@ -9,10 +9,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import (
+    DEAD_ENDPOINT,
+    ROOT,
+    assert_clean_failure,
+    built_once,
+    read_jsonl,
+    run_cli,
+    run_cli_concurrently,
+    sandbox_env,
+)
 
-from conftest import DEAD_ENDPOINT, ROOT, assert_clean_failure, built_once, read_jsonl, run_cli, run_cli_concurrently, sandbox_env
-from fsdp_opt.checkpoint import MODEL_KEY, STEP_KEY, checkpoint_name
-from fsdp_opt.tracking import METRICS_FIELDS
+from fsdp_opt.checkpoint.names import MODEL_KEY, checkpoint_name
+from fsdp_opt.checkpoint.save import STEP_KEY
+from fsdp_opt.tracking.metrics import METRICS_FIELDS
 
 
 def test_demo_trains_and_loss_falls(tmp_path):
@@ -151,8 +161,8 @@ def test_unreachable_hub_ids_say_so_and_point_to_builtins(tmp_path):
 
 def test_bf16_on_a_gpu_without_it_is_refused(monkeypatch):
     # No GPU here: stand in for a T4's answers to the two questions the check asks.
-    from fsdp_opt.errors import ConfigError
-    from fsdp_opt.parallelize import resolve_precision
+    from fsdp_opt.base import ConfigError
+    from fsdp_opt.model.parallelize import resolve_precision
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")

@@ -11,10 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_opt.distributed import backend_for, cuda_index
-from fsdp_opt.errors import ConfigError
-from fsdp_opt.loraplan import components
-from fsdp_opt.plan import CUDA_CONTEXT_BYTES, GIB, NCCL_BUFFER_BYTES, Inputs, Shape, mask_bytes, memory, model_config
+from fsdp_opt.base import GIB, ConfigError
+from fsdp_opt.model.shapes import Shape, model_config
+from fsdp_opt.planner import lora as planner_lora
+from fsdp_opt.planner.inputs import CUDA_CONTEXT_BYTES, NCCL_BUFFER_BYTES, Inputs
+from fsdp_opt.planner.lora import components
+from fsdp_opt.planner.memory import mask_bytes, memory
+from fsdp_opt.runtime.distributed import backend_for, cuda_index
 
 
 def test_the_cuda_group_is_not_bound_to_a_device():
@@ -50,7 +53,7 @@ NF4_PEAK = """
 import re, warnings, torch
 from pathlib import Path
 warnings.simplefilter("ignore")
-from fsdp_opt.lora import _to_nf4
+from fsdp_opt.model.nf4 import _to_nf4
 to_nf4 = _to_nf4()
 rows, cols = 4096, 4096
 q = to_nf4(torch.randn(rows, cols, dtype=torch.float16))
@@ -67,19 +70,19 @@ print((kib("VmHWM") - before) / (rows * cols))
 def test_the_nf4_dequantization_term_covers_torchaos_measured_peak(monkeypatch):
     """The plan's transient for dequantizing an NF4 weight against the process's peak RSS growth around one matmul
     with a 4096 x 4096 NF4 weight (torchao on CPU; the kernel's peak-RSS mark is reset just before it)."""
-    from fsdp_opt import loraplan
+    from fsdp_opt.planner.lora import NF4_DEQUANT_BYTES
 
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     out = subprocess.run([sys.executable, "-c", NF4_PEAK], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
     measured = float(out.stdout.strip().splitlines()[-1])
     assert measured > 8  # far above the compute-dtype copy alone (2 bytes per weight)
-    assert measured <= 1.1 * loraplan.NF4_DEQUANT_BYTES and loraplan.NF4_DEQUANT_BYTES <= 1.5 * measured  # RSS varies by ~1 B
+    assert measured <= 1.1 * NF4_DEQUANT_BYTES and NF4_DEQUANT_BYTES <= 1.5 * measured  # RSS varies by ~1 B
     shape = Shape.of(model_config("facebook/opt-1.3b"))
     largest = max(i * o for _, i, o in shape.linears)
     four = Inputs(batch_size=4, max_length=512, lora_rank=16, base_bits=4)
     with_term = components(shape, "FULL_SHARD", four, 4, 2)["gathered_weights"]
-    monkeypatch.setattr(loraplan, "NF4_DEQUANT_BYTES", 0)
+    monkeypatch.setattr(planner_lora, "NF4_DEQUANT_BYTES", 0)
     assert with_term - components(shape, "FULL_SHARD", four, 4, 2)["gathered_weights"] == 18 * largest
 
 
@@ -96,7 +99,7 @@ def test_the_plan_takes_a_t4_as_torch_reads_it_less_context_and_nccl():
 
 def test_the_notebooks_gpu_line_makes_no_cuda_context_in_the_kernel(tmp_path, monkeypatch):
     """Two T4s as nvidia-smi reports them; torch.cuda's calls that initialise CUDA in this process are traps."""
-    from fsdp_opt import notebook
+    from fsdp_opt.notebook import gpu_summary
 
     fake = tmp_path / "nvidia-smi"
     fake.write_text("#!/bin/sh\nprintf '0, Tesla T4, 15360, 7.5\\n1, Tesla T4, 15360, 7.5\\n'\n")
@@ -109,7 +112,7 @@ def test_the_notebooks_gpu_line_makes_no_cuda_context_in_the_kernel(tmp_path, mo
 
     for name in ("is_bf16_supported", "get_device_properties", "init", "get_device_capability", "mem_get_info"):
         monkeypatch.setattr(torch.cuda, name, trap)
-    lines = notebook.gpu_summary().splitlines()
+    lines = gpu_summary().splitlines()
     assert lines == [f"cuda:{i} Tesla T4, 15.00 GiB, compute 7.5, no bf16 (fp16 with loss scaling)" for i in (0, 1)]
     fake.write_text("#!/bin/sh\nprintf '0, NVIDIA A100-SXM4-40GB, 40960, 8.0\\n'\n")
-    assert notebook.gpu_summary() == "cuda:0 NVIDIA A100-SXM4-40GB, 40.00 GiB, compute 8.0, bf16"
+    assert gpu_summary() == "cuda:0 NVIDIA A100-SXM4-40GB, 40.00 GiB, compute 8.0, bf16"

@@ -6,21 +6,12 @@ import json
 
 import pytest
 import torch
+from conftest import ASSETS
 from transformers import AutoTokenizer
 
-from conftest import ASSETS
-from fsdp_opt.data import (
-    IGNORE_INDEX,
-    StepPlan,
-    build_blocks,
-    load_rows,
-    pack,
-    pad_rows,
-    python_docs_texts,
-    select_texts,
-    tokenize,
-)
-from fsdp_opt.errors import DataError
+from fsdp_opt.base import DataError
+from fsdp_opt.data.blocks import IGNORE_INDEX, StepPlan, build_blocks, pack, pad_rows, tokenize
+from fsdp_opt.data.sources import load_rows, python_docs_texts, select_texts
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import read_jsonl, run_cli
-from fsdp_opt.room import Held, choose
+
+from fsdp_opt.checkpoint.room import Held, choose
 
 GB = 10**9
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from conftest import read_jsonl, run_cli
 
 
@@ -22,10 +21,10 @@ def test_eval_rows_match_reference(tmp_path, det_model):
 
     # Reference: one process, no FSDP, the model's own loss (mean over shifted labels) on each held-out row alone,
     # cut into 64-token pieces as --packing docs cuts it.
+    from conftest import loss_alone, row_pieces
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from conftest import loss_alone, row_pieces
-    from fsdp_opt.data import held_out_texts, load_rows
+    from fsdp_opt.data.sources import held_out_texts, load_rows
 
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "export").eval()
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out" / "export")

@@ -8,7 +8,6 @@ import sys
 
 import pytest
 import torch
-
 from conftest import assert_clean_failure, run_cli, sandbox_env, torchrun_cmd
 
 TRAIN = ["--dataset", "python-docs", "--start_idx", "0", "--end_idx", "40", "--max_length", "64", "--batch_size", "2",
@@ -57,7 +56,7 @@ def test_base_vs_checkpoints_match_reference(tmp_path, det_model):
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fsdp_opt.data import held_out_texts, load_rows
+    from fsdp_opt.data.sources import held_out_texts, load_rows
 
     texts, end = held_out_texts(load_rows("python-docs"), "text", 40, 11)
     assert end == 51
@@ -96,7 +95,7 @@ def test_lora_checkpoint_evaluates_as_peft_on_its_base(tmp_path, det_model):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fsdp_opt.data import held_out_texts, load_rows
+    from fsdp_opt.data.sources import held_out_texts, load_rows
 
     train = run_cli(["--model", str(det_model), *TRAIN, "--lora_rank", "4", "--lr", "1e-2", "--num_epochs", "1", "--export_hf", "out/adapter",
                      "--export_dtype", "fp32"], tmp_path, nproc=2)  # fmt: skip

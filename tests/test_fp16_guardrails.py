@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 
 import torch
-
 from conftest import read_jsonl, run_cli
-from fsdp_opt.fp16watch import STOP_WINDOW, SkipWatch, trained_in_bf16
+
+from fsdp_opt.engine.fp16watch import STOP_WINDOW, SkipWatch, trained_in_bf16
 
 RUN = ["--dataset", "python-docs", "--end_idx", "400", "--max_length", "32", "--batch_size", "1", "--accum_steps", "1",
        "--precision", "fp16", "--num_epochs", "1", "--lr", "1e-4"]  # fmt: skip
@@ -18,9 +18,8 @@ RUN = ["--dataset", "python-docs", "--end_idx", "400", "--max_length", "32", "--
 def overflowing_model(dest):
     """tiny-opt's shape, its config saying bfloat16 as Llama's and Qwen's do, and feed-forward weights scaled so that
     activations pass fp16's largest value (65,504): the fp16 forward gives inf, then NaN."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from conftest import ASSETS, make_local_model
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     make_local_model(dest, dropout=0.0)
     model = AutoModelForCausalLM.from_pretrained(dest, dtype=torch.float32)

@@ -12,10 +12,11 @@ import shutil
 import subprocess
 
 import pytest
-
 from conftest import ROOT, built_once, make_local_model, sandbox_env, torchrun_cmd
-from fsdp_opt.hostplan import host_memory
-from fsdp_opt.plan import Inputs, Shape, model_config
+
+from fsdp_opt.model.shapes import Shape, model_config
+from fsdp_opt.planner.host import host_memory
+from fsdp_opt.planner.inputs import Inputs
 
 SHAPE = dict(hidden_size=256, ffn_dim=1024, num_hidden_layers=4, num_attention_heads=4, vocab_size=50272,
              word_embed_proj_dim=256, dropout=0.0)  # fmt: skip

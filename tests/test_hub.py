@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ASSETS, assert_clean_failure, read_jsonl, run_cli, sandbox_env
 from hubserver import HubServer
 
@@ -229,8 +228,8 @@ def test_hub_bad_input(tmp_path):
 def test_uploader_order_one_at_a_time(tmp_path):
     """In process: a newer step checkpoint replaces a waiting one; epoch checkpoints are never dropped;
     a replaced file may be deleted only once something newer is on the Hub."""
-    from fsdp_opt.hub import HubStore
-    from fsdp_opt.uploads import Uploader
+    from fsdp_opt.hub.store import HubStore
+    from fsdp_opt.hub.uploads import Uploader
 
     files = {}
     for name in ("m_0-8-epoch-1-step-1.pt", "m_0-8-epoch-1-step-2.pt", "m_0-8-epoch-1-step-3.pt", "m_0-8-epoch-1.pt"):

@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import ASSETS, assert_clean_failure, make_local_model, read_jsonl, run_cli, sandbox_env, torchrun_cmd
+from test_resume import kill_all_with, losses_by_step
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import ASSETS, assert_clean_failure, make_local_model, read_jsonl, run_cli, sandbox_env, torchrun_cmd
-from fsdp_opt.checkpoint import MODEL_KEY, checkpoint_name
-from fsdp_opt.models import model_tag
-from fsdp_opt.data import StepPlan, build_blocks, load_rows, select_texts
-from test_resume import kill_all_with, losses_by_step
-
+from fsdp_opt.checkpoint.names import MODEL_KEY, checkpoint_name
+from fsdp_opt.data.blocks import StepPlan, build_blocks
+from fsdp_opt.data.sources import load_rows, select_texts
+from fsdp_opt.model.sources import model_tag
 
 END_IDX, MAX_LEN, LR, CLIP, SEED, GLOBAL_BATCH, RANK = 64, 64, 1e-2, 0.5, 3, 8, 4
 COMMON = [
@@ -203,14 +203,14 @@ def test_lora_checkpoint_is_small_resumes_exactly_after_sigkill_and_merges(tmp_p
         assert proc.returncode == 0, proc.stderr[-2000:]
     from peft import PeftModel
 
-    from fsdp_opt import lora
+    from fsdp_opt.model.adapters import load_base
 
     info = torch.load(final, weights_only=True)["lora"]
     ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        adapted = PeftModel.from_pretrained(lora.load_base(info, seed=11), str(tmp_path / "adapter")).eval()(input_ids=ids).logits
+        adapted = PeftModel.from_pretrained(load_base(info, seed=11), str(tmp_path / "adapter")).eval()(input_ids=ids).logits
         merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()(input_ids=ids).logits
-        base = lora.load_base(info, seed=11)(input_ids=ids).logits
+        base = load_base(info, seed=11)(input_ids=ids).logits
     torch.testing.assert_close(merged, adapted, atol=1e-4, rtol=1e-4)
     assert (merged - base).abs().max().item() > 1e-3
 

@@ -8,7 +8,6 @@ import os
 import subprocess
 
 import pytest
-
 from conftest import ROOT, read_jsonl, sandbox_env
 
 NOTEBOOKS = ROOT / "notebooks"

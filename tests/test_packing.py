@@ -13,13 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import ASSETS, sandbox_env, torchrun_cmd
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig
 
-from conftest import ASSETS, sandbox_env, torchrun_cmd
-from fsdp_opt.data import IGNORE_INDEX, build_blocks, model_inputs, python_docs_texts, tokenize
-from fsdp_opt.distributed import DistEnv
-from fsdp_opt.evaluate import evaluate_loss
-from fsdp_opt.packing import document_mask, place
+from fsdp_opt.data.blocks import IGNORE_INDEX, build_blocks, model_inputs, tokenize
+from fsdp_opt.data.packing import document_mask, place
+from fsdp_opt.data.sources import python_docs_texts
+from fsdp_opt.engine.evaluation import evaluate_loss
+from fsdp_opt.runtime.distributed import DistEnv
 
 CPU = torch.device("cpu")
 

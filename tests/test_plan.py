@@ -7,10 +7,13 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT, make_local_model
-from fsdp_opt.plan import (GIB, OPT_FAMILY, Inputs, Shape, memory, model_config, parse_size, peak_bytes,
-                           reduce_every_microbatch_needed)
+
+from fsdp_opt.base import GIB, parse_size
+from fsdp_opt.model.shapes import Shape, model_config
+from fsdp_opt.model.sources import OPT_FAMILY
+from fsdp_opt.planner.inputs import Inputs
+from fsdp_opt.planner.memory import memory, peak_bytes, reduce_every_microbatch_needed
 
 
 def test_opt_family_parameter_counts():
@@ -107,7 +110,7 @@ def test_parse_size():
 def test_hub_repo_size_of_a_chain_of_ten_opt_1_3b_slices():
     """--hub_keep_full 1: one full checkpoint (12 bytes per parameter) and ten fp16 weights files (2 bytes each):
     42.1 GB, 44.7 GB with an exported model; every full checkpoint kept would be 158 GB."""
-    from fsdp_opt.diskplan import hub_repo_bytes
+    from fsdp_opt.planner.disk import hub_repo_bytes
 
     shape = Shape.of(model_config("facebook/opt-1.3b"))
     n = 1_315_758_080
@@ -123,8 +126,8 @@ def test_lora_plan_counts_what_peft_adds(model, targets):
     """The planner's adapter count against peft's own: peft adds its layers to the meta model and counts them."""
     from peft import LoraConfig, get_peft_model
 
-    from fsdp_opt.models import build_meta_model
-    from fsdp_opt.loraplan import adapter_params, checkpoints
+    from fsdp_opt.model.sources import build_meta_model
+    from fsdp_opt.planner.lora import adapter_params, checkpoints
 
     rank = 16
     names = targets.split(",") if targets else ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]

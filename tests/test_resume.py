@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ASSETS, ENTRY, built_once, read_jsonl, run_cli, sandbox_env, torchrun_cmd
-from fsdp_opt.checkpoint import EPOCHS_KEY, MODEL_KEY, STEP_KEY, checkpoint_name, list_checkpoints
+
+from fsdp_opt.checkpoint.names import MODEL_KEY, checkpoint_name, list_checkpoints
+from fsdp_opt.checkpoint.save import EPOCHS_KEY, STEP_KEY
 
 END = 120
 BASE = [

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import read_jsonl, run_cli
-from fsdp_opt.checkpoint import MODEL_KEY
-from fsdp_opt.retention import decide
 from hubserver import HubServer
 from test_hub import COMMON, HF_TOK, hub_env, saved_names
+
+from fsdp_opt.checkpoint.names import MODEL_KEY
+from fsdp_opt.hub.retention import decide
 
 ROWS = 20  # rows per slice
 
@@ -133,8 +133,8 @@ def test_chain_of_four_slices_keeps_the_policy(tmp_path):
 def test_a_purge_the_hub_refused_is_finished_by_the_next_session(tmp_path):
     """In process: the Hub refuses the storage purge; the run's index keeps the objects to purge, and the next
     session's uploader purges them after its first push. A commit that failed after its upload is purged too."""
-    from fsdp_opt.hub import HubStore
-    from fsdp_opt.uploads import Uploader
+    from fsdp_opt.hub.store import HubStore
+    from fsdp_opt.hub.uploads import Uploader
 
     names = ["m_0-8-epoch-1.pt", "m_8-16-epoch-1.pt", "m_16-24-epoch-1.pt", "m_24-32-epoch-1.pt"]
     for i, name in enumerate(names):

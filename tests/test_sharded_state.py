@@ -7,7 +7,8 @@ import json
 import subprocess
 
 from conftest import ROOT, sandbox_env, torchrun_cmd
-from fsdp_opt.models import build_meta_model, load_model_config, resolve_model
+
+from fsdp_opt.model.sources import build_meta_model, load_model_config, resolve_model
 
 
 def test_full_shard_halves_per_rank_state(tmp_path):
@@ -29,7 +30,8 @@ def test_full_shard_halves_per_rank_state(tmp_path):
         for rep in ranks:
             assert rep["FULL_SHARD"][kind] <= 0.55 * rep["NO_SHARD"][kind]
     # The planner, from the config alone, against the measured parameters + gradients + Adam state per rank.
-    from fsdp_opt.plan import Inputs, Shape, model_config, state_bytes
+    from fsdp_opt.model.shapes import Shape, model_config
+    from fsdp_opt.planner.inputs import Inputs, state_bytes
 
     shape = Shape.of(model_config("tiny-opt"))
     assert 4 * shape.params == full_bytes

@@ -7,8 +7,11 @@ import subprocess
 import sys
 
 from conftest import ROOT, sandbox_env, torchrun_cmd
-from fsdp_opt.plan import GIB, Inputs, Shape, model_config
-from fsdp_opt.steptime import Rates, candidates, comm_bytes, fastest_that_fits, step_time
+
+from fsdp_opt.base import GIB
+from fsdp_opt.model.shapes import Shape, model_config
+from fsdp_opt.planner.inputs import Inputs
+from fsdp_opt.planner.steptime import Rates, candidates, comm_bytes, fastest_that_fits, step_time
 
 CONFIGS = ["FULL_SHARD:false:true:fp32", "FULL_SHARD:true:true:fp32", "SHARD_GRAD_OP:false:true:fp32",
            "SHARD_GRAD_OP:true:false:fp32", "NO_SHARD:false:true:fp32", "FULL_SHARD:true:true:fp16"]  # fmt: skip
@@ -76,9 +79,9 @@ def test_trainer_resolves_auto_as_on_a_t4():
     """The CUDA-only branch of the trainer's choice, given a T4's memory and name (no GPU here)."""
     import torch
 
-    from fsdp_opt.config import parse_args
-    from fsdp_opt.distributed import DistEnv
-    from fsdp_opt.steptime import choose_layout
+    from fsdp_opt.config.parse import parse_args
+    from fsdp_opt.planner.steptime import choose_layout
+    from fsdp_opt.runtime.distributed import DistEnv
 
     env = DistEnv(rank=0, world_size=2, local_rank=0, local_world_size=2, device=torch.device("cpu"))
     t4 = (15 * GIB, "Tesla T4")

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import assert_clean_failure, run_cli, sandbox_env
-from fsdp_opt.torchao_gate import install_line, torchao_for, version_tuple
+
+from fsdp_opt.runtime.torchao_gate import install_line, torchao_for, version_tuple
 
 RUN = ["--model", "tiny-opt", "--dataset", "python-docs", "--end_idx", "16", "--max_length", "32", "--batch_size", "2",
        "--precision", "fp32", "--num_epochs", "1"]  # fmt: skip

@@ -12,10 +12,11 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import built_once, read_jsonl, run_cli
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import built_once, read_jsonl, run_cli
-from fsdp_opt.data import StepPlan, build_blocks, load_rows, select_texts
+from fsdp_opt.data.blocks import StepPlan, build_blocks
+from fsdp_opt.data.sources import load_rows, select_texts
 
 END_IDX, MAX_LEN, LR, CLIP, SEED, GLOBAL_BATCH = 100, 64, 1e-3, 0.5, 3, 8
 COMMON = [

@@ -6,17 +6,17 @@ import math
 
 import pytest
 import torch
+from conftest import ASSETS
 from transformers import AutoConfig, GPT2Config, LlamaConfig, OPTConfig
 
-from conftest import ASSETS
-from fsdp_opt.config import Config, TrainConfig, build_parser, parse_args
-from fsdp_opt.errors import ConfigError, ModelError
-from fsdp_opt.loss import ChunkedLoss
-from fsdp_opt.models import build_meta_model, model_tag, resolve_model
-from fsdp_opt.optim import LossScaler, LRSchedule, build_optimizer, create_state, unscale_and_clip_
-from fsdp_opt.parallelize import check_no_shared_params, find_block_classes, find_blocks
-from fsdp_opt.tracking import flops_per_token
-
+from fsdp_opt.base import ConfigError, ModelError
+from fsdp_opt.config.parse import Config, build_parser, parse_args
+from fsdp_opt.config.training import TrainConfig
+from fsdp_opt.engine.loss import ChunkedLoss
+from fsdp_opt.engine.optim import LossScaler, LRSchedule, build_optimizer, create_state, unscale_and_clip_
+from fsdp_opt.model.parallelize import check_no_shared_params, find_block_classes, find_blocks
+from fsdp_opt.model.shapes import flops_per_token
+from fsdp_opt.model.sources import build_meta_model, model_tag, resolve_model
 
 # ------------------------------------------------------------------ flags
 
@@ -307,7 +307,7 @@ def test_fused_adamw_of_cuda_runs_steps_dtensor_parameters_like_foreach():
 
 
 def test_resume_command_names_the_launch_that_ran():
-    from fsdp_opt.stopping import resume_command
+    from fsdp_opt.runtime.stopping import resume_command
 
     argv = ["--end_idx", "40", "--resume_file", "old.pt"]
     assert resume_command("new.pt", argv, "fsdp_finetune.py") == "python fsdp_finetune.py --end_idx 40 --resume_file new.pt"

@@ -8,7 +8,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, read_jsonl, run_cli
 
 FIXTURE = ROOT / "tests" / "fixtures" / "pre_layout"

@@ -9,9 +9,10 @@ import sys
 
 import torch.distributed as dist
 
-from fsdp_opt.config import parse_args
-from fsdp_opt.distributed import init_distributed, teardown
-from fsdp_opt.trainer import setup, train_step
+from fsdp_opt.config.parse import parse_args
+from fsdp_opt.engine.step import train_step
+from fsdp_opt.runtime.distributed import init_distributed, teardown
+from fsdp_opt.train.run import setup
 
 counted: dict[str, int] = {}
 

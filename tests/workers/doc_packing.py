@@ -14,11 +14,13 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from fsdp_opt.config import parse_args
-from fsdp_opt.data import StepPlan, build_blocks, load_rows, model_inputs, select_texts, tokenize
-from fsdp_opt.distributed import init_distributed, teardown
-from fsdp_opt.loss import ChunkedLoss
-from fsdp_opt.trainer import accumulate, setup
+from fsdp_opt.config.parse import parse_args
+from fsdp_opt.data.blocks import StepPlan, build_blocks, model_inputs, tokenize
+from fsdp_opt.data.sources import load_rows, select_texts
+from fsdp_opt.engine.loss import ChunkedLoss
+from fsdp_opt.engine.step import accumulate
+from fsdp_opt.runtime.distributed import init_distributed, teardown
+from fsdp_opt.train.run import setup
 
 
 def one_step(blocks, s, batch_size: int):

@@ -1,11 +1,14 @@
 """Run by the tests: the optimizer a CUDA run builds (fused AdamW) stepping FSDP2's DTensor parameters, here on CPU,
 against the foreach AdamW of CPU runs. Prints whether each was fused and the largest weight difference."""
 
-import torch, torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
+import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-from fsdp_opt.optim import build_optimizer
+from fsdp_opt.engine.optim import build_optimizer
+
 torch.manual_seed(0)
 def run(dev):
     torch.manual_seed(0)

@@ -9,10 +9,13 @@ import sys
 
 import torch
 
-from fsdp_opt import checkpoint as ckpt
-from fsdp_opt.config import parse_args
-from fsdp_opt.distributed import init_distributed, teardown
-from fsdp_opt.trainer import setup, train_step
+from fsdp_opt.checkpoint import save as checkpoint_save
+from fsdp_opt.checkpoint.names import MODEL_KEY
+from fsdp_opt.checkpoint.save import save_checkpoint
+from fsdp_opt.config.parse import parse_args
+from fsdp_opt.engine.step import train_step
+from fsdp_opt.runtime.distributed import init_distributed, teardown
+from fsdp_opt.train.run import setup
 
 
 def main() -> None:
@@ -25,14 +28,14 @@ def main() -> None:
     train_step(s, next(steps))
     handed: list = []
     copies = {"n": 0}
-    original = ckpt.copy_live_tensors
+    original = checkpoint_save.copy_live_tensors
 
     def counting(payload, model, optimizer):
         copies["n"] = original(payload, model, optimizer)
         return copies["n"]
 
-    ckpt.copy_live_tensors = counting
-    ckpt.save_checkpoint(s.out_dir / "x.pt", env, s.model, s.optimizer, state=s.state, epochs_run=0, extra={},
+    checkpoint_save.copy_live_tensors = counting  # save_checkpoint calls it through its module
+    save_checkpoint(s.out_dir / "x.pt", env, s.model, s.optimizer, state=s.state, epochs_run=0, extra={},
                          hand_off=lambda payload: handed.append((payload, copy.deepcopy(payload))))  # fmt: skip
     for _ in range(2):
         train_step(s, next(steps))
@@ -41,7 +44,7 @@ def main() -> None:
         payload, snapshot = handed[0]
         flat = lambda d: {f"{k}/{kk}": t for k, v in d["optimizer"]["state"].items() for kk, t in v.items()}  # noqa: E731
         report["optimizer_unchanged"] = all(torch.equal(a, flat(snapshot)[k]) for k, a in flat(payload).items())
-        report["model_unchanged"] = all(torch.equal(v, snapshot[ckpt.MODEL_KEY][k]) for k, v in payload[ckpt.MODEL_KEY].items())
+        report["model_unchanged"] = all(torch.equal(v, snapshot[MODEL_KEY][k]) for k, v in payload[MODEL_KEY].items())
         report["steps"] = sorted({float(t) for k, t in flat(payload).items() if k.endswith("/step")})
     with open(f"{out_path}.rank{env.rank}", "w") as f:
         json.dump(report, f)

@@ -8,18 +8,18 @@ from __future__ import annotations
 import json
 import sys
 
-from fsdp_opt import loading
-from fsdp_opt.config import parse_args
-from fsdp_opt.distributed import init_distributed, teardown
-from fsdp_opt.hostmem import configure_allocator, mapped_files, peak_rss_bytes, reset_peak
-from fsdp_opt.saving import save
-from fsdp_opt.trainer import setup, train_step
+from fsdp_opt.config.parse import parse_args
+from fsdp_opt.engine.step import train_step
+from fsdp_opt.runtime.distributed import init_distributed, teardown
+from fsdp_opt.runtime.hostmem import configure_allocator, mapped_files, peak_rss_bytes, reset_peak
+from fsdp_opt.train.run import setup
+from fsdp_opt.train.saving import save
 
 
 def main() -> None:
     out_path, load, flags = sys.argv[1], sys.argv[2], sys.argv[3:]
     if load == "broadcast":  # as when the other ranks cannot see rank 0's file (nodes without a shared filesystem)
-        loading._every_rank_sees = lambda path, env: False
+        _every_rank_sees = lambda path, env: False
     configure_allocator()
     env = init_distributed("cpu")
     config = parse_args(flags)

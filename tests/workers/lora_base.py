@@ -10,9 +10,9 @@ import sys
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from fsdp_opt.config import parse_args
-from fsdp_opt.distributed import init_distributed, teardown
-from fsdp_opt.trainer import setup, train
+from fsdp_opt.config.parse import parse_args
+from fsdp_opt.runtime.distributed import init_distributed, teardown
+from fsdp_opt.train.run import setup, train
 
 
 def frozen_state(model) -> dict[str, torch.Tensor]:

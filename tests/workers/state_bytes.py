@@ -7,10 +7,11 @@ import json
 import os
 import sys
 
-from fsdp_opt.config import parse_args
-from fsdp_opt.distributed import init_distributed, teardown
-from fsdp_opt.parallelize import local_state_bytes
-from fsdp_opt.trainer import setup, train_step
+from fsdp_opt.config.parse import parse_args
+from fsdp_opt.engine.step import train_step
+from fsdp_opt.model.parallelize import local_state_bytes
+from fsdp_opt.runtime.distributed import init_distributed, teardown
+from fsdp_opt.train.run import setup
 
 
 def main() -> None:

@@ -1,0 +1,108 @@
+"""Where a resumed run continues: read the checkpoint, restore every rank, decide the position.
+
+Same slice (dataset, range, tokenization, seed): continue at the next batch of the saved epoch, with every
+rank's RNG restored when the rank count is unchanged. Another slice: keep model, optimizer, scaler,
+schedule and global step, and start at the slice's first batch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_opt.checkpoint.loading import load_into
+from fsdp_opt.checkpoint.read import read_checkpoint
+from fsdp_opt.checkpoint.save import EPOCHS_KEY, STEP_KEY
+from fsdp_opt.checkpoint.state import TrainState, set_rng_state
+from fsdp_opt.config.parse import Config
+from fsdp_opt.engine.optim import LossScaler
+from fsdp_opt.hub.store import find_resume
+from fsdp_opt.runtime.distributed import DistEnv, broadcast_object, print0
+
+
+def read_resume(resume_file: str | None, out_dir: Path, hf_repo: str | None = None, retries: int = 3) -> dict[str, Any] | None:
+    """Rank 0: find the checkpoint (path, output_dir, then the Hub repo) and read it."""
+    if not resume_file:
+        return None
+
+    path = find_resume(resume_file, out_dir, hf_repo, retries)
+    payload = read_checkpoint(path)
+    payload["_path"] = str(path)
+    return payload
+
+
+def slice_key(config: Config, end_idx: int, num_samples: int) -> dict[str, Any]:
+    """What must match for a resume to continue inside the same slice."""
+    dc = config.data
+    return {
+        "dataset": dc.dataset,
+        "start_idx": dc.start_idx,
+        "end_idx": end_idx,
+        "text_column": dc.text_column,
+        "max_length": dc.max_length,
+        "packing": dc.packing,
+        "seed": config.train.seed,
+        "num_samples": num_samples,
+    }
+
+
+def restore(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: LossScaler,
+    payload: dict[str, Any] | None,
+    config: Config,
+    env: DistEnv,
+    end_idx: int,
+    num_samples: int,
+) -> TrainState:
+    """Load a checkpoint held by rank 0 into every rank and work out where training continues."""
+    has_optim = env.is_main and payload is not None and (
+        payload.get("optimizer") is not None or bool(payload.get("_sharded") and payload.get("has_optimizer"))
+    )
+    header = None
+    if env.is_main:
+        header = {
+            k: payload.get(k)
+            for k in ("train_state", "slice", "scaler", "rng", "_path", "_sharded", "weights_only", STEP_KEY, EPOCHS_KEY)
+        }
+        header["has_optimizer"] = has_optim
+    header = broadcast_object(header)
+    sharded_path = Path(header["_path"]) if header["_sharded"] else None
+    file_path = None if header["_sharded"] or header["weights_only"] else Path(header["_path"])
+    load_into(model, optimizer, payload, env, load_optimizer=header["has_optimizer"], sharded_path=sharded_path,
+                   file_path=file_path)  # fmt: skip
+    if header["scaler"]:
+        scaler.load_state_dict(header["scaler"])
+    here = slice_key(config, end_idx, num_samples)
+    ts = header["train_state"] or {"global_step": int(header[STEP_KEY]), "epoch": 0, "offset": 0}
+    saved = dict(header["slice"] or {})
+    if isinstance(saved.get("packing"), bool):  # checkpoints from before --packing: True was concat, False pad
+        saved["packing"] = "concat" if saved["packing"] else "pad"
+    same_slice = saved == here
+    rest = lambda key: {k: v for k, v in key.items() if k not in ("packing", "num_samples")}  # noqa: E731
+    if not same_slice and saved.get("packing") != here["packing"] and rest(saved) == rest(here):
+        print0(f"note: the checkpoint packed this slice with --packing {saved['packing']}; this run packs it with "
+               f"--packing {here['packing']}, so its blocks differ and the slice starts again from its first batch")
+    rngs = header["rng"] or []
+    if same_slice and len(rngs) == env.world_size:
+        set_rng_state(rngs[env.rank])
+    if same_slice:
+        state = TrainState(ts["global_step"], ts["epoch"], ts["offset"])
+        if state.offset >= num_samples:
+            state.epoch, state.offset = state.epoch + 1, 0
+        where = f"epoch {state.epoch}, sample {state.offset} of {num_samples}"
+    else:
+        state = TrainState(ts["global_step"], config.train.initial_epoch, 0)
+        where = f"the first batch of slice [{config.data.start_idx}, {end_idx})"
+    print0(f"resumed {header['_path']} at global step {state.global_step}; continuing at {where}")
+    if header["weights_only"]:
+        print0("  (a weights file: its fp16 weights and the global step continue; AdamW moments start from zero, the "
+               "loss scale from --init_loss_scale, and the RNG is not restored, so the run is not exactly the one "
+               "its full checkpoint would have continued)")  # fmt: skip
+    elif not header["has_optimizer"]:
+        print0("  (the checkpoint has no optimizer state: AdamW moments start from zero)")
+    return state

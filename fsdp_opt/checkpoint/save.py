@@ -1,0 +1,112 @@
+"""Checkpoints: names, the single-file format, atomic writes, save, reading and the refusals, pruning.
+
+A checkpoint is one `.pt` file that loads with `torch.load(path, weights_only=True)`: tensors and plain
+values only. Rank 0 gathers the full state (every rank takes part in the gather) and writes it. Loading it into
+the shards of a run is `loading.load_into`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+from fsdp_opt.base import CheckpointError
+from fsdp_opt.checkpoint.atomic import _fsync_dir, save_or_explain
+from fsdp_opt.checkpoint.names import EPOCHS_KEY, FORMAT, META_FILE, MODEL_KEY, STEP_KEY
+from fsdp_opt.checkpoint.read import _first_line
+from fsdp_opt.checkpoint.room import bytes_on_disk
+from fsdp_opt.checkpoint.state import TrainState, copy_live_tensors, gather_full_state, model_state, rng_state
+from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, barrier
+from fsdp_opt.runtime.hostmem import release_host_memory
+
+
+def save_checkpoint(
+    path: Path,
+    env: DistEnv,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    state: TrainState,
+    epochs_run: int,
+    extra: dict[str, Any],
+    save_optimizer: bool = True,
+    sharded: bool = False,
+    hand_off: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, float] | None:
+    """Every rank calls this. Full: gather, rank 0 writes one file. Sharded: each rank writes its shard.
+
+    Returns {'bytes', 'seconds'} on rank 0. A failed write raises CheckpointError on every rank. With `hand_off`
+    (full saves), rank 0 passes the gathered payload to it instead of writing it, and None is returned: the caller
+    writes it (in the background) with write_payload().
+    """
+    start = time.perf_counter()
+    rngs: list[Any] = [None] * env.world_size
+    if env.world_size > 1:
+        dist.all_gather_object(rngs, rng_state())
+    else:
+        rngs = [rng_state()]
+    meta = {
+        "format": FORMAT,
+        STEP_KEY: state.global_step,
+        EPOCHS_KEY: epochs_run,
+        "train_state": state.state_dict(),
+        "rng": rngs,
+        "has_optimizer": save_optimizer,
+        **extra,
+    }
+    if sharded:
+        _save_sharded(path, env, model, optimizer if save_optimizer else None, meta)
+    else:
+        model_sd, optim_sd = gather_full_state(model, optimizer if save_optimizer else None)
+        payload = {**meta, MODEL_KEY: model_sd, "optimizer": optim_sd}
+        del model_sd, optim_sd
+        if hand_off is not None:
+            if env.is_main:
+                copy_live_tensors(payload, model, optimizer)
+                hand_off(payload)
+            return None
+        all_ranks_ok(lambda: save_or_explain(payload, path) if env.is_main else None)
+        del payload
+    release_host_memory()  # the gathered state: back to the system, not kept in the heap for later steps
+    if not env.is_main:
+        return None
+    return {"bytes": float(bytes_on_disk(path)), "seconds": time.perf_counter() - start}
+
+
+def _save_sharded(path: Path, env: DistEnv, model: nn.Module, optimizer: torch.optim.Optimizer | None, meta: dict) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    if env.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    tensors: dict[str, Any] = {"model": model_state(model)}
+    if optimizer is not None:
+        tensors["optim"] = get_optimizer_state_dict(model, optimizer)
+    try:
+        dcp.save(tensors, checkpoint_id=str(tmp))
+    except Exception as exc:  # noqa: BLE001 - DCP raises the same error on every rank
+        if env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"cannot save {path}: {_first_line(exc)}; earlier checkpoints are kept") from None
+
+    def finish() -> None:
+        if not env.is_main:
+            return
+        save_or_explain(meta, tmp / META_FILE)
+        old = path.with_name(f".{path.name}.old")
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
+        _fsync_dir(path.parent)
+        shutil.rmtree(old, ignore_errors=True)
+
+    all_ranks_ok(finish)

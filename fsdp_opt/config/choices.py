@@ -1,0 +1,22 @@
+"""The fixed choices the flags accept, and the T4 figures the defaults are drawn from. Defined once here: the
+trainer, the planner and the commands all import them."""
+
+from __future__ import annotations
+
+import torch
+
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
+PRECISIONS = ("auto", "fp16", "bf16", "fp32")
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+LR_SCHEDULES = ("constant", "linear", "cosine")
+DEVICES = ("auto", "cuda", "cpu")
+STATE_DICT_TYPES = ("full", "sharded")
+PACKING_MODES = ("docs", "concat", "pad")
+
+# What torch.cuda.get_device_properties(i).total_memory reads on Kaggle's T4s (ECC on): 14.56 to 14.75 GiB, not the
+# 16 GB they are sold as; the plan takes the lower reading.
+T4_MEMORY = "14.56GiB"
+# A T4's sustained fp16 tensor-core rate, its GPU-to-GPU bandwidth through NCCL on PCIe 3, and its memory bandwidth.
+T4_TFLOPS = 24.0
+T4_LINK_GBPS = 3.2  # GB/s
+T4_HBM_GBPS = 320.0  # GB/s

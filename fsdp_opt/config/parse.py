@@ -1,0 +1,88 @@
+"""TODO docstring (config)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from fsdp_opt.config.flags import OneLineParser, parse_bool
+from fsdp_opt.config.storage import CheckpointConfig, HubConfig, WandbConfig
+from fsdp_opt.config.training import DataConfig, LoraConfig, ModelConfig, ParallelConfig, TrainConfig
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "lora": LoraConfig,
+    "parallel": ParallelConfig,
+    "checkpoint": CheckpointConfig,
+    "hub": HubConfig,
+    "wandb": WandbConfig,
+}
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    hub: HubConfig = field(default_factory=HubConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    def flat(self) -> dict[str, Any]:
+        """Every flag and its value: what is printed and stored in checkpoints."""
+        out: dict[str, Any] = {}
+        for section in SECTIONS:
+            out.update(dataclasses.asdict(getattr(self, section)))
+        return out
+
+    @classmethod
+    def from_flat(cls, values: dict[str, Any]) -> "Config":
+        sections = {}
+        for name, section_cls in SECTIONS.items():
+            names = {f.name for f in dataclasses.fields(section_cls)}
+            sections[name] = section_cls(**{k: v for k, v in values.items() if k in names})
+        return cls(**sections)
+
+
+def _field_type(f: dataclasses.Field) -> Any:
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    if "bool" in kind:
+        return parse_bool
+    if "int" in kind:
+        return int
+    if "float" in kind:
+        return float
+    return str
+
+
+def build_parser(prog: str = "fsdp_finetune.py", description: str | None = None) -> argparse.ArgumentParser:
+    parser = OneLineParser(
+        prog=prog,
+        description=description,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
+    for section, section_cls in SECTIONS.items():
+        group = parser.add_argument_group(section)
+        for f in dataclasses.fields(section_cls):
+            meta = dict(f.metadata)
+            help_text = meta.pop("help")
+            kind = meta.pop("type", None) or _field_type(f)
+            kwargs: dict[str, Any] = {"default": f.default, "help": help_text, "type": kind}
+            if kind is parse_bool:
+                kwargs.update(nargs="?", const=True, metavar="BOOL")
+            kwargs.update(meta)
+            group.add_argument(f"--{f.name}", **kwargs)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Config:
+    namespace = build_parser().parse_args(argv)
+    return Config.from_flat(vars(namespace))

@@ -1,0 +1,243 @@
+"""Run configuration: one dataclass per concern, the CLI generated from them, validation in one place.
+
+Each field's `help` metadata is its flag's help text; the flag is `--<field name>`. Validation raises
+`ConfigError` naming the flag, before anything is built or written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fsdp_opt.base import ConfigError, parse_size
+from fsdp_opt.config.choices import DEVICES, LR_SCHEDULES, PACKING_MODES, PRECISIONS, STRATEGIES, T4_LINK_GBPS
+from fsdp_opt.config.flags import flag
+
+
+@dataclass
+class ModelConfig:
+    model: str = flag("facebook/opt-1.3b", "Hugging Face hub id, local model folder, or the built-in 'tiny-opt'.")
+    attn_implementation: str = flag(
+        "sdpa", "Attention kernel: 'sdpa' (PyTorch scaled-dot-product) or 'eager'.", choices=("sdpa", "eager")
+    )
+
+
+@dataclass
+class DataConfig:
+    dataset: str = flag(
+        "ash001/arxiv-abstract",
+        "Hub dataset id, a local .jsonl/.json/.csv/.parquet/.txt file or folder, or the built-in 'python-docs'.",
+    )
+    text_column: str = flag("text", "Column holding the training text.")
+    start_idx: int = flag(0, "First row of the slice to train on (inclusive).")
+    end_idx: int | None = flag(None, "End of the slice (exclusive). Default: the end of the dataset.")
+    max_length: int = flag(512, "Tokens per training sequence.")
+    eval_rows: int = flag(
+        0,
+        "Held-out rows right after the slice, [end_idx, end_idx + N): eval loss and perplexity at every save "
+        "(0: no evaluation).",
+    )
+    packing: str = flag(
+        "docs",
+        "How rows fill the blocks of max_length tokens. docs: whole rows share a block, each attending only to "
+        "itself with positions from 0 (the same losses as padding, in far fewer blocks); concat: rows joined end to "
+        "end and cut every max_length tokens, attending across row ends; pad: one row per block, truncated and "
+        "padded (the original recipe).",
+        choices=PACKING_MODES,
+    )
+    pad_to_max_length: bool = flag(False, "Same as --packing pad (the original recipe's padding).")
+
+    def __post_init__(self) -> None:
+        if self.start_idx < 0:
+            raise ConfigError(f"--start_idx {self.start_idx}: must be 0 or more")
+        if self.end_idx is not None and self.end_idx <= self.start_idx:
+            raise ConfigError(f"--end_idx {self.end_idx}: must be greater than --start_idx {self.start_idx}")
+        if self.max_length < 2:
+            raise ConfigError(f"--max_length {self.max_length}: must be at least 2")
+        if self.eval_rows < 0:
+            raise ConfigError(f"--eval_rows {self.eval_rows}: must be 0 or more")
+        if not self.text_column:
+            raise ConfigError("--text_column: must not be empty")
+        if self.pad_to_max_length:
+            if self.packing == "concat":
+                raise ConfigError("--pad_to_max_length: contradicts --packing concat (it means --packing pad)")
+            self.packing = "pad"
+        self.pad_to_max_length = self.packing == "pad"
+
+
+@dataclass
+class TrainConfig:
+    num_epochs: int = flag(1, "Epochs this invocation runs over the slice, counting one that a resume finishes.")
+    initial_epoch: int = flag(0, "Epoch number to start counting from when not resuming.")
+    batch_size: int = flag(4, "Micro-batch size per rank (sequences per forward pass).")
+    accum_steps: int = flag(1, "Micro-batches per optimizer step. Global batch = batch_size x ranks x accum_steps.")
+    total_batch_size: int | None = flag(
+        None,
+        "Sequences per optimizer step, instead of --accum_steps: accum_steps = total / (batch_size x ranks), "
+        "which must divide exactly. Keeps the global batch when the rank count changes between sessions.",
+    )
+    lr: float = flag(5e-6, "Peak learning rate (AdamW).")
+    warmup_steps: int = flag(0, "Linear warm-up steps, counted in global optimizer steps.")
+    lr_schedule: str = flag(
+        "constant",
+        "After warm-up: 'constant', or 'linear'/'cosine' decay to min_lr_ratio*lr over lr_decay_steps.",
+        choices=LR_SCHEDULES,
+    )
+    lr_decay_steps: int = flag(0, "Global steps (after warm-up) over which linear/cosine decay runs.")
+    min_lr_ratio: float = flag(0.0, "Final learning rate of a decay schedule, as a fraction of lr.")
+    weight_decay: float = flag(0.0, "AdamW weight decay, applied to matrices and embeddings only.")
+    max_grad_norm: float = flag(1.0, "Clip the global gradient norm to this value; 0 disables clipping.")
+    seed: int = flag(42, "Seed for model init, data order and dropout.")
+    init_loss_scale: float = flag(2.0**16, "Starting loss scale for fp16 (halved on overflow, doubled after 2000 good steps).")
+    loss_chunk_tokens: int = flag(
+        0,
+        "Compute the output projection and loss N tokens at a time, recomputed in backward, so the whole "
+        "micro-batch's logits never exist at once (opt-1.3b at 4 x 512: about 1.3 GiB less; see the plan). "
+        "0: all logits at once.",
+    )
+
+    def __post_init__(self) -> None:
+        if self.loss_chunk_tokens < 0:
+            raise ConfigError(f"--loss_chunk_tokens {self.loss_chunk_tokens}: must be 0 (off) or more")
+        for name in ("num_epochs", "batch_size", "accum_steps"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ConfigError(f"--{name} {value}: must be 1 or more")
+        if self.total_batch_size is not None:
+            if self.total_batch_size < 1:
+                raise ConfigError(f"--total_batch_size {self.total_batch_size}: must be 1 or more")
+            if self.accum_steps != 1:
+                raise ConfigError("--total_batch_size and --accum_steps: give one of them (accum_steps is derived)")
+        if self.initial_epoch < 0:
+            raise ConfigError(f"--initial_epoch {self.initial_epoch}: must be 0 or more")
+        if not self.lr > 0:
+            raise ConfigError(f"--lr {self.lr}: must be greater than 0")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"--warmup_steps {self.warmup_steps}: must be 0 or more")
+        if self.lr_schedule != "constant" and self.lr_decay_steps < 1:
+            raise ConfigError(f"--lr_schedule {self.lr_schedule}: needs --lr_decay_steps of 1 or more")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"--min_lr_ratio {self.min_lr_ratio}: must be between 0 and 1")
+        if self.weight_decay < 0:
+            raise ConfigError(f"--weight_decay {self.weight_decay}: must be 0 or more")
+        if not self.init_loss_scale >= 1:
+            raise ConfigError(f"--init_loss_scale {self.init_loss_scale}: must be 1 or more")
+        if self.max_grad_norm < 0:
+            raise ConfigError(f"--max_grad_norm {self.max_grad_norm}: must be 0 (off) or more")
+
+    def accum_for(self, world_size: int) -> int:
+        """--accum_steps, or the one --total_batch_size implies for this many ranks."""
+        if self.total_batch_size is None:
+            return self.accum_steps
+        per_step = self.batch_size * world_size
+        if self.total_batch_size % per_step:
+            low = self.total_batch_size // per_step * per_step
+            options = " or ".join(str(x) for x in (low, low + per_step) if x > 0)
+            raise ConfigError(
+                f"--total_batch_size {self.total_batch_size}: not a multiple of --batch_size {self.batch_size} x "
+                f"{world_size} rank(s) = {per_step}; use {options}, or another --batch_size"
+            )
+        return self.total_batch_size // per_step
+
+
+@dataclass
+class ParallelConfig:
+    sharding_strategy: str = flag(
+        "FULL_SHARD",
+        "FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2: keep gathered weights until backward), "
+        "HYBRID_SHARD (shard within a node, replicate across nodes), NO_SHARD (DDP-like replication), or AUTO: on "
+        "a GPU, the one the memory plan fits with the shortest predicted step (plan's step-time model; FULL_SHARD "
+        "on CPU).",
+        type=str.upper,
+        choices=STRATEGIES + ("AUTO",),
+    )
+    precision: str = flag(
+        "auto",
+        "Compute precision. auto: bf16 on GPUs that support it, fp16 on others (e.g. T4), fp32 on CPU.",
+        type=str.lower,
+        choices=PRECISIONS,
+    )
+    activation_checkpointing: bool = flag(True, "Recompute each decoder layer in backward to save memory.")
+    cpu_offload: bool = flag(False, "Keep sharded parameters, gradients and optimizer state in CPU memory.")
+    reduce_every_microbatch: str = flag(
+        "auto",
+        "Reduce-scatter gradients after every micro-batch instead of only the last one of a step: less memory "
+        "(no unsharded fp32 gradient kept between micro-batches, 4 bytes per parameter), more communication. "
+        "auto: on a GPU, whichever of the two fits with the shorter predicted step (without sync when both fit); "
+        "never on CPU.",
+        type=str.lower,
+        choices=["auto", "true", "false"],
+        nargs="?",
+        const="true",
+    )
+    compile: bool = flag(
+        False, "torch.compile each decoder block's forward (FSDP2's gathers stay eager); the first steps compile."
+    )
+    prefetch: int = flag(
+        0,
+        "Gather the weights of the next N blocks ahead, in forward and in backward (FSDP2 explicit prefetch); "
+        "each holds one more gathered block in memory. 0: FSDP2's own order (one block ahead in backward).",
+    )
+    max_gpu_memory: str | None = flag(
+        None, "Cap each GPU's memory to this (e.g. 15GiB: a T4 on a bigger GPU); the plan and the auto choices use it."
+    )
+    tflops: float = flag(
+        0.0, "Sustained TFLOPS per GPU for the step-time prediction (0: T4's 24 on a T4, else 40%% of the GPU's peak)."
+    )
+    link_gbps: float = flag(T4_LINK_GBPS, "GB/s between GPUs for the step-time prediction (2 T4s on PCIe 3 through NCCL: 3.2).")
+    device: str = flag("auto", "auto (CUDA when available), cuda or cpu.", type=str.lower, choices=DEVICES)
+
+    def __post_init__(self) -> None:
+        if self.prefetch < 0:
+            raise ConfigError(f"--prefetch {self.prefetch}: must be 0 or more")
+        if self.max_gpu_memory is not None:
+
+            if parse_size(self.max_gpu_memory, "--max_gpu_memory") <= 0:
+                raise ConfigError(f"--max_gpu_memory {self.max_gpu_memory}: must be more than 0")
+        if not self.tflops >= 0:
+            raise ConfigError(f"--tflops {self.tflops}: must be 0 or more")
+        if not self.link_gbps > 0:
+            raise ConfigError(f"--link_gbps {self.link_gbps}: must be more than 0")
+
+
+@dataclass
+class LoraConfig:
+    lora_rank: int = flag(
+        0, "LoRA rank: train low-rank adapters (peft) on a frozen base instead of every weight. 0: full fine-tuning."
+    )
+    lora_alpha: float | None = flag(None, "LoRA scaling numerator (the update is alpha/rank x B A). Default: 2 x rank.")
+    lora_dropout: float | None = flag(None, "Dropout on the adapters' input. Default: 0.05.")
+    lora_targets: str | None = flag(
+        None,
+        "Comma-separated layer names to adapt (e.g. q_proj,v_proj), matched inside the decoder blocks. Default: every "
+        "linear layer of the blocks (embeddings and lm_head stay frozen).",
+    )
+    base_bits: int = flag(16, "Storage of the frozen base: 16 (the compute dtype) or 4 (NF4, torchao).", choices=(16, 4))
+
+    def __post_init__(self) -> None:
+        if self.lora_rank < 0:
+            raise ConfigError(f"--lora_rank {self.lora_rank}: must be 0 (full fine-tuning) or more")
+        if self.lora_rank == 0:
+            given = [n for n in ("lora_alpha", "lora_dropout", "lora_targets") if getattr(self, n) is not None]
+            if given:
+                raise ConfigError(f"--{given[0]}: only with --lora_rank of 1 or more (rank 0 is full fine-tuning)")
+            if self.base_bits != 16:
+                raise ConfigError(f"--base_bits {self.base_bits}: only with LoRA (--lora_rank 1 or more): a 4-bit base is frozen")
+            return
+        if self.lora_alpha is not None and not self.lora_alpha > 0:
+            raise ConfigError(f"--lora_alpha {self.lora_alpha}: must be greater than 0")
+        if self.lora_dropout is not None and not 0.0 <= self.lora_dropout < 1.0:
+            raise ConfigError(f"--lora_dropout {self.lora_dropout}: must be in [0, 1)")
+        if self.lora_targets is not None and not [t for t in self.lora_targets.split(",") if t.strip()]:
+            raise ConfigError("--lora_targets: name at least one layer, e.g. q_proj,v_proj")
+
+    @property
+    def enabled(self) -> bool:
+        return self.lora_rank > 0
+
+    @property
+    def alpha(self) -> float:
+        return float(self.lora_alpha) if self.lora_alpha is not None else 2.0 * self.lora_rank
+
+    @property
+    def dropout(self) -> float:
+        return 0.05 if self.lora_dropout is None else float(self.lora_dropout)

@@ -1,0 +1,116 @@
+"""TODO docstring (trainer)
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fsdp_opt.data.blocks import StepBatch, model_inputs
+from fsdp_opt.engine.loss import causal_lm_loss_sum
+from fsdp_opt.engine.optim import global_grad_norm, unscale_and_clip_
+from fsdp_opt.runtime.distributed import (
+    print0,
+)
+from fsdp_opt.runtime.gpus import peak_memory_bytes
+from fsdp_opt.train.session import Session
+
+
+def accumulate(s: Session, step: StepBatch, scale: float = 1.0) -> torch.Tensor:
+    """Forward and backward over this rank's micro-batches of `step`; returns this rank's summed token loss.
+
+    The gradients add up to `scale` times the token mean over the whole step (all ranks): each micro-batch's loss
+    sum is divided by the step's global target count.
+    """
+    model, env = s.model, s.env
+    weight = scale / max(1, step.target_tokens)
+    loss_sum = torch.zeros((), device=env.device, dtype=torch.float32)
+    n_micro = len(step.micro_batches)
+    for i, index in enumerate(step.micro_batches):
+        if not s.reduce_each_microbatch:
+            model.set_requires_gradient_sync(i == n_micro - 1)
+        batch = s.blocks.batch(index, env.device)
+        chunked = s.chunked_loss
+        with chunked.hidden_states() if chunked else nullcontext():
+            # With a chunked loss `.logits` holds the final hidden states: the projection runs in the loss.
+            out = model(**model_inputs(batch)).logits
+        loss = chunked.loss_sum(out, batch["labels"]) if chunked else causal_lm_loss_sum(out, batch["labels"])
+        (loss * weight).backward()
+        loss_sum += loss.detach()
+    return loss_sum
+
+
+def first_batch_loss(s: Session) -> torch.Tensor:
+    """The mean loss of this session's first micro-batch (summed over ranks), in eval mode: no dropout draws, so the
+    training that follows is the same with or without this forward. Every rank calls it."""
+    first = next(iter(s.plan.steps(s.state.epoch, s.state.offset)), None)
+    total = torch.zeros(2, device=s.env.device, dtype=torch.float32)
+    if first is not None and first.micro_batches:
+        batch = s.blocks.batch(first.micro_batches[0], s.env.device)
+        s.model.eval()
+        try:
+            chunked = s.chunked_loss
+            with chunked.hidden_states() if chunked else nullcontext():
+                out = s.model(**model_inputs(batch)).logits
+            loss = chunked.loss_sum(out, batch["labels"]) if chunked else causal_lm_loss_sum(out, batch["labels"])
+        finally:
+            s.model.train()
+        total[0] = loss.float()
+        total[1] = (batch["labels"][:, 1:] != -100).sum()
+    if s.env.world_size > 1:
+        dist.all_reduce(total)
+    return total[0] / total[1].clamp(min=1)
+
+
+def train_step(s: Session, step: StepBatch) -> dict[str, Any]:
+    started = time.perf_counter()
+    env = s.env
+    lr = s.schedule(s.state.global_step)
+    for group in s.optimizer.param_groups:
+        group["lr"] = lr
+    scale = s.scaler.scale
+    loss_sum = accumulate(s, step, scale)
+    scaled_norm = global_grad_norm(s.params)
+    if env.world_size > 1:
+        dist.all_reduce(loss_sum)
+    # The one host sync of the step: loss for the log, norm for the skip decision (same on all ranks).
+    loss_total, norm_scaled = torch.stack([loss_sum, scaled_norm.float().to(loss_sum.device)]).tolist()
+    finite = math.isfinite(loss_total) and math.isfinite(norm_scaled)
+    if finite:
+        unscale_and_clip_(s.params, scaled_norm, scale, s.config.train.max_grad_norm)
+        s.optimizer.step()
+    s.optimizer.zero_grad(set_to_none=True)
+    s.scaler.update(finite)
+    s.state.global_step += 1
+    seconds = time.perf_counter() - started
+    tokens_per_second = step.target_tokens / seconds if seconds > 0 else 0.0
+    loss_mean = loss_total / max(1, step.target_tokens)
+    s.last_loss = loss_mean
+    record: dict[str, Any] = {
+        "step": s.state.global_step,
+        "epoch": step.epoch,
+        "loss": loss_mean,
+        "lr": lr,
+        "grad_norm": norm_scaled / scale,
+        "loss_scale": scale,
+        "tokens": step.target_tokens,
+        "tokens_per_second": tokens_per_second,
+        "elapsed": 0.0,
+        "skipped": not finite,
+        "skipped_steps": s.scaler.skipped_steps,
+        "slice": f"{s.config.data.start_idx}-{s.end_idx}",
+        "skipped_rate": 0.0,  # set by the loop's SkipWatch
+    }
+    if s.peak_flops:
+        record["mfu"] = tokens_per_second * s.flops_per_token / (s.peak_flops * env.world_size)
+    mem = peak_memory_bytes(env.device)
+    if mem is not None:
+        record["peak_memory_bytes"] = mem
+    if not finite and not s.scaler.enabled:
+        print0(f"warning: step {s.state.global_step}: non-finite loss or gradient norm; the update was skipped")
+    return record

@@ -1,0 +1,280 @@
+"""The Hugging Face Hub as the checkpoint store: the repo, background uploads, and finding a checkpoint to resume.
+
+Repo layout (`--hf_repo user/name`):
+  checkpoints/<name>.pt          one full checkpoint per save (a sharded checkpoint is a folder of that name)
+  fsdp_opt_index.json            what each checkpoint is: global step, epoch, slice, loss, date
+  metrics.jsonl                  the step log of every session so far (a new machine continues it)
+  README.md                      the model card, rewritten from the index after every push
+  config.json, model.safetensors, tokenizer files ...   the final model, with --export_hf
+
+Uploads run in the background (uploads.py). Only rank 0 talks to the Hub. The token is huggingface_hub's own (HF_TOKEN or `hf auth login`); this module
+never reads, prints or stores it.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+from fsdp_opt.base import CheckpointError, ConfigError
+from fsdp_opt.checkpoint.files import checkpoint_step, find_checkpoint, latest_checkpoint
+from fsdp_opt.checkpoint.names import SUFFIX, parse_name
+from fsdp_opt.checkpoint.weightsfile import SUFFIX as WEIGHTS_SUFFIX
+from fsdp_opt.checkpoint.weightsfile import WEIGHTS_DIR, checkpoint_of, weights_name
+
+CKPT_DIR = "checkpoints"
+
+INDEX_FILE = "fsdp_opt_index.json"
+
+CARD_FILE = "README.md"
+
+METRICS_IN_REPO = "metrics.jsonl"  # every session's step log, appended to in turn
+
+MAX_BACKOFF = 60.0
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def status_code(exc: BaseException) -> int | None:
+    response = getattr(exc, "response", None)
+    return getattr(response, "status_code", None)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Worth another try: a network error, a timeout, a 5xx or a 429. Not: a 4xx, a missing local file."""
+    if isinstance(exc, (FileNotFoundError, IsADirectoryError, PermissionError, ValueError, TypeError)):
+        return False
+    code = status_code(exc)
+    if code is not None:
+        return code >= 500 or code == 429
+    return isinstance(exc, (OSError, TimeoutError, ConnectionError)) or "Timeout" in type(exc).__name__
+
+
+def describe(exc: BaseException) -> str:
+    """One line about a Hub error, without URLs' query strings or headers (never the token)."""
+    code = status_code(exc)
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return f"HTTP {code}: {first}" if code else f"{type(exc).__name__}: {first}"
+
+
+def with_retries(fn: Callable[[], Any], retries: int, backoff: float, on_retry: Callable[[int, float, BaseException], None] | None = None) -> Any:
+    """Run fn; on a transient error wait backoff, 2*backoff, 4*backoff ... (at most 60 s) and try again."""
+    for attempt in range(retries + 1):
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - classified just below
+            if attempt == retries or not is_transient(exc):
+                raise
+            delay = min(MAX_BACKOFF, backoff * 2**attempt)
+            if on_retry is not None:
+                on_retry(attempt + 1, delay, exc)
+            time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+# ---------------------------------------------------------------- reading the repo
+
+
+class HubStore:
+    """One repo on the Hub (rank 0 only)."""
+
+    def __init__(self, repo_id: str, retries: int = 3, backoff: float = 2.0, endpoint: str | None = None) -> None:
+        from huggingface_hub import HfApi
+
+        self.repo_id = repo_id
+        self.api = HfApi(endpoint=endpoint)  # endpoint None: HF_ENDPOINT or huggingface.co
+        self.retries, self.backoff = retries, backoff
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        return with_retries(fn, self.retries, self.backoff)
+
+    def file_url(self, path_in_repo: str, revision: str = "main") -> str:
+        return f"{self.api.endpoint}/{self.repo_id}/resolve/{revision}/{path_in_repo}"
+
+    def ensure_repo(self, private: bool, retries: int | None = None) -> bool:
+        """Create the repo if it is missing. False when the Hub cannot be reached now (uploads try again later)."""
+        tries = self.retries if retries is None else retries
+        try:
+            with_retries(lambda: self.api.create_repo(self.repo_id, private=private, exist_ok=True), tries, self.backoff)
+            return True
+        except Exception as exc:  # noqa: BLE001
+            if status_code(exc) in (401, 403):
+                raise ConfigError(
+                    f"--hf_repo {self.repo_id}: the Hub refused to create or open the repo ({describe(exc)}). "
+                    "Set HF_TOKEN to a token with write access, or run `hf auth login`."
+                ) from None
+            if not is_transient(exc):
+                raise ConfigError(f"--hf_repo {self.repo_id}: {describe(exc)}") from None
+            return False
+
+    def files(self) -> list[str]:
+        """Every file path in the repo; [] when the repo does not exist yet."""
+        from huggingface_hub.errors import RepositoryNotFoundError
+
+        try:
+            return list(self._call(lambda: self.api.list_repo_files(self.repo_id)))
+        except RepositoryNotFoundError:
+            return []
+
+    def read_index(self, files: list[str] | None = None) -> dict[str, Any]:
+        files = self.files() if files is None else files
+        if INDEX_FILE not in files:
+            return {"checkpoints": {}}
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                index = json.loads(self.fetch(INDEX_FILE, Path(tmp) / INDEX_FILE).read_text())
+            except ValueError:
+                return {"checkpoints": {}}
+        index.setdefault("checkpoints", {})
+        return index
+
+    def checkpoints(self, files: list[str] | None = None) -> dict[str, str]:
+        """Checkpoint name -> its path in the repo (under checkpoints/, or at the root as older repos have them)."""
+        files = self.files() if files is None else files
+        found: dict[str, str] = {}
+        for f in files:
+            parts = f.split("/")
+            if parts[0] == CKPT_DIR and len(parts) >= 2 and parse_name(parts[1]):
+                found[parts[1]] = f"{CKPT_DIR}/{parts[1]}"
+            elif len(parts) == 1 and f.endswith(SUFFIX) and parse_name(f):
+                found.setdefault(f, f)
+        return found
+
+    def weights(self, files: list[str] | None = None) -> dict[str, str]:
+        """Weights file name -> its path in the repo (weights/<name>.safetensors)."""
+        files = self.files() if files is None else files
+        prefix = f"{WEIGHTS_DIR}/"
+        return {f[len(prefix):]: f for f in files if f.startswith(prefix) and f.endswith(WEIGHTS_SUFFIX) and f.count("/") == 1}
+
+    def lfs_at_head(self) -> dict[str, str]:
+        """Path -> sha256 of every file the head keeps in LFS storage."""
+        from huggingface_hub.errors import RepositoryNotFoundError
+
+        try:
+            entries = self._call(lambda: list(self.api.list_repo_tree(self.repo_id, recursive=True)))
+        except RepositoryNotFoundError:
+            return {}
+        return {e.path: e.lfs.sha256 for e in entries if getattr(e, "lfs", None) is not None}
+
+    def purge(self, shas: set[str]) -> int:
+        """Permanently delete these LFS objects from the repo's storage (history included); returns their bytes."""
+        if not shas:
+            return 0
+        found = [f for f in self._call(lambda: list(self.api.list_lfs_files(self.repo_id))) if {f.file_oid, f.oid} & shas]
+        if found:
+            self._call(lambda: self.api.permanently_delete_lfs_files(self.repo_id, found))
+        return sum(f.size for f in found)
+
+    def used_storage(self) -> int | None:
+        """Bytes the repo's storage holds (deleted files' objects included until purged), as the Hub reports it."""
+        info = self._call(lambda: self.api.model_info(self.repo_id, expand=["usedStorage"]))
+        return getattr(info, "used_storage", None)
+
+    def latest(self) -> tuple[str, int] | None:
+        files = self.files()
+        index = self.read_index(files)["checkpoints"]
+        scored = []
+        for name in self.checkpoints(files):
+            step = index.get(name, {}).get("global_step")
+            if step is None:
+                parsed = parse_name(name)
+                step = parsed["step"] if parsed and parsed["step"] is not None else -1
+            scored.append((int(step), name))
+        scored = [s for s in scored if s[0] >= 0]
+        if not scored:
+            return None
+        step, name = max(scored)
+        return name, step
+
+    def fetch(self, path_in_repo: str, dest: Path) -> Path:
+        """One repo file to `dest`, appearing there whole (downloaded beside it, then renamed)."""
+        from huggingface_hub import hf_hub_download
+
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".download-", dir=dest.parent) as staging:
+            got = self._call(lambda: hf_hub_download(self.repo_id, path_in_repo, local_dir=staging, endpoint=self.api.endpoint,
+                                                     token=self.api.token))  # fmt: skip
+            Path(got).rename(dest)
+        return dest
+
+    def download(self, name: str, out_dir: Path) -> Path:
+        """Fetch checkpoint `name` into out_dir/name (a file or a sharded folder); the rename makes it appear whole."""
+        from huggingface_hub import snapshot_download
+
+        files = self.files()
+        where = self.checkpoints(files).get(name)
+        if where is None:
+            raise KeyError(name)
+        dest = out_dir / name
+        if where in files:
+            return self.fetch(where, dest)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".download-", dir=out_dir) as staging:
+            self._call(lambda: snapshot_download(self.repo_id, allow_patterns=[f"{where}/*"], local_dir=staging,
+                                                 endpoint=self.api.endpoint, token=self.api.token))  # fmt: skip
+            (Path(staging) / where).rename(dest)
+        return dest
+
+
+def _timed(download: Callable[[], Path]) -> Path:
+    """Run a download and say how many bytes came in how long."""
+    started = time.perf_counter()
+    path = download()
+    seconds = time.perf_counter() - started
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else path.stat().st_size
+    print(f"downloaded {path.name}: {size / 1e9:,.2f} GB in {seconds:.1f} s ({size / 1e6 / max(seconds, 1e-9):,.0f} MB/s)")
+    return path
+
+
+def find_resume(name: str, out_dir: Path, repo_id: str | None, retries: int = 3, flag: str = "--resume_file") -> Path:
+    """--resume_file: a path, then a name in output_dir, then a checkpoint of --hf_repo (downloaded to output_dir).
+
+    `latest` is the highest global step among output_dir and the repo; a local copy wins a tie.
+    """
+    if not repo_id:
+        return find_checkpoint(out_dir, name, flag)
+    if name != "latest":
+        try:
+            return find_checkpoint(out_dir, name, flag)
+        except CheckpointError as local_miss:
+            local_error = str(local_miss)
+    store = HubStore(repo_id, retries=retries)
+    try:
+        if name == "latest":
+            local = latest_checkpoint(out_dir)
+            local_step = checkpoint_step(local) if local is not None else -1
+            try:
+                remote = store.latest()
+            except Exception as exc:  # noqa: BLE001
+                if local is None:
+                    raise
+                print(f"warning: cannot read the Hub repo {repo_id} ({describe(exc)}); using {local}")
+                remote = None
+            if remote is None or remote[1] <= local_step:
+                if local is None:
+                    raise CheckpointError(f"{flag} latest: no checkpoint in {out_dir} or in the Hub repo {repo_id}")
+                return local
+            print(f"latest checkpoint is {remote[0]} (global step {remote[1]}) in the Hub repo {repo_id}; downloading")
+            return _timed(lambda: store.download(remote[0], out_dir))
+        files = store.files()
+        remote_names = store.checkpoints(files)
+        if name in remote_names:
+            print(f"downloading {name} from the Hub repo {repo_id}")
+            return _timed(lambda: store.download(name, out_dir))
+        weights = store.weights(files).get(name if name.endswith(WEIGHTS_SUFFIX) else weights_name(name))
+        if weights is not None:
+            print(f"only the weights of {checkpoint_of(weights)} are left in the Hub repo {repo_id} (--hub_keep_full "
+                  f"retired its full state); downloading {weights}")  # fmt: skip
+            return _timed(lambda: store.fetch(weights, out_dir / Path(weights).name))
+        listing = ", ".join(sorted(remote_names)[:10]) or "none"
+        raise CheckpointError(f"{local_error}; not in the Hub repo {repo_id} either (checkpoints there: {listing})")
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - network, auth: one line
+        raise CheckpointError(f"{flag} {name}: cannot read the Hub repo {repo_id}: {describe(exc)}") from None

@@ -1,0 +1,268 @@
+"""Sharding: wrap policy, mesh, mixed precision, activation checkpointing, FSDP2, weight loading.
+
+Setup order (every rank): skeleton on meta -> activation checkpointing -> shard each block, then the root
+-> allocate local shards -> receive full weights from rank 0 by broadcast -> check the tie and that
+nothing is left on meta.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from fsdp_opt.base import ConfigError, ModelError
+from fsdp_opt.config.choices import DTYPES
+from fsdp_opt.model.sources import ModelSource, load_full_state_dict, non_persistent_buffer_names
+from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """'auto' -> bf16 on GPUs that have it, fp16 on other GPUs (T4), fp32 on CPU."""
+    if device.type == "cuda":
+        has_bf16 = torch.cuda.get_device_capability(device)[0] >= 8
+        if precision == "auto":
+            return "bf16" if has_bf16 else "fp16"
+        if precision == "bf16" and not has_bf16:
+            name = torch.cuda.get_device_name(device)
+            raise ConfigError(f"--precision bf16: {name} has no bf16 support (use fp16 or auto)")
+        return precision
+    return "fp32" if precision == "auto" else precision
+
+
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
+    # NOTE: fp32 reduce: fp16 reduce-scatter loses gradient bits and can overflow across ranks.
+    compute = DTYPES[precision]
+    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+
+
+def find_block_classes(model: nn.Module) -> set[type[nn.Module]]:
+    """Classes named by the model's `_no_split_modules` that occur in it (OPTDecoderLayer for OPT)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    found = {type(m) for m in model.modules() if type(m).__name__ in names}
+    if not found:
+        listed = ", ".join(sorted(names)) or "nothing"
+        raise ModelError(
+            f"--model: no transformer block to shard: the model's _no_split_modules lists {listed}, "
+            f"and no module of {type(model).__name__} matches"
+        )
+    return found
+
+
+def find_blocks(model: nn.Module, classes: set[type[nn.Module]]) -> list[nn.Module]:
+    """Outermost modules of the block classes, in model order."""
+    blocks: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():
+        if id(module) in inside:
+            continue
+        if type(module) in classes:
+            blocks.append(module)
+            inside.update(id(m) for m in module.modules())
+    return blocks
+
+
+def check_no_shared_params(model: nn.Module, blocks: list[nn.Module]) -> None:
+    """A weight used both inside a block and outside it cannot be sharded in two units (torch refuses)."""
+    for i, block in enumerate(blocks):
+        inside = {id(m) for m in block.modules()}
+        mine = {id(p) for p in block.parameters()}
+        for name, module in model.named_modules():
+            if id(module) not in inside and any(id(p) in mine for p in module.parameters(recurse=False)):
+                raise ModelError(
+                    f"--model: block {i} ({type(block).__name__}) shares a weight with {name}; "
+                    "tied weights must stay in one FSDP unit"
+                )
+
+
+def apply_activation_checkpointing(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
+    """Recompute each block's activations in backward. Returns the blocks to shard.
+
+    Transformers' own per-layer checkpointing is used where the model has it: it keeps parameter names
+    unchanged and is written to sit inside FSDP2's layer subclasses. Other models get torch's wrapper.
+    """
+    if getattr(model, "supports_gradient_checkpointing", False):
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        return blocks
+    targets = {id(b) for b in blocks}
+    wrapped: list[nn.Module] = []
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if id(child) in targets:
+                w = checkpoint_wrapper(child, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+                setattr(parent, name, w)
+                wrapped.append(w)
+    order = {id(b): i for i, b in enumerate(blocks)}
+    wrapped.sort(key=lambda w: order[id(w._checkpoint_wrapped_module)])
+    return wrapped
+
+
+def build_mesh(strategy: str, env: DistEnv) -> DeviceMesh:
+    device_type = env.device.type
+    if strategy == "NO_SHARD":
+        # Replicate everywhere: a shard dimension of size 1 makes FSDP an all-reduce, as in DDP.
+        return init_device_mesh(device_type, (env.world_size, 1), mesh_dim_names=("replicate", "shard"))
+    if strategy == "HYBRID_SHARD":
+        per_node = env.local_world_size
+        if env.world_size % per_node:
+            raise ConfigError(
+                f"--sharding_strategy HYBRID_SHARD: {env.world_size} ranks do not split into nodes of {per_node}"
+            )
+        return init_device_mesh(
+            device_type, (env.world_size // per_node, per_node), mesh_dim_names=("replicate", "shard")
+        )
+    return init_device_mesh(device_type, (env.world_size,), mesh_dim_names=("shard",))
+
+
+def apply_fsdp(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    mesh: DeviceMesh,
+    *,
+    strategy: str,
+    mp_policy: MixedPrecisionPolicy,
+    offload: bool,
+    prefetch: int = 0,
+    ignored: set[nn.Parameter] | None = None,
+) -> nn.Module:
+    """Shard each block as its own unit, then the root (embeddings, tied lm_head, final norm). `ignored` parameters
+    stay whole on every rank, outside FSDP."""
+    offload_policy: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
+    # FULL_SHARD frees gathered weights after forward; SHARD_GRAD_OP keeps them until backward.
+    reshard = strategy in ("FULL_SHARD", "HYBRID_SHARD")
+    common = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    if ignored:
+        common["ignored_params"] = set(ignored)
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=reshard, **common)
+    fully_shard(model, reshard_after_forward=False, **common)
+    if prefetch > 0:
+        # Blocks run in list order in forward and in reverse in backward; each one starts the gathers of
+        # the next `prefetch` blocks of its direction when it starts.
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 1 + prefetch])
+            block.set_modules_to_backward_prefetch(blocks[max(0, i - prefetch) : i][::-1])
+    # NOTE: transformers' decoder layers return views; nothing here modifies a block output in place,
+    # which is the only case FSDP2's warning is about.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # Gradients are summed, not averaged, across ranks: the loss is already divided by the
+            # global token count of the step. Sum-only collectives also keep gloo (no PREMUL_SUM) working.
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def shard_model(
+    model: nn.Module, env: DistEnv, *, strategy: str, precision: str, activation_checkpointing: bool, offload: bool = False,
+    compile_blocks: bool = False, prefetch: int = 0, ignored: set[nn.Parameter] | None = None,
+) -> tuple[set[type[nn.Module]], int]:
+    """Wrap policy -> (activation checkpointing) -> mesh -> FSDP2, on a meta model. Returns the block classes
+    and the number of blocks (each its own FSDP unit, plus the root)."""
+    classes = all_ranks_ok(lambda: find_block_classes(model))
+    blocks = find_blocks(model, classes)
+    all_ranks_ok(lambda: check_no_shared_params(model, blocks))
+    if activation_checkpointing:
+        blocks = apply_activation_checkpointing(model, blocks)
+    if compile_blocks:
+        for block in blocks:
+            inner = getattr(block, "_checkpoint_wrapped_module", block)
+            # Only the block's own forward: FSDP2's hooks around it (gathers, reduce-scatters) stay eager.
+            inner.forward = torch.compile(inner.forward)
+    mesh = build_mesh(strategy, env)
+    apply_fsdp(model, blocks, mesh, strategy=strategy, mp_policy=mixed_precision_policy(precision), offload=offload,
+               prefetch=prefetch, ignored=ignored)  # fmt: skip
+    return classes, len(blocks)
+
+
+def initialize(model: nn.Module, env: DistEnv, source: ModelSource, config, seed: int, *, weights: bool,
+               loader: Any = None, **load: Any) -> None:  # fmt: skip
+    """Allocate the local shards; with `weights`, fill them with the source's weights (rank 0 reads them once).
+
+    Without `weights` (a checkpoint fills them next) rank 0 still builds the model on CPU when it has
+    non-persistent buffers, which no state dict carries. `load` goes to load_full_state_dict (dtype, prepare);
+    `loader(model, full_state, env)` may load the weights itself (a quantized LoRA base) and return True."""
+    need = weights or bool(non_persistent_buffer_names(model))
+    init = all_ranks_ok(lambda: load_full_state_dict(source, config, seed, weights=weights, **load) if env.is_main and need else None)
+    full_state, buffers = init if init is not None else (None, None)
+    materialize(model, env, buffers)
+    if weights and not (loader is not None and loader(model, full_state, env)):
+        load_weights(model, full_state, env)
+
+
+def materialize(model: nn.Module, env: DistEnv, buffers: dict[str, torch.Tensor] | None) -> None:
+    """Allocate this rank's shards; copy rank 0's non-persistent buffers (not in any state dict) to all ranks."""
+    model.to_empty(device=env.device)
+    own = dict(model.named_buffers())
+    for name in non_persistent_buffer_names(model):
+        buf = own[name]
+        if env.is_main and buffers is not None:
+            buf.copy_(buffers[_clean(name)].to(env.device))
+        if env.world_size > 1:
+            dist.broadcast(buf, src=0)
+
+
+def _clean(name: str) -> str:
+    return name.replace("_checkpoint_wrapped_module.", "")
+
+
+def load_weights(model: nn.Module, full_state: dict[str, torch.Tensor] | None, env: DistEnv) -> None:
+    """Fill the local shards from rank 0's full state dict by broadcast."""
+    set_model_state_dict(
+        model,
+        full_state if env.is_main else {},
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+    )
+
+
+def tie_and_check(model: nn.Module) -> None:
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "tie_word_embeddings", False):
+        inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+        if inp is not None and out is not None and out.weight is not inp.weight:
+            out.weight = inp.weight
+    left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
+    if left:
+        raise RuntimeError(f"still on the meta device after loading: {left[:5]}")
+
+
+def local_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Bytes this rank holds for parameters, gradients and optimizer state (local shards only)."""
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    params = sum(local(p).numel() * local(p).element_size() for p in model.parameters())
+    grads = sum(local(p.grad).numel() * local(p.grad).element_size() for p in model.parameters() if p.grad is not None)
+    optim = 0
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    optim += local(v).numel() * local(v).element_size()
+    return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
+
+
+def block_linear_names(model: nn.Module) -> list[str]:
+    """Full names of the linear layers inside the decoder blocks (the blocks the wrap policy shards)."""
+    from transformers.pytorch_utils import Conv1D
+
+    blocks = {id(b) for b in find_blocks(model, find_block_classes(model))}
+    names: list[str] = []
+    prefix_of_block: list[str] = [n for n, m in model.named_modules() if id(m) in blocks]
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, Conv1D)) and any(name.startswith(p + ".") for p in prefix_of_block):
+            names.append(name)
+    return names

@@ -1,0 +1,54 @@
+"""TODO docstring (plan)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from fsdp_opt.base import GIB
+from fsdp_opt.model.shapes import Shape
+
+# Allocator slack, the CUDA context and NCCL's buffers (with 2 GPUs or more), which torch's counters do not see.
+CUDA_CONTEXT_BYTES = int(0.45 * GIB)
+
+NCCL_BUFFER_BYTES = int(0.25 * GIB)
+
+FRAGMENTATION = 0.05
+
+
+@dataclass
+class Inputs:
+    gpus: int = 2
+    nodes: int = 1
+    gpu_memory: int = int(14.56 * GIB)
+    batch_size: int = 4
+    max_length: int = 512
+    accum_steps: int = 16
+    precision: str = "fp16"
+    activation_checkpointing: bool = True
+    attn_implementation: str = "sdpa"
+    packing: str = "docs"  # the trainer's --packing: docs and pad attend through a [batch, 1, L, L] mask
+    reduce_every_microbatch: bool = False
+    prefetch: int = 0
+    loss_chunk_tokens: int = 0
+    cuda: bool = True
+    lora_rank: int = 0  # 0: full fine-tuning
+    lora_targets: str | None = None  # None: every linear layer of the blocks
+    lora_dropout: float = 0.05
+    base_bits: int = 16
+
+
+def shard_factor(strategy: str, inputs: Inputs) -> int:
+    if strategy == "NO_SHARD":
+        return 1
+    if strategy == "HYBRID_SHARD":
+        return max(1, inputs.gpus // inputs.nodes)
+    return inputs.gpus
+
+
+def state_bytes(shape: Shape, strategy: str, inputs: Inputs) -> dict[str, int]:
+    """Resident training state per GPU: fp32 weights, fp32 gradients, Adam m and v, all sharded."""
+    f = shard_factor(strategy, inputs)
+    per = math.ceil(shape.params / f)
+    return {"parameters": 4 * per, "gradients": 4 * per, "optimizer": 8 * per}

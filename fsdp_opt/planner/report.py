@@ -1,0 +1,118 @@
+"""TODO docstring (plan)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fsdp_opt.base import GIB
+from fsdp_opt.config.choices import STRATEGIES
+from fsdp_opt.model.shapes import Shape, model_config
+from fsdp_opt.planner.disk import disk_and_hub, disk_line
+from fsdp_opt.planner.host import host_memory as host_phases
+from fsdp_opt.planner.host import render_host
+from fsdp_opt.planner.inputs import Inputs, state_bytes
+from fsdp_opt.planner.lora import adapter_params, describe
+from fsdp_opt.planner.memory import activation_bytes, largest_micro_batch, memory, peak_bytes
+from fsdp_opt.planner.steptime import candidates, comm_bytes, render_configurations, step_time
+
+
+def make_plan(model: str, inputs: Inputs, *, disk: int, host_memory: int, keep_last: int, save_optimizer: bool,
+              sharded: bool = False, offload: bool = False, slices: int = 10, keep_full: int = 1,
+              rates=None) -> dict[str, Any]:  # fmt: skip
+
+    shape = Shape.of(model_config(model))
+    strategies: dict[str, Any] = {}
+    for strategy in STRATEGIES:
+        if strategy == "HYBRID_SHARD" and inputs.nodes < 2:
+            continue
+        parts = memory(shape, strategy, inputs)
+        total = peak_bytes(parts)
+        strategies[strategy] = {
+            "components": parts,
+            "total_bytes": total,
+            "fits": total <= inputs.gpu_memory,
+            "max_micro_batch": largest_micro_batch(shape, strategy, inputs),
+            "state_bytes_per_rank": sum(state_bytes(shape, strategy, inputs).values()),
+            "comm_bytes_per_step": comm_bytes(shape, strategy, inputs),
+            "predicted_step_time_s": step_time(shape, strategy, inputs, rates)["step_s"],
+        }
+    configurations = candidates(shape, inputs, list(strategies), rates)
+    stored = disk_and_hub(shape, inputs, disk=disk, keep_last=keep_last, save_optimizer=save_optimizer, slices=slices,
+                          keep_full=keep_full)  # fmt: skip
+    saved = stored.pop("saved")
+
+    return {
+        "model": model,
+        "shape": shape.summary(),
+        "lora": describe(shape, inputs) if inputs.lora_rank else None,
+        "adapter_params": adapter_params(shape, inputs) if inputs.lora_rank else 0,
+        "inputs": {**inputs.__dict__, "disk": disk, "host_memory": host_memory, "keep_last": keep_last, "save_optimizer": save_optimizer},
+        "activations": {
+            "with_checkpointing": activation_bytes(shape, inputs, True),
+            "without_checkpointing": activation_bytes(shape, inputs, False),
+        },
+        "strategies": strategies,
+        "configurations": configurations,
+        "auto_pick": configurations[0] if configurations and configurations[0]["fits"] else None,
+        **stored,
+        "host_ram": host_ram(
+            host_phases(shape, "FULL_SHARD", inputs, save_optimizer=save_optimizer, sharded=sharded, offload=offload),
+            shape, host_memory, save_optimizer, saved,
+        ),
+    }
+
+
+def host_ram(phases: dict[str, Any], shape: Shape, host_memory: int, save_optimizer: bool, saved: int) -> dict[str, Any]:
+    worst = max(phases["peak_fresh"]["machine"], phases["peak_resumed"]["machine"])
+    # gather_bytes: what rank 0 gathers for a full save (and maps again to resume).
+    gather = (12 if save_optimizer else 4) * saved
+    return {**phases, "gather_bytes": gather, "host_memory": host_memory, "fits": worst <= host_memory}
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / GIB:,.2f} GiB"
+
+
+def render(plan: dict[str, Any]) -> str:
+    i, shape = plan["inputs"], plan["shape"]
+    lines = [
+        f"{plan['model']}: {shape['params']:,} parameters ({shape['layers']} blocks of {shape['block_params']:,}, "
+        f"root {shape['root_params']:,})",
+        f"{i['gpus']} GPU(s) on {i['nodes']} node(s), {_gib(i['gpu_memory'])} each; micro-batch {i['batch_size']} x "
+        f"{i['max_length']} tokens, {i['precision']}, accum {i['accum_steps']}, activation checkpointing "
+        f"{'on' if i['activation_checkpointing'] else 'off'}",
+        *([plan["lora"]] if plan.get("lora") else []),
+        "",
+    ]
+    names = list(plan["strategies"])
+    comps = list(next(iter(plan["strategies"].values()))["components"])
+    lines.append("| per GPU | " + " | ".join(names) + " |")
+    lines.append("| --- |" + " --- |" * len(names))
+    for comp in comps:
+        lines.append(f"| {comp} | " + " | ".join(_gib(plan["strategies"][n]["components"][comp]) for n in names) + " |")
+    lines.append("| **total** | " + " | ".join(f"**{_gib(plan['strategies'][n]['total_bytes'])}**" for n in names) + " |")
+    lines.append("| fits | " + " | ".join("yes" if plan["strategies"][n]["fits"] else "NO" for n in names) + " |")
+    lines.append("| largest micro-batch | " + " | ".join(str(plan["strategies"][n]["max_micro_batch"]) for n in names) + " |")
+    if any(plan["strategies"][n]["components"]["accumulated_gradients"] for n in names):
+        lines.append("(total: accumulating without sync, the sharded gradients appear only as the accumulated ones are "
+                     "reduce-scattered, so they are not added to them)")
+
+    lines += ["", *render_configurations(plan)]
+    a, c, d, r = plan["activations"], plan["checkpoints"], plan["disk"], plan["host_ram"]
+    lines += [
+        "",
+        f"activations: {_gib(a['with_checkpointing'])} with checkpointing, {_gib(a['without_checkpointing'])} without",
+        f"checkpoints{' (the adapters)' if plan.get('lora') else ''}: full {_gib(c['full_with_optimizer'])} (weights "
+        f"only {_gib(c['full_weights_only'])}), sharded {_gib(c['sharded_with_optimizer_per_rank'])} per rank, fp16 "
+        f"export {_gib(c['export_fp16'])}" + (f" (merged into the base: {_gib(c['merged_export_fp16'])})" if plan.get("lora") else ""),
+        disk_line(d, i["keep_last"], i["disk"]),
+        f"Hub repo after {plan['hub']['slices']} slices with --hub_keep_full {plan['hub']['keep_full']}: "
+        f"{plan['hub']['total'] / 1e9:,.1f} GB ({plan['hub']['full_checkpoints'] / 1e9:,.1f} GB of full checkpoints, "
+        f"{plan['hub']['weights_files'] / 1e9:,.1f} GB of weights files; {plan['hub']['with_export'] / 1e9:,.1f} GB with "
+        "an exported model)",
+        "",
+    ]
+
+    lines += render_host(r, r["host_memory"])
+    return "\n".join(lines)

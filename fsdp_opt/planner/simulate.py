@@ -1,0 +1,225 @@
+"""The plan's memory figures checked by running the engine's own training step at the real shape, on fake tensors.
+
+    python -m fsdp_opt.plan --model facebook/opt-1.3b --simulate
+
+One process stands in for rank 0 of `--gpus` ranks: a fake process group (no communication) and torch's
+FakeTensorMode (tensors with shapes and no storage), so opt-1.3b's step runs on a laptop CPU without its memory.
+The model is sharded by the engine's own `shard_model` (wrap policy, mixed precision, activation checkpointing,
+FULL_SHARD or SHARD_GRAD_OP), the loss is the engine's (whole logits or `--loss_chunk_tokens` chunks), and the
+micro-batches of one optimizer step run with or without gradient sync between them, as `--reduce_every_microbatch`
+says. torch's FSDP2 memory tracker (`FSDPMemTracker`) labels every tensor the step creates; this module keeps the
+largest value each label reaches and the labels at the moment of the total peak.
+
+What the tracker is not given:
+- AdamW's state. On fake tensors the tracker counts the optimizer's state several times over (its per-tensor
+  records are right, two moments per parameter, but its total for opt-125m's shape is 10 shard sizes where the
+  same step on real tensors counts 2.0). The state is created directly (`optim.create_state`), as a resume does,
+  and its exact bytes are added; the fused AdamW step itself allocates nothing beyond it (real tensors, same check).
+- The device: tensors are fake CPU tensors, because FSDP2 needs CUDA streams for CUDA tensors. Byte counts are
+  the same; the CUDA context, the allocator's rounding and its cache are not seen (the plan's `runtime` row).
+- Attention kernels: CPU's SDPA kernel stands in for the GPU's. Its saved tensors (output and log-sum-exp) are
+  the same sizes as those of the memory-efficient kernel a T4 runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fsdp_opt.config.choices import DTYPES
+from fsdp_opt.data.packing import document_mask, segment_positions
+from fsdp_opt.engine.loss import ChunkedLoss, causal_lm_loss_sum
+from fsdp_opt.engine.optim import build_optimizer, create_state
+from fsdp_opt.model.parallelize import shard_model
+from fsdp_opt.model.shapes import model_config
+from fsdp_opt.model.sources import build_meta_model
+from fsdp_opt.planner.memory import peak_bytes
+from fsdp_opt.runtime.distributed import DistEnv
+
+# Groups compared with the plan: simulated labels on the left, the plan's components on the right.
+GROUPS = {
+    "parameters": (("Sharded Param",), ("parameters",)),
+    "gradients": (("Sharded Grad",), ("gradients",)),
+    "optimizer": ((), ("optimizer",)),
+    "gathered_weights": (("Unsharded Param", "All Gather"), ("gathered_weights",)),
+    # Measured between micro-batches (the tracker labels these "Temp"): FSDP's unsharded fp32 gradients held for the
+    # next micro-batch when accumulating without sync.
+    "accumulated_gradients": ((), ("accumulated_gradients",)),
+    "reduce_scatter": (("Unsharded Grad", "Reduce Scatter"), ("reduce_scatter",)),
+    # Less the accumulated gradients, which sit in the tracker's "Temp".
+    "activations_and_logits": (("Activation", "Temp", "Inputs", "Buffer"), ("activations", "logits", "attention_mask")),
+}
+
+
+def micro_batch(vocab_size: int, inputs, device: torch.device) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    """One micro-batch of model inputs in the form the engine feeds for `inputs.packing`.
+
+    docs: two documents per row (positions restart halfway), with the engine's own block-diagonal mask.
+    pad: the last row a quarter padding, as the [b, 1, L, L] boolean mask transformers makes of a padding mask for
+    SDPA (built here: transformers inspects the padding's values, which fake tensors do not have).
+    concat: whole rows, no mask."""
+
+    b, s = inputs.batch_size, inputs.max_length
+    batch = {"input_ids": torch.randint(0, vocab_size, (b, s), device=device)}
+    if inputs.packing == "docs":
+        positions = segment_positions([0, s // 2], s).long().repeat(b, 1).to(device)
+        batch.update(position_ids=positions, attention_mask=document_mask(positions, inputs.attn_implementation))
+    elif inputs.packing == "pad":
+        keys = torch.ones(b, s, dtype=torch.bool, device=device)
+        keys[-1, s - s // 4 :] = False
+        causal = torch.ones(s, s, dtype=torch.bool, device=device).tril()
+        mask = keys[:, None, None, :] & causal
+        if inputs.attn_implementation == "eager":  # additive, in the compute dtype
+            dtype = DTYPES[inputs.precision]
+            mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, torch.finfo(dtype).min)
+        # the positions OPT would count from a right-padded [b, L] mask: 0.. along every row
+        batch.update(attention_mask=mask, position_ids=torch.arange(s, device=device).repeat(b, 1))
+    return batch
+
+
+def accumulated_gradient_bytes(model) -> int:  # noqa: ANN001
+    """Bytes of the unsharded gradients FSDP2 keeps between micro-batches that skip the reduce-scatter."""
+    from torch.distributed.fsdp import FSDPModule
+
+    total = 0
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        for fp in group.fsdp_params if group is not None else ():
+            grad = fp.unsharded_accumulated_grad
+            if grad is None and getattr(fp, "_unsharded_param", None) is not None:  # same dtype: accumulated in the parameter's .grad
+                grad = getattr(fp._unsharded_param, "grad", None)
+            total += 0 if grad is None else grad.numel() * grad.element_size()
+    return total
+
+
+def _label(key: Any) -> str:
+    return str(getattr(key, "value", key))
+
+
+def _tracker_class():
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    class PeakTracker(FSDPMemTracker):
+        """FSDPMemTracker that also keeps each group's own largest value over the step."""
+
+        group_peaks: dict[str, int]
+        group_moments: dict[str, dict[str, int]]  # every label at the moment each group peaked
+
+        def _update_peak_stats(self, peak_state) -> None:  # noqa: ANN001
+            super()._update_peak_stats(peak_state)
+            for snap in self._curr_mem_snap.values():
+                by_label = {_label(k): v for k, v in snap.items()}
+                for group, (labels, _) in GROUPS.items():
+                    value = sum(by_label.get(label, 0) for label in labels)
+                    if value > self.group_peaks.get(group, 0):
+                        self.group_peaks[group] = value
+                        self.group_moments[group] = {k: v for k, v in by_label.items() if k != "Total"}
+
+    return PeakTracker
+
+
+def simulate(model_name: str, inputs, strategy: str, *, fake: bool = True, micro_batches: int = 2) -> dict[str, Any]:
+    """Peak bytes of rank 0 in one optimizer step, by group and at the total's peak. Needs a process of its own:
+    it starts a process group (fake unless one exists already: `fake=False` runs on real tensors in a real one).
+
+    `micro_batches` of the step are run (2 shows what accumulation holds between micro-batches; more repeat it).
+    """
+    from contextlib import nullcontext
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if not dist.is_initialized():
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=inputs.gpus)
+    world = dist.get_world_size()
+    env = DistEnv(rank=dist.get_rank(), world_size=world, local_rank=0, local_world_size=max(1, world // inputs.nodes),
+                  device=torch.device("cpu"))  # fmt: skip
+    config = model_config(model_name)
+    if inputs.attn_implementation:
+        config._attn_implementation = inputs.attn_implementation
+    model = build_meta_model(config)
+    shard_model(model, env, strategy=strategy, precision=inputs.precision,
+                    activation_checkpointing=inputs.activation_checkpointing, prefetch=inputs.prefetch)  # fmt: skip
+    micro = min(micro_batches, inputs.accum_steps)
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext()
+    with mode:
+        model.to_empty(device=env.device)
+        if not fake:
+            torch.manual_seed(0)
+            for p in model.parameters():
+                p.data.normal_(0, 0.02)
+        model.train()
+        optimizer = build_optimizer(model, 1e-4, 0.0, env.device)
+        create_state(optimizer)
+        optimizer_bytes = sum(
+            t.to_local().numel() * t.element_size() if hasattr(t, "to_local") else t.numel() * t.element_size()
+            for state in optimizer.state.values() for t in state.values() if t.dim() > 0
+        )  # fmt: skip
+        chunked = ChunkedLoss(model, inputs.loss_chunk_tokens) if inputs.loss_chunk_tokens else None
+        tracker = _tracker_class()(model)
+        tracker.group_peaks, tracker.group_moments = {}, {}
+        accumulated = 0
+        with tracker:
+            for i in range(micro):
+                if not inputs.reduce_every_microbatch:
+                    model.set_requires_gradient_sync(i == micro - 1)
+                tracker.reset_mod_stats()  # the tracker follows one forward per module between resets
+                batch = micro_batch(config.vocab_size, inputs, env.device)
+                ids = batch["input_ids"]
+                with chunked.hidden_states() if chunked else nullcontext():
+                    out = model(**batch).logits
+                loss = chunked.loss_sum(out, ids) if chunked else causal_lm_loss_sum(out, ids)
+                loss.backward()
+                del out, loss, batch, ids
+                if i < micro - 1:
+                    accumulated = max(accumulated, accumulated_gradient_bytes(model))
+        peak = {_label(k): v for k, v in next(iter(tracker.get_tracker_snapshot("peak").values())).items()}
+    groups = dict(tracker.group_peaks)
+    groups["optimizer"] = optimizer_bytes
+    groups["accumulated_gradients"] = accumulated
+    groups["activations_and_logits"] = groups.get("activations_and_logits", 0) - accumulated
+    for group in GROUPS:
+        groups.setdefault(group, 0)
+    peak_total = peak.pop("Total") + optimizer_bytes
+    return {"groups": groups, "at_peak": peak, "group_moments": tracker.group_moments, "peak_total": peak_total, "micro_batches": micro, "world_size": world,
+            "fake": fake}  # fmt: skip
+
+
+def compare(simulated: dict[str, Any], planned: dict[str, int]) -> dict[str, Any]:
+    """Each group simulated against the plan's components, and the totals (the plan's without its `runtime`)."""
+    rows = {}
+    for group, (_, comps) in GROUPS.items():
+        plan_value = sum(planned.get(c, 0) for c in comps)
+        sim_value = simulated["groups"][group]
+        rows[group] = {"simulated": sim_value, "planned": plan_value, "ratio": plan_value / sim_value if sim_value else None}
+
+    plan_total = peak_bytes({k: v for k, v in planned.items() if k != "runtime"})
+    rows["total"] = {"simulated": simulated["peak_total"], "planned": plan_total,
+                     "ratio": plan_total / simulated["peak_total"] if simulated["peak_total"] else None}  # fmt: skip
+    return rows
+
+
+def render(strategy: str, rows: dict[str, Any], simulated: dict[str, Any]) -> list[str]:
+    small = simulated["peak_total"] < 2**30
+    gib, unit = (2**20, "MiB") if small else (2**30, "GiB")
+    lines = [
+        f"simulated ({'fake tensors' if simulated['fake'] else 'real tensors'}, rank 0 of {simulated['world_size']}, "
+        f"{simulated['micro_batches']} micro-batch(es) of the step), {strategy}:",
+        "| per GPU | simulated | planned | plan / simulated |",
+        "| --- | --- | --- | --- |",
+    ]
+    for group, row in rows.items():
+        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}"
+        name = "**peak (plan: its total less runtime)**" if group == "total" else group
+        lines.append(f"| {name} | {row['simulated'] / gib:,.2f} {unit} | {row['planned'] / gib:,.2f} {unit} | {ratio} |")
+    def labels(snap: dict[str, int]) -> str:
+        return ", ".join(f"{k} {v / gib:.2f}" for k, v in snap.items() if v >= gib / 100)
+
+    lines.append(f"at the simulated peak ({unit}, optimizer state aside): {labels(simulated['at_peak'])}")
+    for group, row in rows.items():
+        if row["ratio"] is not None and abs(row["ratio"] - 1) > 0.10 and group in simulated["group_moments"]:
+            lines.append(f"when {group} peaked ({unit}): {labels(simulated['group_moments'][group])}")
+    return lines

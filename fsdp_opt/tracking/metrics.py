@@ -1,0 +1,55 @@
+"""TODO docstring (tracking)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+
+EVAL_FILE = "eval.jsonl"  # one line per --eval_rows evaluation: step, epoch, rows, loss, perplexity, tokens, seconds
+
+# One JSON object per optimizer step, in this order. Tests and tools read this tuple.
+METRICS_FIELDS = (
+    "step",  # global optimizer step, after this update (1-based, continues across sessions)
+    "epoch",  # epoch of the current slice, 0-based
+    "loss",  # mean loss over every target token of the step, all micro-batches and ranks
+    "lr",
+    "grad_norm",  # global L2 norm of the unscaled gradients, before clipping
+    "loss_scale",  # fp16 loss scale used for the step (1.0 without scaling)
+    "tokens",  # target tokens of the step, all ranks
+    "tokens_per_second",
+    "elapsed",  # seconds since this session's training started
+    "skipped",  # true when the step was skipped for a non-finite gradient
+    "skipped_steps",  # skipped steps so far in the run
+    "slice",  # the rows this session trains, "start-end"
+    "skipped_rate",  # share of the last 20 steps (fewer at the start) skipped for a non-finite gradient (fp16 overflow)
+)
+
+
+class MetricsWriter:
+    """Appends to output_dir/metrics.jsonl (rank 0 only); never truncates."""
+
+    def __init__(self, output_dir: str | os.PathLike, enabled: bool):
+        self.path = Path(output_dir) / METRICS_FILE
+        self.enabled = enabled
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        missing = [f for f in METRICS_FIELDS if f not in record]
+        if missing:
+            raise KeyError(f"metrics record lacks {missing}")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def read_metrics(output_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    path = Path(output_dir) / METRICS_FILE
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
