@@ -1,12 +1,16 @@
-"""Errors a user can cause. The entry points print them as one line and exit 2.
-"""
+"""The bottom layer, which every module may import: the errors a user can cause (the entry points print them as
+one line and exit 2), sizes and their parsing, GiB formatting, and the one-line forms of exceptions and specs."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import re
+from pathlib import Path
 from typing import Iterator
+
+GIB = 2**30
+MIB = 2**20
 
 
 class ConfigError(Exception):
@@ -25,6 +29,45 @@ class CheckpointError(ConfigError):
     """A checkpoint file is missing, damaged or does not belong to this run."""
 
 
+def parse_size(text: str | int | float, flag: str) -> int:
+    """'15GiB', '20GB', '31G', '512MiB' or a byte count -> bytes (GB = 1e9, GiB = 2**30; bare G means GiB)."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*", text.lower())
+    if not m:
+        raise ConfigError(f"{flag} {text!r}: use a size such as 15GiB, 20GB or 512MiB")
+    value, unit, binary, b = m.groups()
+    power = "_kmgt".index(unit) if unit else 0
+    base = 1024 if (binary or (unit and not b)) else 1000
+    return int(float(value) * base**power)
+
+
+def gib(n: float | None, unit: bool = True) -> str:
+    """Bytes as GiB with two decimals ('-' for None); `unit=False` leaves off the ' GiB'."""
+    if n is None:
+        return "-"
+    return f"{n / GIB:,.2f}" + (" GiB" if unit else "")
+
+
+def size_text(n: float) -> str:
+    """Bytes as GiB from 1 GiB up, MiB below."""
+    return gib(n) if n >= GIB else f"{n / MIB:.1f} MiB"
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception as one short line: its message's first line (at most 200 characters), or its type's name."""
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:200]
+
+
+def looks_like_path(spec: str, suffixes: tuple[str, ...] = ()) -> bool:
+    """Does a --model or --dataset value name a local path rather than a Hub id? Hub ids are `name` or
+    `owner/name`; anything starting like a path, with more than one slash, a backslash, one of `suffixes`, or that
+    exists here is a path."""
+    return (spec.startswith((".", "/", "~")) or spec.count("/") > 1 or "\\" in spec
+            or Path(spec).suffix.lower() in suffixes or Path(spec).exists())  # fmt: skip
+
+
 @contextlib.contextmanager
 def quiet_hub_logs() -> Iterator[None]:
     """Hide the Hub client's per-retry warnings: a failure ends in one error line of ours instead."""
@@ -37,19 +80,3 @@ def quiet_hub_logs() -> Iterator[None]:
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
-
-GIB = 2**30
-
-
-def parse_size(text: str | int | float, flag: str) -> int:
-    """'15GiB', '20GB', '31G', '512MiB' or a byte count -> bytes (GB = 1e9, GiB = 2**30; bare G means GiB)."""
-
-    if isinstance(text, (int, float)):
-        return int(text)
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*", text.lower())
-    if not m:
-        raise ConfigError(f"{flag} {text!r}: use a size such as 15GiB, 20GB or 512MiB")
-    value, unit, binary, b = m.groups()
-    power = "_kmgt".index(unit) if unit else 0
-    base = 1024 if (binary or (unit and not b)) else 1000
-    return int(float(value) * base**power)

@@ -27,7 +27,7 @@ from fsdp_opt.checkpoint.atomic import atomic_save_text
 from fsdp_opt.checkpoint.loading import load_into
 from fsdp_opt.checkpoint.read import check_compatible, read_checkpoint
 from fsdp_opt.checkpoint.read import read_checkpoint as ckpt_read_checkpoint
-from fsdp_opt.config.choices import DTYPES
+from fsdp_opt.config.choices import DTYPES, shard_count
 from fsdp_opt.config.flags import OneLineParser
 from fsdp_opt.config.training import DataConfig, LoraConfig, ModelConfig
 from fsdp_opt.data.blocks import build_blocks
@@ -154,7 +154,7 @@ def _adapters(info: dict[str, Any] | None, model: nn.Module, precision: str, env
     settings = LoraConfig(lora_rank=info["rank"], lora_alpha=info["alpha"], lora_dropout=info["dropout"],
                           lora_targets=",".join(info["targets"]), base_bits=info.get("base_bits", 16))  # fmt: skip
     adapters = Adapters(settings, info["base"], DTYPES[precision], seed)
-    adapters.add_to(model, 1 if strategy == "NO_SHARD" else env.world_size)
+    adapters.add_to(model, shard_count(strategy, env.world_size, env.local_world_size))
     return adapters
 
 

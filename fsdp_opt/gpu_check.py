@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from fsdp_opt.base import GIB, parse_size
+from fsdp_opt.base import GIB, gib, parse_size
 from fsdp_opt.config.choices import T4_MEMORY
 from fsdp_opt.model.shapes import Shape, model_config
 from fsdp_opt.planner.inputs import NCCL_BUFFER_BYTES, Inputs
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     figures = collect(model, nproc, device, cuda, a, out, first.stdout, second.stdout)
     figures["gpus"] = gpus
     free = [g["free_after_context_gib"] for g in gpus if "free_after_context_gib" in g]
-    figures["usable_gib"] = min(free) - NCCL_BUFFER_BYTES / 2**30 if free and nproc > 1 else min(free) if free else None
+    figures["usable_gib"] = min(free) - NCCL_BUFFER_BYTES / GIB if free and nproc > 1 else min(free) if free else None
     figures["links"] = link_speeds(nproc, cuda, work) if nproc > 1 else []
     figures["cuda_context_in_this_process"] = bool(cuda and torch.cuda.is_initialized())
     print("\n".join(render(figures)))
@@ -168,7 +168,6 @@ def collect(model: str, nproc: int, device: str, cuda: bool, a: argparse.Namespa
 
 
 def render(f: dict[str, Any]) -> list[str]:
-    gib = 2**30
 
     def num(v: Any, fmt: str = "{:.2f}") -> str:
         return "-" if v is None else fmt.format(v)
@@ -180,9 +179,9 @@ def render(f: dict[str, Any]) -> list[str]:
         + (", reduce every micro-batch" if f["reduce_every_microbatch"] else ""),
         "| figure | value |",
         "| --- | --- |",
-        f"| plan peak per GPU (with runtime) | {f['plan_peak_bytes'] / gib:.2f} GiB |",
+        f"| plan peak per GPU (with runtime) | {gib(f['plan_peak_bytes'])} |",
         f"| max_memory_allocated (rank 0) | {num(f['max_memory_allocated_gib'])} GiB (plan less runtime: "
-        f"{f['plan_peak_without_runtime_bytes'] / gib:.2f} GiB) |",
+        f"{gib(f['plan_peak_without_runtime_bytes'])}) |",
         f"| max_memory_reserved (rank 0) | {num(f['max_memory_reserved_gib'])} GiB |",
         f"| useful tokens/s (median, all ranks) | {num(f['useful_tokens_per_s'], '{:,.0f}')} |",
         f"| MFU | {num(f['mfu'], '{:.1%}')} |",
@@ -194,8 +193,8 @@ def render(f: dict[str, Any]) -> list[str]:
         f"{num(f['load_into_shards_s'], '{:.1f}')} s |",
         f"| resumed | at global step {f['resumed_from_step']}, {f['resumed_steps']} more steps |",
         f"| usable memory per GPU (free with a context, less NCCL's buffers) | {num(f.get('usable_gib'))} GiB"
-        + (f": the plan's {f['plan_peak_bytes'] / gib:.2f} GiB "
-           + ("fits" if f["plan_peak_bytes"] / gib <= f["usable_gib"] else "does NOT fit") if f.get("usable_gib") else "")
+        + (f": the plan's {gib(f['plan_peak_bytes'])} "
+           + ("fits" if f["plan_peak_bytes"] / GIB <= f["usable_gib"] else "does NOT fit") if f.get("usable_gib") else "")
         + " |",
         f"| CUDA context in gpu_check's own process | {'yes (a bug)' if f.get('cuda_context_in_this_process') else 'none'} |",
     ]

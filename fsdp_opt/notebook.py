@@ -5,7 +5,6 @@ notebooks stay short and the tests can run each piece on its own.
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import shutil
@@ -14,7 +13,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from fsdp_opt.runtime.gpus import describe, from_a_child_process, from_nvidia_smi
-from fsdp_opt.tracking.metrics import METRICS_FILE
+from fsdp_opt.tracking.metrics import read_metrics
 
 SECRET_NAMES = ("HF_TOKEN", "WANDB_API_KEY")
 
@@ -125,13 +124,6 @@ def next_slice(start_idx: int, end_idx: int) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------- a look back
-
-
-def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """metrics.jsonl records; `path` may be the file or the output_dir holding it."""
-    p = Path(path)
-    p = p / METRICS_FILE if p.is_dir() else p
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
 
 
 def slice_boundaries(records: list[dict[str, Any]]) -> list[tuple[int, str]]:

@@ -12,12 +12,12 @@ import argparse
 import json
 import sys
 
-from fsdp_opt.base import ConfigError, parse_size
+from fsdp_opt.base import ConfigError, gib, parse_size
 from fsdp_opt.config.choices import PACKING_MODES, T4_MEMORY
 from fsdp_opt.config.flags import OneLineParser, parse_bool
 from fsdp_opt.model.sources import LLAMA_8B, OPT_FAMILY
 from fsdp_opt.planner.inputs import Inputs
-from fsdp_opt.planner.report import _gib, make_plan, render
+from fsdp_opt.planner.report import make_plan, render
 from fsdp_opt.planner.simulate import compare
 from fsdp_opt.planner.simulate import render as sim_render
 from fsdp_opt.planner.simulate import simulate as sim_simulate
@@ -122,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
             plan["simulated"][strategy] = {**result, "comparison": rows, "total_bytes": with_runtime,
                                            "fits": with_runtime <= inputs.gpu_memory}  # fmt: skip
             text += ["", *sim_render(strategy, rows, result),
-                     f"{strategy} verdict: plan {_gib(plan['strategies'][strategy]['total_bytes'])}, simulated "
-                     f"{_gib(with_runtime)} (with the plan's runtime row) of {_gib(inputs.gpu_memory)}: "
+                     f"{strategy} verdict: plan {gib(plan['strategies'][strategy]['total_bytes'])}, simulated "
+                     f"{gib(with_runtime)} (with the plan's runtime row) of {gib(inputs.gpu_memory)}: "
                      + ("fits" if with_runtime <= inputs.gpu_memory and plan["strategies"][strategy]["fits"]
                         else "does NOT fit" if with_runtime > inputs.gpu_memory and not plan["strategies"][strategy]["fits"]
                         else "the two disagree")]  # fmt: skip

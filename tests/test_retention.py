@@ -162,7 +162,7 @@ def test_a_purge_the_hub_refused_is_finished_by_the_next_session(tmp_path):
 
         # The next session: its push's commit fails after the upload once, then a push lands and purges it all.
         up2 = uploader()
-        assert up2.to_purge == set(pending)
+        assert up2.repo.to_purge == set(pending)
         server.fail("commit", 1)
         up2.submit(tmp_path / names[2], "epoch", {"global_step": 3})
         deadline = time.monotonic() + 60

@@ -3,20 +3,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
-from fsdp_opt.base import CheckpointError
-
-
-def _fmt_bytes(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+from fsdp_opt.base import CheckpointError, size_text
 
 
 def tensor_bytes(obj: Any) -> int:
@@ -29,42 +26,46 @@ def tensor_bytes(obj: Any) -> int:
     return 0
 
 
-def atomic_save(obj: Any, path: Path) -> None:
-    """Write to a temporary name in the same folder, fsync, then rename: never a half file under `path`."""
+@contextlib.contextmanager
+def atomic_path(path: Path, durable: bool = True) -> Iterator[Path]:
+    """The one way files are written here: the caller writes the temporary name this yields, in the same folder;
+    on success it is fsynced (`durable`) and renamed to `path`, on any failure removed. Never a half file under
+    `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGXFSZ"):
-        # A file-size limit should fail the write (EFBIG), not kill the process mid-file.
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
-            sink = _RecordingWriter(f)
-            try:
-                torch.save(obj, sink)
-            except RuntimeError:
-                # torch's zip writer reports a failed write as a RuntimeError; surface the OS's reason.
-                if sink.error is not None:
-                    raise sink.error from None
-                raise
-            f.flush()
-            os.fsync(f.fileno())
+        yield tmp
+        if durable:
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        if durable:
+            _fsync_dir(path.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def atomic_save(obj: Any, path: Path) -> None:
+    """torch.save through `atomic_path`."""
+    if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGXFSZ"):
+        # A file-size limit should fail the write (EFBIG), not kill the process mid-file.
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        sink = _RecordingWriter(f)
+        try:
+            torch.save(obj, sink)
+        except RuntimeError:
+            # torch's zip writer reports a failed write as a RuntimeError; surface the OS's reason.
+            if sink.error is not None:
+                raise sink.error from None
+            raise
 
 
 def atomic_save_text(text: str, path: Path) -> None:
     """A small text file (a report, a config), written to a temporary name and renamed into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
+    with atomic_path(path, durable=False) as tmp:
         tmp.write_text(text)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 class _RecordingWriter:
@@ -100,15 +101,15 @@ def save_or_explain(obj: Any, path: Path) -> None:
     free = shutil.disk_usage(path.parent).free
     if needed > free:
         raise CheckpointError(
-            f"cannot save {path}: about {_fmt_bytes(needed)} needed, {_fmt_bytes(free)} free there "
+            f"cannot save {path}: about {size_text(needed)} needed, {size_text(free)} free there "
             "(free space, or use --save_optimizer false / a smaller --keep_last); earlier checkpoints are kept"
         )
     try:
         atomic_save(obj, path)
     except OSError as exc:
         raise CheckpointError(
-            f"cannot save {path}: {exc.strerror or exc} (about {_fmt_bytes(needed)} needed, "
-            f"{_fmt_bytes(shutil.disk_usage(path.parent).free)} free there); earlier checkpoints are kept"
+            f"cannot save {path}: {exc.strerror or exc} (about {size_text(needed)} needed, "
+            f"{size_text(shutil.disk_usage(path.parent).free)} free there); earlier checkpoints are kept"
         ) from None
 
 

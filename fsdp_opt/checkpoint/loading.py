@@ -18,9 +18,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from fsdp_opt.base import CheckpointError
+from fsdp_opt.base import CheckpointError, first_line
 from fsdp_opt.checkpoint.names import MODEL_KEY, SUFFIX
-from fsdp_opt.checkpoint.read import _first_line, _load_weights_only, read_checkpoint
+from fsdp_opt.checkpoint.read import _load_weights_only, read_checkpoint
 from fsdp_opt.checkpoint.state import _storage, _tensors, model_options, model_state
 from fsdp_opt.engine.optim import create_state
 from fsdp_opt.runtime.distributed import DistEnv, broadcast_object, min_over_ranks
@@ -140,7 +140,7 @@ def _load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path
     try:
         dcp.load(tensors, checkpoint_id=str(path))
     except Exception as exc:  # noqa: BLE001 - DCP raises on every rank
-        raise CheckpointError(f"--resume_file {path}: sharded checkpoint does not match this model ({_first_line(exc)})") from None
+        raise CheckpointError(f"--resume_file {path}: sharded checkpoint does not match this model ({first_line(exc)})") from None
     set_model_state_dict(model, tensors["model"], options=model_options(model))
     if load_optimizer:
         set_optimizer_state_dict(model, optimizer, tensors["optim"])

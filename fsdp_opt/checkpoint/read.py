@@ -11,16 +11,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_opt.base import CheckpointError
+from fsdp_opt.base import CheckpointError, first_line
 from fsdp_opt.checkpoint.names import FORMAT, META_FILE, MODEL_KEY
 from fsdp_opt.checkpoint.state import model_state
 from fsdp_opt.checkpoint.weightsfile import SUFFIX as WEIGHTS_SUFFIX
 from fsdp_opt.checkpoint.weightsfile import read_weights
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return (text.splitlines()[0] if text else type(exc).__name__)[:200]
 
 
 def read_checkpoint(path: Path, flag: str = "--resume_file") -> dict[str, Any]:
@@ -44,10 +39,10 @@ def _load_weights_only(path: Path, flag: str) -> Any:
     except pickle.UnpicklingError as exc:
         raise CheckpointError(
             f"{flag} {path}: refused: it holds objects that need code to load, which is never run "
-            f"({_first_line(exc)[:120]})"
+            f"({first_line(exc)[:120]})"
         ) from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as exc:
-        raise CheckpointError(f"{flag} {path}: not a readable checkpoint, truncated or damaged ({_first_line(exc)[:120]})") from None
+        raise CheckpointError(f"{flag} {path}: not a readable checkpoint, truncated or damaged ({first_line(exc)[:120]})") from None
 
 
 def _read_sharded_meta(path: Path, flag: str) -> dict[str, Any]:
@@ -80,7 +75,7 @@ def check_compatible(payload: dict[str, Any], model: nn.Module, path: Path, flag
         try:
             got = _sharded_shapes(path)
         except Exception as exc:  # noqa: BLE001
-            raise CheckpointError(f"{flag} {path}: sharded metadata unreadable ({_first_line(exc)})") from None
+            raise CheckpointError(f"{flag} {path}: sharded metadata unreadable ({first_line(exc)})") from None
     else:
         got = {k: tuple(v.shape) for k, v in payload[MODEL_KEY].items()}
     missing = sorted(set(expected) - set(got))

@@ -14,24 +14,12 @@ import torch
 from torch import nn
 
 from fsdp_opt.checkpoint.loading import load_into
-from fsdp_opt.checkpoint.read import read_checkpoint
 from fsdp_opt.checkpoint.save import EPOCHS_KEY, STEP_KEY
-from fsdp_opt.checkpoint.state import TrainState, set_rng_state
+from fsdp_opt.checkpoint.state import set_rng_state
 from fsdp_opt.config.parse import Config
 from fsdp_opt.engine.optim import LossScaler
-from fsdp_opt.hub.store import find_resume
+from fsdp_opt.engine.step import TrainState
 from fsdp_opt.runtime.distributed import DistEnv, broadcast_object, print0
-
-
-def read_resume(resume_file: str | None, out_dir: Path, hf_repo: str | None = None, retries: int = 3) -> dict[str, Any] | None:
-    """Rank 0: find the checkpoint (path, output_dir, then the Hub repo) and read it."""
-    if not resume_file:
-        return None
-
-    path = find_resume(resume_file, out_dir, hf_repo, retries)
-    payload = read_checkpoint(path)
-    payload["_path"] = str(path)
-    return payload
 
 
 def slice_key(config: Config, end_idx: int, num_samples: int) -> dict[str, Any]:

@@ -8,6 +8,7 @@ the shards of a run is `loading.load_into`.
 from __future__ import annotations
 
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -17,12 +18,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-from fsdp_opt.base import CheckpointError
+from fsdp_opt.base import CheckpointError, first_line
 from fsdp_opt.checkpoint.atomic import _fsync_dir, save_or_explain
 from fsdp_opt.checkpoint.names import EPOCHS_KEY, FORMAT, META_FILE, MODEL_KEY, STEP_KEY
-from fsdp_opt.checkpoint.read import _first_line
 from fsdp_opt.checkpoint.room import bytes_on_disk
-from fsdp_opt.checkpoint.state import TrainState, copy_live_tensors, gather_full_state, model_state, rng_state
+from fsdp_opt.checkpoint.state import copy_live_tensors, gather_full_state, model_state, rng_state
+from fsdp_opt.engine.step import TrainState
 from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, barrier
 from fsdp_opt.runtime.hostmem import release_host_memory
 
@@ -96,7 +97,7 @@ def _save_sharded(path: Path, env: DistEnv, model: nn.Module, optimizer: torch.o
     except Exception as exc:  # noqa: BLE001 - DCP raises the same error on every rank
         if env.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"cannot save {path}: {_first_line(exc)}; earlier checkpoints are kept") from None
+        raise CheckpointError(f"cannot save {path}: {first_line(exc)}; earlier checkpoints are kept") from None
 
     def finish() -> None:
         if not env.is_main:
@@ -110,3 +111,37 @@ def _save_sharded(path: Path, env: DistEnv, model: nn.Module, optimizer: torch.o
         shutil.rmtree(old, ignore_errors=True)
 
     all_ranks_ok(finish)
+
+
+class BackgroundWriter:
+    """Rank 0 writes a gathered checkpoint in a thread of its own while training goes on (--async_save).
+
+    One write at a time: start() waits for the one before, so host RAM never holds two gathered states. A failed
+    write is kept in `error`; the training loop reads it at the next step and every rank stops with it.
+    """
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self.error: str | None = None
+
+    def start(self, work: Callable[[], None]) -> None:
+        self.wait()
+        self._thread = threading.Thread(target=self._run, args=(work,), name="checkpoint-writer")
+        self._thread.start()
+
+    def _run(self, work: Callable[[], None]) -> None:
+        try:
+            work()
+        except CheckpointError as exc:
+            self.error = str(exc)
+        except Exception as exc:  # noqa: BLE001 - reported on every rank at the next step, like a disk error
+            self.error = f"writing a checkpoint failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()

@@ -4,24 +4,11 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-
-
-@dataclass
-class TrainState:
-    """Where the run is: what a resume restores besides model and optimizer."""
-
-    global_step: int = 0
-    epoch: int = 0  # 0-based epoch of the slice that `offset` points into
-    offset: int = 0  # samples of that epoch already consumed
-
-    def state_dict(self) -> dict[str, int]:
-        return {"global_step": self.global_step, "epoch": self.epoch, "offset": self.offset}
 
 
 def rng_state() -> dict[str, Any]:

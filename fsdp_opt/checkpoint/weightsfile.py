@@ -11,14 +11,13 @@ accepts it: the weights and the global step continue; AdamW's moments, the loss 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from fsdp_opt.base import CheckpointError
-from fsdp_opt.checkpoint.atomic import _fsync_dir
+from fsdp_opt.checkpoint.atomic import atomic_path
 from fsdp_opt.checkpoint.names import MODEL_KEY
 
 WEIGHTS_DIR = "weights"
@@ -62,17 +61,8 @@ def write_weights(model_state: dict[str, torch.Tensor], meta: dict[str, Any], pa
     carried = {k: meta[k] for k in CARRIED if k in meta}
     header = {"format": FORMAT, "dtype": str(dtype).removeprefix("torch."), "tied": json.dumps(tied),
               "fsdp_opt": json.dumps(carried, default=float)}  # fmt: skip
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
+    with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata=header)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return path
 
 

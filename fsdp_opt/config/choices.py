@@ -13,6 +13,15 @@ DEVICES = ("auto", "cuda", "cpu")
 STATE_DICT_TYPES = ("full", "sharded")
 PACKING_MODES = ("docs", "concat", "pad")
 
+
+def shard_count(strategy: str, world_size: int, ranks_per_node: int) -> int:
+    """The ranks each parameter is split over: none for NO_SHARD, one node's for HYBRID_SHARD, all otherwise."""
+    if strategy == "NO_SHARD":
+        return 1
+    if strategy == "HYBRID_SHARD":
+        return max(1, ranks_per_node)
+    return world_size
+
 # What torch.cuda.get_device_properties(i).total_memory reads on Kaggle's T4s (ECC on): 14.56 to 14.75 GiB, not the
 # 16 GB they are sold as; the plan takes the lower reading.
 T4_MEMORY = "14.56GiB"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from fsdp_opt.base import DataError, quiet_hub_logs
+from fsdp_opt.base import DataError, first_line, looks_like_path, quiet_hub_logs
 
 BUILTIN_DATASET = "python-docs"
 
@@ -25,9 +25,6 @@ def python_docs_texts(min_chars: int = 200) -> list[str]:
                 rows.append(text)
     return rows
 
-
-def _looks_like_path(spec: str) -> bool:
-    return spec.startswith((".", "/", "~")) or Path(spec).suffix.lower() in LOCAL_FORMATS or spec.count("/") > 1
 
 
 def load_rows(spec: str):
@@ -52,22 +49,18 @@ def load_rows(spec: str):
     except DataError:
         raise
     except Exception as exc:  # noqa: BLE001 - a damaged file is a user error: one line, no traceback
-        raise DataError(f"--dataset {spec}: cannot read it ({_first_line(exc)})") from None
-    if _looks_like_path(spec):
+        raise DataError(f"--dataset {spec}: cannot read it ({first_line(exc)})") from None
+    if looks_like_path(spec, tuple(LOCAL_FORMATS)):
         raise DataError(f"--dataset {spec}: no such file or folder")
     try:
         with quiet_hub_logs():
             return datasets.load_dataset(spec, split="train")
     except Exception as exc:  # noqa: BLE001
         raise DataError(
-            f"--dataset {spec}: cannot load it from the Hugging Face Hub ({_first_line(exc)}). "
+            f"--dataset {spec}: cannot load it from the Hugging Face Hub ({first_line(exc)}). "
             f"Check the id and the network, or use --dataset {BUILTIN_DATASET} or a local file."
         ) from None
 
-
-def _first_line(exc: Exception) -> str:
-    text = str(exc).strip()
-    return (text.splitlines()[0] if text else type(exc).__name__)[:200]
 
 
 def select_texts(ds, text_column: str, start_idx: int, end_idx: int | None) -> tuple[list[str], int]:

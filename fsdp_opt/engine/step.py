@@ -1,27 +1,50 @@
-"""TODO docstring (trainer)
-"""
+"""One optimizer step: micro-batches forward and backward with the loss normalised by the step's global count of
+target tokens, the global gradient norm, unscale and clip, the step (skipped on a non-finite norm), the record for
+the log. And the position a run has reached (TrainState), which checkpoints carry."""
 
 from __future__ import annotations
 
 import math
 import time
 from contextlib import nullcontext
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from fsdp_opt.data.blocks import StepBatch, model_inputs
-from fsdp_opt.engine.loss import causal_lm_loss_sum
-from fsdp_opt.engine.optim import global_grad_norm, unscale_and_clip_
+from fsdp_opt.data.blocks import Blocks, StepBatch, StepPlan, model_inputs
+from fsdp_opt.engine.loss import ChunkedLoss, causal_lm_loss_sum
+from fsdp_opt.engine.optim import LossScaler, LRSchedule, global_grad_norm, unscale_and_clip_
 from fsdp_opt.runtime.distributed import (
+    DistEnv,
     print0,
 )
 from fsdp_opt.runtime.gpus import peak_memory_bytes
-from fsdp_opt.train.session import Session
 
 
-def accumulate(s: Session, step: StepBatch, scale: float = 1.0) -> torch.Tensor:
+class StepRun(Protocol):
+    """What a step reads and updates of the run (the trainer's Session is one)."""
+
+    config: Any  # the run's Config: max_grad_norm, the slice's start
+    env: DistEnv
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    schedule: LRSchedule
+    scaler: LossScaler
+    params: list[nn.Parameter]
+    blocks: Blocks
+    plan: StepPlan
+    state: TrainState
+    end_idx: int
+    chunked_loss: ChunkedLoss | None
+    reduce_each_microbatch: bool
+    flops_per_token: float
+    peak_flops: float | None
+    last_loss: float
+
+def accumulate(s: StepRun, step: StepBatch, scale: float = 1.0) -> torch.Tensor:
     """Forward and backward over this rank's micro-batches of `step`; returns this rank's summed token loss.
 
     The gradients add up to `scale` times the token mean over the whole step (all ranks): each micro-batch's loss
@@ -45,7 +68,7 @@ def accumulate(s: Session, step: StepBatch, scale: float = 1.0) -> torch.Tensor:
     return loss_sum
 
 
-def first_batch_loss(s: Session) -> torch.Tensor:
+def first_batch_loss(s: StepRun) -> torch.Tensor:
     """The mean loss of this session's first micro-batch (summed over ranks), in eval mode: no dropout draws, so the
     training that follows is the same with or without this forward. Every rank calls it."""
     first = next(iter(s.plan.steps(s.state.epoch, s.state.offset)), None)
@@ -67,7 +90,7 @@ def first_batch_loss(s: Session) -> torch.Tensor:
     return total[0] / total[1].clamp(min=1)
 
 
-def train_step(s: Session, step: StepBatch) -> dict[str, Any]:
+def train_step(s: StepRun, step: StepBatch) -> dict[str, Any]:
     started = time.perf_counter()
     env = s.env
     lr = s.schedule(s.state.global_step)
@@ -114,3 +137,15 @@ def train_step(s: Session, step: StepBatch) -> dict[str, Any]:
     if not finite and not s.scaler.enabled:
         print0(f"warning: step {s.state.global_step}: non-finite loss or gradient norm; the update was skipped")
     return record
+
+
+@dataclass
+class TrainState:
+    """Where the run is: what a resume restores besides model and optimizer."""
+
+    global_step: int = 0
+    epoch: int = 0  # 0-based epoch of the slice that `offset` points into
+    offset: int = 0  # samples of that epoch already consumed
+
+    def state_dict(self) -> dict[str, int]:
+        return {"global_step": self.global_step, "epoch": self.epoch, "offset": self.offset}

@@ -23,6 +23,7 @@ from typing import Any, Callable
 from fsdp_opt.base import CheckpointError, ConfigError
 from fsdp_opt.checkpoint.files import checkpoint_step, find_checkpoint, latest_checkpoint
 from fsdp_opt.checkpoint.names import SUFFIX, parse_name
+from fsdp_opt.checkpoint.read import read_checkpoint
 from fsdp_opt.checkpoint.weightsfile import SUFFIX as WEIGHTS_SUFFIX
 from fsdp_opt.checkpoint.weightsfile import WEIGHTS_DIR, checkpoint_of, weights_name
 
@@ -278,3 +279,14 @@ def find_resume(name: str, out_dir: Path, repo_id: str | None, retries: int = 3,
         raise
     except Exception as exc:  # noqa: BLE001 - network, auth: one line
         raise CheckpointError(f"{flag} {name}: cannot read the Hub repo {repo_id}: {describe(exc)}") from None
+
+
+def read_resume(resume_file: str | None, out_dir: Path, hf_repo: str | None = None, retries: int = 3) -> dict[str, Any] | None:
+    """Rank 0: find the checkpoint (path, output_dir, then the Hub repo) and read it."""
+    if not resume_file:
+        return None
+
+    path = find_resume(resume_file, out_dir, hf_repo, retries)
+    payload = read_checkpoint(path)
+    payload["_path"] = str(path)
+    return payload

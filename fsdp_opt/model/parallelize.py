@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from fsdp_opt.base import ConfigError, ModelError
-from fsdp_opt.config.choices import DTYPES
+from fsdp_opt.config.choices import DTYPES, shard_count
 from fsdp_opt.model.sources import ModelSource, load_full_state_dict, non_persistent_buffer_names
 from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok
 
@@ -110,19 +110,14 @@ def apply_activation_checkpointing(model: nn.Module, blocks: list[nn.Module]) ->
 
 def build_mesh(strategy: str, env: DistEnv) -> DeviceMesh:
     device_type = env.device.type
-    if strategy == "NO_SHARD":
-        # Replicate everywhere: a shard dimension of size 1 makes FSDP an all-reduce, as in DDP.
-        return init_device_mesh(device_type, (env.world_size, 1), mesh_dim_names=("replicate", "shard"))
-    if strategy == "HYBRID_SHARD":
-        per_node = env.local_world_size
-        if env.world_size % per_node:
-            raise ConfigError(
-                f"--sharding_strategy HYBRID_SHARD: {env.world_size} ranks do not split into nodes of {per_node}"
-            )
-        return init_device_mesh(
-            device_type, (env.world_size // per_node, per_node), mesh_dim_names=("replicate", "shard")
-        )
-    return init_device_mesh(device_type, (env.world_size,), mesh_dim_names=("shard",))
+    shards = shard_count(strategy, env.world_size, env.local_world_size)
+    if strategy == "HYBRID_SHARD" and env.world_size % shards:
+        raise ConfigError(f"--sharding_strategy HYBRID_SHARD: {env.world_size} ranks do not split into nodes of {shards}")
+    if strategy in ("NO_SHARD", "HYBRID_SHARD"):
+        # Replicate across the first dimension, shard within the second. NO_SHARD: a shard dimension of size 1 makes
+        # FSDP an all-reduce, as in DDP.
+        return init_device_mesh(device_type, (env.world_size // shards, shards), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device_type, (shards,), mesh_dim_names=("shard",))
 
 
 def apply_fsdp(

@@ -22,7 +22,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from fsdp_opt.base import ModelError, quiet_hub_logs
+from fsdp_opt.base import ModelError, looks_like_path, quiet_hub_logs
 
 BUILTIN_MODEL = "tiny-opt"
 
@@ -43,9 +43,6 @@ class ModelSource:
         return self.kind not in ("builtin", "random")
 
 
-def _looks_like_path(name: str) -> bool:
-    return name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name or Path(name).exists()
-
 
 def resolve_model(name: str) -> ModelSource:
     if name == BUILTIN_MODEL:
@@ -61,7 +58,7 @@ def resolve_model(name: str) -> ModelSource:
         if not (path / "config.json").is_file():
             raise ModelError(f"--model {name}: folder has no config.json (expected a Hugging Face model folder)")
         return ModelSource(name, str(path), "local")
-    if _looks_like_path(name):
+    if looks_like_path(name):
         raise ModelError(f"--model {name}: no such folder (use a model folder, a hub id, or '{BUILTIN_MODEL}')")
     if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name):
         raise ModelError(f"--model {name!r}: not a hub id, a folder, or '{BUILTIN_MODEL}'")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from fsdp_opt.base import gib
 from fsdp_opt.model.shapes import Shape
 from fsdp_opt.planner.lora import checkpoints as lora_checkpoints
 
@@ -77,5 +78,5 @@ def disk_line(d: dict[str, Any], keep_last: int, disk: int) -> str:
         else "fits; older checkpoints that would not fit beside a new one are removed before it"
         if not keep_last or d["checkpoints_that_fit"] < keep_last else "fits"
     )
-    return (f"disk: {d['peak_bytes'] / 2**30:.2f} GiB at the peak of a save ({d['kept_while_saving']} older checkpoint(s) "
+    return (f"disk: {gib(d['peak_bytes'])} at the peak of a save ({d['kept_while_saving']} older checkpoint(s) "
             f"kept while one is written, --keep_last {keep_last}), of {disk / 1e9:,.0f} GB: {verdict}")

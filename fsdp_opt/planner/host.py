@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from fsdp_opt.base import GIB
+from fsdp_opt.base import GIB, gib
 from fsdp_opt.model.shapes import Shape
 from fsdp_opt.planner.inputs import Inputs, shard_factor
 from fsdp_opt.planner.lora import adapter_params
@@ -121,9 +121,6 @@ def host_memory(
 
 def render_host(host: dict[str, Any], host_memory_bytes: int) -> list[str]:
     """The host-RAM table of the plan's text output."""
-    def gib(x: int) -> str:
-        return f"{x / GIB:,.2f} GiB"
-
     labels = {
         "start": "start (rank 0 holds the model to broadcast)",
         "resume": "resume (read the checkpoint)",

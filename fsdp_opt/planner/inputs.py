@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from fsdp_opt.base import GIB
+from fsdp_opt.config.choices import shard_count
 from fsdp_opt.model.shapes import Shape
 
 # Allocator slack, the CUDA context and NCCL's buffers (with 2 GPUs or more), which torch's counters do not see.
@@ -40,11 +41,7 @@ class Inputs:
 
 
 def shard_factor(strategy: str, inputs: Inputs) -> int:
-    if strategy == "NO_SHARD":
-        return 1
-    if strategy == "HYBRID_SHARD":
-        return max(1, inputs.gpus // inputs.nodes)
-    return inputs.gpus
+    return shard_count(strategy, inputs.gpus, inputs.gpus // inputs.nodes)
 
 
 def state_bytes(shape: Shape, strategy: str, inputs: Inputs) -> dict[str, int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fsdp_opt.base import GIB
+from fsdp_opt.base import gib
 from fsdp_opt.config.choices import STRATEGIES
 from fsdp_opt.model.shapes import Shape, model_config
 from fsdp_opt.planner.disk import disk_and_hub, disk_line
@@ -70,16 +70,13 @@ def host_ram(phases: dict[str, Any], shape: Shape, host_memory: int, save_optimi
     return {**phases, "gather_bytes": gather, "host_memory": host_memory, "fits": worst <= host_memory}
 
 
-def _gib(n: int | None) -> str:
-    return "-" if n is None else f"{n / GIB:,.2f} GiB"
-
 
 def render(plan: dict[str, Any]) -> str:
     i, shape = plan["inputs"], plan["shape"]
     lines = [
         f"{plan['model']}: {shape['params']:,} parameters ({shape['layers']} blocks of {shape['block_params']:,}, "
         f"root {shape['root_params']:,})",
-        f"{i['gpus']} GPU(s) on {i['nodes']} node(s), {_gib(i['gpu_memory'])} each; micro-batch {i['batch_size']} x "
+        f"{i['gpus']} GPU(s) on {i['nodes']} node(s), {gib(i['gpu_memory'])} each; micro-batch {i['batch_size']} x "
         f"{i['max_length']} tokens, {i['precision']}, accum {i['accum_steps']}, activation checkpointing "
         f"{'on' if i['activation_checkpointing'] else 'off'}",
         *([plan["lora"]] if plan.get("lora") else []),
@@ -90,8 +87,8 @@ def render(plan: dict[str, Any]) -> str:
     lines.append("| per GPU | " + " | ".join(names) + " |")
     lines.append("| --- |" + " --- |" * len(names))
     for comp in comps:
-        lines.append(f"| {comp} | " + " | ".join(_gib(plan["strategies"][n]["components"][comp]) for n in names) + " |")
-    lines.append("| **total** | " + " | ".join(f"**{_gib(plan['strategies'][n]['total_bytes'])}**" for n in names) + " |")
+        lines.append(f"| {comp} | " + " | ".join(gib(plan["strategies"][n]["components"][comp]) for n in names) + " |")
+    lines.append("| **total** | " + " | ".join(f"**{gib(plan['strategies'][n]['total_bytes'])}**" for n in names) + " |")
     lines.append("| fits | " + " | ".join("yes" if plan["strategies"][n]["fits"] else "NO" for n in names) + " |")
     lines.append("| largest micro-batch | " + " | ".join(str(plan["strategies"][n]["max_micro_batch"]) for n in names) + " |")
     if any(plan["strategies"][n]["components"]["accumulated_gradients"] for n in names):
@@ -102,10 +99,10 @@ def render(plan: dict[str, Any]) -> str:
     a, c, d, r = plan["activations"], plan["checkpoints"], plan["disk"], plan["host_ram"]
     lines += [
         "",
-        f"activations: {_gib(a['with_checkpointing'])} with checkpointing, {_gib(a['without_checkpointing'])} without",
-        f"checkpoints{' (the adapters)' if plan.get('lora') else ''}: full {_gib(c['full_with_optimizer'])} (weights "
-        f"only {_gib(c['full_weights_only'])}), sharded {_gib(c['sharded_with_optimizer_per_rank'])} per rank, fp16 "
-        f"export {_gib(c['export_fp16'])}" + (f" (merged into the base: {_gib(c['merged_export_fp16'])})" if plan.get("lora") else ""),
+        f"activations: {gib(a['with_checkpointing'])} with checkpointing, {gib(a['without_checkpointing'])} without",
+        f"checkpoints{' (the adapters)' if plan.get('lora') else ''}: full {gib(c['full_with_optimizer'])} (weights "
+        f"only {gib(c['full_weights_only'])}), sharded {gib(c['sharded_with_optimizer_per_rank'])} per rank, fp16 "
+        f"export {gib(c['export_fp16'])}" + (f" (merged into the base: {gib(c['merged_export_fp16'])})" if plan.get("lora") else ""),
         disk_line(d, i["keep_last"], i["disk"]),
         f"Hub repo after {plan['hub']['slices']} slices with --hub_keep_full {plan['hub']['keep_full']}: "
         f"{plan['hub']['total'] / 1e9:,.1f} GB ({plan['hub']['full_checkpoints'] / 1e9:,.1f} GB of full checkpoints, "

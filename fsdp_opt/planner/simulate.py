@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fsdp_opt.base import GIB, MIB
 from fsdp_opt.config.choices import DTYPES
 from fsdp_opt.data.packing import document_mask, segment_positions
 from fsdp_opt.engine.loss import ChunkedLoss, causal_lm_loss_sum
@@ -203,8 +204,8 @@ def compare(simulated: dict[str, Any], planned: dict[str, int]) -> dict[str, Any
 
 
 def render(strategy: str, rows: dict[str, Any], simulated: dict[str, Any]) -> list[str]:
-    small = simulated["peak_total"] < 2**30
-    gib, unit = (2**20, "MiB") if small else (2**30, "GiB")
+    small = simulated["peak_total"] < GIB
+    gib, unit = (MIB, "MiB") if small else (GIB, "GiB")
     lines = [
         f"simulated ({'fake tensors' if simulated['fake'] else 'real tensors'}, rank 0 of {simulated['world_size']}, "
         f"{simulated['micro_batches']} micro-batch(es) of the step), {strategy}:",

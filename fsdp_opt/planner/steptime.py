@@ -21,12 +21,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from fsdp_opt.base import gib
 from fsdp_opt.config.choices import STRATEGIES, T4_HBM_GBPS, T4_LINK_GBPS, T4_TFLOPS
+from fsdp_opt.config.parse import Config
 from fsdp_opt.model.shapes import Shape
 from fsdp_opt.planner.inputs import Inputs, shard_factor
 from fsdp_opt.planner.lora import adapter_dims, adapter_params, block_base_bytes
 from fsdp_opt.planner.memory import memory, peak_bytes
-from fsdp_opt.runtime.distributed import print0
+from fsdp_opt.runtime.distributed import DistEnv, print0
 from fsdp_opt.runtime.gpus import PEAK_FLOPS
 
 
@@ -134,21 +136,28 @@ def rates_for(gpu_name: str, tflops: float, link_gbps: float) -> Rates:
     return Rates(tflops=tflops or T4_TFLOPS, link_gbps=link_gbps)
 
 
-def choose_layout(config, env, model_config, precision: str, gpu: tuple[int, str] | None = None):  # noqa: ANN001
-    """Resolve --sharding_strategy AUTO and --reduce_every_microbatch auto; on a GPU also predict the step time.
+@dataclass(frozen=True)
+class Layout:
+    """How the run shards and syncs, as `choose_layout` decided it."""
 
-    `gpu` is this GPU's (usable memory in bytes, name), from `distributed.cap_gpu_memory`; None without one.
-    Returns (reduce after every micro-batch, the prediction for the chosen layout, or None without a GPU). Sets the
-    config's strategy when it was AUTO."""
+    strategy: str  # --sharding_strategy, with AUTO decided
+    reduce_each_microbatch: bool  # --reduce_every_microbatch, with auto decided
+    prediction: dict[str, Any] | None = None  # the step-time prediction of this layout (GPU runs only)
 
+
+def choose_layout(config: Config, env: DistEnv, model_config: Any, precision: str, accum_steps: int,
+                  gpu: tuple[int, str] | None = None) -> Layout:  # fmt: skip
+    """Decide --sharding_strategy AUTO and --reduce_every_microbatch auto; on a GPU also predict the step time.
+
+    `gpu` is this GPU's (usable memory in bytes, name), from `distributed.cap_gpu_memory`; None without one. The
+    config is only read: what is decided comes back as the Layout."""
     pc, tc, dc = config.parallel, config.train, config.data
     choice = pc.reduce_every_microbatch
     if gpu is None:
-        pc.sharding_strategy = "FULL_SHARD" if pc.sharding_strategy == "AUTO" else pc.sharding_strategy
-        return choice == "true", None
+        return Layout("FULL_SHARD" if pc.sharding_strategy == "AUTO" else pc.sharding_strategy, choice == "true")
     inputs = Inputs(
         gpus=env.world_size, nodes=env.num_nodes, gpu_memory=gpu[0],
-        batch_size=tc.batch_size, max_length=dc.max_length, accum_steps=tc.accum_steps, precision=precision,
+        batch_size=tc.batch_size, max_length=dc.max_length, accum_steps=accum_steps, precision=precision,
         activation_checkpointing=pc.activation_checkpointing, attn_implementation=config.model.attn_implementation,
         packing=dc.packing, prefetch=pc.prefetch, loss_chunk_tokens=tc.loss_chunk_tokens,
     )  # fmt: skip
@@ -158,27 +167,26 @@ def choose_layout(config, env, model_config, precision: str, gpu: tuple[int, str
     strategies = allowed if pc.sharding_strategy == "AUTO" else [pc.sharding_strategy]
     # With one micro-batch per step the two modes are one: candidates lists it once.
     options = [c for c in candidates(shape, inputs, strategies, rates)
-               if choice == "auto" or tc.accum_steps == 1 or c["reduce_every_microbatch"] == (choice == "true")]  # fmt: skip
+               if choice == "auto" or accum_steps == 1 or c["reduce_every_microbatch"] == (choice == "true")]  # fmt: skip
     if not options[0]["fits"]:  # nothing fits: the least memory, so the failure (if any) is the smallest
         options.sort(key=lambda c: c["peak_bytes"])
     best = options[0]
     if pc.sharding_strategy == "AUTO":
-        pc.sharding_strategy = best["strategy"]
         print0(f"note: --sharding_strategy AUTO chose {best['strategy']} (fits the memory plan with the shortest "
                f"predicted step of {', '.join(strategies)})")  # fmt: skip
-    if choice == "auto" and best["reduce_every_microbatch"] and tc.accum_steps > 1:
+    if choice == "auto" and best["reduce_every_microbatch"] and accum_steps > 1:
         print0("note: the memory plan does not fit no-sync gradient accumulation on this GPU; gradients are "
                "reduce-scattered after every micro-batch (--reduce_every_microbatch false to override)")  # fmt: skip
-    return best["reduce_every_microbatch"], {**best, "tflops": rates.tflops, "link_gbps": rates.link_gbps}
+    return Layout(best["strategy"], best["reduce_every_microbatch"],
+                  {**best, "tflops": rates.tflops, "link_gbps": rates.link_gbps})
 
 
 def render_configurations(plan: dict[str, Any]) -> list[str]:
-    gib = 2**30
     lines = ["| configuration | peak per GPU | fits | comm per step (wire) | compute | step (predicted) |",
              "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for c in plan["configurations"]:
         sync = "reduce every micro-batch" if c["reduce_every_microbatch"] else "reduce on the last micro-batch"
-        lines.append(f"| {c['strategy']}, {sync} | {c['peak_bytes'] / gib:.2f} GiB | {'yes' if c['fits'] else 'NO'} | "
+        lines.append(f"| {c['strategy']}, {sync} | {gib(c['peak_bytes'])} | {'yes' if c['fits'] else 'NO'} | "
                      f"{c['communication_s']:.2f} s | {c['compute_s']:.2f} s | {c['step_s']:.2f} s |")  # fmt: skip
     pick = plan["auto_pick"]
     lines.append("auto picks: " + (f"{pick['strategy']}, " + ("reduce every micro-batch" if pick["reduce_every_microbatch"]

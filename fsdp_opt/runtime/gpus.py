@@ -54,8 +54,8 @@ out = []
 for i in range(torch.cuda.device_count()):
     p = torch.cuda.get_device_properties(i)
     free, total = torch.cuda.mem_get_info(i)
-    out.append({"index": i, "name": p.name, "memory_gib": p.total_memory / 2**30, "capability": f"{p.major}.{p.minor}",
-                "free_after_context_gib": free / 2**30})
+    out.append({"index": i, "name": p.name, "memory_gib": p.total_memory / GIB, "capability": f"{p.major}.{p.minor}",
+                "free_after_context_gib": free / GIB})
 print(json.dumps(out))
 """
 

@@ -48,8 +48,10 @@ class MetricsWriter:
             f.write(json.dumps(record) + "\n")
 
 
-def read_metrics(output_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    path = Path(output_dir) / METRICS_FILE
-    if not path.exists():
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of metrics.jsonl; `path` is the file or the output_dir holding it (none there yet: [])."""
+    p = Path(path)
+    p = p / METRICS_FILE if p.is_dir() or not p.exists() and p.suffix != ".jsonl" else p
+    if not p.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]

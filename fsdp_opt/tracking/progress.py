@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fsdp_opt.base import gib
 from fsdp_opt.runtime.hostmem import peak_rss_bytes
 
 
@@ -39,8 +40,8 @@ def format_summary(items: dict[str, Any]) -> str:
 def gpu_memory_line(env) -> str | None:  # noqa: ANN001 - a distributed.DistEnv
     if env.device.type != "cuda":
         return None
-    return (f"GPU memory peak on rank {env.rank}: {torch.cuda.max_memory_allocated(env.device) / 2**30:.2f} GiB "
-            f"allocated, {torch.cuda.max_memory_reserved(env.device) / 2**30:.2f} GiB reserved")  # fmt: skip
+    return (f"GPU memory peak on rank {env.rank}: {gib(torch.cuda.max_memory_allocated(env.device))} "
+            f"allocated, {gib(torch.cuda.max_memory_reserved(env.device))} reserved")  # fmt: skip
 
 
 def host_peaks_line(world_size: int) -> str:
@@ -49,4 +50,4 @@ def host_peaks_line(world_size: int) -> str:
     if world_size > 1:
         peaks = [0] * world_size
         dist.all_gather_object(peaks, peak_rss_bytes())
-    return "host RAM peak per rank: " + ", ".join(f"{p / 2**30:.2f}" for p in peaks) + " GiB"
+    return "host RAM peak per rank: " + ", ".join(gib(p, unit=False) for p in peaks) + " GiB"

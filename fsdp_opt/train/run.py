@@ -8,27 +8,33 @@ train():  for each step: micro-batches forward/backward -> global norm -> unscal
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from fsdp_opt.base import ConfigError
 from fsdp_opt.checkpoint.atomic import remove_stale_temp
 from fsdp_opt.checkpoint.read import check_compatible
-from fsdp_opt.checkpoint.resume import read_resume, restore
-from fsdp_opt.checkpoint.state import TrainState
-from fsdp_opt.config.choices import DTYPES
+from fsdp_opt.checkpoint.resume import restore
+from fsdp_opt.checkpoint.save import BackgroundWriter
+from fsdp_opt.config.choices import DTYPES, shard_count
 from fsdp_opt.config.parse import Config
-from fsdp_opt.data.blocks import StepPlan, build_blocks
+from fsdp_opt.data.blocks import Blocks, StepPlan, build_blocks
 from fsdp_opt.data.sources import held_out_texts, load_rows, select_texts
 from fsdp_opt.engine.fp16watch import Fp16Overflow, overflow_probe, trained_in_bf16
 from fsdp_opt.engine.loss import ChunkedLoss
 from fsdp_opt.engine.optim import LossScaler, LRSchedule, build_optimizer
-from fsdp_opt.engine.step import first_batch_loss, train_step
+from fsdp_opt.engine.step import TrainState, first_batch_loss, train_step
+from fsdp_opt.hub.store import read_resume
 from fsdp_opt.model.adapters import KEY, Adapters, check_resume
 from fsdp_opt.model.parallelize import initialize, resolve_precision, shard_model, tie_and_check
 from fsdp_opt.model.shapes import count_params, flops_per_token
 from fsdp_opt.model.sources import (
+    ModelSource,
     build_meta_model,
     load_model_config,
     load_tokenizer,
@@ -36,7 +42,7 @@ from fsdp_opt.model.sources import (
     model_tag,
     resolve_model,
 )
-from fsdp_opt.planner.steptime import choose_layout, step_time_line
+from fsdp_opt.planner.steptime import Layout, choose_layout, step_time_line
 from fsdp_opt.runtime.distributed import (
     DistEnv,
     all_ranks_ok,
@@ -54,18 +60,8 @@ from fsdp_opt.runtime.torchao_gate import check_for_nf4
 from fsdp_opt.tracking.metrics import MetricsWriter
 from fsdp_opt.tracking.progress import Progress, gpu_memory_line, host_peaks_line
 from fsdp_opt.tracking.wandb_run import WandbRun
-from fsdp_opt.train.saving import (
-    BackgroundWriter,
-    export_final,
-    finish_outside,
-    log_pushed,
-    raise_if_write_failed,
-    save,
-    save_estimate,
-    start_uploader,
-    uses_async_save,
-    wait_for_writes,
-)
+from fsdp_opt.train.publish import export_final, finish_outside, log_pushed, start_uploader
+from fsdp_opt.train.saving import raise_if_write_failed, save, save_estimate, uses_async_save, wait_for_writes
 from fsdp_opt.train.session import Session
 from fsdp_opt.train.summary import print_summary
 
@@ -92,19 +88,85 @@ def run(config: Config) -> None:
 # ---------------------------------------------------------------- setup
 
 
+@dataclass
+class Checked:
+    """What the flags name, checked on every rank before anything is read or built."""
+
+    source: ModelSource
+    precision: str  # --precision, with auto decided for this device
+    accum_steps: int  # --accum_steps, or what --total_batch_size implies for this many ranks
+
+
+@dataclass
+class Inputs:
+    """The model's config and tokenizer and the slice's blocks, read once (rank 0 first: downloads, then cache hits)."""
+
+    model_config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase
+    blocks: Blocks
+    end_idx: int
+    eval_blocks: Blocks | None
+
+
+@dataclass
+class Built:
+    """The sharded model with its weights in place, and what building it decided."""
+
+    model: nn.Module
+    adapters: Adapters | None
+    layout: Layout
+    block_classes: set[type]
+    units: int
+    chunked_loss: ChunkedLoss | None
+    n_params: int  # of the model without adapters
+    flops_per_token: float
+
+
 def setup(config: Config, env: DistEnv) -> Session:
-    mc, dc, tc, pc, cc, lc = config.model, config.data, config.train, config.parallel, config.checkpoint, config.lora
+    """The fixed order: check the flags -> read model config, tokenizer and data -> read the checkpoint to resume
+    -> build the model (meta, adapters, layout, shard, weights) -> optimizer and position -> the session and its side
+    work (summary, fp16 probe, uploads, W&B). Every step is agreed across ranks: a user error anywhere stops all."""
+    checked = check_flags(config, env)
+    inputs = read_inputs(config, env, checked)
+    read_started = time.perf_counter()
+    payload = all_ranks_ok(lambda: read_resume(config.checkpoint.resume_file, Path(config.checkpoint.output_dir),
+                                               config.hub.hf_repo, config.hub.hub_retries) if env.is_main else None)  # fmt: skip
+    read_seconds = time.perf_counter() - read_started
+    built = build_model(config, env, checked, inputs, payload)
+    session = make_session(config, env, checked, inputs, built)
+    if config.checkpoint.resume_file:  # payload: rank 0's; every rank takes part in restoring it
+        load_started = time.perf_counter()
+        session.state = restore(built.model, session.optimizer, session.scaler, payload, config, env, inputs.end_idx,
+                                len(inputs.blocks))  # fmt: skip
+        print0(f"  checkpoint found and read in {read_seconds:.1f} s, loaded into the shards in "
+               f"{time.perf_counter() - load_started:.1f} s")  # fmt: skip
+    run_id = payload.get("wandb_run_id") if payload is not None and env.is_main else None
+    del payload  # rank 0's copy of the checkpoint: gone before the first save gathers another
+    release_host_memory()
+    tie_and_check(built.model)
+    built.model.train()
+    start_side_work(session, built, run_id)
+    return session
+
+
+def check_flags(config: Config, env: DistEnv) -> Checked:
+    mc, pc, cc, lc = config.model, config.parallel, config.checkpoint, config.lora
     source = all_ranks_ok(lambda: resolve_model(mc.model))
     precision = all_ranks_ok(lambda: resolve_precision(pc.precision, env.device))
     if lc.enabled and lc.base_bits == 4:
         all_ranks_ok(check_for_nf4)  # the torch/torchao pair, before anything is built
     if pc.cpu_offload and env.device.type != "cuda":
         raise ConfigError("--cpu_offload: only useful with CUDA devices (the run is on CPU already)")
-    tc.accum_steps = tc.accum_for(env.world_size)
     if cc.export_merge and not (lc.enabled and cc.export_hf):
         raise ConfigError("--export_merge: only for a LoRA run (--lora_rank) with --export_hf DIR")
-    model_config, tokenizer = rank0_first(lambda: (load_model_config(source, mc.attn_implementation), load_tokenizer(source)))
-    bf16_pretrained = trained_in_bf16(model_config)  # as the model's files say; loading sets the engine's dtype
+    return Checked(source, precision, config.train.accum_for(env.world_size))
+
+
+def read_inputs(config: Config, env: DistEnv, checked: Checked) -> Inputs:
+    mc, dc = config.model, config.data
+    model_config, tokenizer = rank0_first(
+        lambda: (load_model_config(checked.source, mc.attn_implementation), load_tokenizer(checked.source))
+    )
     positions = max_positions(model_config)
     if positions is not None and dc.max_length > positions:
         raise ConfigError(f"--max_length {dc.max_length}: {mc.model} has only {positions} positions")
@@ -121,23 +183,25 @@ def setup(config: Config, env: DistEnv) -> Session:
     if eval_texts is not None:  # docs and pad give the same per-row losses; docs in fewer blocks
         eval_packing = "concat" if dc.packing == "concat" else "docs"
         eval_blocks = all_ranks_ok(lambda: build_blocks(eval_texts, tokenizer, dc.max_length, eval_packing, attention))
-    out_dir = Path(cc.output_dir)
-    hc = config.hub
-    read_started = time.perf_counter()
-    payload = all_ranks_ok(
-        lambda: read_resume(cc.resume_file, out_dir, hc.hf_repo, hc.hub_retries) if env.is_main else None
-    )
-    read_seconds = time.perf_counter() - read_started
+    return Inputs(model_config, tokenizer, blocks, end_idx, eval_blocks)
 
-    model = build_meta_model(model_config)
-    n_params = count_params(model)
-    fpt = flops_per_token(model, dc.max_length, frozen_base=lc.enabled)
-    adapters = Adapters(lc, mc.model, DTYPES[precision], tc.seed) if lc.enabled else None
+
+def build_model(config: Config, env: DistEnv, checked: Checked, inputs: Inputs, payload: dict[str, Any] | None) -> Built:
+    """Meta model -> layout -> adapters -> resume checks (rank 0 holds the payload) -> shard (with activation
+    checkpointing) -> weights."""
+    mc, tc, pc, lc = config.model, config.train, config.parallel, config.lora
+    resuming = bool(config.checkpoint.resume_file)
+    model = build_meta_model(inputs.model_config)
+    n_params = count_params(model)  # the model's own, before any adapters
+    fpt = flops_per_token(model, config.data.max_length, frozen_base=lc.enabled)
+    layout = all_ranks_ok(lambda: choose_layout(config, env, inputs.model_config, checked.precision, checked.accum_steps,
+                                                gpu=cap_gpu_memory(config, env)))  # fmt: skip
+    adapters = Adapters(lc, mc.model, DTYPES[checked.precision], tc.seed) if lc.enabled else None
     if adapters is not None:
-        shards = 1 if pc.sharding_strategy == "NO_SHARD" else env.local_world_size if pc.sharding_strategy == "HYBRID_SHARD" else env.world_size
+        shards = shard_count(layout.strategy, env.world_size, env.local_world_size)
         all_ranks_ok(lambda: adapters.add_to(model, shards))
     chunked_loss = all_ranks_ok(lambda: ChunkedLoss(model, tc.loss_chunk_tokens) if tc.loss_chunk_tokens else None)
-    if cc.resume_file:
+    if resuming:
         def check() -> None:
             path = Path(payload["_path"])
             same_base = check_resume(payload.get(KEY), adapters.identity() if adapters else None, path)
@@ -145,84 +209,68 @@ def setup(config: Config, env: DistEnv) -> Session:
                 check_compatible(payload, model, path)
 
         all_ranks_ok(lambda: check() if env.is_main else None)
-    reduce_each, prediction = all_ranks_ok(lambda: choose_layout(config, env, model_config, precision, gpu=cap_gpu_memory(config, env)))
     block_classes, units = shard_model(
-        model, env, strategy=pc.sharding_strategy, precision=precision,
+        model, env, strategy=layout.strategy, precision=checked.precision,
         activation_checkpointing=pc.activation_checkpointing, offload=pc.cpu_offload, compile_blocks=pc.compile,
         prefetch=pc.prefetch, ignored=adapters.unsharded(model) if adapters else None,
     )  # fmt: skip
-    resuming = bool(cc.resume_file)
     # A LoRA run always loads its base from --model; a checkpoint holds only the adapters.
-    initialize(model, env, source, model_config, tc.seed, weights=not resuming or adapters is not None,
-                   loader=adapters.load_weights if adapters else None,
-                   **(adapters.load_options() if adapters else {}))  # fmt: skip
+    initialize(model, env, checked.source, inputs.model_config, tc.seed, weights=not resuming or adapters is not None,
+               loader=adapters.load_weights if adapters else None,
+               **(adapters.load_options() if adapters else {}))  # fmt: skip
     if adapters is not None:
         adapters.share_fingerprint(env)
         if resuming:
             def check_base() -> None:
-                check_resume(payload.get(KEY), adapters.identity(), Path(payload["_path"]))
-                check_compatible(payload, model, Path(payload["_path"]))
+                path = Path(payload["_path"])
+                check_resume(payload.get(KEY), adapters.identity(), path)
+                check_compatible(payload, model, path)
 
             all_ranks_ok(lambda: check_base() if env.is_main else None)
-    optimizer = build_optimizer(model, tc.lr, tc.weight_decay, env.device)
-    scaler = LossScaler(enabled=precision == "fp16", init_scale=tc.init_loss_scale)
-    torch.manual_seed(tc.seed + 7919 * env.rank)  # dropout masks: per rank, reproducible
-    state = TrainState(epoch=tc.initial_epoch)
-    run_id = None
-    if resuming:
-        load_started = time.perf_counter()
-        state = restore(model, optimizer, scaler, payload, config, env, end_idx, len(blocks))
-        print0(f"  checkpoint found and read in {read_seconds:.1f} s, loaded into the shards in "
-               f"{time.perf_counter() - load_started:.1f} s")  # fmt: skip
-        run_id = payload.get("wandb_run_id") if env.is_main else None
-        del payload  # rank 0's copy of the checkpoint: gone before the first save gathers another
-        release_host_memory()
-    tie_and_check(model)
-    model.train()
+    return Built(model, adapters, layout, block_classes, units, chunked_loss, n_params, fpt)
 
-    plan = StepPlan(
-        blocks, batch_size=tc.batch_size, accum_steps=tc.accum_steps, rank=env.rank, world_size=env.world_size, seed=tc.seed
-    )
-    session = Session(
-        config=config,
-        env=env,
-        model=model,
-        optimizer=optimizer,
+
+def make_session(config: Config, env: DistEnv, checked: Checked, inputs: Inputs, built: Built) -> Session:
+    """Optimizer, loss scaler, schedule and the data order around the built model; the position starts fresh."""
+    tc = config.train
+    model = built.model
+    optimizer = build_optimizer(model, tc.lr, tc.weight_decay, env.device)
+    torch.manual_seed(tc.seed + 7919 * env.rank)  # dropout masks: per rank, reproducible
+    out_dir = Path(config.checkpoint.output_dir)
+    return Session(
+        config=config, env=env, model=model, optimizer=optimizer,
         schedule=LRSchedule(tc.lr, tc.warmup_steps, tc.lr_schedule, tc.lr_decay_steps, tc.min_lr_ratio),
-        scaler=scaler,
-        blocks=blocks,
-        plan=plan,
-        state=state,
+        scaler=LossScaler(enabled=checked.precision == "fp16", init_scale=tc.init_loss_scale),
+        blocks=inputs.blocks,
+        plan=StepPlan(inputs.blocks, batch_size=tc.batch_size, accum_steps=checked.accum_steps, rank=env.rank,
+                      world_size=env.world_size, seed=tc.seed),
+        state=TrainState(epoch=tc.initial_epoch),
         writer=MetricsWriter(out_dir, enabled=env.is_main),
-        tag=model_tag(mc.model),
-        end_idx=end_idx,
-        precision=precision,
-        flops_per_token=fpt,
-        peak_flops=peak_flops(env.device),
-        out_dir=out_dir,
-        params=[p for p in model.parameters() if p.requires_grad],
-        n_params=n_params,
-        model_config=model_config,
-        tokenizer=tokenizer,
-        eval_blocks=eval_blocks,
-        reduce_each_microbatch=reduce_each,
-        predicted_step=prediction,
-        chunked_loss=chunked_loss,
-        lora=adapters.identity() if adapters else None,
+        tag=model_tag(config.model.model), end_idx=inputs.end_idx, precision=checked.precision,
+        accum_steps=checked.accum_steps, layout=built.layout,
+        flops_per_token=built.flops_per_token,
+        peak_flops=peak_flops(env.device), out_dir=out_dir, model_config=inputs.model_config,
+        tokenizer=inputs.tokenizer, n_params=built.n_params, params=[p for p in model.parameters() if p.requires_grad],
+        eval_blocks=inputs.eval_blocks, chunked_loss=built.chunked_loss,
+        lora=built.adapters.identity() if built.adapters else None,
         ckpt_writer=BackgroundWriter() if uses_async_save(config, env.device.type) else None,
-    )
-    print_summary(session, block_classes, units, n_params)
-    advice = overflow_probe(bf16_pretrained, precision, lambda: first_batch_loss(session), mc.model)
+    )  # fmt: skip
+
+
+def start_side_work(s: Session, built: Built, run_id: str | None) -> None:
+    """The summary, the fp16 overflow probe, the Hub uploader (rank 0) and the W&B run."""
+    config, env = s.config, s.env
+    print_summary(s, built.block_classes, built.units, s.n_params)
+    bf16_pretrained = trained_in_bf16(s.model_config)  # as the model's files say; loading set the engine's dtype
+    advice = overflow_probe(bf16_pretrained, s.precision, lambda: first_batch_loss(s), config.model.model)
     if advice:
         print0(f"warning: {advice}")
-    session.uploader = all_ranks_ok(lambda: start_uploader(session) if env.is_main and hc.hf_repo else None)
+    s.uploader = all_ranks_ok(lambda: start_uploader(s) if env.is_main and config.hub.hf_repo else None)
     wc = config.wandb
-    run_id = None if wc.wandb_new_run else run_id
-    wandb_config = {**config.flat(), "world_size": env.world_size, "global_batch": plan.global_batch, "parameters": n_params}
-    session.wandb = WandbRun(
-        enabled=env.is_main, project=wc.wandb_project, mode=wc.wandb_mode, run_id=run_id, config=wandb_config, out_dir=out_dir
-    )
-    return session
+    wandb_config = {**s.flags(), "world_size": env.world_size, "global_batch": s.plan.global_batch,
+                    "parameters": s.n_params}  # fmt: skip
+    s.wandb = WandbRun(enabled=env.is_main, project=wc.wandb_project, mode=wc.wandb_mode,
+                       run_id=None if wc.wandb_new_run else run_id, config=wandb_config, out_dir=s.out_dir)  # fmt: skip
 
 
 # ---------------------------------------------------------------- loop

@@ -1,5 +1,4 @@
-"""The state of one training session, built once by trainer.setup() and shared by the loop and the savers.
-"""
+"""The state of one training session, built once by `run.setup()` and shared by the loop and the savers."""
 
 from __future__ import annotations
 
@@ -10,19 +9,26 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from fsdp_opt.checkpoint.state import TrainState
+from fsdp_opt.checkpoint.save import BackgroundWriter
 from fsdp_opt.config.parse import Config
 from fsdp_opt.data.blocks import Blocks, StepPlan
 from fsdp_opt.engine.fp16watch import SkipWatch
+from fsdp_opt.engine.loss import ChunkedLoss
 from fsdp_opt.engine.optim import LossScaler, LRSchedule
+from fsdp_opt.engine.step import TrainState
+from fsdp_opt.hub.uploads import Uploader
+from fsdp_opt.planner.steptime import Layout
 from fsdp_opt.runtime.distributed import DistEnv
 from fsdp_opt.tracking.metrics import MetricsWriter
+from fsdp_opt.tracking.wandb_run import WandbRun
 
 
 @dataclass
 class Session:
-    """Everything the loop needs, built once by setup()."""
+    """Everything the loop needs, built once by setup(). The flags (`config`) are only read; what they leave open is
+    decided at setup and held here: `precision`, `accum_steps` and `layout`."""
 
     config: Config
     env: DistEnv
@@ -34,29 +40,41 @@ class Session:
     plan: StepPlan
     state: TrainState
     writer: MetricsWriter
-    tag: str
-    end_idx: int
-    precision: str
+    tag: str  # the model's part of checkpoint names
+    end_idx: int  # the slice's end, clamped to the dataset
+    precision: str  # --precision, with auto decided for this device
+    accum_steps: int  # --accum_steps, or what --total_batch_size implies for this many ranks
+    layout: Layout  # --sharding_strategy and --reduce_every_microbatch, with AUTO/auto decided
     flops_per_token: float
     peak_flops: float | None
     out_dir: Path
+    model_config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase
     n_params: int = 0
-    model_config: Any = None
-    tokenizer: Any = None
-    params: list[nn.Parameter] = field(default_factory=list)
+    params: list[nn.Parameter] = field(default_factory=list)  # the trainable ones
     last_loss: float = float("nan")
     last_save_seconds: float = 0.0
     last_save_bytes: int = 0
     last_saved_step: int = -1
     last_saved_path: Path | None = None
-    uploader: Any = None  # uploads.Uploader on rank 0 with --hf_repo
-    wandb: Any = None  # tracking.WandbRun (inactive off rank 0 or when disabled)
+    uploader: Uploader | None = None  # rank 0 with --hf_repo
+    wandb: WandbRun | None = None  # inactive off rank 0 or when disabled
     prune_lock: threading.Lock = field(default_factory=threading.Lock)
     eval_blocks: Blocks | None = None  # --eval_rows
-    reduce_each_microbatch: bool = False  # --reduce_every_microbatch, with auto decided by the memory plan
-    predicted_step: dict[str, Any] | None = None  # steptime.choose_layout's prediction on a GPU
     step_seconds: list[float] = field(default_factory=list)  # of this session's optimizer steps
-    chunked_loss: Any = None  # a loss.ChunkedLoss with --loss_chunk_tokens
-    lora: dict[str, Any] | None = None  # lora.identity() of a LoRA run: what its checkpoints record
+    chunked_loss: ChunkedLoss | None = None  # --loss_chunk_tokens
+    lora: dict[str, Any] | None = None  # adapters.identity() of a LoRA run: what its checkpoints record
     skip_watch: SkipWatch = field(default_factory=SkipWatch)  # fp16: skipped-step rate, warnings, the storm stop
-    ckpt_writer: Any = None  # saving.BackgroundWriter with --async_save (rank 0 writes; None: saves written in place)
+    ckpt_writer: BackgroundWriter | None = None  # --async_save (rank 0 writes; None: saves written in place)
+
+    @property
+    def reduce_each_microbatch(self) -> bool:
+        return self.layout.reduce_each_microbatch
+
+    @property
+    def predicted_step(self) -> dict[str, Any] | None:
+        return self.layout.prediction
+
+    def flags(self) -> dict[str, Any]:
+        """The flags with what setup decided in their place: what the run prints and stores with its checkpoints."""
+        return {**self.config.flat(), "sharding_strategy": self.layout.strategy, "accum_steps": self.accum_steps}

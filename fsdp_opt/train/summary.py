@@ -20,7 +20,7 @@ def print_summary(s: Session, classes: set[type], units: int, n_params: int) -> 
         format_summary(
             {
                 "model": f"{c.model.model} ({n_params:,} parameters, tag {s.tag})",
-                "strategy": f"{c.parallel.sharding_strategy}, wrapped {', '.join(sorted(k.__name__ for k in classes))} x {units} + root = {units + 1} units",
+                "strategy": f"{s.layout.strategy}, wrapped {', '.join(sorted(k.__name__ for k in classes))} x {units} + root = {units + 1} units",
                 "precision": f"{s.precision} compute, fp32 master weights and gradient reduction"
                 + (", dynamic loss scaling" if s.scaler.enabled else ""),
                 "lora": describe_lora(s) if s.lora else "off (every weight trains)",
@@ -28,9 +28,9 @@ def print_summary(s: Session, classes: set[type], units: int, n_params: int) -> 
                 "world": f"{s.env.world_size} rank(s) on {s.env.device.type}, {s.env.num_nodes} node(s)",
                 "data": f"{c.data.dataset} rows [{c.data.start_idx}, {s.end_idx}) -> {len(s.blocks)} "
                 f"{PACKING_WORDS[c.data.packing]} of {c.data.max_length} tokens",
-                "batch": f"{c.train.batch_size} per rank x {s.env.world_size} ranks x {c.train.accum_steps} accum = {global_batch} sequences per step",
+                "batch": f"{c.train.batch_size} per rank x {s.env.world_size} ranks x {s.accum_steps} accum = {global_batch} sequences per step",
                 "gradient sync": "every micro-batch"
-                if s.reduce_each_microbatch or c.train.accum_steps == 1
+                if s.reduce_each_microbatch or s.accum_steps == 1
                 else "last micro-batch of each step",
                 "loss": f"{c.train.loss_chunk_tokens} tokens at a time" if s.chunked_loss else "whole logits at once",
                 "predicted step": describe_prediction(s.predicted_step),
@@ -42,7 +42,7 @@ def print_summary(s: Session, classes: set[type], units: int, n_params: int) -> 
             }
         )
     )
-    print0("config: " + " ".join(f"--{k} {v}" for k, v in c.flat().items() if v is not None))
+    print0("config: " + " ".join(f"--{k} {v}" for k, v in s.flags().items() if v is not None))
     if hidden_reason:
         print0(f"note: {hidden_reason}: it is not used (only --base_bits 4 needs torchao; for this torch: "
                f"{install_line(torch.__version__)})")  # fmt: skip

@@ -1,0 +1,92 @@
+"""What leaves the machine: the Hub uploader (started on rank 0 with --hf_repo, finished after the process group is
+gone so a long wait for the last uploads cannot time out a collective), W&B artifacts for pushed checkpoints, and the
+export at the end of training."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fsdp_opt.checkpoint.export import export_lora, export_model_folder
+from fsdp_opt.checkpoint.state import gather_full_state
+from fsdp_opt.hub.card import render_card, run_info
+from fsdp_opt.hub.store import HubStore
+from fsdp_opt.hub.uploads import Uploader
+from fsdp_opt.runtime.distributed import all_ranks_ok, print0
+from fsdp_opt.train.disk import prune
+from fsdp_opt.train.saving import wait_for_writes
+from fsdp_opt.train.session import Session
+
+
+def start_uploader(s: Session) -> Any:
+    hc = s.config.hub
+    run = run_info(s.flags(), world_size=s.env.world_size, global_batch=s.plan.global_batch, n_params=s.n_params)
+    uploader = Uploader(
+        HubStore(hc.hf_repo, retries=hc.hub_retries),
+        lambda index: render_card(hc.hf_repo, index),
+        run=run,
+        private=not hc.hub_public,
+        metrics=s.writer.path,
+        retries=hc.hub_retries,
+        on_uploaded=lambda job: prune(s, job.path),
+        log=print0,
+        keep_full=hc.keep_full,
+    )
+    where = "reachable" if uploader.repo_ready else "not reachable now; uploads will retry"
+    print0(f"hub: checkpoints go to {hc.hf_repo}/{'checkpoints'} in the background (the Hub is {where})")
+    return uploader
+
+
+def finish_outside(s: Session) -> None:
+    """After the process group is gone (no collective can time out): rank 0 waits for uploads, closes W&B."""
+    if s.ckpt_writer is not None:
+        s.ckpt_writer.wait()  # a write still in flight after an error: it finishes (or fails) before the uploads end
+    if s.uploader is not None:
+        failed = s.uploader.finish(s.config.hub.hub_wait_seconds)
+        log_pushed(s)
+        for job in failed:
+            what = "did not finish in --hub_wait" if job.status != "failed" else f"failed ({job.error})"
+            print0(f"warning: upload of {job.name} to {s.config.hub.hf_repo} {what}; the local copy is kept: {job.path.resolve()}")
+        if not failed:
+            jobs = s.uploader.jobs
+            pushed = sum(j.status == "done" for j in jobs)
+            replaced = sum(j.status == "superseded" for j in jobs)
+            print0(f"hub: uploads done: {pushed} pushed to {s.config.hub.hf_repo}"
+                   + (f", {replaced} replaced by a newer checkpoint before their turn" if replaced else ""))  # fmt: skip
+        storage = s.uploader.index.get("storage")
+        if storage:
+            print0(f"hub: {s.config.hub.hf_repo} holds {storage['bytes'] / 1e9:,.2f} GB: {storage['full_checkpoints']} "
+                   f"full checkpoint(s), {storage['weights_files']} weights file(s) (--hub_keep_full {s.config.hub.keep_full})")  # fmt: skip
+    if s.wandb is not None:
+        s.wandb.finish()
+
+
+def log_pushed(s: Session) -> None:
+    """Each pushed checkpoint becomes a W&B artifact that references its file on the Hub."""
+    for job in s.uploader.take_done():
+        if job.kind != "export" and job.commit:
+            url = s.uploader.store.file_url(job.path_in_repo, job.commit)
+            s.wandb.log_checkpoint(job.name, url, {**job.entry, "hf_repo": s.config.hub.hf_repo, "commit": job.commit})
+
+
+def export_final(s: Session) -> None:
+    """--export_hf: every rank joins the gather; rank 0 writes the folder."""
+
+    cc = s.config.checkpoint
+    wait_for_writes(s)  # one gathered state in host RAM at a time
+    model_sd, _ = gather_full_state(s.model, None)
+    dest = Path(cc.export_hf)
+    if s.env.is_main:
+        if s.lora is not None:
+            all_ranks_ok(lambda: export_lora(model_sd, s.lora, dest, cc.export_dtype, merge=cc.export_merge, seed=s.config.train.seed))
+            what = "the base with the adapters merged in" if cc.export_merge else "a peft adapter folder"
+        else:
+            all_ranks_ok(lambda: export_model_folder(model_sd, s.model_config, s.tokenizer, dest, cc.export_dtype))
+            what = "safetensors, tokenizer, generation config"
+        print0(f"exported {dest} ({cc.export_dtype}, {what})")
+        if s.uploader is not None:
+            entry = {"global_step": s.state.global_step, "dtype": cc.export_dtype,
+                     "adapter": s.lora is not None and not cc.export_merge}  # fmt: skip
+            s.uploader.submit(dest, "export", entry)
+    else:
+        all_ranks_ok(lambda: None)
