@@ -11,7 +11,6 @@ import sys
 from fsdp_opt.base import ConfigError
 from fsdp_opt.config.parse import build_parser, parse_args
 from fsdp_opt.runtime.distributed import fail
-from fsdp_opt.train.run import run
 
 DESCRIPTION = "Fine-tune a Hugging Face causal LM with PyTorch FSDP2 on a slice [start_idx, end_idx) of a dataset."
 
@@ -21,6 +20,8 @@ def main(argv: list[str] | None = None) -> int:
         config = parse_args(argv)
     except ConfigError as exc:
         fail(str(exc))
+    # NOTE: imported here for the start-up time of --help and of a bad flag: the trainer pulls in transformers and peft.
+    from fsdp_opt.train.run import run
 
     try:
         run(config)

@@ -14,61 +14,17 @@ makes the same forward calls, which a sharded model needs. Sums of loss and targ
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
-from typing import Any
-
-import torch
-from torch import nn
 
 from fsdp_opt.base import ConfigError
-from fsdp_opt.checkpoint.atomic import atomic_save_text
-from fsdp_opt.checkpoint.loading import load_into
-from fsdp_opt.checkpoint.read import check_compatible, read_checkpoint
-from fsdp_opt.checkpoint.read import read_checkpoint as ckpt_read_checkpoint
-from fsdp_opt.config.choices import DTYPES, shard_count
 from fsdp_opt.config.flags import OneLineParser
-from fsdp_opt.config.training import DataConfig, LoraConfig, ModelConfig
-from fsdp_opt.data.blocks import build_blocks
-from fsdp_opt.data.sources import held_out_texts, load_rows
-from fsdp_opt.engine.evaluation import evaluate_loss, generate
-from fsdp_opt.hub.store import find_resume
-from fsdp_opt.model.adapters import Adapters, check_resume
-from fsdp_opt.model.parallelize import initialize, resolve_precision, shard_model, tie_and_check
-from fsdp_opt.model.sources import build_meta_model, load_model_config, load_tokenizer, resolve_model
 from fsdp_opt.runtime.distributed import (
-    DistEnv,
-    all_ranks_ok,
-    broadcast_object,
     fail,
     init_distributed,
-    print0,
-    rank0_first,
     teardown,
 )
 from fsdp_opt.runtime.hostmem import configure_allocator
-
-DEFAULT_EVAL_ROWS = 200
-
-
-def report_markdown(results: dict[str, Any] | str | Path) -> str:
-    """An evaluation report (`--json`) as Markdown: the table of models, then the samples side by side."""
-    if not isinstance(results, dict):
-        results = json.loads(Path(results).read_text())
-    lines = [
-        f"Held-out rows {results['rows']} of `{results['dataset']}` ({results['models'][0]['tokens']:,} target tokens):",
-        "",
-        "| model | eval loss | perplexity |",
-        "| --- | --- | --- |",
-    ]
-    lines += [f"| {r['name']} | {r['loss']:.4f} | {r['perplexity']:.2f} |" for r in results["models"]]
-    for sample in results.get("samples", []):
-        lines += ["", f"**Prompt:** {sample['prompt']}", "", "| model | continuation |", "| --- | --- |"]
-        for name, text in sample["outputs"].items():
-            lines.append(f"| {name} | {text.strip().replace('|', '/').replace(chr(10), ' / ')} |")
-    return "\n".join(lines)
-
+from fsdp_opt.train.compare import DEFAULT_EVAL_ROWS, compare
 
 # ---------------------------------------------------------------- python -m fsdp_opt.evaluate
 
@@ -114,138 +70,16 @@ def _checked(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def _trained_from(entries: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The flags and the slice the first checkpoint was trained with (rank 0)."""
-
-    first = next((e for e in entries if e["kind"] == "ckpt"), None)
-    if first is None:
-        return {}, {}
-    payload = ckpt_read_checkpoint(Path(first["path"]), "--checkpoints")
-    return payload.get("config") or {}, payload.get("slice") or {}
 
 
-def _find(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
-    """Rank 0: each --checkpoints entry as a model folder or a checkpoint (fetched from the Hub if need be)."""
-
-    entries = []
-    for spec in args.checkpoints:
-        folder = Path(spec).expanduser()
-        if folder.is_dir() and (folder / "config.json").is_file():
-            entries.append({"name": folder.name, "kind": "hf", "path": str(folder)})
-        else:
-            path = find_resume(spec, Path(args.output_dir), args.hf_repo, flag="--checkpoints")
-            entries.append({"name": path.name, "kind": "ckpt", "path": str(path)})
-    return (entries, *_trained_from(entries))
 
 
-def _read_checked(path: Path, model: nn.Module) -> dict[str, Any]:
-    """Rank 0: a checkpoint, refused unless it fits the (meta) model."""
-
-    payload = ckpt_read_checkpoint(path, "--checkpoints")
-    check_compatible(payload, model, path, "--checkpoints")
-    return payload
 
 
-def _adapters(info: dict[str, Any] | None, model: nn.Module, precision: str, env: DistEnv, strategy: str, seed: int):
-    """A LoRA checkpoint's adapters (as its run had them) added to the meta model every rank shards; None otherwise."""
-    if info is None:
-        return None
-
-    settings = LoraConfig(lora_rank=info["rank"], lora_alpha=info["alpha"], lora_dropout=info["dropout"],
-                          lora_targets=",".join(info["targets"]), base_bits=info.get("base_bits", 16))  # fmt: skip
-    adapters = Adapters(settings, info["base"], DTYPES[precision], seed)
-    adapters.add_to(model, shard_count(strategy, env.world_size, env.local_world_size))
-    return adapters
 
 
-def _fill(model: nn.Module, entry: dict[str, Any], payload: dict[str, Any] | None, source, model_config, env: DistEnv,
-          seed: int, adapters: Any = None) -> None:  # fmt: skip
-    """Allocate the shards of a sharded meta model and load one candidate's weights into them (a LoRA checkpoint:
-    the base from --model, checked against the base the adapters were trained on, then the adapters)."""
-
-    if entry["kind"] != "ckpt":
-        weights_from = source if entry["kind"] == "base" else resolve_model(entry["path"])
-        initialize(model, env, weights_from, model_config, seed, weights=True)
-        return
-    sharded = broadcast_object(bool(payload.get("_sharded")) if env.is_main else None)
-    path = Path(entry["path"])
-    if adapters is not None:
-
-        initialize(model, env, source, model_config, seed, weights=True, loader=adapters.load_weights,
-                       **adapters.load_options())  # fmt: skip
-        adapters.share_fingerprint(env)
-        all_ranks_ok(lambda: check_resume(payload["lora"], adapters.identity(), path, "--checkpoints") if env.is_main else None)
-    else:
-        initialize(model, env, source, model_config, seed, weights=False)
-    load_into(model, None, payload, env, load_optimizer=False, sharded_path=path if sharded else None)
 
 
-def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
-    """Evaluate the base model and each checkpoint in turn (one in memory at a time) on the same rows."""
-    import gc
-
-    found = all_ranks_ok(lambda: _find(args) if env.is_main else None)
-    entries, trained, trained_slice = broadcast_object(found)
-    model_name = args.model or trained.get("model") or ModelConfig.model
-    dataset = args.dataset or trained.get("dataset") or DataConfig.dataset
-    text_column = args.text_column or trained.get("text_column") or DataConfig.text_column
-    max_length = args.max_length or trained.get("max_length") or DataConfig.max_length
-    start = args.start_idx if args.start_idx is not None else trained_slice.get("end_idx")
-    if start is None:
-        raise ConfigError("--start_idx: needed when no checkpoint says which rows it was trained on")
-
-    source = all_ranks_ok(lambda: resolve_model(model_name))
-    precision = all_ranks_ok(lambda: resolve_precision(args.precision, env.device))
-    model_config, tokenizer = rank0_first(lambda: (load_model_config(source), load_tokenizer(source)))
-    texts, end = rank0_first(lambda: held_out_texts(load_rows(dataset), text_column, start, args.eval_rows))
-    packing = args.packing or ("concat" if trained.get("packing") == "concat" else "docs")
-    blocks = all_ranks_ok(lambda: build_blocks(texts, tokenizer, max_length, packing))
-    prompts = args.prompts or [" ".join(t.split()[:12]) for t in texts[: args.num_prompts]]
-    candidates = ([] if args.no_base else [{"name": f"base ({model_name})", "kind": "base"}]) + entries
-    print0(f"evaluating {len(candidates)} model(s) on rows [{start}, {end}) of {dataset}: {len(blocks)} blocks of "
-           f"{max_length} tokens ({packing}), {env.world_size} rank(s), {precision}")  # fmt: skip
-
-    models, samples = [], [{"prompt": p, "outputs": {}} for p in prompts]
-    for entry in candidates:
-        model = build_meta_model(model_config)
-        payload, adapters, seed = None, None, args.seed
-        if entry["kind"] == "ckpt":
-
-            payload = all_ranks_ok(lambda: read_checkpoint(Path(entry["path"]), "--checkpoints") if env.is_main else None)
-            # A LoRA checkpoint's base is built from its run's seed when the base is the built-in or a random: one.
-            info, seed = broadcast_object((payload.get("lora"), int((payload.get("config") or {}).get("seed", args.seed)))
-                                          if env.is_main else None)  # fmt: skip
-            adapters = all_ranks_ok(lambda: _adapters(info, model, precision, env, args.sharding_strategy, seed))
-            all_ranks_ok(lambda: _read_checked(Path(entry["path"]), model) if env.is_main else None)
-        shard_model(model, env, strategy=args.sharding_strategy, precision=precision, activation_checkpointing=False,
-                        ignored=adapters.unsharded(model) if adapters else None)  # fmt: skip
-        _fill(model, entry, payload, source, model_config, env, seed, adapters)
-        payload = None
-        tie_and_check(model)
-        result = evaluate_loss(model, blocks, args.batch_size, env)
-        texts_out = generate(model, tokenizer, prompts, env, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
-                             temperature=args.temperature, top_p=args.top_p, seed=args.seed)  # fmt: skip
-        print0(f"  {entry['name']}: eval loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}")
-        models.append({"name": entry["name"], "kind": entry["kind"], "path": entry.get("path"), **result})
-        for sample, text in zip(samples, texts_out):
-            sample["outputs"][entry["name"]] = text
-        model = None
-        gc.collect()
-        if env.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    report = {
-        "rows": f"[{start}, {end})", "start_idx": start, "end_idx": end, "dataset": dataset, "text_column": text_column,
-        "max_length": max_length, "world_size": env.world_size, "precision": precision, "models": models,
-        "samples": samples, "generation": {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample,
-        "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed},
-    }  # fmt: skip
-    if env.is_main:
-        print(report_markdown(report))
-        if args.json:
-            atomic_save_text(json.dumps(report, indent=1), Path(args.json))
-            print(f"wrote {args.json}")
-    return report
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -61,7 +61,7 @@ if importlib.util.find_spec("fsdp_opt") is None:
 from IPython.display import Markdown, display
 
 from fsdp_opt import notebook as nb
-from fsdp_opt.evaluate import report_markdown
+from fsdp_opt.train.compare import report_markdown
 
 print(nb.load_secrets())
 print(nb.gpu_summary())

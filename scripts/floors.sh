@@ -14,9 +14,9 @@ for m in (transformers, datasets, huggingface_hub, wandb, matplotlib, peft):
     assert m.__file__.startswith(__import__("os").path.abspath(".floors")), m.__file__
 print("floors:", ", ".join(f"{m.__name__} {m.__version__}" for m in (transformers, datasets, huggingface_hub, wandb, matplotlib, peft)))
 PY
-python -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist worksteal -p no:cacheprovider tests/test_units.py tests/test_data.py \
-    "tests/test_retention.py::test_a_purge_the_hub_refused_is_finished_by_the_next_session" \
-    "tests/test_training_math.py::test_hybrid_shard_across_two_nodes_matches_reference" \
-    "tests/test_hub.py::test_sharded_checkpoints_through_the_hub" "tests/test_hub.py::test_wandb_without_network_falls_back" \
-    "tests/test_lora.py::test_lora_on_gpt2_and_llama_blocks" "tests/test_lora.py::test_bad_lora_flags_get_one_line" \
-    "tests/test_packing.py::test_each_row_in_a_packed_block_has_the_losses_it_has_alone"
+python -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist worksteal -p no:cacheprovider tests/test_units.py tests/data/test_data.py \
+    "tests/hub/test_retention.py::test_a_purge_the_hub_refused_is_finished_by_the_next_session" \
+    "tests/engine/test_training_math.py::test_hybrid_shard_across_two_nodes_matches_reference" \
+    "tests/hub/test_hub.py::test_sharded_checkpoints_through_the_hub" "tests/hub/test_hub.py::test_wandb_without_network_falls_back" \
+    "tests/model/test_lora.py::test_lora_on_gpt2_and_llama_blocks" "tests/model/test_lora.py::test_bad_lora_flags_get_one_line" \
+    "tests/data/test_packing.py::test_each_row_in_a_packed_block_has_the_losses_it_has_alone"

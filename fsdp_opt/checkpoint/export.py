@@ -1,5 +1,5 @@
-"""TODO docstring (weightsfile, export)
-"""
+"""Exports: a Hugging Face model folder (safetensors) from a checkpoint or the live model, the LoRA adapter folder
+(optionally merged into its base), a checkpoint's weights file, and a sharded folder turned into a single file."""
 
 from __future__ import annotations
 

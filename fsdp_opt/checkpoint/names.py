@@ -1,5 +1,5 @@
-"""TODO docstring (checkpoint)
-"""
+"""Checkpoint names and keys: {tag}_{start}-{end}-epoch-{epoch}[-step-{step}].pt, the payload's keys (kept from the
+original script so its readers still work), and listing the checkpoints of a folder."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""TODO docstring (checkpoint)
-"""
+"""Reading a checkpoint on CPU, whatever its form (a file, a sharded folder's metadata, a weights file), and the
+refusals: not ours, truncated or damaged, or made for another model."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""Checkpoints: names, the single-file format, atomic writes, save, reading and the refusals, pruning.
+"""Saving: the full single file (rank 0 writes what every rank helped gather) or a sharded folder (every rank writes its
+shards through torch.distributed.checkpoint), and the background writer of --async_save.
 
-A checkpoint is one `.pt` file that loads with `torch.load(path, weights_only=True)`: tensors and plain
-values only. Rank 0 gathers the full state (every rank takes part in the gather) and writes it. Loading it into
-the shards of a run is `loading.load_into`.
-"""
+A full checkpoint loads with `torch.load(path, weights_only=True)`: tensors and plain values only."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""TODO docstring (checkpoint)
-"""
+"""What a checkpoint holds besides the position: RNG states, the model's state in a checkpoint's terms (tied names
+once), the full state gathered on rank 0, and the copy handed to a background writer."""
 
 from __future__ import annotations
 

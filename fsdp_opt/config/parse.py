@@ -1,5 +1,5 @@
-"""TODO docstring (config)
-"""
+"""The whole configuration (`Config`: one section per concern), the command line generated from the sections'
+fields, and parsing into a validated Config."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""TODO docstring (config)
-"""
+"""Flags of what a run keeps: checkpoints (where, how often, how many, which format), the Hub repo, and W&B."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""Run configuration: one dataclass per concern, the CLI generated from them, validation in one place.
+"""Flags of what trains and how: the model, the data slice, the optimization, the parallel layout, LoRA.
 
-Each field's `help` metadata is its flag's help text; the flag is `--<field name>`. Validation raises
-`ConfigError` naming the flag, before anything is built or written.
-"""
+Each field's `help` metadata is its flag's help text; the flag is `--<field name>`. `__post_init__` raises a
+`ConfigError` naming the flag, before anything is built or written."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""TODO docstring (data)
-"""
+"""Rows of text from a source: the built-in `python-docs`, a local file or folder, or a Hub dataset; the
+[start_idx, end_idx) slice of them, and the held-out rows after it."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""TODO docstring (evaluate)
-"""
+"""Held-out loss and generation on any number of ranks. Each rank takes every world_size-th block; ranks with fewer
+blocks run filler rows (no targets), so every rank makes the same forward calls, which a sharded model needs. Sums of
+loss and target tokens are all-reduced."""
 
 from __future__ import annotations
 

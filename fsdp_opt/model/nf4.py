@@ -1,5 +1,5 @@
-"""TODO docstring (lora)
-"""
+"""The 4-bit base of QLoRA (--base_bits 4): the frozen linear weights of the blocks quantized to NF4 by torchao, each
+rank holding the blocks of its shards; the rest of the frozen base stored in the compute dtype."""
 
 from __future__ import annotations
 

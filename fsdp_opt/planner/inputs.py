@@ -1,5 +1,5 @@
-"""TODO docstring (plan)
-"""
+"""What the planner is asked about (`Inputs`: GPUs, memory, batch, precision, LoRA ...), the shard factor of a
+strategy, the resident training state per GPU, and the runtime's fixed costs the counters do not see."""
 
 from __future__ import annotations
 

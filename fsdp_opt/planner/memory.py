@@ -1,5 +1,6 @@
-"""TODO docstring (plan)
-"""
+"""Peak bytes per GPU by component for one micro-batch: training state, accumulated gradients, gathered weights,
+reduce-scatter buffers, activations, the attention mask, logits, LoRA's parts, the runtime. And the questions asked
+of it: the peak, the largest micro-batch that fits, whether gradients must be reduced every micro-batch."""
 
 from __future__ import annotations
 

@@ -1,5 +1,10 @@
-"""TODO docstring (plan)
-"""
+"""The whole plan of a configuration: every strategy's memory, the layouts ranked by predicted step time, disk and Hub
+bytes, host RAM; and its rendering as tables.
+
+The model is described from its config alone (the OPT family from 125m to 6.7b is built in, so this works offline;
+any local config.json or model folder too). The byte counts follow the engine's choices: fp32 master weights, fp32
+gradients, AdamW's two fp32 moments, weights gathered in the compute dtype, per-block FSDP units with the tied
+embeddings in the root."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""TODO docstring (tracking)
-"""
+"""metrics.jsonl, the run's step log and a contract: its fields are `METRICS_FIELDS`, one line per optimizer step,
+appended across sessions (a resumed run logs again from where it stopped)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""What a run reports: metrics.jsonl (the contract), tokens/s and MFU, the progress bar, the summary.
-"""
+"""What a run prints as it goes: the progress bar, the summary table, and the memory peaks at the end."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""TODO docstring (tracking)
-"""
+"""Weights & Biases: a run per chain of sessions (resumed by id), step metrics, evaluations, and each pushed checkpoint
+as an artifact referencing its file on the Hub. The API key is wandb's own; it is never read, printed or stored here."""
 
 from __future__ import annotations
 

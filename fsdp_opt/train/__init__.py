@@ -1,1 +1,1 @@
-"""TODO train"""
+"""Layer 9, the run: setup in a fixed order, the loop, saving, publishing, the held-out comparison of checkpoints."""

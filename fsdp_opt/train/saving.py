@@ -1,9 +1,6 @@
-"""What a session writes and sends: checkpoints, evaluations, the export, Hub uploads, W&B.
-
-save() runs on every rank (the gather or the sharded write is collective); rank 0 writes the files, queues the
-Hub upload and prunes. finish_outside() runs after the process group is gone, so a long wait for the last
-uploads cannot time out a collective on another rank.
-"""
+"""A save of the session: on every rank (the gather or the sharded write is collective); rank 0 writes the file (in
+the background with --async_save), makes room on disk first, queues the Hub upload and prunes. Also the estimate the
+time limit needs, and the --eval_rows evaluation that goes with a save."""
 
 from __future__ import annotations
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT
 
 from fsdp_opt.base import GIB, ConfigError
 from fsdp_opt.model.shapes import Shape, model_config
@@ -72,7 +72,7 @@ def test_the_nf4_dequantization_term_covers_torchaos_measured_peak(monkeypatch):
     with a 4096 x 4096 NF4 weight (torchao on CPU; the kernel's peak-RSS mark is reset just before it)."""
     from fsdp_opt.planner.lora import NF4_DEQUANT_BYTES
 
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", NF4_PEAK], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
     measured = float(out.stdout.strip().splitlines()[-1])

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ASSETS, sandbox_env, torchrun_cmd
+from conftest import ASSETS, ROOT, sandbox_env, torchrun_cmd
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig
 
 from fsdp_opt.data.blocks import IGNORE_INDEX, build_blocks, model_inputs, tokenize
@@ -169,7 +168,7 @@ def test_two_ranks_full_shard_gradients_equal_the_padded_recipe(tmp_path, det_mo
     --loss_chunk_tokens; the token counts (the metrics' tokens) are equal; every row's per-token losses in its block
     equal its losses alone."""
     out = tmp_path / "out"
-    worker = str(Path(__file__).parent / "workers" / "doc_packing.py")
+    worker = str(ROOT / "tests" / "workers" / "doc_packing.py")
     args = ["--model", str(det_model), "--dataset", "python-docs", "--end_idx", "24", "--max_length", "256",
             "--batch_size", "2", "--precision", "fp32", "--output_dir", str(out), "--wandb_mode", "disabled",
             "--sharding_strategy", "FULL_SHARD", "--activation_checkpointing", "true", "--packing", "docs"]  # fmt: skip

@@ -14,7 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ASSETS, assert_clean_failure, make_local_model, read_jsonl, run_cli, sandbox_env, torchrun_cmd
+from conftest import (
+    ASSETS,
+    ROOT,
+    assert_clean_failure,
+    make_local_model,
+    read_jsonl,
+    run_cli,
+    sandbox_env,
+    torchrun_cmd,
+)
 from test_resume import kill_all_with, losses_by_step
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -134,7 +143,7 @@ def test_base_unchanged_adapters_fp32_and_export_gives_the_training_logits(tmp_p
     args = COMMON + ["--model", str(det_model), "--batch_size", "2", "--accum_steps", "2", "--output_dir", str(out),
                      "--end_idx", "40", "--precision", precision, "--export_hf", str(export), "--export_dtype", "fp32",
                      "--wandb_mode", "disabled"]  # fmt: skip
-    worker = str(Path(__file__).parent / "workers" / "lora_base.py")
+    worker = str(ROOT / "tests" / "workers" / "lora_base.py")
     proc = subprocess.run(torchrun_cmd(2, worker) + args, cwd=tmp_path, env=sandbox_env(tmp_path),
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,0 +1,121 @@
+"""The package's shape (docs/architecture.md): layers that import one way, commands on top, no import circles, no
+project imports hidden in functions to dodge one, no module over the house limit."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from conftest import ROOT
+
+PACKAGE = ROOT / "fsdp_opt"
+# Bottom to top. A module may import its own layer and those below it, never one above.
+LAYERS = ["base", "config", "runtime", "data", "model", "engine", "checkpoint", "tracking", "hub", "planner", "train"]
+COMMANDS = {"__init__", "__main__", "cli", "plan", "evaluate", "export", "gpu_check", "demo", "notebook"}
+MAX_LINES = 400
+# Project imports inside functions, each with its reason written beside it in the code.
+ALLOWED_LATE = {("fsdp_opt.cli", "fsdp_opt.train.run")}
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        out[name.removesuffix(".__init__")] = path
+    return out
+
+
+def project_imports(path: Path) -> list[tuple[str, bool, int]]:
+    """(imported module, inside a function, line) for each `from fsdp_opt... import` of a file."""
+    found = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if isinstance(child, ast.ImportFrom) and (child.module or "").startswith("fsdp_opt"):
+                names = [f"{child.module}.{a.name}" for a in child.names]
+                for name in names:
+                    found.append((name, in_function, child.lineno))
+            elif isinstance(child, ast.Import):
+                found.extend((a.name, in_function, child.lineno) for a in child.names if a.name.startswith("fsdp_opt"))
+            visit(child, inner)
+
+    visit(ast.parse(path.read_text()), False)
+    return found
+
+
+def resolve(name: str, known: dict[str, Path]) -> str:
+    """`fsdp_opt.a.b.NAME` -> the module it comes from (`fsdp_opt.a.b`, or `fsdp_opt.a.b.NAME` if a module)."""
+    return name if name in known else name.rsplit(".", 1)[0]
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {m: {resolve(n, known) for n, _, _ in project_imports(p)} - {m} for m, p in known.items()}
+
+
+def test_layers_import_one_way_and_no_layer_imports_a_command():
+    assert set(LAYERS) | COMMANDS >= {layer_of(m) for m in modules()}, "a module outside every layer"
+    wrong = []
+    for module, targets in graph().items():
+        mine = layer_of(module)
+        if mine in COMMANDS:
+            continue
+        for target in targets:
+            theirs = layer_of(target)
+            if theirs in COMMANDS and target != "fsdp_opt" or theirs in LAYERS and LAYERS.index(theirs) > LAYERS.index(mine):
+                wrong.append(f"{module} -> {target}")
+    assert not wrong, wrong
+
+
+def test_no_import_circle_between_modules():
+    edges = graph()
+    state: dict[str, int] = {}
+    circles = []
+
+    def walk(m: str, trail: list[str]) -> None:
+        state[m] = 1
+        for t in sorted(edges.get(m, ())):
+            if state.get(t) == 1:
+                circles.append(trail[trail.index(t):] + [t])
+            elif t in edges and t not in state:
+                walk(t, trail + [t])
+        state[m] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            walk(m, [m])
+    assert not circles, circles
+
+
+def test_project_imports_sit_at_the_top_of_modules():
+    known = modules()
+    late = {(m, resolve(n, known)) for m, p in known.items() for n, inside, _ in project_imports(p) if inside}
+    assert late == ALLOWED_LATE
+
+
+def test_no_module_over_the_house_limit():
+    long = {m: n for m, p in modules().items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, long
+
+
+def test_the_checks_see_a_circle_and_an_upward_import(tmp_path, monkeypatch):
+    """The checks above can fail: a model module importing the trainer is both an upward import and a circle."""
+    import shutil
+
+    shutil.copytree(PACKAGE, tmp_path / "fsdp_opt")
+    bad = tmp_path / "fsdp_opt" / "model" / "sources.py"
+    bad.write_text(bad.read_text() + "\nfrom fsdp_opt.train.run import setup  # noqa\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", tmp_path / "fsdp_opt")
+    for check in (test_layers_import_one_way_and_no_layer_imports_a_command, test_no_import_circle_between_modules):
+        try:
+            check()
+        except AssertionError:
+            continue
+        raise AssertionError(f"{check.__name__} missed model.sources -> train.run")
