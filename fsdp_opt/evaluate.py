@@ -17,6 +17,7 @@ import argparse
 import sys
 
 from fsdp_opt.base import ConfigError
+from fsdp_opt.config.choices import STRATEGIES
 from fsdp_opt.config.flags import OneLineParser
 from fsdp_opt.runtime.distributed import (
     fail,
@@ -53,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top_p", type=float, default=0.95)
     p.add_argument("--seed", type=int, default=42, help="initialisation of the built-in tiny-opt base, and sampling")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "fp16", "bf16"])
-    p.add_argument("--sharding_strategy", default="FULL_SHARD", choices=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+    p.add_argument("--sharding_strategy", default="FULL_SHARD", choices=[s for s in STRATEGIES if s != "HYBRID_SHARD"])
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--output_dir", default="outputs", help="where checkpoint names are looked up")
     p.add_argument("--hf_repo", default=None, help="Hub repo searched for checkpoints not found locally")

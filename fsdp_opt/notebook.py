@@ -49,7 +49,7 @@ def load_secrets(names: Iterable[str] = SECRET_NAMES) -> dict[str, str]:
 
 def gpu_summary() -> str:
     """One line per GPU: name, memory, compute capability, bf16 or not; CUDA is never initialised in this kernel
-    (fsdp_opt.gpus asks nvidia-smi or a short-lived process)."""
+    (fsdp_opt.runtime.gpus asks nvidia-smi or a short-lived process)."""
     import torch
 
     if not torch.cuda.is_available():  # asks the driver for a count; creates no context

@@ -64,26 +64,6 @@ class RepoWriter:
         message = f"fsdp-opt: {job.name}" + (f" (global step {step})" if step is not None else "")
         return self.commit(ops, index, message)
 
-    def _commit(self, ops: list, index: dict[str, Any], message: str) -> str:
-        """One commit of `ops` with the index and the model card rendered from it; the index is ours once it lands."""
-        index["purge_pending"] = sorted(self.to_purge)
-        ops = ops + [
-            CommitOperationAdd(INDEX_FILE, json.dumps(index, indent=1, sort_keys=True).encode()),
-            CommitOperationAdd(CARD_FILE, self.render_card(index).encode()),
-        ]
-        try:
-            info = self.store.api.create_commit(self.store.repo_id, ops, commit_message=message)
-        except Exception:
-            # Objects uploaded for a commit that did not land use storage that no file points to: purge them with
-            # the next cleanup (which skips any the head does use, in case the commit landed after all).
-            uploaded = {op.upload_info.sha256.hex() for op in ops
-                        if getattr(op, "_upload_mode", None) == "lfs" and op.upload_info.is_hashed}  # fmt: skip
-            if self.keep_full:
-                self.to_purge |= uploaded
-            raise
-        self.index = index
-        return info.oid
-
     def commit(self, ops: list, index: dict[str, Any], message: str) -> str:
         """One commit of `ops` with the index and the model card rendered from it; the index is ours once it lands."""
         index["purge_pending"] = sorted(self.to_purge)

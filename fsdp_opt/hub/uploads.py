@@ -84,6 +84,9 @@ class Uploader:
     def take_done(self) -> list[Upload]:
         return self.queue.take_done()
 
+    def pending(self) -> list[Upload]:
+        return self.queue.pending()
+
     def last_seconds(self) -> float:
         return self.queue.last_seconds()
 

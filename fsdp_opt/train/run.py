@@ -106,6 +106,7 @@ class Inputs:
     blocks: Blocks
     end_idx: int
     eval_blocks: Blocks | None
+    bf16_pretrained: bool  # as the model's files say (building the model sets the config's dtype to the engine's)
 
 
 @dataclass
@@ -145,7 +146,7 @@ def setup(config: Config, env: DistEnv) -> Session:
     release_host_memory()
     tie_and_check(built.model)
     built.model.train()
-    start_side_work(session, built, run_id)
+    start_side_work(session, built, run_id, inputs.bf16_pretrained)
     return session
 
 
@@ -167,6 +168,7 @@ def read_inputs(config: Config, env: DistEnv, checked: Checked) -> Inputs:
     model_config, tokenizer = rank0_first(
         lambda: (load_model_config(checked.source, mc.attn_implementation), load_tokenizer(checked.source))
     )
+    bf16_pretrained = trained_in_bf16(model_config)
     positions = max_positions(model_config)
     if positions is not None and dc.max_length > positions:
         raise ConfigError(f"--max_length {dc.max_length}: {mc.model} has only {positions} positions")
@@ -183,7 +185,7 @@ def read_inputs(config: Config, env: DistEnv, checked: Checked) -> Inputs:
     if eval_texts is not None:  # docs and pad give the same per-row losses; docs in fewer blocks
         eval_packing = "concat" if dc.packing == "concat" else "docs"
         eval_blocks = all_ranks_ok(lambda: build_blocks(eval_texts, tokenizer, dc.max_length, eval_packing, attention))
-    return Inputs(model_config, tokenizer, blocks, end_idx, eval_blocks)
+    return Inputs(model_config, tokenizer, blocks, end_idx, eval_blocks, bf16_pretrained)
 
 
 def build_model(config: Config, env: DistEnv, checked: Checked, inputs: Inputs, payload: dict[str, Any] | None) -> Built:
@@ -257,11 +259,10 @@ def make_session(config: Config, env: DistEnv, checked: Checked, inputs: Inputs,
     )  # fmt: skip
 
 
-def start_side_work(s: Session, built: Built, run_id: str | None) -> None:
+def start_side_work(s: Session, built: Built, run_id: str | None, bf16_pretrained: bool) -> None:
     """The summary, the fp16 overflow probe, the Hub uploader (rank 0) and the W&B run."""
     config, env = s.config, s.env
     print_summary(s, built.block_classes, built.units, s.n_params)
-    bf16_pretrained = trained_in_bf16(s.model_config)  # as the model's files say; loading set the engine's dtype
     advice = overflow_probe(bf16_pretrained, s.precision, lambda: first_batch_loss(s), config.model.model)
     if advice:
         print0(f"warning: {advice}")

@@ -111,7 +111,7 @@ def test_checkpoint_of_another_shape_is_refused_on_every_rank(tmp_path, trained,
 ATOMIC_SCRIPT = """
 import sys, torch
 from pathlib import Path
-from fsdp_opt.atomic import atomic_save
+from fsdp_opt.checkpoint.atomic import atomic_save
 path = Path(sys.argv[1])
 atomic_save({"MODEL_STATE": {"w": torch.ones(4)}, "GLOBAL_STEP": 1}, path)
 print("first", flush=True)

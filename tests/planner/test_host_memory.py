@@ -1,5 +1,5 @@
 """Host RAM across a session, measured per phase on 2 CPU ranks: a resume holds no more than a fresh start, the
-resumed checkpoint is released, and `fsdp_opt.hostplan` predicts every phase.
+resumed checkpoint is released, and `fsdp_opt.planner.host` predicts every phase.
 
 The model has opt-1.3b's vocabulary on a small body, so the checkpoint (12 bytes per parameter, 0.2 GB) is a
 large share of each process: a resume that kept it would peak about a quarter higher than a fresh start.

@@ -12,8 +12,10 @@ from conftest import ROOT
 # One process: a fake process group of 2 ranks (rank 0), the same step on fake tensors, then on real ones.
 SCRIPT = """
 import json, sys
-from fsdp_opt.plan import Inputs, Shape, memory, model_config
-from fsdp_opt.simulate import compare, simulate
+from fsdp_opt.model.shapes import Shape, model_config
+from fsdp_opt.planner.inputs import Inputs
+from fsdp_opt.planner.memory import memory
+from fsdp_opt.planner.simulate import compare, simulate
 out = {}
 for strategy, every in (("FULL_SHARD", False), ("SHARD_GRAD_OP", True)):
     inputs = Inputs(gpus=2, batch_size=2, max_length=64, accum_steps=4, precision="fp16", reduce_every_microbatch=every,

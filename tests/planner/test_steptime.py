@@ -87,19 +87,23 @@ def test_trainer_resolves_auto_as_on_a_t4():
     t4 = (15 * GIB, "Tesla T4")
     args = ["--sharding_strategy", "auto", "--batch_size", "4", "--accum_steps", "16", "--max_length", "512"]
     config = parse_args(args)
-    every, prediction = choose_layout(config, env, model_config("facebook/opt-1.3b"), "fp16", gpu=t4)
-    assert config.parallel.sharding_strategy == "FULL_SHARD" and every is True
+    layout = choose_layout(config, env, model_config("facebook/opt-1.3b"), "fp16", 16, gpu=t4)
+    prediction = layout.prediction
+    assert layout.strategy == "FULL_SHARD" and layout.reduce_each_microbatch is True
+    assert config.parallel.sharding_strategy == "AUTO"  # the flags are read, never rewritten
     assert prediction["tflops"] == 24.0 and prediction["step_s"] > prediction["compute_s"]
     # An explicit choice is kept; on an 80 GiB H100 without sync, at 40% of its peak.
     config = parse_args(["--sharding_strategy", "SHARD_GRAD_OP", "--reduce_every_microbatch", "false", *args[2:]])
-    every, prediction = choose_layout(config, env, model_config("facebook/opt-1.3b"), "bf16", gpu=(80 * GIB, "NVIDIA H100"))
-    assert config.parallel.sharding_strategy == "SHARD_GRAD_OP" and every is False
+    layout = choose_layout(config, env, model_config("facebook/opt-1.3b"), "bf16", 16, gpu=(80 * GIB, "NVIDIA H100"))
+    prediction = layout.prediction
+    assert layout.strategy == "SHARD_GRAD_OP" and layout.reduce_each_microbatch is False
     assert abs(prediction["tflops"] - 0.4 * 989) < 1e-6
     # One micro-batch per step with an explicit --reduce_every_microbatch: one mode, nothing to choose.
     config = parse_args(["--reduce_every_microbatch", "true", "--batch_size", "4", "--max_length", "512"])
-    every, prediction = choose_layout(config, env, model_config("facebook/opt-1.3b"), "fp16", gpu=t4)
+    prediction = choose_layout(config, env, model_config("facebook/opt-1.3b"), "fp16", 1, gpu=t4).prediction
     assert prediction["strategy"] == "FULL_SHARD" and prediction["fits"]
     # Without a GPU: FULL_SHARD, no prediction.
     config = parse_args(args)
-    assert choose_layout(config, env, model_config("tiny-opt"), "fp32") == (False, None)
-    assert config.parallel.sharding_strategy == "FULL_SHARD"
+    layout = choose_layout(config, env, model_config("tiny-opt"), "fp32", 16)
+    assert (layout.reduce_each_microbatch, layout.prediction) == (False, None)
+    assert layout.strategy == "FULL_SHARD"

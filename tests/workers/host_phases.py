@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import sys
 
+from fsdp_opt.checkpoint import loading
 from fsdp_opt.config.parse import parse_args
 from fsdp_opt.engine.step import train_step
 from fsdp_opt.runtime.distributed import init_distributed, teardown
@@ -19,7 +20,7 @@ from fsdp_opt.train.saving import save
 def main() -> None:
     out_path, load, flags = sys.argv[1], sys.argv[2], sys.argv[3:]
     if load == "broadcast":  # as when the other ranks cannot see rank 0's file (nodes without a shared filesystem)
-        _every_rank_sees = lambda path, env: False
+        loading._every_rank_sees = lambda path, env: False  # noqa: E731
     configure_allocator()
     env = init_distributed("cpu")
     config = parse_args(flags)
