@@ -98,7 +98,7 @@ class Checked:
 
 
 @dataclass
-class Inputs:
+class Loaded:
     """The model's config and tokenizer and the slice's blocks, read once (rank 0 first: downloads, then cache hits)."""
 
     model_config: PretrainedConfig
@@ -163,7 +163,7 @@ def check_flags(config: Config, env: DistEnv) -> Checked:
     return Checked(source, precision, config.train.accum_for(env.world_size))
 
 
-def read_inputs(config: Config, env: DistEnv, checked: Checked) -> Inputs:
+def read_inputs(config: Config, env: DistEnv, checked: Checked) -> Loaded:
     mc, dc = config.model, config.data
     model_config, tokenizer = rank0_first(
         lambda: (load_model_config(checked.source, mc.attn_implementation), load_tokenizer(checked.source))
@@ -185,10 +185,10 @@ def read_inputs(config: Config, env: DistEnv, checked: Checked) -> Inputs:
     if eval_texts is not None:  # docs and pad give the same per-row losses; docs in fewer blocks
         eval_packing = "concat" if dc.packing == "concat" else "docs"
         eval_blocks = all_ranks_ok(lambda: build_blocks(eval_texts, tokenizer, dc.max_length, eval_packing, attention))
-    return Inputs(model_config, tokenizer, blocks, end_idx, eval_blocks, bf16_pretrained)
+    return Loaded(model_config, tokenizer, blocks, end_idx, eval_blocks, bf16_pretrained)
 
 
-def build_model(config: Config, env: DistEnv, checked: Checked, inputs: Inputs, payload: dict[str, Any] | None) -> Built:
+def build_model(config: Config, env: DistEnv, checked: Checked, inputs: Loaded, payload: dict[str, Any] | None) -> Built:
     """Meta model -> layout -> adapters -> resume checks (rank 0 holds the payload) -> shard (with activation
     checkpointing) -> weights."""
     mc, tc, pc, lc = config.model, config.train, config.parallel, config.lora
@@ -232,7 +232,7 @@ def build_model(config: Config, env: DistEnv, checked: Checked, inputs: Inputs, 
     return Built(model, adapters, layout, block_classes, units, chunked_loss, n_params, fpt)
 
 
-def make_session(config: Config, env: DistEnv, checked: Checked, inputs: Inputs, built: Built) -> Session:
+def make_session(config: Config, env: DistEnv, checked: Checked, inputs: Loaded, built: Built) -> Session:
     """Optimizer, loss scaler, schedule and the data order around the built model; the position starts fresh."""
     tc = config.train
     model = built.model

@@ -168,7 +168,7 @@ def test_a_purge_the_hub_refused_is_finished_by_the_next_session(tmp_path):
         deadline = time.monotonic() + 60
         while up2.pending() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert up2.jobs[0].status == "failed" and len(up2.to_purge) > len(pending)  # its uploaded objects queued
+        assert up2.jobs[0].status == "failed" and len(up2.repo.to_purge) > len(pending)  # its uploaded objects queued
         up2.submit(tmp_path / names[3], "epoch", {"global_step": 4})
         assert up2.finish(timeout=60) == [up2.jobs[0]]
         _stored_equals_head(server, "me/q")
