@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -11,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from hubserver import HubServer
 
 # The loopback Hub (tests/hubserver.py) speaks LFS, not Xet: set before anything imports huggingface_hub.
 os.environ["HF_HUB_DISABLE_XET"] = "1"
@@ -188,3 +190,52 @@ def pytest_collection_modifyitems(config, items):  # noqa: ANN001
         return len(LONGEST_FIRST)
 
     items.sort(key=rank)  # stable: the rest keep their order
+
+
+def kill_all_with(marker: str, sig: int) -> None:
+    """Signal every process whose command line mentions `marker`."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if marker in cmdline and int(entry.name) != os.getpid():
+                try:
+                    os.kill(int(entry.name), sig)
+                except ProcessLookupError:
+                    pass
+
+
+def losses_by_step(path: Path) -> dict[int, float]:
+    """The last logged loss of each step (a killed run may have logged steps a resume repeats)."""
+    return {r["step"]: r["loss"] for r in read_jsonl(path)}
+
+
+HF_TOK = "hf_fake-token-for-loopback-tests-0123456789"
+
+
+WB_KEY = "wandbtestkey" + "7" * 28
+
+
+COMMON = ["--model", "tiny-opt", "--dataset", "python-docs", "--max_length", "64", "--lr", "3e-3", "--num_epochs", "1"]
+
+
+def hub_env(tmp: Path, server: HubServer, name: str) -> dict[str, str]:
+    env = sandbox_env(
+        tmp,
+        HF_ENDPOINT=server.url,
+        HF_TOKEN=HF_TOK,
+        WANDB_API_KEY=WB_KEY,
+        HF_HOME=str(tmp / f"hf_home_{name}"),  # a fresh, empty cache for every session
+        HF_HUB_DISABLE_XET="1",  # large files take the LFS path, which the loopback Hub serves
+        WANDB_CONFIG_DIR=str(tmp / "wandb_config"),
+        WANDB_CACHE_DIR=str(tmp / "wandb_cache"),
+        WANDB_DATA_DIR=str(tmp / "wandb_data"),
+    )
+    env.pop("WANDB_MODE")
+    return env
+
+
+def saved_names(out: str) -> list[str]:
+    return [Path(m).name for m in re.findall(r"^saved (\S+) \(", out, flags=re.M)]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -11,7 +10,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ASSETS, ENTRY, built_once, read_jsonl, run_cli, sandbox_env, torchrun_cmd
+from conftest import (
+    ASSETS,
+    ENTRY,
+    built_once,
+    kill_all_with,
+    losses_by_step,
+    read_jsonl,
+    run_cli,
+    sandbox_env,
+    torchrun_cmd,
+)
 
 from fsdp_opt.checkpoint.names import MODEL_KEY, checkpoint_name, list_checkpoints
 from fsdp_opt.checkpoint.save import EPOCHS_KEY, STEP_KEY
@@ -24,24 +33,8 @@ BASE = [
 TINY = ["--model", "tiny-opt"] + BASE  # dropout 0.1: exactness needs every rank's RNG restored
 
 
-def kill_all_with(marker: str, sig: int) -> None:
-    """Signal every process whose command line mentions `marker`."""
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
-            except OSError:
-                continue
-            if marker in cmdline and int(entry.name) != os.getpid():
-                try:
-                    os.kill(int(entry.name), sig)
-                except ProcessLookupError:
-                    pass
 
 
-def losses_by_step(path: Path) -> dict[int, float]:
-    """The last logged loss of each step (a killed run may have logged steps a resume repeats)."""
-    return {r["step"]: r["loss"] for r in read_jsonl(path)}
 
 
 @pytest.fixture(scope="module")

@@ -15,32 +15,18 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ASSETS, assert_clean_failure, read_jsonl, run_cli, sandbox_env
+from conftest import (
+    ASSETS,
+    COMMON,
+    HF_TOK,
+    WB_KEY,
+    assert_clean_failure,
+    hub_env,
+    read_jsonl,
+    run_cli,
+    saved_names,
+)
 from hubserver import HubServer
-
-HF_TOK = "hf_fake-token-for-loopback-tests-0123456789"
-WB_KEY = "wandbtestkey" + "7" * 28
-COMMON = ["--model", "tiny-opt", "--dataset", "python-docs", "--max_length", "64", "--lr", "3e-3", "--num_epochs", "1"]
-
-
-def hub_env(tmp: Path, server: HubServer, name: str) -> dict[str, str]:
-    env = sandbox_env(
-        tmp,
-        HF_ENDPOINT=server.url,
-        HF_TOKEN=HF_TOK,
-        WANDB_API_KEY=WB_KEY,
-        HF_HOME=str(tmp / f"hf_home_{name}"),  # a fresh, empty cache for every session
-        HF_HUB_DISABLE_XET="1",  # large files take the LFS path, which the loopback Hub serves
-        WANDB_CONFIG_DIR=str(tmp / "wandb_config"),
-        WANDB_CACHE_DIR=str(tmp / "wandb_cache"),
-        WANDB_DATA_DIR=str(tmp / "wandb_data"),
-    )
-    env.pop("WANDB_MODE")
-    return env
-
-
-def saved_names(out: str) -> list[str]:
-    return [Path(m).name for m in re.findall(r"^saved (\S+) \(", out, flags=re.M)]
 
 
 def wandb_records(run_dir: Path) -> list[dict]:

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_jsonl, run_cli
+from conftest import COMMON, HF_TOK, hub_env, read_jsonl, run_cli, saved_names
 from hubserver import HubServer
-from test_hub import COMMON, HF_TOK, hub_env, saved_names
 
 from fsdp_opt.checkpoint.names import MODEL_KEY
 from fsdp_opt.hub.retention import decide

@@ -16,15 +16,19 @@ import torch
 import torch.nn.functional as F
 from conftest import (
     ASSETS,
+    HF_TOK,
     ROOT,
     assert_clean_failure,
+    hub_env,
+    kill_all_with,
+    losses_by_step,
     make_local_model,
     read_jsonl,
     run_cli,
     sandbox_env,
+    saved_names,
     torchrun_cmd,
 )
-from test_resume import kill_all_with, losses_by_step
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fsdp_opt.checkpoint.names import MODEL_KEY, checkpoint_name
@@ -269,7 +273,6 @@ def test_lora_chain_of_three_slices_through_the_hub(tmp_path):
     only, the older range keeps a weights file of its adapters, and the exported adapter lands at the repo root with a
     card that names its base. The third session, on one rank, continues the global step."""
     from hubserver import HubServer
-    from test_hub import HF_TOK, hub_env, saved_names
 
     common = ["--model", "tiny-opt", "--dataset", "python-docs", "--max_length", "64", "--lr", "3e-3", "--num_epochs", "1",
               "--lora_rank", "4", "--hf_repo", "me/lora", "--wandb_mode", "disabled"]  # fmt: skip
