@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_opt.config.parse import Config
 from fsdp_opt.data.blocks import Blocks, StepBatch, StepPlan, model_inputs
 from fsdp_opt.engine.loss import ChunkedLoss, causal_lm_loss_sum
 from fsdp_opt.engine.optim import LossScaler, LRSchedule, global_grad_norm, unscale_and_clip_
@@ -27,7 +28,7 @@ from fsdp_opt.runtime.gpus import peak_memory_bytes
 class StepRun(Protocol):
     """What a step reads and updates of the run (the trainer's Session is one)."""
 
-    config: Any  # the run's Config: max_grad_norm, the slice's start
+    config: Config  # read for max_grad_norm and the slice's start
     env: DistEnv
     model: nn.Module
     optimizer: torch.optim.Optimizer
