@@ -71,18 +71,6 @@ def _checked(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-
-
-
-
-
-
-
-
-
-
-
-
 def main(argv: list[str] | None = None) -> int:
     try:
         args = _checked(build_parser().parse_args(argv))

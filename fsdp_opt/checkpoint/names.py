@@ -42,11 +42,3 @@ def _is_checkpoint(p: Path) -> bool:
 
 def list_checkpoints(output_dir: Path) -> list[Path]:
     return sorted(p for p in output_dir.iterdir() if _is_checkpoint(p)) if output_dir.is_dir() else []
-
-
-
-
-
-
-
-

@@ -89,7 +89,3 @@ def check_compatible(payload: dict[str, Any], model: nn.Module, path: Path, flag
                 f"{flag} {path}: {k} has shape {list(got[k])}, the model has {list(shape)} "
                 "(another model size or vocabulary)"
             )
-
-
-
-

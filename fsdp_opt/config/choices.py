@@ -22,6 +22,7 @@ def shard_count(strategy: str, world_size: int, ranks_per_node: int) -> int:
         return max(1, ranks_per_node)
     return world_size
 
+
 # What torch.cuda.get_device_properties(i).total_memory reads on Kaggle's T4s (ECC on): 14.56 to 14.75 GiB, not the
 # 16 GB they are sold as; the plan takes the lower reading.
 T4_MEMORY = "14.56GiB"

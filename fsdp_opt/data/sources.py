@@ -26,7 +26,6 @@ def python_docs_texts(min_chars: int = 200) -> list[str]:
     return rows
 
 
-
 def load_rows(spec: str):
     """The raw dataset as a `datasets.Dataset` (train split)."""
     import datasets
@@ -60,7 +59,6 @@ def load_rows(spec: str):
             f"--dataset {spec}: cannot load it from the Hugging Face Hub ({first_line(exc)}). "
             f"Check the id and the network, or use --dataset {BUILTIN_DATASET} or a local file."
         ) from None
-
 
 
 def select_texts(ds, text_column: str, start_idx: int, end_idx: int | None) -> tuple[list[str], int]:

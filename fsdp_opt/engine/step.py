@@ -45,6 +45,7 @@ class StepRun(Protocol):
     peak_flops: float | None
     last_loss: float
 
+
 def accumulate(s: StepRun, step: StepBatch, scale: float = 1.0) -> torch.Tensor:
     """Forward and backward over this rank's micro-batches of `step`; returns this rank's summed token loss.
 

@@ -31,8 +31,6 @@ ADAPTER = "default"  # peft's adapter name inside the model; not part of the exp
 KEY = "lora"  # the checkpoint key holding the run's LoRA identity
 
 
-
-
 def find_targets(model: nn.Module, targets: str | None) -> list[str]:
     """The layers to adapt: every linear layer of the blocks, or those whose name ends with one of `targets`."""
     linear = block_linear_names(model)
@@ -72,8 +70,6 @@ def inject(model: nn.Module, settings: LoraConfig, *, meta: bool, seed: int | No
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_" in name)
     return targets
-
-
 
 
 class Adapters:

@@ -43,7 +43,6 @@ class ModelSource:
         return self.kind not in ("builtin", "random")
 
 
-
 def resolve_model(name: str) -> ModelSource:
     if name == BUILTIN_MODEL:
         return ModelSource(name, str(ASSETS / BUILTIN_MODEL), "builtin")
@@ -163,6 +162,7 @@ def max_positions(config: PretrainedConfig) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
+
 
 # facebook/opt-* shapes (config.json of each model on the Hub): hidden, layers, heads, ffn, projection dim.
 OPT_FAMILY = {

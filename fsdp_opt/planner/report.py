@@ -75,7 +75,6 @@ def host_ram(phases: dict[str, Any], shape: Shape, host_memory: int, save_optimi
     return {**phases, "gather_bytes": gather, "host_memory": host_memory, "fits": worst <= host_memory}
 
 
-
 def render(plan: dict[str, Any]) -> str:
     i, shape = plan["inputs"], plan["shape"]
     lines = [

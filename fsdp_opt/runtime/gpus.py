@@ -76,6 +76,7 @@ def describe(gpus: list[dict[str, Any]]) -> list[str]:
         lines.append(f"cuda:{g['index']} {g['name']}, {g['memory_gib']:.2f} GiB, compute {g['capability']}, {bf16}")
     return lines
 
+
 # Dense fp16/bf16 tensor-core peaks from vendor datasheets, by substring of the device name.
 PEAK_FLOPS = {
     "H200": 989e12,

@@ -51,7 +51,7 @@ class MetricsWriter:
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The records of metrics.jsonl; `path` is the file or the output_dir holding it (none there yet: [])."""
     p = Path(path)
-    p = p / METRICS_FILE if p.is_dir() or not p.exists() and p.suffix != ".jsonl" else p
+    p = p if p.suffix == ".jsonl" else p / METRICS_FILE
     if not p.exists():
         return []
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]

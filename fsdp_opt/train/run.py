@@ -141,9 +141,11 @@ def setup(config: Config, env: DistEnv) -> Session:
                                 len(inputs.blocks))  # fmt: skip
         print0(f"  checkpoint found and read in {read_seconds:.1f} s, loaded into the shards in "
                f"{time.perf_counter() - load_started:.1f} s")  # fmt: skip
-    run_id = payload.get("wandb_run_id") if payload is not None and env.is_main else None
-    del payload  # rank 0's copy of the checkpoint: gone before the first save gathers another
-    release_host_memory()
+        run_id = payload.get("wandb_run_id") if env.is_main else None
+        del payload  # rank 0's copy of the checkpoint: gone before the first save gathers another
+        release_host_memory()  # every rank: what loading the shards mapped and copied
+    else:
+        run_id = None
     tie_and_check(built.model)
     built.model.train()
     start_side_work(session, built, run_id, inputs.bf16_pretrained)

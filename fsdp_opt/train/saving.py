@@ -48,8 +48,6 @@ def run_eval(s: Session) -> dict[str, float]:
     return result
 
 
-
-
 def uses_async_save(config: Config, device_type: str) -> bool:
     """--async_save; auto: on a GPU, whose host is idle while it trains; not on CPU, where the write would take cores
     and memory from the steps it overlaps."""
@@ -144,11 +142,3 @@ def raise_if_write_failed(s: Session) -> None:
     failed = max_over_ranks(1 if s.ckpt_writer is not None and s.ckpt_writer.error else 0)
     if failed:
         raise CheckpointError(broadcast_object(s.ckpt_writer.error if s.env.is_main else None) or "writing a checkpoint failed")
-
-
-
-
-
-
-
-

@@ -33,10 +33,6 @@ BASE = [
 TINY = ["--model", "tiny-opt"] + BASE  # dropout 0.1: exactness needs every rank's RNG restored
 
 
-
-
-
-
 @pytest.fixture(scope="module")
 def straight_dir(tmp_path_factory) -> Path:
     """2 epochs uninterrupted on 2 ranks: the reference for every resume below; it keeps both epochs' checkpoints."""
