@@ -118,11 +118,6 @@ def process_count(nproc: int | str) -> int:
     return int(nproc)
 
 
-def next_slice(start_idx: int, end_idx: int) -> tuple[int, int]:
-    """The range after [start_idx, end_idx), of the same length."""
-    return end_idx, end_idx + (end_idx - start_idx)
-
-
 # ---------------------------------------------------------------- a look back
 
 

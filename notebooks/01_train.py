@@ -17,9 +17,9 @@
 # Settings of this session. papermill (or you) may change any of them.
 model = "facebook/opt-1.3b"  # Hub id, local folder, or the built-in "tiny-opt"
 dataset = "ash001/arxiv-abstract"  # Hub id, local file, or the built-in "python-docs"
-start_idx = 0  # this session trains rows [start_idx, end_idx)
-end_idx = 5000
-num_epochs = 1
+range_size = 5000  # rows per session: each run of this notebook trains the range after the newest checkpoint
+num_epochs = 1  # passes over the whole dataset
+session_ranges = 1  # ranges one session may train (0: as many as the time left holds, each one whole)
 batch_size = 4  # per GPU
 accum_steps = 16  # global batch = batch_size x GPUs x accum_steps
 max_length = 512  # tokens per training sequence
@@ -31,7 +31,6 @@ repo_dir = None  # without `install`: the fsdp-opt checkout; None: this folder o
 session_hours = 12.0  # Kaggle ends a session after about 12 hours
 reserve_minutes = 30  # stop this long before the end: the last save and push fit in it
 disk_budget = "19GB"  # checkpoints in output_dir stay under this (Kaggle keeps 20 GB of /kaggle/working)
-run_next_slice = True  # also run the launch that resumes on the next range
 extra_flags = ""  # more fsdp_finetune.py flags, e.g. "--save_every_steps 200 --eval_rows 200"
 
 # %% [markdown]
@@ -41,7 +40,10 @@ extra_flags = ""  # more fsdp_finetune.py flags, e.g. "--save_every_steps 200 --
 # of the dataset; checkpoints are named by range, pushed to the Hugging Face Hub (with `hf_repo`), and the next
 # session resumes from them, so the chain of sessions is one training run with one global step and one W&B run.
 #
-# Change the settings in the first cell. Nothing else needs editing.
+# The notebook is the same for every session: `--start_idx auto` finds the newest checkpoint (here or in `hf_repo`)
+# and trains the range after it, or finishes the range a stopped session left. Set the first cell once, then run
+# each session with **Save Version → Save & Run All**. When every pass over the data is trained, a run says so and
+# trains nothing.
 
 # %% [markdown]
 # ## 1. Setup
@@ -104,15 +106,17 @@ plan_cmd = nb.python_module("fsdp_opt.plan", nb.flags(
 # %% [markdown]
 # ## 3. Train this session's range
 #
-# One process per GPU under `torchrun`. `--time_limit` is what is left of the session less `reserve_minutes`:
-# before it runs out the run saves, pushes and exits cleanly, printing the command that resumes.
+# One process per GPU under `torchrun`. The run prints where the chain stands: ranges done, this range, rows left
+# and the sessions left at the measured rate. `--time_limit` is what is left of the session less
+# `reserve_minutes`: before it runs out the run saves, pushes and exits cleanly, and the next session finishes the
+# range.
 
 # %%
 limit = nb.time_limit(session_hours, reserve_minutes)
 args = nb.flags(
-    model=model, dataset=dataset, start_idx=start_idx, end_idx=end_idx, num_epochs=num_epochs, batch_size=batch_size,
-    accum_steps=accum_steps, max_length=max_length, hf_repo=hf_repo, output_dir=output_dir, time_limit=limit,
-    disk_budget=disk_budget,
+    model=model, dataset=dataset, start_idx="auto", range_size=range_size, session_ranges=session_ranges,
+    num_epochs=num_epochs, batch_size=batch_size, accum_steps=accum_steps, max_length=max_length, hf_repo=hf_repo,
+    output_dir=output_dir, time_limit=limit, disk_budget=disk_budget,
 ) + shlex.split(extra_flags)  # fmt: skip
 train_cmd = nb.torchrun(nproc, "fsdp_opt", args, module=True)  # the training command of the package
 print(train_cmd)
@@ -122,31 +126,7 @@ print(train_cmd)
 assert _exit_code == 0, "training stopped with an error: see the lines above"  # noqa: F821 - set by IPython
 
 # %% [markdown]
-# ## 4. The next session: resume on the next range
-#
-# A new session (even on an empty machine) continues from the newest checkpoint with `--resume_file latest`:
-# from `output_dir` or, with `hf_repo`, from the Hub. Give a checkpoint name such as
-# `opt_1.3B_0-5000-epoch-1.pt` instead to pick one. In a real chain you run this cell in the next session,
-# with the same settings; here it runs right after the first launch if time is left.
-
-# %%
-next_start, next_end = nb.next_slice(start_idx, end_idx)
-limit = nb.time_limit(session_hours, reserve_minutes)
-args = nb.flags(
-    model=model, dataset=dataset, start_idx=next_start, end_idx=next_end, num_epochs=num_epochs, batch_size=batch_size,
-    accum_steps=accum_steps, max_length=max_length, hf_repo=hf_repo, output_dir=output_dir, time_limit=limit,
-    disk_budget=disk_budget, resume_file="latest",
-) + shlex.split(extra_flags)  # fmt: skip
-resume_cmd = nb.torchrun(nproc, "fsdp_opt", args, module=True)
-print(resume_cmd if run_next_slice and limit else "not launched (run_next_slice is off, or too little session time is left)")
-
-# %%
-if run_next_slice and limit:
-    # !{resume_cmd}
-    assert _exit_code == 0, "the resumed run stopped with an error: see the lines above"  # noqa: F821
-
-# %% [markdown]
-# ## 5. A look back
+# ## 4. A look back
 #
 # The loss of every optimizer step in `metrics.jsonl`, with a moving average; dashed lines mark where each
 # range (session) starts. The figure is saved next to the metrics as `loss_curve.png`.

@@ -12,6 +12,7 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 DEVICES = ("auto", "cuda", "cpu")
 STATE_DICT_TYPES = ("full", "sharded")
 PACKING_MODES = ("docs", "concat", "pad")
+AUTO = "auto"  # --start_idx auto: the chain of sessions picks its own next range
 
 
 def shard_count(strategy: str, world_size: int, ranks_per_node: int) -> int:

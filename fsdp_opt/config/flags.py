@@ -28,6 +28,16 @@ def parse_bool(text: str | bool) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def parse_start(text: str | int) -> int | str:
+    """--start_idx: a row index, or 'auto'."""
+    if isinstance(text, int) or text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a row index or 'auto', got {text!r}") from None
+
+
 def parse_duration(text: str | None, name: str = "--time_limit") -> float | None:
     """'11h30m', '90m', '45s', '2h' or plain seconds -> seconds."""
     if text is None or text == "":

@@ -8,6 +8,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from fsdp_opt.base import ConfigError
+from fsdp_opt.config.choices import AUTO
 from fsdp_opt.config.flags import OneLineParser, parse_bool
 from fsdp_opt.config.storage import CheckpointConfig, HubConfig, WandbConfig
 from fsdp_opt.config.training import DataConfig, LoraConfig, ModelConfig, ParallelConfig, TrainConfig
@@ -85,4 +87,23 @@ def build_parser(prog: str = "fsdp_finetune.py", description: str | None = None)
 
 def parse_args(argv: Sequence[str] | None = None) -> Config:
     namespace = build_parser().parse_args(argv)
-    return Config.from_flat(vars(namespace))
+    config = Config.from_flat(vars(namespace))
+    check_chain_flags(config)
+    return config
+
+
+def check_chain_flags(config: Config) -> None:
+    """The flags of --start_idx auto against the rest, as typed (a chain's resolved config has both kinds)."""
+    dc = config.data
+    if dc.start_idx != AUTO:
+        if dc.range_size is not None:
+            raise ConfigError(f"--range_size {dc.range_size}: only with --start_idx auto")
+        if dc.session_ranges != 1:
+            raise ConfigError(f"--session_ranges {dc.session_ranges}: only with --start_idx auto")
+        return
+    if config.checkpoint.resume_file not in (None, "latest"):
+        raise ConfigError(f"--resume_file {config.checkpoint.resume_file}: not with --start_idx auto (it resumes "
+                          "from the newest checkpoint in --output_dir and --hf_repo)")  # fmt: skip
+    if config.train.initial_epoch != 0:
+        raise ConfigError(f"--initial_epoch {config.train.initial_epoch}: not with --start_idx auto (the chain "
+                          "counts its passes from the checkpoints' names)")  # fmt: skip

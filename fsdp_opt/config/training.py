@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fsdp_opt.base import ConfigError, parse_size
-from fsdp_opt.config.choices import DEVICES, LR_SCHEDULES, PACKING_MODES, PRECISIONS, STRATEGIES, T4_LINK_GBPS
-from fsdp_opt.config.flags import flag
+from fsdp_opt.config.choices import AUTO, DEVICES, LR_SCHEDULES, PACKING_MODES, PRECISIONS, STRATEGIES, T4_LINK_GBPS
+from fsdp_opt.config.flags import flag, parse_start
 
 
 @dataclass
@@ -27,8 +27,25 @@ class DataConfig:
         "Hub dataset id, a local .jsonl/.json/.csv/.parquet/.txt file or folder, or the built-in 'python-docs'.",
     )
     text_column: str = flag("text", "Column holding the training text.")
-    start_idx: int = flag(0, "First row of the slice to train on (inclusive).")
+    start_idx: int | str = flag(
+        0,
+        "First row of the slice to train on (inclusive), or 'auto': the chain picks its own range from the newest "
+        "checkpoint in --output_dir and --hf_repo (with --range_size; --resume_file latest is implied).",
+        type=parse_start,
+    )
     end_idx: int | None = flag(None, "End of the slice (exclusive). Default: the end of the dataset.")
+    range_size: int | None = flag(
+        None,
+        "With --start_idx auto: rows per range. No checkpoint: [0, N); after a finished range [s, e): [e, e+N), cut "
+        "at the end of the data; after an interrupted one: the rest of it. --num_epochs is then the passes over "
+        "the whole dataset.",
+    )
+    session_ranges: int = flag(
+        1,
+        "With --start_idx auto: the most ranges one session trains (0: no limit). A further range starts only "
+        "when --time_limit leaves room for all of it at the measured step time; the names and pushes are those "
+        "of separate sessions.",
+    )
     max_length: int = flag(512, "Tokens per training sequence.")
     eval_rows: int = flag(
         0,
@@ -46,7 +63,16 @@ class DataConfig:
     pad_to_max_length: bool = flag(False, "Same as --packing pad (the original recipe's padding).")
 
     def __post_init__(self) -> None:
-        if self.start_idx < 0:
+        if self.range_size is not None and self.range_size < 1:
+            raise ConfigError(f"--range_size {self.range_size}: must be 1 or more")
+        if self.session_ranges < 0:
+            raise ConfigError(f"--session_ranges {self.session_ranges}: must be 1 or more (0: no limit)")
+        if self.start_idx == AUTO:
+            if self.end_idx is not None:
+                raise ConfigError(f"--end_idx {self.end_idx}: not with --start_idx auto (--range_size sets the range)")
+            if self.range_size is None:
+                raise ConfigError("--start_idx auto: needs --range_size N (rows per range)")
+        elif self.start_idx < 0:
             raise ConfigError(f"--start_idx {self.start_idx}: must be 0 or more")
         if self.end_idx is not None and self.end_idx <= self.start_idx:
             raise ConfigError(f"--end_idx {self.end_idx}: must be greater than --start_idx {self.start_idx}")
@@ -65,7 +91,11 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    num_epochs: int = flag(1, "Epochs this invocation runs over the slice, counting one that a resume finishes.")
+    num_epochs: int = flag(
+        1,
+        "Epochs this invocation runs over the slice, counting one that a resume finishes. With --start_idx auto: "
+        "passes of the chain over the whole dataset.",
+    )
     initial_epoch: int = flag(0, "Epoch number to start counting from when not resuming.")
     batch_size: int = flag(4, "Micro-batch size per rank (sequences per forward pass).")
     accum_steps: int = flag(1, "Micro-batches per optimizer step. Global batch = batch_size x ranks x accum_steps.")

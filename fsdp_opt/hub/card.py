@@ -9,10 +9,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from fsdp_opt.checkpoint.chain import CHAIN_KEY, ChainStatus
+
 # Flags that describe this machine or this session, not the training recipe.
 LOCAL_FLAGS = {
     "output_dir", "resume_file", "export_hf", "hf_repo", "hub_public", "hub_retries", "hub_wait",
     "wandb_project", "wandb_mode", "wandb_new_run", "time_limit", "keep_last", "device", "hub_keep_full", "disk_budget",
+    "session_ranges",
 }  # fmt: skip
 
 
@@ -156,20 +159,37 @@ def render_card(repo_id: str, index: dict[str, Any]) -> str:
             f"python -m fsdp_opt.export {weights[-1]} exported --dtype fp16",
             "```",
         ]
-    last_end = rows[-1]["end"] if rows else 0
-    span = (rows[-1]["end"] - rows[-1]["start"]) if rows else 5000
+    chain = ChainStatus.from_dict(latest[1].get(CHAIN_KEY)) if latest[0] else None
+    if chain is not None:
+        out += ["", "## Where the chain stands", "",
+                f"As of `{latest[0]}` (global step {latest[1].get('global_step', '?')}, {latest[1].get('date', '')}):", ""]
+        out += [f"- **{what}**: {where}" for what, where in chain.items()]
+    lora = f" --lora_rank {lora_rank}" if lora_rank else ""
+    out += ["", "## Resume training", ""]
+    if chain is not None and chain.range_size and chain.passes:
+        out += [
+            "Every session runs the same command, even on an empty machine: it finds the newest checkpoint here "
+            "(`checkpoints/`, listed in `fsdp_opt_index.json`) and trains the range after it, or finishes the range it "
+            "stopped in.",
+            "",
+            "```bash",
+            f"torchrun --standalone --nproc_per_node=gpu fsdp_finetune.py --model {base} --dataset {dataset} \\",
+            f"  --start_idx auto --range_size {chain.range_size} --num_epochs {chain.passes} --hf_repo {repo_id}{lora}",
+            "```",
+        ]
+    else:
+        last_end = rows[-1]["end"] if rows else 0
+        span = (rows[-1]["end"] - rows[-1]["start"]) if rows else 5000
+        out += [
+            "Checkpoints are under `checkpoints/` and `fsdp_opt_index.json` lists them. A new session, even on an "
+            "empty machine, continues the global step from the newest one:",
+            "",
+            "```bash",
+            f"torchrun --standalone --nproc_per_node=gpu fsdp_finetune.py --model {base} --dataset {dataset} \\",
+            f"  --start_idx {last_end} --end_idx {last_end + span} --resume_file latest --hf_repo {repo_id}{lora}",
+            "```",
+        ]
     out += [
-        "",
-        "## Resume training",
-        "",
-        "Checkpoints are under `checkpoints/` and `fsdp_opt_index.json` lists them. A new session, even on an "
-        "empty machine, continues the global step from the newest one:",
-        "",
-        "```bash",
-        f"torchrun --standalone --nproc_per_node=gpu fsdp_finetune.py --model {base} --dataset {dataset} \\",
-        f"  --start_idx {last_end} --end_idx {last_end + span} --resume_file latest --hf_repo {repo_id}"
-        + (f" --lora_rank {lora_rank}" if lora_rank else ""),
-        "```",
         "",
         "Keep the other flags of the earlier sessions (batch size, accumulation, learning rate) so the run stays one run.",
         "",

@@ -233,36 +233,53 @@ def _timed(download: Callable[[], Path]) -> Path:
     return path
 
 
+def newest_checkpoint(out_dir: Path, repo_id: str | None, retries: int = 3, flag: str = "--resume_file latest",
+                      strict: bool = False) -> tuple[str, int, Path | None] | None:
+    """(name, global step, local path or None) of the checkpoint with the highest global step in output_dir and, with
+    repo_id, the Hub repo; a local copy wins a tie. A repo that cannot be read: with a local checkpoint, a warning
+    (or with `strict`, an error: the caller must not guess), without one an error. None: no checkpoint anywhere."""
+    local = latest_checkpoint(out_dir)
+    found = None if local is None else (local.name, checkpoint_step(local), local)
+    if not repo_id:
+        return found
+    try:
+        remote = HubStore(repo_id, retries=retries).latest()
+    except Exception as exc:  # noqa: BLE001 - network, auth: one line
+        if local is None or strict:
+            raise CheckpointError(f"{flag}: cannot read the Hub repo {repo_id}: {describe(exc)}") from None
+        print(f"warning: cannot read the Hub repo {repo_id} ({describe(exc)}); using {local}")
+        return found
+    if remote is not None and (found is None or remote[1] > found[1]):
+        return remote[0], remote[1], None
+    return found
+
+
 def find_resume(name: str, out_dir: Path, repo_id: str | None, retries: int = 3, flag: str = "--resume_file") -> Path:
     """--resume_file: a path, then a name in output_dir, then a checkpoint of --hf_repo (downloaded to output_dir).
 
     `latest` is the highest global step among output_dir and the repo; a local copy wins a tie.
     """
+    if name == "latest":
+        newest = newest_checkpoint(out_dir, repo_id, retries, f"{flag} latest")
+        if newest is None:
+            where = f"{out_dir} or in the Hub repo {repo_id}" if repo_id else str(out_dir)
+            raise CheckpointError(f"{flag} latest: no checkpoint in {where}")
+        if newest[2] is not None:
+            return newest[2]
+        name = newest[0]
+        print(f"latest checkpoint is {name} (global step {newest[1]}) in the Hub repo {repo_id}; downloading")
+        try:
+            return _timed(lambda: HubStore(repo_id, retries=retries).download(name, out_dir))
+        except Exception as exc:  # noqa: BLE001 - network, auth: one line
+            raise CheckpointError(f"{flag} latest: cannot download {name} from the Hub repo {repo_id}: {describe(exc)}") from None
     if not repo_id:
         return find_checkpoint(out_dir, name, flag)
-    if name != "latest":
-        try:
-            return find_checkpoint(out_dir, name, flag)
-        except CheckpointError as local_miss:
-            local_error = str(local_miss)
+    try:
+        return find_checkpoint(out_dir, name, flag)
+    except CheckpointError as local_miss:
+        local_error = str(local_miss)
     store = HubStore(repo_id, retries=retries)
     try:
-        if name == "latest":
-            local = latest_checkpoint(out_dir)
-            local_step = checkpoint_step(local) if local is not None else -1
-            try:
-                remote = store.latest()
-            except Exception as exc:  # noqa: BLE001
-                if local is None:
-                    raise
-                print(f"warning: cannot read the Hub repo {repo_id} ({describe(exc)}); using {local}")
-                remote = None
-            if remote is None or remote[1] <= local_step:
-                if local is None:
-                    raise CheckpointError(f"{flag} latest: no checkpoint in {out_dir} or in the Hub repo {repo_id}")
-                return local
-            print(f"latest checkpoint is {remote[0]} (global step {remote[1]}) in the Hub repo {repo_id}; downloading")
-            return _timed(lambda: store.download(remote[0], out_dir))
         files = store.files()
         remote_names = store.checkpoints(files)
         if name in remote_names:

@@ -67,6 +67,8 @@ def resume_command(name: str, argv: list[str] | None = None, program: str | None
     args = list(sys.argv[1:] if argv is None else argv)
     program = sys.argv[0] if program is None else program
     target = "-m fsdp_opt" if os.path.basename(program) == "__main__.py" else "fsdp_finetune.py"
+    if _auto_chain(args):  # the same command: it finds `name` as the newest checkpoint
+        return " ".join([_launcher(target)] + [shlex.quote(a) for a in args])
     out = []
     skip = False
     for a in args:
@@ -80,12 +82,19 @@ def resume_command(name: str, argv: list[str] | None = None, program: str | None
             continue
         out.append(a)
     out += ["--resume_file", name]
+    return " ".join([_launcher(target)] + [shlex.quote(a) for a in out])
+
+
+def _auto_chain(args: list[str]) -> bool:
+    return "--start_idx=auto" in args or any(a == "--start_idx" and b == "auto" for a, b in zip(args, args[1:]))
+
+
+def _launcher(target: str) -> str:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
-    launcher = (
+    return (
         f"torchrun --standalone --nproc_per_node={local} {target}"
         if local and int(os.environ.get("WORLD_SIZE", "1")) == local
         else f"torchrun <same launcher flags> {target}"
         if local
         else f"python {target}"
     )
-    return " ".join([launcher] + [shlex.quote(a) for a in out])

@@ -12,20 +12,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
-from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from fsdp_opt.base import ConfigError
 from fsdp_opt.checkpoint.atomic import remove_stale_temp
+from fsdp_opt.checkpoint.chain import CHAIN_KEY
 from fsdp_opt.checkpoint.read import check_compatible
 from fsdp_opt.checkpoint.resume import restore
 from fsdp_opt.checkpoint.save import BackgroundWriter
 from fsdp_opt.config.choices import DTYPES, shard_count
 from fsdp_opt.config.parse import Config
-from fsdp_opt.data.blocks import Blocks, StepPlan, build_blocks
-from fsdp_opt.data.sources import held_out_texts, load_rows, select_texts
-from fsdp_opt.engine.fp16watch import Fp16Overflow, overflow_probe, trained_in_bf16
+from fsdp_opt.engine.fp16watch import Fp16Overflow, overflow_probe
 from fsdp_opt.engine.loss import ChunkedLoss
 from fsdp_opt.engine.optim import LossScaler, LRSchedule, build_optimizer
 from fsdp_opt.engine.step import TrainState, first_batch_loss, train_step
@@ -36,9 +33,6 @@ from fsdp_opt.model.shapes import count_params, flops_per_token
 from fsdp_opt.model.sources import (
     ModelSource,
     build_meta_model,
-    load_model_config,
-    load_tokenizer,
-    max_positions,
     model_tag,
     resolve_model,
 )
@@ -50,7 +44,7 @@ from fsdp_opt.runtime.distributed import (
     cap_gpu_memory,
     init_distributed,
     print0,
-    rank0_first,
+    broadcast_object,
     teardown,
 )
 from fsdp_opt.runtime.gpus import peak_flops
@@ -62,7 +56,9 @@ from fsdp_opt.tracking.progress import Progress, gpu_memory_line, host_peaks_lin
 from fsdp_opt.tracking.wandb_run import WandbRun
 from fsdp_opt.train.publish import export_final, finish_outside, log_pushed, start_uploader
 from fsdp_opt.train.saving import raise_if_write_failed, save, save_estimate, uses_async_save, wait_for_writes
-from fsdp_opt.train.session import Session
+from fsdp_opt.train.chain import first_range, next_in_session, start_status
+from fsdp_opt.train.inputs import Loaded, read_inputs
+from fsdp_opt.train.session import Session, seed_dropout, step_plan
 from fsdp_opt.train.summary import print_summary
 
 
@@ -71,8 +67,22 @@ def run(config: Config) -> None:
     env = init_distributed(config.parallel.device)
     session = None
     try:
+        config = first_range(config, env)  # --start_idx auto: this session's range; None: the chain is done
+        if config is None:
+            barrier()
+            return
         session = setup(config, env)
-        train(session)
+        stop = StopControl(config.checkpoint.time_limit_seconds)
+        session.clock_started = stop.started
+        try:
+            finished, ranges = train(session, stop), 1
+            while finished and next_in_session(session, stop, ranges):
+                finished, ranges = train(session, stop), ranges + 1
+            if finished and session.config.checkpoint.export_hf:
+                export_final(session)
+            wait_for_writes(session)
+        finally:
+            stop.close()
         for line in (step_time_line(session.step_seconds, session.predicted_step), gpu_memory_line(env)):
             if line:
                 print0(line)
@@ -98,18 +108,6 @@ class Checked:
 
 
 @dataclass
-class Loaded:
-    """The model's config and tokenizer and the slice's blocks, read once (rank 0 first: downloads, then cache hits)."""
-
-    model_config: PretrainedConfig
-    tokenizer: PreTrainedTokenizerBase
-    blocks: Blocks
-    end_idx: int
-    eval_blocks: Blocks | None
-    bf16_pretrained: bool  # as the model's files say (building the model sets the config's dtype to the engine's)
-
-
-@dataclass
 class Built:
     """The sharded model with its weights in place, and what building it decided."""
 
@@ -128,7 +126,7 @@ def setup(config: Config, env: DistEnv) -> Session:
     -> build the model (meta, adapters, layout, shard, weights) -> optimizer and position -> the session and its side
     work (summary, fp16 probe, uploads, W&B). Every step is agreed across ranks: a user error anywhere stops all."""
     checked = check_flags(config, env)
-    inputs = read_inputs(config, env, checked)
+    inputs = read_inputs(config, checked.source)
     read_started = time.perf_counter()
     payload = all_ranks_ok(lambda: read_resume(config.checkpoint.resume_file, Path(config.checkpoint.output_dir),
                                                config.hub.hf_repo, config.hub.hub_retries) if env.is_main else None)  # fmt: skip
@@ -137,15 +135,18 @@ def setup(config: Config, env: DistEnv) -> Session:
     session = make_session(config, env, checked, inputs, built)
     if config.checkpoint.resume_file:  # payload: rank 0's; every rank takes part in restoring it
         load_started = time.perf_counter()
-        session.state = restore(built.model, session.optimizer, session.scaler, payload, config, env, inputs.end_idx,
-                                len(inputs.blocks))  # fmt: skip
+        session.state = restore(built.model, session.optimizer, session.scaler, payload, config, env,
+                                inputs.data.end_idx, len(inputs.data.blocks))  # fmt: skip
         print0(f"  checkpoint found and read in {read_seconds:.1f} s, loaded into the shards in "
                f"{time.perf_counter() - load_started:.1f} s")  # fmt: skip
         run_id = payload.get("wandb_run_id") if env.is_main else None
+        saved_chain = broadcast_object(payload.get(CHAIN_KEY) if env.is_main else None)
         del payload  # rank 0's copy of the checkpoint: gone before the first save gathers another
         release_host_memory()  # every rank: what loading the shards mapped and copied
     else:
-        run_id = None
+        run_id, saved_chain = None, None
+    session.chain = start_status(session, saved_chain, inputs.data.rows)
+    session.chain_seconds_before = session.chain.train_seconds
     tie_and_check(built.model)
     built.model.train()
     start_side_work(session, built, run_id, inputs.bf16_pretrained)
@@ -163,31 +164,6 @@ def check_flags(config: Config, env: DistEnv) -> Checked:
     if cc.export_merge and not (lc.enabled and cc.export_hf):
         raise ConfigError("--export_merge: only for a LoRA run (--lora_rank) with --export_hf DIR")
     return Checked(source, precision, config.train.accum_for(env.world_size))
-
-
-def read_inputs(config: Config, env: DistEnv, checked: Checked) -> Loaded:
-    mc, dc = config.model, config.data
-    model_config, tokenizer = rank0_first(
-        lambda: (load_model_config(checked.source, mc.attn_implementation), load_tokenizer(checked.source))
-    )
-    bf16_pretrained = trained_in_bf16(model_config)
-    positions = max_positions(model_config)
-    if positions is not None and dc.max_length > positions:
-        raise ConfigError(f"--max_length {dc.max_length}: {mc.model} has only {positions} positions")
-
-    def read_data() -> tuple[list[str], int, list[str] | None]:
-        ds = load_rows(dc.dataset)
-        texts, end = select_texts(ds, dc.text_column, dc.start_idx, dc.end_idx)
-        return texts, end, held_out_texts(ds, dc.text_column, end, dc.eval_rows)[0] if dc.eval_rows else None
-
-    texts, end_idx, eval_texts = rank0_first(read_data)
-    attention = mc.attn_implementation
-    blocks = all_ranks_ok(lambda: build_blocks(texts, tokenizer, dc.max_length, dc.packing, attention))
-    eval_blocks = None
-    if eval_texts is not None:  # docs and pad give the same per-row losses; docs in fewer blocks
-        eval_packing = "concat" if dc.packing == "concat" else "docs"
-        eval_blocks = all_ranks_ok(lambda: build_blocks(eval_texts, tokenizer, dc.max_length, eval_packing, attention))
-    return Loaded(model_config, tokenizer, blocks, end_idx, eval_blocks, bf16_pretrained)
 
 
 def build_model(config: Config, env: DistEnv, checked: Checked, inputs: Loaded, payload: dict[str, Any] | None) -> Built:
@@ -239,23 +215,21 @@ def make_session(config: Config, env: DistEnv, checked: Checked, inputs: Loaded,
     tc = config.train
     model = built.model
     optimizer = build_optimizer(model, tc.lr, tc.weight_decay, env.device)
-    torch.manual_seed(tc.seed + 7919 * env.rank)  # dropout masks: per rank, reproducible
+    seed_dropout(config, env)
     out_dir = Path(config.checkpoint.output_dir)
     return Session(
         config=config, env=env, model=model, optimizer=optimizer,
         schedule=LRSchedule(tc.lr, tc.warmup_steps, tc.lr_schedule, tc.lr_decay_steps, tc.min_lr_ratio),
         scaler=LossScaler(enabled=checked.precision == "fp16", init_scale=tc.init_loss_scale),
-        blocks=inputs.blocks,
-        plan=StepPlan(inputs.blocks, batch_size=tc.batch_size, accum_steps=checked.accum_steps, rank=env.rank,
-                      world_size=env.world_size, seed=tc.seed),
+        blocks=inputs.data.blocks, plan=step_plan(config, env, inputs.data.blocks, checked.accum_steps),
         state=TrainState(epoch=tc.initial_epoch),
         writer=MetricsWriter(out_dir, enabled=env.is_main),
-        tag=model_tag(config.model.model), end_idx=inputs.end_idx, precision=checked.precision,
+        tag=model_tag(config.model.model), end_idx=inputs.data.end_idx, precision=checked.precision,
         accum_steps=checked.accum_steps, layout=built.layout,
         flops_per_token=built.flops_per_token,
         peak_flops=peak_flops(env.device), out_dir=out_dir, model_config=inputs.model_config,
         tokenizer=inputs.tokenizer, n_params=built.n_params, params=[p for p in model.parameters() if p.requires_grad],
-        eval_blocks=inputs.eval_blocks, chunked_loss=built.chunked_loss,
+        eval_blocks=inputs.data.eval_blocks, chunked_loss=built.chunked_loss,
         lora=built.adapters.identity() if built.adapters else None,
         ckpt_writer=BackgroundWriter() if uses_async_save(config, env.device.type) else None,
     )  # fmt: skip
@@ -279,31 +253,29 @@ def start_side_work(s: Session, built: Built, run_id: str | None, bf16_pretraine
 # ---------------------------------------------------------------- loop
 
 
-def train(s: Session) -> None:
-    tc, cc = s.config.train, s.config.checkpoint
-    stop = StopControl(cc.time_limit_seconds)
+def train(s: Session, stop: StopControl) -> bool:
+    """The epochs of this slice (one range of an auto chain: one epoch); False when it stopped early."""
+    tc = s.config.train
     if s.env.is_main:
         for p in remove_stale_temp(s.out_dir):
             print0(f"removed {p.name}, left by an interrupted save")
-    try:
-        first_epoch = s.state.epoch
-        for epoch in range(first_epoch, first_epoch + tc.num_epochs):
-            s.state.epoch = epoch
-            progress = Progress(s.env.is_main, s.plan.steps_per_epoch(s.state.offset), f"epoch {epoch + 1}")
-            try:
-                reason = run_epoch(s, epoch, stop, progress)
-            finally:
-                progress.close()  # also on an error: the error line then starts a line of its own
-            if reason:
-                _stop_early(s, reason)
-                return
-            s.state.epoch, s.state.offset = epoch + 1, 0
-            save(s, epoch_end=True)
-        if cc.export_hf:
-            export_final(s)
-        wait_for_writes(s)
-    finally:
-        stop.close()
+    first_epoch = s.state.epoch
+    epochs = 1 if s.config.data.range_size is not None else tc.num_epochs
+    for epoch in range(first_epoch, first_epoch + epochs):
+        s.state.epoch = epoch
+        progress = Progress(s.env.is_main, s.plan.steps_per_epoch(s.state.offset), f"epoch {epoch + 1}")
+        try:
+            reason = run_epoch(s, epoch, stop, progress)
+        finally:
+            progress.close()  # also on an error: the error line then starts a line of its own
+        if reason:
+            _stop_early(s, reason)
+            return False
+        s.state.epoch, s.state.offset = epoch + 1, 0
+        if s.chain is not None:
+            s.chain.ranges_done += 1
+        save(s, epoch_end=True)
+    return True
 
 
 def run_epoch(s: Session, epoch: int, stop: StopControl, progress: Progress) -> str | None:
@@ -320,6 +292,7 @@ def run_epoch(s: Session, epoch: int, stop: StopControl, progress: Progress) -> 
         s.step_seconds.append(time.perf_counter() - step_started)
         stop.observe_step(s.step_seconds[-1])
         s.state.offset = step.end_offset
+        s.count_step(step)
         record["elapsed"] = round(stop.elapsed(), 3)
         record["skipped_rate"], warning, overflow = s.skip_watch.observe(record["skipped"], record["loss_scale"])
         s.writer.write(record)

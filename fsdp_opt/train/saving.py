@@ -12,6 +12,7 @@ from typing import Any
 
 from fsdp_opt.base import CheckpointError
 from fsdp_opt.checkpoint.atomic import save_or_explain
+from fsdp_opt.checkpoint.chain import CHAIN_KEY
 from fsdp_opt.checkpoint.names import checkpoint_name
 from fsdp_opt.checkpoint.resume import slice_key
 from fsdp_opt.checkpoint.save import save_checkpoint
@@ -82,6 +83,7 @@ def save(s: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
         "last_loss": s.last_loss,
         "wandb_run_id": s.wandb.run_id if s.wandb is not None else None,
         "lora": s.lora,
+        CHAIN_KEY: s.chain_record(),
     }
     entry = {
         "global_step": s.state.global_step,
@@ -92,6 +94,7 @@ def save(s: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
         "world_size": s.env.world_size,
         "sharded": sharded,
         "eval_loss": evaluation["loss"] if evaluation else None,
+        CHAIN_KEY: extra[CHAIN_KEY],
     }
     kind = "epoch" if epoch_end else "step"
     started = time.perf_counter()

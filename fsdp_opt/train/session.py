@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,9 +12,10 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+from fsdp_opt.checkpoint.chain import ChainStatus
 from fsdp_opt.checkpoint.save import BackgroundWriter
 from fsdp_opt.config.parse import Config
-from fsdp_opt.data.blocks import Blocks, StepPlan
+from fsdp_opt.data.blocks import Blocks, StepBatch, StepPlan
 from fsdp_opt.engine.fp16watch import SkipWatch
 from fsdp_opt.engine.loss import ChunkedLoss
 from fsdp_opt.engine.optim import LossScaler, LRSchedule
@@ -66,6 +68,9 @@ class Session:
     lora: dict[str, Any] | None = None  # adapters.identity() of a LoRA run: what its checkpoints record
     skip_watch: SkipWatch = field(default_factory=SkipWatch)  # fp16: skipped-step rate, warnings, the storm stop
     ckpt_writer: BackgroundWriter | None = None  # --async_save (rank 0 writes; None: saves written in place)
+    chain: ChainStatus | None = None  # where the chain of sessions stands; saved with every checkpoint
+    clock_started: float | None = None  # time.monotonic() when training began: the session's share of train_seconds
+    chain_seconds_before: float = 0.0  # train_seconds of the chain before this session
 
     @property
     def reduce_each_microbatch(self) -> bool:
@@ -78,3 +83,33 @@ class Session:
     def flags(self) -> dict[str, Any]:
         """The flags with what setup decided in their place: what the run prints and stores with its checkpoints."""
         return {**self.config.flat(), "sharding_strategy": self.layout.strategy, "accum_steps": self.accum_steps}
+
+    def count_step(self, step: StepBatch) -> None:
+        """The chain's position and rows after `step`: its share of the range's samples, as a share of its rows."""
+        c = self.chain
+        if c is None:
+            return
+        width = c.end - c.start
+        c.epoch = step.epoch
+        c.rows_trained += width * step.samples / max(1, self.plan.num_samples)
+        c.position = c.start + width * step.end_offset / max(1, self.plan.num_samples)
+
+    def chain_record(self) -> dict[str, Any] | None:
+        """The chain's status now, as saved with a checkpoint (and its Hub index entry)."""
+        if self.chain is None:
+            return None
+        if self.clock_started is not None:
+            self.chain.train_seconds = self.chain_seconds_before + time.monotonic() - self.clock_started
+        return self.chain.to_dict()
+
+
+def step_plan(config: Config, env: DistEnv, blocks: Blocks, accum_steps: int) -> StepPlan:
+    """The global batches of the slice's epochs, and this rank's share of each."""
+    tc = config.train
+    return StepPlan(blocks, batch_size=tc.batch_size, accum_steps=accum_steps, rank=env.rank,
+                    world_size=env.world_size, seed=tc.seed)  # fmt: skip
+
+
+def seed_dropout(config: Config, env: DistEnv) -> None:
+    """Dropout masks: per rank, reproducible; what a session (or a new range in one) starts from."""
+    torch.manual_seed(config.train.seed + 7919 * env.rank)

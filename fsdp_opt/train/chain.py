@@ -1,0 +1,138 @@
+"""--start_idx auto: the chain of sessions finds its own range, and with --session_ranges, one session trains several.
+
+A session of an auto chain resolves its flags into those of the explicit chain it stands for (`--start_idx s
+--end_idx e --resume_file <newest> --initial_epoch k`) before anything is read or built, so its names, metrics,
+W&B run and Hub files are the ones those flags make. A further range in the same process continues the session the
+way a new session resuming from the range's last checkpoint would: same weights, optimizer, loss scale and global
+step, the next range's blocks, and dropout seeded as a fresh session seeds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from pathlib import Path
+
+from fsdp_opt.checkpoint.chain import ChainStatus, NextRange, next_range
+from fsdp_opt.config.choices import AUTO
+from fsdp_opt.config.parse import Config
+from fsdp_opt.data.sources import load_rows
+from fsdp_opt.engine.step import TrainState
+from fsdp_opt.hub.store import newest_checkpoint
+from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, broadcast_object, print0
+from fsdp_opt.runtime.stopping import StopControl
+from fsdp_opt.train.inputs import SliceData, read_slice
+from fsdp_opt.train.saving import save_estimate
+from fsdp_opt.train.session import Session, seed_dropout, step_plan
+
+MARGIN_S = 10.0  # seconds kept free at the end of --time_limit, as the stop rule keeps them
+
+
+def range_config(config: Config, nxt: NextRange) -> Config:
+    """The flags of the explicit chain for this range: its rows, its checkpoint, its pass."""
+    return dataclasses.replace(
+        config,
+        data=dataclasses.replace(config.data, start_idx=nxt.start, end_idx=nxt.end),
+        train=dataclasses.replace(config.train, initial_epoch=nxt.epoch),
+        checkpoint=dataclasses.replace(config.checkpoint, resume_file=nxt.resume),
+    )
+
+
+def first_range(config: Config, env: DistEnv) -> Config | None:
+    """The session's flags with an auto range resolved (others as given); None when the chain is done, said in one
+    line. Rank 0 reads the newest checkpoint's name (output_dir, then the Hub repo, which must be readable: a guess
+    could train a range twice) and the dataset's row count; every rank gets the decision."""
+    dc, cc = config.data, config.checkpoint
+    if dc.start_idx != AUTO:
+        return config
+
+    def decide() -> tuple[NextRange | None, int, tuple | None]:
+        newest = newest_checkpoint(Path(cc.output_dir), config.hub.hf_repo, config.hub.hub_retries,
+                                   "--start_idx auto", strict=True)  # fmt: skip
+        rows = len(load_rows(dc.dataset))
+        return next_range(newest[0] if newest else None, rows, dc.range_size, config.train.num_epochs), rows, newest
+
+    nxt, rows, newest = broadcast_object(all_ranks_ok(lambda: decide() if env.is_main else None))
+    if nxt is None:
+        print0(f"chain: done: {config.train.num_epochs} pass(es) over the {rows:,} rows of {dc.dataset} in ranges of "
+               f"{dc.range_size:,}; the newest checkpoint, {newest[0]} (global step {newest[1]}), ends the last range. "
+               "Nothing to train.")  # fmt: skip
+        return None
+    if nxt.resume is None:
+        how = "no checkpoint yet: the chain starts"
+    elif nxt.finishing:
+        how = f"the newest checkpoint, {nxt.resume} (global step {newest[1]}), stopped inside its range: finishing it"
+    else:
+        how = f"the newest checkpoint, {nxt.resume} (global step {newest[1]}), ends its range: going on"
+    print0(f"chain: {how} with rows [{nxt.start}, {nxt.end}) (pass {nxt.epoch + 1} of {config.train.num_epochs})")
+    return range_config(config, nxt)
+
+
+def range_fits(steps: int, step_seconds: float, save_seconds: float, seconds_left: float | None) -> bool:
+    """Whether a whole range (its steps at the measured step time, then its save) fits in what --time_limit leaves."""
+    return seconds_left is None or steps * step_seconds + save_seconds + MARGIN_S <= seconds_left
+
+
+def next_in_session(s: Session, stop: StopControl, trained_here: int) -> bool:
+    """After a finished range: start the next one in this process when --session_ranges and --time_limit allow it.
+    Every rank calls this at the same point; the decisions are agreed."""
+    dc = s.config.data
+    if dc.range_size is None or s.chain is None:
+        return False
+    after = s.chain.following()
+    if after is None:
+        print0("chain: done: every pass over the data is trained")
+        return False
+    if dc.session_ranges and trained_here >= dc.session_ranges:
+        print0(f"chain: {trained_here} range(s) this session (--session_ranges {dc.session_ranges}); the next session "
+               f"goes on with [{after[0]}, {after[1]})")  # fmt: skip
+        return False
+    reason = stop.check(save_estimate(s))
+    if reason:
+        print0(f"chain: {reason}: the next session goes on with [{after[0]}, {after[1]})")
+        return False
+    config = range_config(s.config, NextRange(*after, resume=s.last_saved_path.name if s.last_saved_path else None,
+                                              finishing=False))  # fmt: skip
+    data = read_slice(config, s.tokenizer)
+    steps = step_plan(config, s.env, data.blocks, s.accum_steps).steps_per_epoch()
+    step_s = statistics.median(s.step_seconds) if s.step_seconds else 0.0
+    left = stop.seconds_left()
+    fits = broadcast_object(range_fits(steps, step_s, save_estimate(s), left) if s.env.is_main else None)
+    if not fits:
+        print0(f"chain: the next range, [{after[0]}, {after[1]}) ({steps} steps, about {steps * step_s / 60:,.1f} min at "
+               f"{step_s:.2f} s per step, then a save), does not fit in the {left / 60:,.1f} min left of --time_limit; "
+               "the next session starts it")  # fmt: skip
+        return False
+    switch_range(s, config, data)
+    return True
+
+
+def switch_range(s: Session, config: Config, data: SliceData) -> None:
+    """Point the session at the next range, as a new session resuming from the last checkpoint would start it."""
+    s.config = config
+    s.blocks, s.end_idx, s.eval_blocks = data.blocks, data.end_idx, data.eval_blocks
+    s.plan = step_plan(config, s.env, data.blocks, s.accum_steps)
+    s.state = TrainState(s.state.global_step, config.train.initial_epoch, 0)
+    seed_dropout(config, s.env)
+    s.chain = dataclasses.replace(s.chain, start=config.data.start_idx, end=data.end_idx, epoch=s.state.epoch,
+                                  position=float(config.data.start_idx))  # fmt: skip
+    print0(f"next range in this session: rows [{config.data.start_idx}, {data.end_idx}) -> {len(data.blocks)} blocks, "
+           f"{s.plan.steps_per_epoch()} steps, from global step {s.state.global_step}")  # fmt: skip
+    print0(s.chain.line())
+
+
+def start_status(s: Session, saved: dict | None, rows: int) -> ChainStatus:
+    """Where the chain stands as this session starts: the counters of the resumed checkpoint (if it has them) and this
+    session's range and position."""
+    dc = s.config.data
+    prev = ChainStatus.from_dict(saved)
+    share = s.state.offset / max(1, s.plan.num_samples)
+    auto = dc.range_size is not None
+    return ChainStatus(
+        rows=rows, start=dc.start_idx, end=s.end_idx, epoch=s.state.epoch,
+        position=dc.start_idx + (s.end_idx - dc.start_idx) * share,
+        ranges_done=prev.ranges_done if prev else 0, rows_trained=prev.rows_trained if prev else 0.0,
+        train_seconds=prev.train_seconds if prev else 0.0, range_size=dc.range_size,
+        passes=s.config.train.num_epochs if auto else None,
+        session_seconds=s.config.checkpoint.time_limit_seconds,
+    )  # fmt: skip
