@@ -17,11 +17,11 @@
 # Settings of this evaluation. papermill (or you) may change any of them.
 model = "facebook/opt-1.3b"  # the base model the checkpoints were trained from
 dataset = "ash001/arxiv-abstract"
-start_idx = 0  # the range the training notebook trained (used for the plot's title only)
-end_idx = 5000
+range_size = 5000  # unused here, like num_epochs, session_ranges and accum_steps: both notebooks take the same settings
 num_epochs = 1
+session_ranges = 1
 batch_size = 4  # per GPU, for the evaluation forward passes
-accum_steps = 16  # unused here; kept so both notebooks take the same settings
+accum_steps = 16
 hf_repo = None  # "user/name": checkpoints not in output_dir are fetched from there
 output_dir = "/kaggle/working/outputs"
 nproc = "gpu"

@@ -169,6 +169,7 @@ def assert_clean_failure(proc: subprocess.CompletedProcess, *needles: str) -> st
 # The longest tests (minutes each on 2 cores) start first, so parallel workers (pytest-xdist, scripts/test.sh) do
 # not end with one of them running alone.
 LONGEST_FIRST = (
+    "test_auto_chain.py::test_the_same_command_on_fresh_machines_walks_the_chain_and_equals_it_typed_by_hand",
     "test_retention.py::test_chain_of_four_slices_keeps_the_policy",
     "test_lora.py::test_lora_checkpoint_is_small_resumes_exactly_after_sigkill_and_merges",
     "test_cli.py::test_demo_trains_and_loss_falls",
@@ -177,6 +178,7 @@ LONGEST_FIRST = (
     "test_notebooks.py::test_notebooks_run_end_to_end",
     "test_benchmark.py::test_session_benchmark_reports_every_stage_against_its_floor",
     "test_hub.py::test_sessions_chain_through_the_hub",
+    "test_auto_chain.py::test_end_of_data_and_of_passes_and_several_ranges_in_one_session",
     "test_evaluate.py::test_base_vs_checkpoints_match_reference",
     "test_simulate.py::test_fake_step_measures_what_a_real_step_holds_and_the_plan_agrees",
 )

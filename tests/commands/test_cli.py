@@ -96,6 +96,20 @@ BAD_INPUT = [
     (["--device", "cuda"], ["--device cuda", "no CUDA device"]),
     (["--cpu_offload"], ["--cpu_offload", "only useful with CUDA"]),
     (["--link_gbps", "0"], ["--link_gbps 0"]),
+    # --start_idx auto and the flags it conflicts with
+    (["--start_idx", "auto"], ["--start_idx auto", "needs --range_size"]),
+    (["--start_idx", "next"], ["--start_idx", "a row index or 'auto'"]),
+    (["--start_idx", "auto", "--range_size", "0"], ["--range_size 0", "1 or more"]),
+    (["--start_idx", "auto", "--range_size", "-5"], ["--range_size -5"]),
+    (["--start_idx", "auto", "--range_size", "many"], ["--range_size", "'many'"]),
+    (["--start_idx", "auto", "--range_size", "10", "--end_idx", "20"], ["--end_idx 20", "not with --start_idx auto"]),
+    (["--range_size", "10"], ["--range_size 10", "only with --start_idx auto"]),
+    (["--session_ranges", "2"], ["--session_ranges 2", "only with --start_idx auto"]),
+    (["--start_idx", "auto", "--range_size", "10", "--session_ranges", "-1"], ["--session_ranges -1"]),
+    (["--start_idx", "auto", "--range_size", "10", "--resume_file", "x.pt"], ["--resume_file x.pt", "not with --start_idx auto"]),
+    (["--start_idx", "auto", "--range_size", "10", "--initial_epoch", "1"], ["--initial_epoch 1", "not with --start_idx auto"]),
+    (["--start_idx", "auto", "--range_size", "10", "--hf_repo", "me/run", "--hub_retries", "0"],
+     ["--start_idx auto", "cannot read the Hub repo me/run"]),
 ]
 
 

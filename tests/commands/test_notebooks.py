@@ -12,7 +12,7 @@ from conftest import ROOT, read_jsonl, sandbox_env
 
 NOTEBOOKS = ROOT / "notebooks"
 PAIRS = ["01_train", "02_evaluate"]
-PARAMETERS = {"model", "dataset", "start_idx", "end_idx", "num_epochs", "batch_size", "accum_steps", "hf_repo", "output_dir", "nproc"}
+PARAMETERS = {"model", "dataset", "range_size", "session_ranges", "num_epochs", "batch_size", "accum_steps", "hf_repo", "output_dir", "nproc"}
 
 
 @pytest.mark.parametrize("name", PAIRS)
@@ -28,6 +28,8 @@ def test_pair_in_sync(name):
     assert first.cell_type == "code" and first.metadata.get("tags") == ["parameters"]
     assigned = {line.split("=")[0].strip() for line in first.source.splitlines() if "=" in line and not line.startswith("#")}
     assert PARAMETERS <= assigned
+    if name == "01_train":  # the same cell every session: no row indices to edit
+        assert not {"start_idx", "end_idx"} & assigned
     assert 'nproc = "gpu"' in first.source and "hf_repo = None" in first.source
     # The notebooks drive the package; they define no functions or classes of their own.
     for cell in paired.cells:
@@ -61,16 +63,20 @@ def cell_text(nb: dict) -> str:
 
 def test_notebooks_run_end_to_end(tmp_path, monkeypatch):
     common = {
-        "model": "tiny-opt", "dataset": "python-docs", "start_idx": 0, "end_idx": 40, "num_epochs": 1,
+        "model": "tiny-opt", "dataset": "python-docs", "range_size": 40, "num_epochs": 1,
         "batch_size": 2, "accum_steps": 1, "hf_repo": None, "output_dir": str(tmp_path / "out"), "nproc": 2,
         "repo_dir": str(ROOT), "max_length": 64, "extra_flags": "--lr 3e-3 --eval_rows 8",
     }  # fmt: skip
+    # Two sessions: the same notebook with the same parameters, run twice, trains two ranges.
     train = run_notebook("01_train", tmp_path, common, monkeypatch)
     text = cell_text(train)
     assert "{'HF_TOKEN': 'environment', 'WANDB_API_KEY': 'missing'}" in text
     assert "hf_notebook-test-token" not in (tmp_path / "01_train.out.ipynb").read_text()
-    assert "--time_limit" in text and "--resume_file latest" in text
+    assert "--time_limit" in text and "--start_idx auto --range_size 40" in text
     assert "tiny-opt: 1,383,424 parameters" in text and "| **total** |" in text  # the plan
+    assert "the chain starts with rows [0, 40)" in text
+    again = cell_text(run_notebook("01_train", tmp_path, common, monkeypatch))
+    assert "going on with rows [40, 80)" in again and "ranges done 1; range now [40, 80)" in again
     metrics = read_jsonl(tmp_path / "out" / "metrics.jsonl")
     slices = [m["slice"] for m in metrics]
     first = slices.count("0-40")
