@@ -93,14 +93,14 @@ def main(argv: list[str] | None = None) -> int:
               "--device", "cuda" if cuda else "cpu"]  # fmt: skip
     if cuda:
         common += ["--precision", a.precision, "--max_gpu_memory", a.gpu_memory]
-    print(f"gpu_check: {model} on {nproc} x {device}; first launch trains rows [0, {rows}), the second resumes on "
-          f"[{rows}, {2 * rows})", flush=True)  # fmt: skip
+    print(f"gpu_check: {model} on {nproc} x {device}; first launch trains rows [0, {rows}), the second (--start_idx "
+          f"auto) resumes on [{rows}, {2 * rows})", flush=True)  # fmt: skip
     first = _launch(nproc, common + ["--start_idx", "0", "--end_idx", str(rows)], work)
     if first.returncode != 0:
         print(first.stdout[-3000:] + first.stderr[-3000:], file=sys.stderr)
         print(f"error: the first launch failed (exit {first.returncode}); its output is above", file=sys.stderr)
         return 1
-    second = _launch(nproc, common + ["--start_idx", str(rows), "--end_idx", str(2 * rows), "--resume_file", "latest"], work)
+    second = _launch(nproc, common + ["--start_idx", "auto", "--range_size", str(rows)], work)
     if second.returncode != 0:
         print(second.stdout[-3000:] + second.stderr[-3000:], file=sys.stderr)
         print(f"error: the resumed launch failed (exit {second.returncode}); its output is above", file=sys.stderr)
