@@ -54,7 +54,10 @@ def is_transient(exc: BaseException) -> bool:
     code = status_code(exc)
     if code is not None:
         return code >= 500 or code == 429
-    return isinstance(exc, (OSError, TimeoutError, ConnectionError)) or "Timeout" in type(exc).__name__
+    # httpx's network errors (huggingface_hub's client: ConnectError, ReadError, ...) derive from its TransportError,
+    # not from OSError.
+    transport = any(c.__name__ == "TransportError" and c.__module__.startswith("httpx") for c in type(exc).__mro__)
+    return transport or isinstance(exc, (OSError, TimeoutError, ConnectionError)) or "Timeout" in type(exc).__name__
 
 
 def describe(exc: BaseException) -> str:

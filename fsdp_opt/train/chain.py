@@ -13,12 +13,13 @@ import dataclasses
 import statistics
 from pathlib import Path
 
+from fsdp_opt.base import CheckpointError
 from fsdp_opt.checkpoint.chain import ChainStatus, NextRange, next_range
 from fsdp_opt.config.choices import AUTO
 from fsdp_opt.config.parse import Config
 from fsdp_opt.data.sources import load_rows
 from fsdp_opt.engine.step import TrainState
-from fsdp_opt.hub.store import newest_checkpoint
+from fsdp_opt.hub.store import HubStore, newest_checkpoint
 from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, broadcast_object, print0
 from fsdp_opt.runtime.stopping import StopControl
 from fsdp_opt.train.inputs import SliceData, read_slice
@@ -47,9 +48,13 @@ def first_range(config: Config, env: DistEnv) -> Config | None:
         return config
 
     def decide() -> tuple[NextRange | None, int, tuple | None]:
-        newest = newest_checkpoint(Path(cc.output_dir), config.hub.hf_repo, config.hub.hub_retries,
-                                   "--start_idx auto", strict=True)  # fmt: skip
         rows = len(load_rows(dc.dataset))
+        hc = config.hub
+        # A repo the token cannot open reads as empty: open (or create) it first, as the uploader would.
+        if hc.hf_repo and not HubStore(hc.hf_repo, retries=hc.hub_retries).ensure_repo(private=not hc.hub_public):
+            raise CheckpointError(f"--start_idx auto: cannot read the Hub repo {hc.hf_repo} now (it cannot be "
+                                  "reached); its newest checkpoint decides the range, so none is guessed")  # fmt: skip
+        newest = newest_checkpoint(Path(cc.output_dir), hc.hf_repo, hc.hub_retries, "--start_idx auto", strict=True)
         return next_range(newest[0] if newest else None, rows, dc.range_size, config.train.num_epochs), rows, newest
 
     nxt, rows, newest = broadcast_object(all_ranks_ok(lambda: decide() if env.is_main else None))

@@ -72,17 +72,7 @@ def run(config: Config) -> None:
             barrier()
             return
         session = setup(config, env)
-        stop = StopControl(config.checkpoint.time_limit_seconds)
-        session.clock_started = stop.started
-        try:
-            finished, ranges = train(session, stop), 1
-            while finished and next_in_session(session, stop, ranges):
-                finished, ranges = train(session, stop), ranges + 1
-            if finished and session.config.checkpoint.export_hf:
-                export_final(session)
-            wait_for_writes(session)
-        finally:
-            stop.close()
+        train_session(session)
         for line in (step_time_line(session.step_seconds, session.predicted_step), gpu_memory_line(env)):
             if line:
                 print0(line)
@@ -251,6 +241,21 @@ def start_side_work(s: Session, built: Built, run_id: str | None, bf16_pretraine
 
 
 # ---------------------------------------------------------------- loop
+
+
+def train_session(s: Session) -> None:
+    """The session's range, then (--session_ranges) those after it while they fit; the export; the last writes."""
+    stop = StopControl(s.config.checkpoint.time_limit_seconds)
+    s.clock_started = stop.started
+    try:
+        finished, ranges = train(s, stop), 1
+        while finished and next_in_session(s, stop, ranges):
+            finished, ranges = train(s, stop), ranges + 1
+        if finished and s.config.checkpoint.export_hf:
+            export_final(s)
+        wait_for_writes(s)
+    finally:
+        stop.close()
 
 
 def train(s: Session, stop: StopControl) -> bool:

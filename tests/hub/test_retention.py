@@ -189,3 +189,21 @@ def test_bad_retention_flags_get_one_line(tmp_path, argv, needles):
     assert_clean_failure(proc, *needles)
     assert proc.returncode == 2 and not (tmp_path / "out").exists()
     assert not re.search(r"Traceback", proc.stderr)
+
+
+def test_network_errors_of_the_hub_client_are_worth_a_retry():
+    """huggingface_hub talks through httpx, whose network errors are not OSErrors: a refused connection or a dropped
+    read is retried (and an unreachable Hub at start is 'not reachable now'), a 4xx is not."""
+    import httpx
+
+    from fsdp_opt.hub.store import is_transient
+
+    request = httpx.Request("GET", "http://127.0.0.1:9/api/models/me/run")
+    assert is_transient(httpx.ConnectError("[Errno 111] Connection refused", request=request))
+    assert is_transient(httpx.ReadError("connection reset", request=request))
+    assert is_transient(httpx.ReadTimeout("timed out", request=request))
+    assert is_transient(ConnectionResetError())
+    refused = httpx.HTTPStatusError("401", request=request, response=httpx.Response(401, request=request))
+    assert not is_transient(refused)
+    assert is_transient(httpx.HTTPStatusError("503", request=request, response=httpx.Response(503, request=request)))
+    assert not is_transient(ValueError("bad"))

@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from fsdp_opt.config.parse import parse_args
 from fsdp_opt.runtime.distributed import init_distributed, teardown
-from fsdp_opt.train.run import setup, train
+from fsdp_opt.train.run import setup, train_session
 
 
 def frozen_state(model) -> dict[str, torch.Tensor]:
@@ -27,7 +27,7 @@ def main() -> None:
     s = setup(config, env)
     before = frozen_state(s.model)
     adapters_before = {n: p.full_tensor().clone() for n, p in s.model.named_parameters() if p.requires_grad}
-    train(s)
+    train_session(s)
     after = frozen_state(s.model)
     ids = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(5))
     s.model.eval()
