@@ -86,10 +86,11 @@ expect_rc0() {  # NAME, then the command
   return 0
 }
 
-step "training, 2 processes, rows [0, 64), then a resume into [64, 128)"
+step "training, 2 processes, rows [0, 64), then --start_idx auto: the resume into [64, 128)"
 expect_rc0 train "${TORCHRUN[@]}" "${BASE[@]}" --start_idx 0 --end_idx 64 --output_dir out
 [ -f out/tiny_opt_0-64-epoch-1.pt ] || fail "no checkpoint out/tiny_opt_0-64-epoch-1.pt"
-expect_rc0 resume "${TORCHRUN[@]}" "${BASE[@]}" --start_idx 64 --end_idx 128 --output_dir out --resume_file tiny_opt_0-64-epoch-1.pt
+expect_rc0 resume "${TORCHRUN[@]}" "${BASE[@]}" --start_idx auto --range_size 64 --output_dir out
+grep -q "ends its range: going on with rows \[64, 128)" "$RUN/resume.log" || fail "--start_idx auto did not pick [64, 128)"
 python - <<'PY' || fail "metrics.jsonl does not continue the global step across the resume"
 import json
 rows = [json.loads(l) for l in open("out/metrics.jsonl")]
@@ -156,10 +157,11 @@ import json, sys
 from pathlib import Path
 import papermill
 wheel, nb_dir = sys.argv[1], Path(sys.argv[2])
-common = {"model": "tiny-opt", "dataset": "python-docs", "start_idx": 0, "end_idx": 40, "num_epochs": 1, "batch_size": 2,
+common = {"model": "tiny-opt", "dataset": "python-docs", "range_size": 40, "num_epochs": 1, "batch_size": 2,
           "accum_steps": 1, "hf_repo": None, "output_dir": str(Path("nb_out").resolve()), "nproc": 2, "max_length": 64}
-papermill.execute_notebook(str(nb_dir / "01_train.ipynb"), "01_train.out.ipynb", progress_bar=False,
-                           parameters={**common, "install": wheel, "extra_flags": "--lr 3e-3"}, kernel_name="python3")
+for session in (1, 2):  # the same notebook twice: two sessions, two ranges
+    papermill.execute_notebook(str(nb_dir / "01_train.ipynb"), f"01_train.{session}.out.ipynb", progress_bar=False,
+                               parameters={**common, "install": wheel, "extra_flags": "--lr 3e-3"}, kernel_name="python3")
 papermill.execute_notebook(str(nb_dir / "02_evaluate.ipynb"), "02_evaluate.out.ipynb", progress_bar=False,
                            parameters={**common, "eval_rows": 10, "max_new_tokens": 5, "extra_flags": "--num_prompts 2"},
                            kernel_name="python3")

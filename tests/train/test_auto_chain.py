@@ -189,3 +189,17 @@ def test_a_further_range_starts_only_when_the_time_limit_holds_it(tmp_path):
                     tmp_path)  # fmt: skip
     assert roomy.returncode == 0, roomy.stdout + roomy.stderr
     assert saved_names(roomy.stdout) == ["tiny_opt_0-4-epoch-1.pt", "tiny_opt_4-8-epoch-1.pt"]
+
+
+def test_the_last_range_trains_without_held_out_rows_after_it(tmp_path):
+    """--eval_rows evaluates the rows after a range; the last range of an auto chain has none: it says so and trains
+    (a range typed by hand at the end of the data is refused instead, see test_eval)."""
+    base = LOCAL + ["--dataset", str(_rows(tmp_path / "rows.jsonl", 6)), "--start_idx", "auto", "--range_size", "4",
+                    "--eval_rows", "2", "--output_dir", "o"]  # fmt: skip
+    first = run_cli(base, tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "on rows [4, 6)" in first.stdout and "eval at step" in first.stdout
+    last = run_cli(base, tmp_path)
+    assert last.returncode == 0, last.stdout + last.stderr
+    assert "note: no rows after [4, 6), the end of the data, to evaluate on" in last.stdout
+    assert "eval at step" not in last.stdout and saved_names(last.stdout) == ["tiny_opt_4-6-epoch-1.pt"]
