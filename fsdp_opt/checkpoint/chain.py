@@ -121,8 +121,11 @@ class ChainStatus:
         items.append(("sessions left", pace))
         return items
 
+    def describe(self) -> str:
+        return "; ".join(f"{what} {where}" for what, where in self.items())
+
     def line(self) -> str:
-        return "chain: " + "; ".join(f"{what} {where}" for what, where in self.items())
+        return "chain: " + self.describe()
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

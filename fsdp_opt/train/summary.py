@@ -38,7 +38,7 @@ def print_summary(s: Session, classes: set[type], units: int, n_params: int) -> 
                 + ("in the background while training goes on" if s.ckpt_writer is not None else "before training goes on"),
                 "steps/epoch": s.plan.steps_per_epoch(),
                 "start": f"global step {s.state.global_step}, epoch {s.state.epoch}",
-                "chain": "; ".join(f"{what} {where}" for what, where in s.chain.items()) if s.chain else "-",
+                "chain": s.chain.describe() if s.chain else "-",
                 "output": str(s.out_dir),
             }
         )
