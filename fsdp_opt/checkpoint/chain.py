@@ -70,6 +70,11 @@ class ChainStatus:
     passes: int | None = None  # --num_epochs of an auto chain
     session_seconds: float | None = None  # --time_limit of the latest session
 
+    def move_to(self, epoch: int, offset: int, num_samples: int) -> None:
+        """The position after `offset` of the range's `num_samples` samples in pass `epoch`."""
+        self.epoch = epoch
+        self.position = self.start + (self.end - self.start) * offset / max(1, num_samples)
+
     @property
     def range_done(self) -> bool:
         return self.position >= self.end

@@ -61,13 +61,14 @@ class StopControl:
         self._previous.clear()
 
 
-def resume_command(name: str, argv: list[str] | None = None, program: str | None = None) -> str:
+def resume_command(name: str, argv: list[str] | None = None, program: str | None = None, same: bool = False) -> str:
     """The command line of this run with --resume_file pointing at `name`, launched as this one was
-    (`fsdp_finetune.py` in a checkout, `-m fsdp_opt` from an installed package)."""
+    (`fsdp_finetune.py` in a checkout, `-m fsdp_opt` from an installed package). `same`: the command unchanged (an
+    auto chain finds `name` itself, as its newest checkpoint)."""
     args = list(sys.argv[1:] if argv is None else argv)
     program = sys.argv[0] if program is None else program
     target = "-m fsdp_opt" if os.path.basename(program) == "__main__.py" else "fsdp_finetune.py"
-    if _auto_chain(args):  # the same command: it finds `name` as the newest checkpoint
+    if same:
         return " ".join([_launcher(target)] + [shlex.quote(a) for a in args])
     out = []
     skip = False
@@ -83,10 +84,6 @@ def resume_command(name: str, argv: list[str] | None = None, program: str | None
         out.append(a)
     out += ["--resume_file", name]
     return " ".join([_launcher(target)] + [shlex.quote(a) for a in out])
-
-
-def _auto_chain(args: list[str]) -> bool:
-    return "--start_idx=auto" in args or any(a == "--start_idx" and b == "auto" for a, b in zip(args, args[1:]))
 
 
 def _launcher(target: str) -> str:

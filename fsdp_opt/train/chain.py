@@ -119,8 +119,8 @@ def switch_range(s: Session, config: Config, data: SliceData) -> None:
     s.plan = step_plan(config, s.env, data.blocks, s.accum_steps)
     s.state = TrainState(s.state.global_step, config.train.initial_epoch, 0)
     seed_dropout(config, s.env)
-    s.chain = dataclasses.replace(s.chain, start=config.data.start_idx, end=data.end_idx, epoch=s.state.epoch,
-                                  position=float(config.data.start_idx))  # fmt: skip
+    s.chain = dataclasses.replace(s.chain, start=config.data.start_idx, end=data.end_idx)
+    s.chain.move_to(s.state.epoch, 0, s.plan.num_samples)
     print0(f"next range in this session: rows [{config.data.start_idx}, {data.end_idx}) -> {len(data.blocks)} blocks, "
            f"{s.plan.steps_per_epoch()} steps, from global step {s.state.global_step}")  # fmt: skip
     print0(s.chain.line())
@@ -131,13 +131,13 @@ def start_status(s: Session, saved: dict | None, rows: int) -> ChainStatus:
     session's range and position."""
     dc = s.config.data
     prev = ChainStatus.from_dict(saved)
-    share = s.state.offset / max(1, s.plan.num_samples)
     auto = dc.range_size is not None
-    return ChainStatus(
-        rows=rows, start=dc.start_idx, end=s.end_idx, epoch=s.state.epoch,
-        position=dc.start_idx + (s.end_idx - dc.start_idx) * share,
+    status = ChainStatus(
+        rows=rows, start=dc.start_idx, end=s.end_idx, epoch=s.state.epoch, position=float(dc.start_idx),
         ranges_done=prev.ranges_done if prev else 0, rows_trained=prev.rows_trained if prev else 0.0,
         train_seconds=prev.train_seconds if prev else 0.0, range_size=dc.range_size,
         passes=s.config.train.num_epochs if auto else None,
         session_seconds=s.config.checkpoint.time_limit_seconds,
     )  # fmt: skip
+    status.move_to(s.state.epoch, s.state.offset, s.plan.num_samples)
+    return status

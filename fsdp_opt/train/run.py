@@ -321,4 +321,4 @@ def _stop_early(s: Session, reason: str) -> None:
     if s.last_saved_step != s.state.global_step or path is None:
         path = save(s, epoch_end=False, evaluate=False)  # no time for an evaluation now
     wait_for_writes(s)
-    print0("resume with:\n  " + resume_command(path.name))
+    print0("resume with:\n  " + resume_command(path.name, same=s.config.data.range_size is not None))

@@ -89,10 +89,8 @@ class Session:
         c = self.chain
         if c is None:
             return
-        width = c.end - c.start
-        c.epoch = step.epoch
-        c.rows_trained += width * step.samples / max(1, self.plan.num_samples)
-        c.position = c.start + width * step.end_offset / max(1, self.plan.num_samples)
+        c.rows_trained += (c.end - c.start) * step.samples / max(1, self.plan.num_samples)
+        c.move_to(step.epoch, step.end_offset, self.plan.num_samples)
 
     def chain_record(self) -> dict[str, Any] | None:
         """The chain's status now, as saved with a checkpoint (and its Hub index entry)."""

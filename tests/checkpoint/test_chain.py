@@ -81,6 +81,6 @@ def test_a_further_range_starts_only_when_all_of_it_fits():
 
 def test_resume_command_of_an_auto_chain_is_the_same_command():
     argv = ["--start_idx", "auto", "--range_size", "5000", "--hf_repo", "u/r"]
-    assert resume_command("x_0-5000-epoch-1-step-9.pt", argv, "fsdp_finetune.py") == (
+    assert resume_command("x_0-5000-epoch-1-step-9.pt", argv, "fsdp_finetune.py", same=True) == (
         "python fsdp_finetune.py --start_idx auto --range_size 5000 --hf_repo u/r"
     )
