@@ -11,16 +11,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from fsdp_opt.base import ConfigError, gib, parse_size
-from fsdp_opt.config.choices import PACKING_MODES, T4_MEMORY
-from fsdp_opt.config.flags import OneLineParser, parse_bool
+from fsdp_opt.config.choices import PACKING_MODES, STRATEGIES, T4_MEMORY
+from fsdp_opt.config.flags import OneLineParser, parse_batch, parse_bool
+from fsdp_opt.model.shapes import Shape, model_config
 from fsdp_opt.model.sources import LLAMA_8B, OPT_FAMILY
+from fsdp_opt.planner.calibrate import calibrate, read_rates
 from fsdp_opt.planner.inputs import Inputs
 from fsdp_opt.planner.report import make_plan, render
 from fsdp_opt.planner.simulate import compare
 from fsdp_opt.planner.simulate import render as sim_render
 from fsdp_opt.planner.simulate import simulate as sim_simulate
+from fsdp_opt.planner.search import Space, recommend
 from fsdp_opt.planner.steptime import Rates
 from fsdp_opt.runtime.hostmem import total_memory_bytes
 
@@ -36,7 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=int, default=2, help="GPUs in all (ranks)")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpu_memory", default=T4_MEMORY, help=f"memory of one GPU as torch reads it (Kaggle's T4: {T4_MEMORY})")
-    p.add_argument("--batch_size", type=int, default=4, help="micro-batch per GPU")
+    p.add_argument("--batch_size", type=parse_batch, default=4,
+                   help="micro-batch per GPU, or auto: plan the recommended configuration (as the trainer's --batch_size auto)")
+    p.add_argument("--global_batch", "--total_batch_size", dest="global_batch", type=int, default=None,
+                   help="sequences per optimizer step, all GPUs (default: batch_size x accum_steps x gpus)")
     p.add_argument("--max_length", type=int, default=512)
     p.add_argument("--accum_steps", type=int, default=16)
     p.add_argument("--precision", default="fp16", choices=["fp16", "bf16", "fp32"])
@@ -45,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--packing", default="docs", choices=PACKING_MODES,
                    help="the trainer's --packing (docs and pad attend through a mask, which the plan counts)")
     p.add_argument("--reduce_every_microbatch", type=parse_bool, nargs="?", const=True, default=False)
+    p.add_argument("--reduce_dtype", default="fp32", choices=["fp32", "fp16", "auto"],
+                   help="the trainer's --reduce_dtype (auto: the search may choose fp16 with fp16 compute)")
     p.add_argument("--prefetch", type=int, default=0, help="blocks gathered ahead (the trainer's --prefetch)")
     p.add_argument("--loss_chunk_tokens", type=int, default=0, help="the trainer's --loss_chunk_tokens")
     p.add_argument("--lora_rank", type=int, default=0, help="the trainer's --lora_rank (0: full fine-tuning)")
@@ -65,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tflops", type=float, default=rates.tflops, help="sustained TFLOPS per GPU (T4 fp16: 24)")
     p.add_argument("--link_gbps", type=float, default=rates.link_gbps, help="GB/s between GPUs (2 T4s on PCIe 3 through NCCL: 3.2)")
     p.add_argument("--hbm_gbps", type=float, default=rates.hbm_gbps, help="GB/s of GPU memory (T4: 320)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine's rates first (2 ranks under torchrun: GPUs when there are, else CPU "
+                        "processes) and predict from them instead of --tflops/--link_gbps/--hbm_gbps")
+    p.add_argument("--rates", default=None, help="predict from a calibration saved earlier (python -m fsdp_opt.calibrate --json)")
     p.add_argument("--simulate", nargs="?", const="FULL_SHARD", default=None, metavar="STRATEGIES",
                    help="also run one training step at the model's real shape on fake tensors (no memory used) for "
                         "these strategies (comma-separated; default FULL_SHARD) and hold its peaks against the plan")
@@ -72,10 +85,49 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def batch_of(a: argparse.Namespace) -> tuple[int, int]:
+    """Sequences per optimizer step and the accumulation of the flags given."""
+    auto = a.batch_size == "auto"
+    if a.global_batch is None:
+        return (4 if auto else a.batch_size) * a.accum_steps * a.gpus, a.accum_steps
+    if a.global_batch < 1:
+        raise ConfigError(f"--global_batch {a.global_batch}: must be 1 or more")
+    if a.accum_steps != 1:
+        raise ConfigError(f"--global_batch and --accum_steps {a.accum_steps}: give one of them (accum_steps is derived)")
+    if a.global_batch % a.gpus:
+        raise ConfigError(f"--global_batch {a.global_batch}: does not split over --gpus {a.gpus}")
+    if auto:
+        return a.global_batch, 1
+    per_step = a.batch_size * a.gpus
+    if a.global_batch % per_step:
+        raise ConfigError(f"--global_batch {a.global_batch}: not a multiple of --batch_size {a.batch_size} x {a.gpus} "
+                          f"GPU(s) = {per_step}")  # fmt: skip
+    return a.global_batch, a.global_batch // per_step
+
+
+def rates_of(a: argparse.Namespace) -> tuple[Rates, dict | None]:
+    """The prediction's rates: measured now (--calibrate), read (--rates), or the flags' (2xT4 by default)."""
+    if a.calibrate or a.rates:
+        measured = calibrate(cpu=a.cpu, gpus=a.gpus) if a.calibrate else read_rates(a.rates)
+        if a.precision not in measured["matmul_tflops"]:
+            raise ConfigError(f"--precision {a.precision}: the calibration measured {', '.join(measured['matmul_tflops'])} only")
+        return Rates.measured(measured, a.precision), measured
+    return Rates(tflops=a.tflops, link_gbps=a.link_gbps, hbm_gbps=a.hbm_gbps), None
+
+
+def applied(inputs: Inputs, c: dict) -> Inputs:
+    """The inputs with a searched configuration's choices in place."""
+    return replace(inputs, batch_size=c["batch_size"], accum_steps=c["accum_steps"],
+                   reduce_every_microbatch=c["reduce_every_microbatch"], reduce_dtype=c["reduce_dtype"],
+                   loss_chunk_tokens=c["loss_chunk_tokens"], activation_checkpointing=c["activation_checkpointing"],
+                   cpu_offload=c["cpu_offload"])  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         a = build_parser().parse_args(argv)
-        for flag in ("gpus", "nodes", "batch_size", "max_length", "accum_steps", "slices"):
+        auto = a.batch_size == "auto"
+        for flag in ("gpus", "nodes", "max_length", "accum_steps", "slices") + (() if auto else ("batch_size",)):
             if getattr(a, flag) < 1:
                 raise ConfigError(f"--{flag} {getattr(a, flag)}: must be at least 1")
         for flag in ("tflops", "link_gbps", "hbm_gbps"):
@@ -86,23 +138,39 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"--{flag} {getattr(a, flag)}: must be 0 or more")
         if a.gpus % a.nodes:
             raise ConfigError(f"--gpus {a.gpus}: does not split evenly over --nodes {a.nodes}")
+        if a.reduce_dtype == "fp16" and a.precision != "fp16":
+            raise ConfigError(f"--reduce_dtype fp16: only with --precision fp16 (this plan computes in {a.precision})")
+        samples, accum = batch_of(a)
         inputs = Inputs(
-            gpus=a.gpus, nodes=a.nodes, gpu_memory=parse_size(a.gpu_memory, "--gpu_memory"), batch_size=a.batch_size,
-            max_length=a.max_length, accum_steps=a.accum_steps, precision=a.precision,
+            gpus=a.gpus, nodes=a.nodes, gpu_memory=parse_size(a.gpu_memory, "--gpu_memory"),
+            batch_size=4 if auto else a.batch_size, max_length=a.max_length, accum_steps=accum, precision=a.precision,
             activation_checkpointing=a.activation_checkpointing, attn_implementation=a.attn_implementation,
             packing=a.packing, reduce_every_microbatch=a.reduce_every_microbatch, prefetch=a.prefetch,
             loss_chunk_tokens=a.loss_chunk_tokens, cuda=not a.cpu, lora_rank=a.lora_rank, lora_targets=a.lora_targets,
-            lora_dropout=a.lora_dropout, base_bits=a.base_bits,
+            lora_dropout=a.lora_dropout, base_bits=a.base_bits, reduce_dtype="fp16" if a.reduce_dtype == "fp16" else "fp32",
+            cpu_offload=a.cpu_offload,
         )  # fmt: skip
         if a.lora_rank < 0:
             raise ConfigError(f"--lora_rank {a.lora_rank}: must be 0 (full fine-tuning) or more")
         if a.base_bits != 16 and not a.lora_rank:
             raise ConfigError(f"--base_bits {a.base_bits}: only with --lora_rank (a 4-bit base is frozen)")
         host = parse_size(a.host_memory, "--host_memory") if a.host_memory is not None else machine_memory()
+        rates, measured = rates_of(a)
+        reduce_dtypes = {"fp32": ("fp32",), "fp16": ("fp16",)}.get(a.reduce_dtype, ("fp32", "fp16") if a.precision == "fp16" else ("fp32",))
+        space = Space(strategies=tuple(s for s in STRATEGIES if s != "HYBRID_SHARD" or a.nodes > 1), reduce_dtypes=reduce_dtypes)
+        if auto:
+            shape = Shape.of(model_config(a.model))
+            best = recommend(shape, inputs, samples, rates, space, host, a.state_dict_type == "sharded")
+            if best is None:
+                raise ConfigError(f"--batch_size auto: no configuration of {samples} sequences per step fits "
+                                  f"{a.gpus} GPU(s) of {a.gpu_memory}")  # fmt: skip
+            inputs = applied(inputs, best)
         plan = make_plan(a.model, inputs, disk=parse_size(a.disk, "--disk"), host_memory=host, keep_last=a.keep_last,
-                         save_optimizer=a.save_optimizer, sharded=a.state_dict_type == "sharded", offload=a.cpu_offload,
-                         slices=a.slices, keep_full=a.hub_keep_full,
-                         rates=Rates(tflops=a.tflops, link_gbps=a.link_gbps, hbm_gbps=a.hbm_gbps))  # fmt: skip
+                         save_optimizer=a.save_optimizer, sharded=a.state_dict_type == "sharded",
+                         offload=inputs.cpu_offload, slices=a.slices, keep_full=a.hub_keep_full, rates=rates,
+                         samples=samples, space=space)  # fmt: skip
+        if measured is not None:
+            plan["calibration"] = measured
         simulate = [x.strip() for x in a.simulate.split(",")] if a.simulate else []
         for strategy in simulate:
             if strategy not in plan["strategies"]:

@@ -31,3 +31,7 @@ T4_MEMORY = "14.56GiB"
 T4_TFLOPS = 24.0
 T4_LINK_GBPS = 3.2  # GB/s
 T4_HBM_GBPS = 320.0  # GB/s
+# --cpu_offload on Kaggle: host <-> GPU copies over PCIe 3 x16 from pinned memory, and AdamW on the host's 4 vCPUs
+# (fp32, foreach kernels: about 28 bytes of memory traffic per parameter).
+HOST_LINK_GBPS = 11.0  # GB/s
+HOST_OPTIMIZER_GBPS = 4.0  # GB/s of AdamW traffic

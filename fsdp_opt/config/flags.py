@@ -38,6 +38,16 @@ def parse_start(text: str | int) -> int | str:
         raise argparse.ArgumentTypeError(f"expected a row index or 'auto', got {text!r}") from None
 
 
+def parse_batch(text: str | int) -> int | str:
+    """--batch_size: sequences per micro-batch, or 'auto'."""
+    if isinstance(text, int) or text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of sequences or 'auto', got {text!r}") from None
+
+
 def parse_duration(text: str | None, name: str = "--time_limit") -> float | None:
     """'11h30m', '90m', '45s', '2h' or plain seconds -> seconds."""
     if text is None or text == "":

@@ -76,12 +76,13 @@ def build_parser(prog: str = "fsdp_finetune.py", description: str | None = None)
         for f in dataclasses.fields(section_cls):
             meta = dict(f.metadata)
             help_text = meta.pop("help")
+            aliases = meta.pop("aliases", ())
             kind = meta.pop("type", None) or _field_type(f)
             kwargs: dict[str, Any] = {"default": f.default, "help": help_text, "type": kind}
             if kind is parse_bool:
                 kwargs.update(nargs="?", const=True, metavar="BOOL")
             kwargs.update(meta)
-            group.add_argument(f"--{f.name}", **kwargs)
+            group.add_argument(f"--{f.name}", *aliases, dest=f.name, **kwargs)
     return parser
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from fsdp_opt.base import ConfigError, parse_size
 from fsdp_opt.config.choices import AUTO, DEVICES, LR_SCHEDULES, PACKING_MODES, PRECISIONS, STRATEGIES, T4_LINK_GBPS
-from fsdp_opt.config.flags import flag, parse_start
+from fsdp_opt.config.flags import flag, parse_batch, parse_start
 
 
 @dataclass
@@ -97,12 +97,22 @@ class TrainConfig:
         "passes of the chain over the whole dataset.",
     )
     initial_epoch: int = flag(0, "Epoch number to start counting from when not resuming.")
-    batch_size: int = flag(4, "Micro-batch size per rank (sequences per forward pass).")
+    batch_size: int | str = flag(
+        4,
+        "Micro-batch size per rank (sequences per forward pass), or 'auto': the fastest configuration the plan "
+        "finds that fits this GPU at the same sequences per step (--global_batch, else what --accum_steps and the "
+        "ranks imply at a micro-batch of 4): it chooses the micro-batch, --accum_steps, --loss_chunk_tokens, "
+        "--activation_checkpointing, --cpu_offload where nothing else fits, the reduce mode (when auto), the "
+        "strategy (with --sharding_strategy AUTO) and the reduce dtype (with --reduce_dtype auto).",
+        type=parse_batch,
+    )
     accum_steps: int = flag(1, "Micro-batches per optimizer step. Global batch = batch_size x ranks x accum_steps.")
-    total_batch_size: int | None = flag(
+    global_batch: int | None = flag(
         None,
-        "Sequences per optimizer step, instead of --accum_steps: accum_steps = total / (batch_size x ranks), "
-        "which must divide exactly. Keeps the global batch when the rank count changes between sessions.",
+        "Sequences per optimizer step (all ranks), instead of --accum_steps: accum_steps = N / (batch_size x ranks), "
+        "which must divide exactly. Keeps the global batch when the rank count changes between sessions. "
+        "(--total_batch_size is the same flag.)",
+        aliases=("--total_batch_size",),
     )
     lr: float = flag(5e-6, "Peak learning rate (AdamW).")
     warmup_steps: int = flag(0, "Linear warm-up steps, counted in global optimizer steps.")
@@ -127,15 +137,19 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.loss_chunk_tokens < 0:
             raise ConfigError(f"--loss_chunk_tokens {self.loss_chunk_tokens}: must be 0 (off) or more")
-        for name in ("num_epochs", "batch_size", "accum_steps"):
+        for name in ("num_epochs", "accum_steps") + (() if self.batch_size == AUTO else ("batch_size",)):
             value = getattr(self, name)
             if value < 1:
                 raise ConfigError(f"--{name} {value}: must be 1 or more")
-        if self.total_batch_size is not None:
-            if self.total_batch_size < 1:
-                raise ConfigError(f"--total_batch_size {self.total_batch_size}: must be 1 or more")
+        if self.global_batch is not None:
+            if self.global_batch < 1:
+                raise ConfigError(f"--global_batch {self.global_batch}: must be 1 or more")
             if self.accum_steps != 1:
-                raise ConfigError("--total_batch_size and --accum_steps: give one of them (accum_steps is derived)")
+                raise ConfigError(f"--global_batch and --accum_steps {self.accum_steps}: give one of them (accum_steps "
+                                  "is derived)")  # fmt: skip
+        if self.batch_size == AUTO and self.loss_chunk_tokens:
+            raise ConfigError(f"--loss_chunk_tokens {self.loss_chunk_tokens}: not with --batch_size auto (it chooses "
+                              "the loss chunking; give --batch_size N to set it yourself)")  # fmt: skip
         if self.initial_epoch < 0:
             raise ConfigError(f"--initial_epoch {self.initial_epoch}: must be 0 or more")
         if not self.lr > 0:
@@ -153,19 +167,26 @@ class TrainConfig:
         if self.max_grad_norm < 0:
             raise ConfigError(f"--max_grad_norm {self.max_grad_norm}: must be 0 (off) or more")
 
+    def samples_per_step(self, world_size: int) -> int:
+        """Sequences per optimizer step, all ranks: --global_batch, or what the other flags imply (a micro-batch of 4
+        where --batch_size is auto)."""
+        if self.global_batch is not None:
+            return self.global_batch
+        return (4 if self.batch_size == AUTO else self.batch_size) * self.accum_steps * world_size
+
     def accum_for(self, world_size: int) -> int:
-        """--accum_steps, or the one --total_batch_size implies for this many ranks."""
-        if self.total_batch_size is None:
+        """--accum_steps, or the one --global_batch implies for this many ranks."""
+        if self.global_batch is None:
             return self.accum_steps
         per_step = self.batch_size * world_size
-        if self.total_batch_size % per_step:
-            low = self.total_batch_size // per_step * per_step
+        if self.global_batch % per_step:
+            low = self.global_batch // per_step * per_step
             options = " or ".join(str(x) for x in (low, low + per_step) if x > 0)
             raise ConfigError(
-                f"--total_batch_size {self.total_batch_size}: not a multiple of --batch_size {self.batch_size} x "
+                f"--global_batch {self.global_batch}: not a multiple of --batch_size {self.batch_size} x "
                 f"{world_size} rank(s) = {per_step}; use {options}, or another --batch_size"
             )
-        return self.total_batch_size // per_step
+        return self.global_batch // per_step
 
 
 @dataclass
@@ -197,6 +218,15 @@ class ParallelConfig:
         choices=["auto", "true", "false"],
         nargs="?",
         const="true",
+    )
+    reduce_dtype: str = flag(
+        "fp32",
+        "Dtype of the gradient reduce-scatter. fp32: exact sums. fp16 (with --precision fp16): half the bytes on the "
+        "link, the gradients accumulated in fp16 between micro-batches; an overflow in the sum shows as a non-finite "
+        "gradient norm, and the step is skipped and the loss scale halved. auto: the plan's choice (fp16 where it "
+        "predicts a shorter step).",
+        type=str.lower,
+        choices=["fp32", "fp16", "auto"],
     )
     compile: bool = flag(
         False, "torch.compile each decoder block's forward (FSDP2's gathers stay eager); the first steps compile."

@@ -38,6 +38,8 @@ class Inputs:
     lora_targets: str | None = None  # None: every linear layer of the blocks
     lora_dropout: float = 0.05
     base_bits: int = 16
+    reduce_dtype: str = "fp32"  # the trainer's --reduce_dtype: gradients reduce-scattered in fp32 or fp16
+    cpu_offload: bool = False  # the trainer's --cpu_offload: sharded state in host memory, AdamW on the host
 
 
 def shard_factor(strategy: str, inputs: Inputs) -> int:

@@ -51,7 +51,7 @@ def block_base_bytes(shape, inputs, c: int) -> float:  # noqa: ANN001
     return c * shape.block_params
 
 
-def components(shape, strategy: str, inputs, b: int, c: int) -> dict[str, Any]:  # noqa: ANN001
+def components(shape, strategy: str, inputs, b: int, c: int, r: int = 4) -> dict[str, Any]:  # noqa: ANN001
     """The components of plan.memory() that LoRA changes."""
 
     f = shard_factor(strategy, inputs)
@@ -74,9 +74,9 @@ def components(shape, strategy: str, inputs, b: int, c: int) -> dict[str, Any]: 
         "parameters": int(math.ceil(base / f)) + 4 * local,
         "gradients": 4 * local,
         "optimizer": 8 * local,
-        "accumulated_gradients": 4 * total if inputs.accum_steps > 1 and not inputs.reduce_every_microbatch else 0,
+        "accumulated_gradients": r * total if inputs.accum_steps > 1 and not inputs.reduce_every_microbatch else 0,
         "gathered_weights": int(c * shape.root_params + held * gathered_block + buffer + dequantized),
-        "reduce_scatter": (c + 4) * unit,
+        "reduce_scatter": (c + r) * unit,
         "adapter_dropout": dropout * (1 if inputs.activation_checkpointing else shape.layers),
     }
 

@@ -21,9 +21,11 @@ def memory(shape: Shape, strategy: str, inputs: Inputs, batch_size: int | None =
     b = inputs.batch_size if batch_size is None else batch_size
     s, h, L = inputs.max_length, shape.hidden, shape.layers
     c = 4 if inputs.precision == "fp32" else 2  # compute dtype: gathered weights, activations
+    r = 2 if inputs.reduce_dtype == "fp16" else 4  # a reduced gradient's bytes
     out = state_bytes(shape, strategy, inputs)
-    # Without gradient sync between micro-batches FSDP keeps an unsharded fp32 gradient until the last one.
-    out["accumulated_gradients"] = 4 * shape.params if inputs.accum_steps > 1 and not inputs.reduce_every_microbatch else 0
+    # Without gradient sync between micro-batches FSDP keeps an unsharded gradient until the last one, in the reduce
+    # dtype (fp32; with --reduce_dtype fp16 the compute dtype's own gradient).
+    out["accumulated_gradients"] = r * shape.params if inputs.accum_steps > 1 and not inputs.reduce_every_microbatch else 0
     # Gathered weights: the root stays gathered through forward and backward; FULL_SHARD/HYBRID hold the block
     # being computed and the one prefetched (`prefetch` of them with --prefetch); SHARD_GRAD_OP and NO_SHARD
     # keep every block from forward to backward.
@@ -35,7 +37,7 @@ def memory(shape: Shape, strategy: str, inputs: Inputs, batch_size: int | None =
     out["gathered_weights"] = c * (shape.root_params + held * shape.block_params) + gather_buffer
     # Reduce-scatter of the largest unit (the root, with the embeddings): its unsharded gradient in the compute
     # dtype and FSDP2's fp32 copy of it that is reduce-scattered, alive together.
-    out["reduce_scatter"] = (c + 4) * max(shape.root_params, shape.block_params)
+    out["reduce_scatter"] = (c + r) * max(shape.root_params, shape.block_params)
     attention = 5 * shape.heads * s * s * b * c // 2 if inputs.attn_implementation == "eager" else 0
     full_layer = 34 * s * b * h * c // 2 + attention  # every saved tensor of one block (Korthikanti et al.)
     if inputs.activation_checkpointing:
@@ -50,7 +52,9 @@ def memory(shape: Shape, strategy: str, inputs: Inputs, batch_size: int | None =
         out["logits"] = min(inputs.loss_chunk_tokens, s * b) * shape.vocab * (2 * c + 12 if c == 2 else 16)
     if inputs.lora_rank:
 
-        out.update(components(shape, strategy, inputs, b, c))
+        out.update(components(shape, strategy, inputs, b, c, r))
+    if inputs.cpu_offload:  # the sharded state lives in host memory (host.py counts it there)
+        out.update(parameters=0, gradients=0, optimizer=0)
     if inputs.cuda:
         nccl = NCCL_BUFFER_BYTES if inputs.gpus > 1 else 0
         out["runtime"] = CUDA_CONTEXT_BYTES + nccl + int(FRAGMENTATION * peak_bytes(out))

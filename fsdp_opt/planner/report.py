@@ -19,12 +19,15 @@ from fsdp_opt.planner.host import render_host
 from fsdp_opt.planner.inputs import Inputs, state_bytes
 from fsdp_opt.planner.lora import adapter_params, describe
 from fsdp_opt.planner.memory import activation_bytes, largest_micro_batch, memory, peak_bytes
+from fsdp_opt.planner.search import KEYS, Space, by_gpu_count, gpu_count_line, recommend, recommended_line
 from fsdp_opt.planner.steptime import candidates, comm_bytes, render_configurations, step_time
 
 
 def make_plan(model: str, inputs: Inputs, *, disk: int, host_memory: int, keep_last: int, save_optimizer: bool,
               sharded: bool = False, offload: bool = False, slices: int = 10, keep_full: int = 1,
-              rates=None) -> dict[str, Any]:  # fmt: skip
+              rates=None, samples: int | None = None, space: Space | None = None) -> dict[str, Any]:  # fmt: skip
+    """`samples`: sequences per optimizer step to search for (default: what the inputs imply); `space`: what the
+    search may vary (default: everything, the fp16 reduce only with fp16 compute)."""
 
     shape = Shape.of(model_config(model))
     strategies: dict[str, Any] = {}
@@ -43,11 +46,16 @@ def make_plan(model: str, inputs: Inputs, *, disk: int, host_memory: int, keep_l
             "predicted_step_time_s": step_time(shape, strategy, inputs, rates)["step_s"],
         }
     configurations = candidates(shape, inputs, list(strategies), rates)
+    samples = samples or inputs.batch_size * inputs.accum_steps * inputs.gpus
+    space = space or Space(strategies=tuple(strategies))
+    recommended = recommend(shape, inputs, samples, rates, space, host_memory, sharded)
+    gpu_counts = by_gpu_count(shape, inputs, samples, rates, space, host_memory, sharded)
     stored = disk_and_hub(shape, inputs, disk=disk, keep_last=keep_last, save_optimizer=save_optimizer, slices=slices,
                           keep_full=keep_full)  # fmt: skip
     saved = stored.pop("saved")
 
-    return {
+    given = configurations[0] if configurations and configurations[0]["fits"] else None
+    plan = {
         "model": model,
         "shape": shape.summary(),
         "lora": describe(shape, inputs) if inputs.lora_rank else None,
@@ -60,12 +68,20 @@ def make_plan(model: str, inputs: Inputs, *, disk: int, host_memory: int, keep_l
         "strategies": strategies,
         "configurations": configurations,
         "auto_pick": configurations[0] if configurations and configurations[0]["fits"] else None,
+        "samples_per_step": samples,
+        "recommended": {k: recommended[k] for k in KEYS} if recommended else None,
+        "by_gpu_count": [{k: r[k] for k in (*KEYS, "fits") if k in r} | ({"why": r["why"]} if "why" in r else {})
+                         for r in gpu_counts],
+        "recommended_line": "",
+        "gpu_count_line": gpu_count_line(gpu_counts),
         **stored,
         "host_ram": host_ram(
             host_phases(shape, "FULL_SHARD", inputs, save_optimizer=save_optimizer, sharded=sharded, offload=offload),
             shape, host_memory, save_optimizer, saved,
         ),
     }
+    plan["recommended_line"] = recommended_line(recommended, given if samples == inputs.batch_size * inputs.accum_steps * inputs.gpus else None, samples)
+    return plan
 
 
 def host_ram(phases: dict[str, Any], shape: Shape, host_memory: int, save_optimizer: bool, saved: int) -> dict[str, Any]:
@@ -99,7 +115,7 @@ def render(plan: dict[str, Any]) -> str:
         lines.append("(total: accumulating without sync, the sharded gradients appear only as the accumulated ones are "
                      "reduce-scattered, so they are not added to them)")
 
-    lines += ["", *render_configurations(plan)]
+    lines += ["", *render_configurations(plan), plan["recommended_line"], plan["gpu_count_line"]]
     a, c, d, r = plan["activations"], plan["checkpoints"], plan["disk"], plan["host_ram"]
     lines += [
         "",

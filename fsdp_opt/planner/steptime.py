@@ -18,13 +18,14 @@ shared-memory path, 320 GB/s of GPU memory.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fsdp_opt.base import gib
-from fsdp_opt.config.choices import STRATEGIES, T4_HBM_GBPS, T4_LINK_GBPS, T4_TFLOPS
+from fsdp_opt.config.choices import HOST_LINK_GBPS, HOST_OPTIMIZER_GBPS, STRATEGIES, T4_HBM_GBPS, T4_LINK_GBPS, T4_TFLOPS
 from fsdp_opt.config.parse import Config
 from fsdp_opt.model.shapes import Shape
+from fsdp_opt.planner.calibrate import ADAMW_BYTES_PER_PARAM
 from fsdp_opt.planner.inputs import Inputs, shard_factor
 from fsdp_opt.planner.lora import adapter_dims, adapter_params, block_base_bytes
 from fsdp_opt.planner.memory import memory, peak_bytes
@@ -34,9 +35,34 @@ from fsdp_opt.runtime.gpus import PEAK_FLOPS
 
 @dataclass
 class Rates:
-    tflops: float = T4_TFLOPS
-    link_gbps: float = T4_LINK_GBPS
-    hbm_gbps: float = T4_HBM_GBPS
+    """What the prediction runs at. The defaults are 2xT4's; `measured` makes them from `fsdp_opt.calibrate`."""
+
+    tflops: float = T4_TFLOPS  # sustained matmul rate of the compute dtype, per rank
+    link_gbps: float = T4_LINK_GBPS  # all-gather (and all-reduce) bus bandwidth between ranks
+    hbm_gbps: float = T4_HBM_GBPS  # AdamW's update at ADAMW_BYTES_PER_PARAM bytes per parameter
+    memory_gbps: float = T4_HBM_GBPS  # bytes read + written per second by the step's memory-bound work
+    first_touch_gbps: float = 0.0  # CPU: fresh memory mapped and zeroed by the kernel per second (0: no such cost)
+    reduce_gbps: float = 0.0  # reduce-scatter bus bandwidth of fp32 gradients (0: link_gbps)
+    reduce_fp16_gbps: float = 0.0  # the same of fp16 gradients, per byte (0: reduce_gbps)
+    # GPUs run collectives on their own streams beside compute; CPU ranks run gloo on the cores that compute.
+    overlap: bool = True
+    host_link_gbps: float = HOST_LINK_GBPS  # --cpu_offload: host <-> GPU copies (PCIe)
+    host_optimizer_gbps: float = HOST_OPTIMIZER_GBPS  # --cpu_offload: AdamW on the host's cores
+    source: str = "2xT4 figures"
+
+    @classmethod
+    def measured(cls, m: dict[str, Any], precision: str) -> "Rates":
+        """From a calibration (`planner.calibrate.measure`) for runs in `precision`."""
+        cpu = m["device"] == "cpu"
+        return cls(tflops=m["matmul_tflops"][precision], link_gbps=m["all_gather_gbps"]["fp32"],
+                   hbm_gbps=m["optimizer_gbps"], memory_gbps=m["memory_gbps"],
+                   first_touch_gbps=m.get("first_touch_gbps", 0.0), reduce_gbps=m["reduce_scatter_gbps"]["fp32"],
+                   reduce_fp16_gbps=m["reduce_scatter_gbps"]["fp16"], overlap=not cpu,
+                   source=f"measured on {m['device']}, {m['world_size']} ranks")  # fmt: skip
+
+    def reduce_rate(self, fp16: bool) -> float:
+        base = self.reduce_gbps or self.link_gbps
+        return (self.reduce_fp16_gbps or base) if fp16 else base
 
 
 def _padded(unit: tuple, shards: int) -> int:
@@ -50,15 +76,18 @@ def comm_bytes(shape, strategy: str, inputs) -> dict[str, Any]:  # noqa: ANN001
     f = shard_factor(strategy, inputs)
     replicas = max(1, inputs.gpus // f)
     c = 4 if inputs.precision == "fp32" else 2
+    r = 2 if inputs.reduce_dtype == "fp16" else 4  # bytes of a reduced gradient
     micro = inputs.accum_steps
     reduces = micro if inputs.reduce_every_microbatch or micro == 1 else 1
     root, blocks = shape.units[0], shape.units[1:]
     root_padded, blocks_padded = _padded(root, f), sum(_padded(b, f) for b in blocks)
     block_gathers = 2 if strategy in ("FULL_SHARD", "HYBRID_SHARD") else 1
     sharded = f > 1
-    gathered = c * (root_padded + block_gathers * blocks_padded)
-    reduced = 4 * (root_padded + blocks_padded)  # fp32 gradients of every parameter
-    root_reduced = 4 * root_padded
+    gathered_elements = root_padded + block_gathers * blocks_padded
+    gathered = c * gathered_elements
+    reduced = r * (root_padded + blocks_padded)  # every parameter's gradient
+    root_reduced = r * root_padded
+    reduced_elements = root_padded + blocks_padded
     if getattr(inputs, "lora_rank", 0):
         # LoRA: the frozen base is gathered as stored (NF4 with --base_bits 4) with the adapters; only the adapters'
         # gradients are reduced (the root has none).
@@ -66,47 +95,98 @@ def comm_bytes(shape, strategy: str, inputs) -> dict[str, Any]:  # noqa: ANN001
         adapters = _padded(adapter_dims(shape, inputs), f)
         block = block_base_bytes(shape, inputs, c) + c * adapters
         gathered = int(c * root_padded + block_gathers * len(blocks) * block)
-        reduced, root_reduced = 4 * adapters * len(blocks), 0
+        gathered_elements = adapters * block_gathers * len(blocks)  # what an offloaded run copies: the adapters
+        reduced, root_reduced, reduced_elements = r * adapters * len(blocks), 0, adapters * len(blocks)
     out = {
         "all_gather": micro * gathered if sharded else 0,
         "reduce_scatter": reduces * reduced if sharded else 0,
         "all_reduce": reduces * reduced // f if replicas > 1 else 0,
     }
-    out["wire"] = int((f - 1) / f * (out["all_gather"] + out["reduce_scatter"])
-                      + 2 * (replicas - 1) / replicas * out["all_reduce"])  # fmt: skip
+    out["gather_wire"] = int((f - 1) / f * out["all_gather"])
+    out["reduce_wire"] = int((f - 1) / f * out["reduce_scatter"])
+    out["all_reduce_wire"] = int(2 * (replicas - 1) / replicas * out["all_reduce"])
+    out["wire"] = out["gather_wire"] + out["reduce_wire"] + out["all_reduce_wire"]
     # What waits on the link with no compute beside it: the root's gather and its reduce-scatter, every micro-batch.
-    out["exposed_wire"] = int((f - 1) / f * (micro * c * root_padded + reduces * root_reduced)) if sharded else 0
+    out["exposed_gather_wire"] = int((f - 1) / f * micro * c * root_padded) if sharded else 0
+    out["exposed_reduce_wire"] = int((f - 1) / f * reduces * root_reduced) if sharded else 0
+    out["exposed_wire"] = out["exposed_gather_wire"] + out["exposed_reduce_wire"]
+    # --cpu_offload: each gather first copies the fp32 shard to the GPU; each reduce copies the fp32 shard back.
+    out["host_copies"] = 4 * (micro * gathered_elements + reduces * reduced_elements) // f if inputs.cpu_offload else 0
     return out
+
+
+def compute_flops(shape, inputs) -> float:  # noqa: ANN001
+    """Hardware FLOPs of one rank's step: forward, backward, the recomputed forward of activation checkpointing, the
+    output projection again with a chunked loss."""
+    tokens = inputs.batch_size * inputs.max_length * inputs.accum_steps
+    lora = bool(getattr(inputs, "lora_rank", 0))
+    # forward + input gradients (+ weight gradients, which a frozen base does not compute)
+    passes = 2.0 if lora else 3.0
+    s, L, h = inputs.max_length, shape.layers, shape.hidden
+    per_token = 2.0 * passes * shape.flop_params + 4.0 * passes * L * h * s
+    if inputs.activation_checkpointing:  # one more forward of the blocks
+        per_token += 2.0 * (shape.flop_params - shape.vocab * h) + 4.0 * L * h * s
+    if inputs.loss_chunk_tokens:  # the output projection again, in backward
+        per_token += 2.0 * shape.vocab * h
+    return tokens * per_token
+
+
+def memory_traffic(shape, strategy: str, inputs) -> tuple[float, float]:  # noqa: ANN001
+    """Bytes one rank reads and writes in a step outside matmuls and collectives (memory-bound work; on CPU it is a
+    large share of the step), and the part of them written into freshly allocated memory:
+    - each gather: the shard cast to the compute dtype into the gather's input, the gathered unit (a new buffer)
+      copied out into the parameters' new storage;
+    - each micro-batch's gradients: written in the compute dtype by backward, copied (cast) into a new buffer in
+      the reduce dtype, and added in place to what earlier micro-batches left when accumulating without sync;
+    - activations: the tensors a block saves written in forward and read in backward (twice with activation
+      checkpointing, which makes them again), and the logits with their fp32 copies and gradient."""
+    f = shard_factor(strategy, inputs)
+    c = 4 if inputs.precision == "fp32" else 2
+    r = 2 if inputs.reduce_dtype == "fp16" else 4
+    micro = inputs.accum_steps
+    block_gathers = 2 if strategy in ("FULL_SHARD", "HYBRID_SHARD") else 1
+    gathered = shape.root_params + block_gathers * shape.layers * shape.block_params
+    lora = bool(getattr(inputs, "lora_rank", 0))
+    trainable = adapter_params(shape, inputs) if lora else shape.params
+    gathers = micro * gathered * ((4 + c) / f + 2 * c)
+    gathers_fresh = micro * gathered * (c / f + 2 * c)
+    accumulating = 0 if inputs.reduce_every_microbatch else max(0, micro - 1)
+    grads = trainable * (micro * (c + c + r) + accumulating * 3 * r)
+    grads_fresh = trainable * micro * (c + r)
+    parts = memory(shape, "FULL_SHARD", replace(inputs, activation_checkpointing=False))
+    saved = (parts["activations"] + parts["logits"]) * (2 if inputs.activation_checkpointing else 1)
+    return gathers + grads + micro * 2 * saved, gathers_fresh + grads_fresh + micro * saved
 
 
 def step_time(shape, strategy: str, inputs, rates: Rates | None = None) -> dict[str, float]:  # noqa: ANN001
     """Predicted seconds of one optimizer step on each rank, and its parts."""
 
     rates = rates or Rates()
-    tokens = inputs.batch_size * inputs.max_length * inputs.accum_steps
-    lora = bool(getattr(inputs, "lora_rank", 0))
-    # forward + input gradients (+ weight gradients, which a frozen base does not compute)
-    passes = 2.0 if lora else 3.0
-    per_token = 2.0 * passes * shape.flop_params + 4.0 * passes * shape.layers * shape.hidden * inputs.max_length
-    if inputs.activation_checkpointing:  # one more forward of the blocks
-        per_token += 2.0 * (shape.flop_params - shape.vocab * shape.hidden) + 4.0 * shape.layers * shape.hidden * inputs.max_length
-    if inputs.loss_chunk_tokens:  # the output projection again, in backward
-        per_token += 2.0 * shape.vocab * shape.hidden
-    compute = tokens * per_token / (rates.tflops * 1e12)
+    flops = compute_flops(shape, inputs)
+    compute = flops / (rates.tflops * 1e12)
+    traffic, fresh = memory_traffic(shape, strategy, inputs)
+    memory_bound = traffic / (rates.memory_gbps * 1e9) + (fresh / (rates.first_touch_gbps * 1e9) if rates.first_touch_gbps else 0.0)
+    compute += memory_bound
     comm = comm_bytes(shape, strategy, inputs)
-    link = rates.link_gbps * 1e9
-    overlapped = (comm["wire"] - comm["exposed_wire"]) / link
-    exposed = comm["exposed_wire"] / link
-    if lora:
-
-        trainable = adapter_params(shape, inputs)
-    else:
-        trainable = shape.params
+    link, reduce = rates.link_gbps * 1e9, rates.reduce_rate(inputs.reduce_dtype == "fp16") * 1e9
+    gather_s, reduce_s = comm["gather_wire"] / link, comm["reduce_wire"] / reduce
+    all_reduce_s = comm["all_reduce_wire"] / reduce
+    host_s = comm["host_copies"] / (rates.host_link_gbps * 1e9)
+    communication = gather_s + reduce_s + all_reduce_s
+    exposed = comm["exposed_gather_wire"] / link + comm["exposed_reduce_wire"] / reduce
+    trainable = adapter_params(shape, inputs) if getattr(inputs, "lora_rank", 0) else shape.params
     local = math.ceil(trainable / shard_factor(strategy, inputs))
-    optimizer = 28 * local / (rates.hbm_gbps * 1e9)
-    return {"compute_s": compute, "communication_s": comm["wire"] / link, "exposed_communication_s": exposed,
-            "optimizer_s": optimizer, "step_s": max(compute, overlapped) + exposed + optimizer,
-            "hardware_flops_per_token": per_token}  # fmt: skip
+    if inputs.cpu_offload:
+        optimizer = ADAMW_BYTES_PER_PARAM * local / (rates.host_optimizer_gbps * 1e9)
+    else:
+        optimizer = ADAMW_BYTES_PER_PARAM * local / (rates.hbm_gbps * 1e9)
+    if rates.overlap:
+        step = max(compute, communication + host_s - exposed) + exposed + optimizer
+    else:  # one set of cores does everything in turn
+        step = compute + communication + host_s + optimizer
+    return {"compute_s": compute, "memory_bound_s": memory_bound, "communication_s": communication, "exposed_communication_s": exposed if rates.overlap
+            else communication, "host_copies_s": host_s, "optimizer_s": optimizer, "step_s": step,
+            "hardware_flops_per_token": flops / (inputs.batch_size * inputs.max_length * inputs.accum_steps)}  # fmt: skip
 
 
 def candidates(shape, inputs, strategies: list[str], rates: Rates | None = None) -> list[dict[str, Any]]:  # noqa: ANN001
