@@ -90,7 +90,18 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     namespace = build_parser().parse_args(argv)
     config = Config.from_flat(vars(namespace))
     check_chain_flags(config)
+    check_auto_flags(config)
     return config
+
+
+def check_auto_flags(config: Config) -> None:
+    """--batch_size auto and --reduce_dtype auto against the flags they decide."""
+    if config.train.batch_size == AUTO:
+        if config.parallel.cpu_offload:
+            raise ConfigError("--cpu_offload: not with --batch_size auto (it turns offload on where nothing fits "
+                              "without it; give --batch_size N to set it yourself)")  # fmt: skip
+    elif config.parallel.reduce_dtype == AUTO:
+        raise ConfigError("--reduce_dtype auto: only with --batch_size auto (give fp32 or fp16)")
 
 
 def check_chain_flags(config: Config) -> None:

@@ -37,10 +37,10 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     return "fp32" if precision == "auto" else precision
 
 
-def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
-    # NOTE: fp32 reduce: fp16 reduce-scatter loses gradient bits and can overflow across ranks.
-    compute = DTYPES[precision]
-    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+def mixed_precision_policy(precision: str, reduce_dtype: str = "fp32") -> MixedPrecisionPolicy:
+    # NOTE: fp32 reduce by default: an fp16 reduce-scatter loses gradient bits and can overflow across ranks. With
+    # --reduce_dtype fp16 an overflow shows as a non-finite gradient norm and the step is skipped (engine.step).
+    return MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=DTYPES[reduce_dtype])
 
 
 def find_block_classes(model: nn.Module) -> set[type[nn.Module]]:
@@ -162,7 +162,7 @@ def apply_fsdp(
 
 def shard_model(
     model: nn.Module, env: DistEnv, *, strategy: str, precision: str, activation_checkpointing: bool, offload: bool = False,
-    compile_blocks: bool = False, prefetch: int = 0, ignored: set[nn.Parameter] | None = None,
+    compile_blocks: bool = False, prefetch: int = 0, ignored: set[nn.Parameter] | None = None, reduce_dtype: str = "fp32",
 ) -> tuple[set[type[nn.Module]], int]:
     """Wrap policy -> (activation checkpointing) -> mesh -> FSDP2, on a meta model. Returns the block classes
     and the number of blocks (each its own FSDP unit, plus the root)."""
@@ -177,7 +177,7 @@ def shard_model(
             # Only the block's own forward: FSDP2's hooks around it (gathers, reduce-scatters) stay eager.
             inner.forward = torch.compile(inner.forward)
     mesh = build_mesh(strategy, env)
-    apply_fsdp(model, blocks, mesh, strategy=strategy, mp_policy=mixed_precision_policy(precision), offload=offload,
+    apply_fsdp(model, blocks, mesh, strategy=strategy, mp_policy=mixed_precision_policy(precision, reduce_dtype), offload=offload,
                prefetch=prefetch, ignored=ignored)  # fmt: skip
     return classes, len(blocks)
 

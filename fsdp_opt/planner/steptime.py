@@ -22,14 +22,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from fsdp_opt.base import gib
-from fsdp_opt.config.choices import HOST_LINK_GBPS, HOST_OPTIMIZER_GBPS, STRATEGIES, T4_HBM_GBPS, T4_LINK_GBPS, T4_TFLOPS
-from fsdp_opt.config.parse import Config
-from fsdp_opt.model.shapes import Shape
+from fsdp_opt.config.choices import HOST_LINK_GBPS, HOST_OPTIMIZER_GBPS, T4_HBM_GBPS, T4_LINK_GBPS, T4_TFLOPS
 from fsdp_opt.planner.calibrate import ADAMW_BYTES_PER_PARAM
 from fsdp_opt.planner.inputs import Inputs, shard_factor
 from fsdp_opt.planner.lora import adapter_dims, adapter_params, block_base_bytes
 from fsdp_opt.planner.memory import memory, peak_bytes
-from fsdp_opt.runtime.distributed import DistEnv, print0
 from fsdp_opt.runtime.gpus import PEAK_FLOPS
 
 
@@ -166,7 +163,7 @@ def step_time(shape, strategy: str, inputs, rates: Rates | None = None) -> dict[
     compute = flops / (rates.tflops * 1e12)
     traffic, fresh = memory_traffic(shape, strategy, inputs)
     memory_bound = traffic / (rates.memory_gbps * 1e9) + (fresh / (rates.first_touch_gbps * 1e9) if rates.first_touch_gbps else 0.0)
-    compute += memory_bound
+    busy = compute + memory_bound  # the device's own work: matmuls, then what memory bandwidth bounds
     comm = comm_bytes(shape, strategy, inputs)
     link, reduce = rates.link_gbps * 1e9, rates.reduce_rate(inputs.reduce_dtype == "fp16") * 1e9
     gather_s, reduce_s = comm["gather_wire"] / link, comm["reduce_wire"] / reduce
@@ -181,9 +178,9 @@ def step_time(shape, strategy: str, inputs, rates: Rates | None = None) -> dict[
     else:
         optimizer = ADAMW_BYTES_PER_PARAM * local / (rates.hbm_gbps * 1e9)
     if rates.overlap:
-        step = max(compute, communication + host_s - exposed) + exposed + optimizer
+        step = max(busy, communication + host_s - exposed) + exposed + optimizer
     else:  # one set of cores does everything in turn
-        step = compute + communication + host_s + optimizer
+        step = busy + communication + host_s + optimizer
     return {"compute_s": compute, "memory_bound_s": memory_bound, "communication_s": communication, "exposed_communication_s": exposed if rates.overlap
             else communication, "host_copies_s": host_s, "optimizer_s": optimizer, "step_s": step,
             "hardware_flops_per_token": flops / (inputs.batch_size * inputs.max_length * inputs.accum_steps)}  # fmt: skip
@@ -216,51 +213,6 @@ def rates_for(gpu_name: str, tflops: float, link_gbps: float) -> Rates:
     return Rates(tflops=tflops or T4_TFLOPS, link_gbps=link_gbps)
 
 
-@dataclass(frozen=True)
-class Layout:
-    """How the run shards and syncs, as `choose_layout` decided it."""
-
-    strategy: str  # --sharding_strategy, with AUTO decided
-    reduce_each_microbatch: bool  # --reduce_every_microbatch, with auto decided
-    prediction: dict[str, Any] | None = None  # the step-time prediction of this layout (GPU runs only)
-
-
-def choose_layout(config: Config, env: DistEnv, model_config: Any, precision: str, accum_steps: int,
-                  gpu: tuple[int, str] | None = None) -> Layout:  # fmt: skip
-    """Decide --sharding_strategy AUTO and --reduce_every_microbatch auto; on a GPU also predict the step time.
-
-    `gpu` is this GPU's (usable memory in bytes, name), from `distributed.cap_gpu_memory`; None without one. The
-    config is only read: what is decided comes back as the Layout."""
-    pc, tc, dc = config.parallel, config.train, config.data
-    choice = pc.reduce_every_microbatch
-    if gpu is None:
-        return Layout("FULL_SHARD" if pc.sharding_strategy == "AUTO" else pc.sharding_strategy, choice == "true")
-    inputs = Inputs(
-        gpus=env.world_size, nodes=env.num_nodes, gpu_memory=gpu[0],
-        batch_size=tc.batch_size, max_length=dc.max_length, accum_steps=accum_steps, precision=precision,
-        activation_checkpointing=pc.activation_checkpointing, attn_implementation=config.model.attn_implementation,
-        packing=dc.packing, prefetch=pc.prefetch, loss_chunk_tokens=tc.loss_chunk_tokens,
-    )  # fmt: skip
-    shape = Shape.of(model_config)
-    rates = rates_for(gpu[1], pc.tflops, pc.link_gbps)
-    allowed = [s for s in STRATEGIES if s != "HYBRID_SHARD" or env.num_nodes > 1]
-    strategies = allowed if pc.sharding_strategy == "AUTO" else [pc.sharding_strategy]
-    # With one micro-batch per step the two modes are one: candidates lists it once.
-    options = [c for c in candidates(shape, inputs, strategies, rates)
-               if choice == "auto" or accum_steps == 1 or c["reduce_every_microbatch"] == (choice == "true")]  # fmt: skip
-    if not options[0]["fits"]:  # nothing fits: the least memory, so the failure (if any) is the smallest
-        options.sort(key=lambda c: c["peak_bytes"])
-    best = options[0]
-    if pc.sharding_strategy == "AUTO":
-        print0(f"note: --sharding_strategy AUTO chose {best['strategy']} (fits the memory plan with the shortest "
-               f"predicted step of {', '.join(strategies)})")  # fmt: skip
-    if choice == "auto" and best["reduce_every_microbatch"] and accum_steps > 1:
-        print0("note: the memory plan does not fit no-sync gradient accumulation on this GPU; gradients are "
-               "reduce-scattered after every micro-batch (--reduce_every_microbatch false to override)")  # fmt: skip
-    return Layout(best["strategy"], best["reduce_every_microbatch"],
-                  {**best, "tflops": rates.tflops, "link_gbps": rates.link_gbps})
-
-
 def render_configurations(plan: dict[str, Any]) -> list[str]:
     lines = ["| configuration | peak per GPU | fits | comm per step (wire) | compute | step (predicted) |",
              "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
@@ -278,8 +230,9 @@ def describe_prediction(p: dict[str, Any] | None) -> str:
     """The run summary's line for a prediction."""
     if p is None:
         return "GPU runs only (the model's rates are a GPU's)"
-    return (f"{p['step_s']:.2f} s: compute {p['compute_s']:.2f} s at {p['tflops']:.0f} TFLOPS, communication "
-            f"{p['communication_s']:.2f} s at {p['link_gbps']:g} GB/s ({p['exposed_communication_s']:.2f} s not "
+    return (f"{p['step_s']:.2f} s: compute {p['compute_s']:.2f} s at {p['tflops']:.3g} TFLOPS, memory-bound work "
+            f"{p.get('memory_bound_s', 0.0):.2f} s, communication "
+            f"{p['communication_s']:.2f} s at {p['link_gbps']:.3g} GB/s ({p['exposed_communication_s']:.2f} s not "
             f"overlapped), optimizer {p['optimizer_s']:.2f} s")  # fmt: skip
 
 

@@ -99,7 +99,7 @@ def next_in_session(s: Session, stop: StopControl, trained_here: int) -> bool:
     config = range_config(s.config, NextRange(*after, resume=s.last_saved_path.name if s.last_saved_path else None,
                                               finishing=False))  # fmt: skip
     data = read_slice(config, s.tokenizer)
-    steps = step_plan(config, s.env, data.blocks, s.accum_steps).steps_per_epoch()
+    steps = step_plan(config, s.env, data.blocks, s.layout.batch_size, s.accum_steps).steps_per_epoch()
     step_s = statistics.median(s.step_seconds) if s.step_seconds else 0.0
     left = stop.seconds_left()
     fits = broadcast_object(range_fits(steps, step_s, save_estimate(s), left) if s.env.is_main else None)
@@ -116,7 +116,7 @@ def switch_range(s: Session, config: Config, data: SliceData) -> None:
     """Point the session at the next range, as a new session resuming from the last checkpoint would start it."""
     s.config = config
     s.blocks, s.end_idx, s.eval_blocks = data.blocks, data.end_idx, data.eval_blocks
-    s.plan = step_plan(config, s.env, data.blocks, s.accum_steps)
+    s.plan = step_plan(config, s.env, data.blocks, s.layout.batch_size, s.accum_steps)
     s.state = TrainState(s.state.global_step, config.train.initial_epoch, 0)
     seed_dropout(config, s.env)
     s.chain = dataclasses.replace(s.chain, start=config.data.start_idx, end=data.end_idx)

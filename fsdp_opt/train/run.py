@@ -20,7 +20,7 @@ from fsdp_opt.checkpoint.chain import CHAIN_KEY
 from fsdp_opt.checkpoint.read import check_compatible
 from fsdp_opt.checkpoint.resume import restore
 from fsdp_opt.checkpoint.save import BackgroundWriter
-from fsdp_opt.config.choices import DTYPES, shard_count
+from fsdp_opt.config.choices import AUTO, DTYPES, shard_count
 from fsdp_opt.config.parse import Config
 from fsdp_opt.engine.fp16watch import Fp16Overflow, overflow_probe
 from fsdp_opt.engine.loss import ChunkedLoss
@@ -36,7 +36,8 @@ from fsdp_opt.model.sources import (
     model_tag,
     resolve_model,
 )
-from fsdp_opt.planner.steptime import Layout, choose_layout, step_time_line
+from fsdp_opt.planner.layout import Layout, choose_layout
+from fsdp_opt.planner.steptime import step_time_line
 from fsdp_opt.runtime.distributed import (
     DistEnv,
     all_ranks_ok,
@@ -94,7 +95,7 @@ class Checked:
 
     source: ModelSource
     precision: str  # --precision, with auto decided for this device
-    accum_steps: int  # --accum_steps, or what --total_batch_size implies for this many ranks
+    accum_steps: int | None  # --accum_steps, or what --global_batch implies for this many ranks (None: auto decides)
 
 
 @dataclass
@@ -151,9 +152,13 @@ def check_flags(config: Config, env: DistEnv) -> Checked:
         all_ranks_ok(check_for_nf4)  # the torch/torchao pair, before anything is built
     if pc.cpu_offload and env.device.type != "cuda":
         raise ConfigError("--cpu_offload: only useful with CUDA devices (the run is on CPU already)")
+    if pc.reduce_dtype == "fp16" and precision != "fp16":
+        raise ConfigError(f"--reduce_dtype fp16: only with fp16 compute (this run computes in {precision}; "
+                          "--precision fp16)")  # fmt: skip
     if cc.export_merge and not (lc.enabled and cc.export_hf):
         raise ConfigError("--export_merge: only for a LoRA run (--lora_rank) with --export_hf DIR")
-    return Checked(source, precision, config.train.accum_for(env.world_size))
+    auto = config.train.batch_size == AUTO
+    return Checked(source, precision, None if auto else config.train.accum_for(env.world_size))
 
 
 def build_model(config: Config, env: DistEnv, checked: Checked, inputs: Loaded, payload: dict[str, Any] | None) -> Built:
@@ -170,7 +175,7 @@ def build_model(config: Config, env: DistEnv, checked: Checked, inputs: Loaded, 
     if adapters is not None:
         shards = shard_count(layout.strategy, env.world_size, env.local_world_size)
         all_ranks_ok(lambda: adapters.add_to(model, shards))
-    chunked_loss = all_ranks_ok(lambda: ChunkedLoss(model, tc.loss_chunk_tokens) if tc.loss_chunk_tokens else None)
+    chunked_loss = all_ranks_ok(lambda: ChunkedLoss(model, layout.loss_chunk_tokens) if layout.loss_chunk_tokens else None)
     if resuming:
         def check() -> None:
             path = Path(payload["_path"])
@@ -180,8 +185,8 @@ def build_model(config: Config, env: DistEnv, checked: Checked, inputs: Loaded, 
 
         all_ranks_ok(lambda: check() if env.is_main else None)
     block_classes, units = shard_model(
-        model, env, strategy=layout.strategy, precision=checked.precision,
-        activation_checkpointing=pc.activation_checkpointing, offload=pc.cpu_offload, compile_blocks=pc.compile,
+        model, env, strategy=layout.strategy, precision=checked.precision, reduce_dtype=layout.reduce_dtype,
+        activation_checkpointing=layout.activation_checkpointing, offload=layout.cpu_offload, compile_blocks=pc.compile,
         prefetch=pc.prefetch, ignored=adapters.unsharded(model) if adapters else None,
     )  # fmt: skip
     # A LoRA run always loads its base from --model; a checkpoint holds only the adapters.
@@ -211,11 +216,12 @@ def make_session(config: Config, env: DistEnv, checked: Checked, inputs: Loaded,
         config=config, env=env, model=model, optimizer=optimizer,
         schedule=LRSchedule(tc.lr, tc.warmup_steps, tc.lr_schedule, tc.lr_decay_steps, tc.min_lr_ratio),
         scaler=LossScaler(enabled=checked.precision == "fp16", init_scale=tc.init_loss_scale),
-        blocks=inputs.data.blocks, plan=step_plan(config, env, inputs.data.blocks, checked.accum_steps),
+        blocks=inputs.data.blocks,
+        plan=step_plan(config, env, inputs.data.blocks, built.layout.batch_size, built.layout.accum_steps),
         state=TrainState(epoch=tc.initial_epoch),
         writer=MetricsWriter(out_dir, enabled=env.is_main),
         tag=model_tag(config.model.model), end_idx=inputs.data.end_idx, precision=checked.precision,
-        accum_steps=checked.accum_steps, layout=built.layout,
+        layout=built.layout,
         flops_per_token=built.flops_per_token,
         peak_flops=peak_flops(env.device), out_dir=out_dir, model_config=inputs.model_config,
         tokenizer=inputs.tokenizer, n_params=built.n_params, params=[p for p in model.parameters() if p.requires_grad],

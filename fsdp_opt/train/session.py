@@ -21,7 +21,7 @@ from fsdp_opt.engine.loss import ChunkedLoss
 from fsdp_opt.engine.optim import LossScaler, LRSchedule
 from fsdp_opt.engine.step import TrainState
 from fsdp_opt.hub.uploads import Uploader
-from fsdp_opt.planner.steptime import Layout
+from fsdp_opt.planner.layout import Layout
 from fsdp_opt.runtime.distributed import DistEnv
 from fsdp_opt.tracking.metrics import MetricsWriter
 from fsdp_opt.tracking.wandb_run import WandbRun
@@ -30,7 +30,7 @@ from fsdp_opt.tracking.wandb_run import WandbRun
 @dataclass
 class Session:
     """Everything the loop needs, built once by setup(). The flags (`config`) are only read; what they leave open is
-    decided at setup and held here: `precision`, `accum_steps` and `layout`."""
+    decided at setup and held here: `precision` and `layout` (strategy, batch, accumulation, ...)."""
 
     config: Config
     env: DistEnv
@@ -45,8 +45,7 @@ class Session:
     tag: str  # the model's part of checkpoint names
     end_idx: int  # the slice's end, clamped to the dataset
     precision: str  # --precision, with auto decided for this device
-    accum_steps: int  # --accum_steps, or what --total_batch_size implies for this many ranks
-    layout: Layout  # --sharding_strategy and --reduce_every_microbatch, with AUTO/auto decided
+    layout: Layout  # what the flags leave open (--sharding_strategy AUTO, --batch_size auto, ...), decided
     flops_per_token: float
     peak_flops: float | None
     out_dir: Path
@@ -77,12 +76,16 @@ class Session:
         return self.layout.reduce_each_microbatch
 
     @property
+    def accum_steps(self) -> int:
+        return self.layout.accum_steps
+
+    @property
     def predicted_step(self) -> dict[str, Any] | None:
         return self.layout.prediction
 
     def flags(self) -> dict[str, Any]:
         """The flags with what setup decided in their place: what the run prints and stores with its checkpoints."""
-        return {**self.config.flat(), "sharding_strategy": self.layout.strategy, "accum_steps": self.accum_steps}
+        return {**self.config.flat(), **self.layout.decided()}
 
     def count_step(self, step: StepBatch) -> None:
         """The chain's position and rows after `step`: its share of the range's samples, as a share of its rows."""
@@ -101,11 +104,10 @@ class Session:
         return self.chain.to_dict()
 
 
-def step_plan(config: Config, env: DistEnv, blocks: Blocks, accum_steps: int) -> StepPlan:
+def step_plan(config: Config, env: DistEnv, blocks: Blocks, batch_size: int, accum_steps: int) -> StepPlan:
     """The global batches of the slice's epochs, and this rank's share of each."""
-    tc = config.train
-    return StepPlan(blocks, batch_size=tc.batch_size, accum_steps=accum_steps, rank=env.rank,
-                    world_size=env.world_size, seed=tc.seed)  # fmt: skip
+    return StepPlan(blocks, batch_size=batch_size, accum_steps=accum_steps, rank=env.rank, world_size=env.world_size,
+                    seed=config.train.seed)  # fmt: skip
 
 
 def seed_dropout(config: Config, env: DistEnv) -> None:

@@ -21,18 +21,18 @@ def print_summary(s: Session, classes: set[type], units: int, n_params: int) -> 
             {
                 "model": f"{c.model.model} ({n_params:,} parameters, tag {s.tag})",
                 "strategy": f"{s.layout.strategy}, wrapped {', '.join(sorted(k.__name__ for k in classes))} x {units} + root = {units + 1} units",
-                "precision": f"{s.precision} compute, fp32 master weights and gradient reduction"
+                "precision": f"{s.precision} compute, fp32 master weights, {s.layout.reduce_dtype} gradient reduction"
                 + (", dynamic loss scaling" if s.scaler.enabled else ""),
                 "lora": describe_lora(s) if s.lora else "off (every weight trains)",
-                "activation ckpt": c.parallel.activation_checkpointing,
+                "activation ckpt": s.layout.activation_checkpointing,
                 "world": f"{s.env.world_size} rank(s) on {s.env.device.type}, {s.env.num_nodes} node(s)",
                 "data": f"{c.data.dataset} rows [{c.data.start_idx}, {s.end_idx}) -> {len(s.blocks)} "
                 f"{PACKING_WORDS[c.data.packing]} of {c.data.max_length} tokens",
-                "batch": f"{c.train.batch_size} per rank x {s.env.world_size} ranks x {s.accum_steps} accum = {global_batch} sequences per step",
+                "batch": f"{s.layout.batch_size} per rank x {s.env.world_size} ranks x {s.accum_steps} accum = {global_batch} sequences per step",
                 "gradient sync": "every micro-batch"
                 if s.reduce_each_microbatch or s.accum_steps == 1
                 else "last micro-batch of each step",
-                "loss": f"{c.train.loss_chunk_tokens} tokens at a time" if s.chunked_loss else "whole logits at once",
+                "loss": f"{s.layout.loss_chunk_tokens} tokens at a time" if s.chunked_loss else "whole logits at once",
                 "predicted step": describe_prediction(s.predicted_step),
                 "checkpoints": f"{c.checkpoint.state_dict_type}, written "
                 + ("in the background while training goes on" if s.ckpt_writer is not None else "before training goes on"),

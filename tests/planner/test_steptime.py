@@ -80,7 +80,7 @@ def test_trainer_resolves_auto_as_on_a_t4():
     import torch
 
     from fsdp_opt.config.parse import parse_args
-    from fsdp_opt.planner.steptime import choose_layout
+    from fsdp_opt.planner.layout import choose_layout
     from fsdp_opt.runtime.distributed import DistEnv
 
     env = DistEnv(rank=0, world_size=2, local_rank=0, local_world_size=2, device=torch.device("cpu"))

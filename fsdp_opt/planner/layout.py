@@ -1,0 +1,148 @@
+"""What the trainer's flags leave to the plan, decided at setup: the sharding strategy (AUTO), the reduce mode (auto)
+and, with `--batch_size auto`, the whole configuration of the step (micro-batch, accumulation, loss chunking,
+activation checkpointing, CPU offload, reduce dtype) from the search (`planner.search`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fsdp_opt.base import ConfigError, gib
+from fsdp_opt.config.choices import AUTO, STRATEGIES
+from fsdp_opt.config.parse import Config
+from fsdp_opt.model.shapes import Shape
+from fsdp_opt.planner.calibrate import measure
+from fsdp_opt.planner.inputs import Inputs
+from fsdp_opt.planner.search import Space, describe, recommend
+from fsdp_opt.planner.steptime import Rates, candidates, rates_for
+from fsdp_opt.runtime.distributed import DistEnv, print0
+from fsdp_opt.runtime.hostmem import total_memory_bytes
+
+# A CPU run's "GPU memory" for the search: this share of the machine's RAM, split over its ranks.
+CPU_MEMORY_SHARE = 0.6
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the run shards, syncs and batches, as `choose_layout` decided it from the flags."""
+
+    strategy: str  # --sharding_strategy, with AUTO decided
+    reduce_each_microbatch: bool  # --reduce_every_microbatch, with auto decided
+    prediction: dict[str, Any] | None = None  # the step-time prediction of this layout (GPU runs; CPU with auto)
+    batch_size: int = 4  # --batch_size, with auto decided
+    accum_steps: int = 1  # --accum_steps, or what --global_batch or the search gives
+    activation_checkpointing: bool = True
+    loss_chunk_tokens: int = 0
+    cpu_offload: bool = False
+    reduce_dtype: str = "fp32"  # --reduce_dtype, with auto decided
+    searched: bool = False  # --batch_size auto chose it
+
+    def decided(self) -> dict[str, Any]:
+        """The flags this layout decides, with their values: what the run prints and stores in place of the flags."""
+        return {"sharding_strategy": self.strategy, "batch_size": self.batch_size, "accum_steps": self.accum_steps,
+                "activation_checkpointing": self.activation_checkpointing, "loss_chunk_tokens": self.loss_chunk_tokens,
+                "cpu_offload": self.cpu_offload, "reduce_dtype": self.reduce_dtype,
+                "reduce_every_microbatch": str(self.reduce_each_microbatch).lower()}  # fmt: skip
+
+
+def run_inputs(config: Config, env: DistEnv, precision: str, gpu: tuple[int, str] | None) -> Inputs:
+    """The plan's inputs for this run: its ranks and memory, and the flags as given."""
+    pc, tc, dc = config.parallel, config.train, config.data
+    if gpu is None:  # CPU ranks: a share of the machine's RAM each
+        memory = int(CPU_MEMORY_SHARE * (total_memory_bytes() or 16 * 2**30) / max(1, env.local_world_size))
+    else:
+        memory = gpu[0]
+    return Inputs(
+        gpus=env.world_size, nodes=env.num_nodes, gpu_memory=memory,
+        batch_size=4 if tc.batch_size == AUTO else tc.batch_size, max_length=dc.max_length, accum_steps=1,
+        precision=precision, activation_checkpointing=pc.activation_checkpointing,
+        attn_implementation=config.model.attn_implementation, packing=dc.packing, prefetch=pc.prefetch,
+        loss_chunk_tokens=tc.loss_chunk_tokens, cuda=gpu is not None, lora_rank=config.lora.lora_rank,
+        lora_targets=config.lora.lora_targets, lora_dropout=config.lora.dropout, base_bits=config.lora.base_bits,
+        reduce_dtype="fp16" if pc.reduce_dtype == "fp16" else "fp32", cpu_offload=pc.cpu_offload,
+    )  # fmt: skip
+
+
+def choose_layout(config: Config, env: DistEnv, model_config: Any, precision: str, accum_steps: int | None,
+                  gpu: tuple[int, str] | None = None) -> Layout:  # fmt: skip
+    """Decide what the flags leave open. `gpu` is this GPU's (usable memory in bytes, name), from
+    `distributed.cap_gpu_memory`; None without one. `accum_steps`: the flags' (None with --batch_size auto). The
+    config is only read: what is decided comes back as the Layout. Every rank calls it (a CPU run with
+    --batch_size auto measures its rates with all ranks)."""
+    if config.train.batch_size == AUTO:
+        return searched_layout(config, env, model_config, precision, gpu)
+    pc, tc = config.parallel, config.train
+    choice = pc.reduce_every_microbatch
+    fixed = dict(batch_size=tc.batch_size, accum_steps=accum_steps, activation_checkpointing=pc.activation_checkpointing,
+                 loss_chunk_tokens=tc.loss_chunk_tokens, cpu_offload=pc.cpu_offload, reduce_dtype=pc.reduce_dtype)  # fmt: skip
+    if gpu is None:
+        return Layout("FULL_SHARD" if pc.sharding_strategy == "AUTO" else pc.sharding_strategy, choice == "true", **fixed)
+    inputs = run_inputs(config, env, precision, gpu)
+    inputs.accum_steps = accum_steps
+    shape = Shape.of(model_config)
+    rates = rates_for(gpu[1], pc.tflops, pc.link_gbps)
+    strategies = allowed(env) if pc.sharding_strategy == "AUTO" else [pc.sharding_strategy]
+    # With one micro-batch per step the two modes are one: candidates lists it once.
+    options = [c for c in candidates(shape, inputs, strategies, rates)
+               if choice == "auto" or accum_steps == 1 or c["reduce_every_microbatch"] == (choice == "true")]  # fmt: skip
+    if not options[0]["fits"]:  # nothing fits: the least memory, so the failure (if any) is the smallest
+        options.sort(key=lambda c: c["peak_bytes"])
+    best = options[0]
+    if pc.sharding_strategy == "AUTO":
+        print0(f"note: --sharding_strategy AUTO chose {best['strategy']} (fits the memory plan with the shortest "
+               f"predicted step of {', '.join(strategies)})")  # fmt: skip
+    if choice == "auto" and best["reduce_every_microbatch"] and accum_steps > 1:
+        print0("note: the memory plan does not fit no-sync gradient accumulation on this GPU; gradients are "
+               "reduce-scattered after every micro-batch (--reduce_every_microbatch false to override)")  # fmt: skip
+    return Layout(best["strategy"], best["reduce_every_microbatch"],
+                  {**best, "tflops": rates.tflops, "link_gbps": rates.link_gbps}, **fixed)  # fmt: skip
+
+
+def allowed(env: DistEnv) -> list[str]:
+    return [s for s in STRATEGIES if s != "HYBRID_SHARD" or env.num_nodes > 1]
+
+
+def search_space(config: Config, env: DistEnv, precision: str, cuda: bool) -> Space:
+    """What --batch_size auto may vary: what the flags leave open."""
+    pc = config.parallel
+    every = {"auto": (False, True), "true": (True,), "false": (False,)}[pc.reduce_every_microbatch]
+    if pc.reduce_dtype == "auto":
+        dtypes = ("fp32", "fp16") if precision == "fp16" else ("fp32",)
+    else:
+        dtypes = (pc.reduce_dtype,)
+    strategies = allowed(env) if pc.sharding_strategy == "AUTO" else [pc.sharding_strategy]
+    return Space(strategies=tuple(strategies), reduce_every=every, reduce_dtypes=dtypes,
+                 checkpointing=(True, False) if pc.activation_checkpointing else (False,), chunking=True,
+                 offload=cuda)  # fmt: skip
+
+
+def searched_layout(config: Config, env: DistEnv, model_config: Any, precision: str, gpu: tuple[int, str] | None) -> Layout:
+    """--batch_size auto: the fastest configuration that fits, at the run's sequences per step."""
+    pc = config.parallel
+    samples = config.train.samples_per_step(env.world_size)
+    if samples % env.world_size:
+        raise ConfigError(f"--global_batch {samples}: does not split over {env.world_size} rank(s); use a multiple "
+                          f"of {env.world_size}")  # fmt: skip
+    if gpu is None:
+        measured = measure(env)
+        rates = Rates.measured(measured, precision)
+        where = f"rates measured now on {env.world_size} CPU rank(s)"
+    else:
+        rates = rates_for(gpu[1], pc.tflops, pc.link_gbps)
+        where = f"{gpu[1]}, {gib(gpu[0])} each, {rates.tflops:.0f} TFLOPS, link {rates.link_gbps:g} GB/s"
+    inputs = run_inputs(config, env, precision, gpu)
+    shape = Shape.of(model_config)
+    best = recommend(shape, inputs, samples, rates, search_space(config, env, precision, gpu is not None),
+                     None if gpu is None else total_memory_bytes(), config.checkpoint.state_dict_type == "sharded")  # fmt: skip
+    if best is None:
+        raise ConfigError(f"--batch_size auto: no configuration of {samples} sequences per step fits "
+                          f"{env.world_size} rank(s) of {gib(inputs.gpu_memory)}; a smaller --global_batch will not "
+                          "help (each rank needs one sequence at least): try --lora_rank or more GPUs")  # fmt: skip
+    print0(f"--batch_size auto: {describe(best)} ({samples} sequences per step); predicted "
+           f"{best['predicted_step_time_s']:.3f} s per step, peak {gib(best['peak_bytes'])} per rank ({where})")  # fmt: skip
+    p = best["prediction"]
+    return Layout(best["sharding_strategy"], best["reduce_every_microbatch"],
+                  {**p, "strategy": best["sharding_strategy"], "tflops": rates.tflops, "link_gbps": rates.link_gbps},
+                  batch_size=best["batch_size"], accum_steps=best["accum_steps"],
+                  activation_checkpointing=best["activation_checkpointing"], loss_chunk_tokens=best["loss_chunk_tokens"],
+                  cpu_offload=best["cpu_offload"], reduce_dtype=best["reduce_dtype"], searched=True)  # fmt: skip
