@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--global_batch", "--total_batch_size", dest="global_batch", type=int, default=None,
                    help="sequences per optimizer step, all GPUs (default: batch_size x accum_steps x gpus)")
     p.add_argument("--max_length", type=int, default=512)
-    p.add_argument("--accum_steps", type=int, default=16)
+    p.add_argument("--accum_steps", type=int, default=None, help="micro-batches per step (default 16, or what --global_batch implies)")
     p.add_argument("--precision", default="fp16", choices=["fp16", "bf16", "fp32"])
     p.add_argument("--activation_checkpointing", type=parse_bool, nargs="?", const=True, default=True)
     p.add_argument("--attn_implementation", default="sdpa", choices=["sdpa", "eager"])
@@ -89,10 +89,11 @@ def batch_of(a: argparse.Namespace) -> tuple[int, int]:
     """Sequences per optimizer step and the accumulation of the flags given."""
     auto = a.batch_size == "auto"
     if a.global_batch is None:
-        return (4 if auto else a.batch_size) * a.accum_steps * a.gpus, a.accum_steps
+        accum = 16 if a.accum_steps is None else a.accum_steps
+        return (4 if auto else a.batch_size) * accum * a.gpus, accum
     if a.global_batch < 1:
         raise ConfigError(f"--global_batch {a.global_batch}: must be 1 or more")
-    if a.accum_steps != 1:
+    if a.accum_steps is not None:
         raise ConfigError(f"--global_batch and --accum_steps {a.accum_steps}: give one of them (accum_steps is derived)")
     if a.global_batch % a.gpus:
         raise ConfigError(f"--global_batch {a.global_batch}: does not split over --gpus {a.gpus}")
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         a = build_parser().parse_args(argv)
         auto = a.batch_size == "auto"
         for flag in ("gpus", "nodes", "max_length", "accum_steps", "slices") + (() if auto else ("batch_size",)):
-            if getattr(a, flag) < 1:
+            if getattr(a, flag) is not None and getattr(a, flag) < 1:
                 raise ConfigError(f"--{flag} {getattr(a, flag)}: must be at least 1")
         for flag in ("tflops", "link_gbps", "hbm_gbps"):
             if not getattr(a, flag) > 0:

@@ -236,16 +236,20 @@ def test_unscale_and_clip_matches_torch_clip_grad_norm():
     assert math.isclose(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in a])).item(), 1.0, rel_tol=1e-5)
 
 
-def test_total_batch_size_sets_accumulation_per_rank_count():
-    tc = TrainConfig(batch_size=4, total_batch_size=128)
+def test_global_batch_sets_accumulation_per_rank_count():
+    tc = TrainConfig(batch_size=4, global_batch=128)
     assert [tc.accum_for(w) for w in (1, 2, 8, 32)] == [32, 16, 4, 1]
     assert TrainConfig(batch_size=4, accum_steps=3).accum_for(5) == 3
-    with pytest.raises(ConfigError, match=r"--total_batch_size 100: not a multiple of --batch_size 4 x 2 rank\(s\) = 8; use 96 or 104"):
-        TrainConfig(batch_size=4, total_batch_size=100).accum_for(2)
+    with pytest.raises(ConfigError, match=r"--global_batch 100: not a multiple of --batch_size 4 x 2 rank\(s\) = 8; use 96 or 104"):
+        TrainConfig(batch_size=4, global_batch=100).accum_for(2)
     with pytest.raises(ConfigError, match="use 8,|use 8 or"):
-        TrainConfig(batch_size=4, total_batch_size=2).accum_for(2)
+        TrainConfig(batch_size=4, global_batch=2).accum_for(2)
     with pytest.raises(ConfigError, match="give one of them"):
-        TrainConfig(total_batch_size=64, accum_steps=4)
+        TrainConfig(global_batch=64, accum_steps=4)
+    # --batch_size auto keeps the sequences per step the flags imply (a micro-batch of 4 where auto)
+    assert TrainConfig(batch_size="auto", global_batch=96).samples_per_step(2) == 96
+    assert TrainConfig(batch_size="auto", accum_steps=16).samples_per_step(2) == 4 * 16 * 2
+    assert TrainConfig(batch_size=8, accum_steps=2).samples_per_step(4) == 64
 
 
 # ------------------------------------------------------------------ chunked loss

@@ -3,7 +3,7 @@
 
 For the given sequences per step (all GPUs) it tries every micro-batch that divides one GPU's share (the rest is
 accumulation), every strategy and reduce mode, loss chunking on and off, activation checkpointing on and off, the
-fp16 reduce where allowed, and CPU offload only where nothing fits without it. Each is judged by the memory model
+fp16 reduce where allowed, and CPU offload (full fine-tuning on GPUs) only where nothing fits without it. Each is judged by the memory model
 (`memory.peak_bytes` against the GPU's usable memory; with offload also the host's RAM) and ranked by the step-time
 model (`steptime.step_time`); the fastest one that fits wins, the smaller peak on a tie.
 """
@@ -90,7 +90,8 @@ def _search(shape: Shape, inputs: Inputs, samples: int, rates: Rates, space: Spa
         return None, f"{samples} sequences do not split over {inputs.gpus} GPUs"
     least_host = None
     per_gpu = samples // inputs.gpus
-    modes = [False] + ([True] if space.offload and inputs.cuda else [])
+    # Offload is for full fine-tuning: a LoRA run's state is small, and its base shrinks with --base_bits 4 instead.
+    modes = [False] + ([True] if space.offload and inputs.cuda and not inputs.lora_rank else [])
     for offload in modes:  # offload only where nothing fits without it
         best = None
         for strategy, this in _options(shape, inputs, per_gpu, space, offload):
@@ -107,6 +108,8 @@ def _search(shape: Shape, inputs: Inputs, samples: int, rates: Rates, space: Spa
     if least_host is not None:
         return None, (f"it fits the GPU only with --cpu_offload, and then host RAM peaks at {least_host / 1e9:.1f} GB "
                       f"(a full save included) of {host_memory / 1e9:.1f} GB")  # fmt: skip
+    if inputs.lora_rank and inputs.base_bits == 16:
+        return None, "nothing fits the GPU's memory (a 4-bit base, --base_bits 4, is smaller)"
     return None, "nothing fits the GPU's memory"
 
 

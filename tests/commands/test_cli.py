@@ -110,6 +110,14 @@ BAD_INPUT = [
     (["--start_idx", "auto", "--range_size", "10", "--initial_epoch", "1"], ["--initial_epoch 1", "not with --start_idx auto"]),
     (["--start_idx", "auto", "--range_size", "10", "--hf_repo", "me/run", "--hub_retries", "0"],
      ["--start_idx auto", "cannot read the Hub repo me/run"]),
+    # --batch_size auto and the flags it decides
+    (["--batch_size", "many"], ["--batch_size", "'many'"]),
+    (["--batch_size", "auto", "--loss_chunk_tokens", "256"], ["--loss_chunk_tokens 256", "not with --batch_size auto"]),
+    (["--batch_size", "auto", "--cpu_offload"], ["--cpu_offload", "not with --batch_size auto"]),
+    (["--batch_size", "auto", "--global_batch", "8", "--accum_steps", "2"], ["--global_batch and --accum_steps 2"]),
+    (["--global_batch", "0"], ["--global_batch 0", "1 or more"]),
+    (["--reduce_dtype", "auto"], ["--reduce_dtype auto", "only with --batch_size auto"]),
+    (["--reduce_dtype", "fp16"], ["--reduce_dtype fp16", "only with fp16 compute"]),
 ]
 
 
@@ -151,7 +159,8 @@ def test_empty_dataset_is_refused(tmp_path):
     (["--end_idx", "100000"], ["--end_idx 100000"]),
     (["--model", "./no/such/model"], ["--model ./no/such/model"]),
     (["--text_column", "body"], ["--text_column body"]),
-    (["--total_batch_size", "6", "--batch_size", "2"], ["--total_batch_size 6", "2 rank(s) = 4", "use 4 or 8"]),
+    (["--total_batch_size", "6", "--batch_size", "2"], ["--global_batch 6", "2 rank(s) = 4", "use 4 or 8"]),
+    (["--batch_size", "auto", "--global_batch", "15"], ["--global_batch 15", "does not split over 2 rank(s)"]),
 ])  # fmt: skip
 def test_bad_input_under_torchrun_does_not_hang_the_other_rank(tmp_path, extra, needles):
     args = ["--model", "tiny-opt", "--dataset", "python-docs", "--output_dir", str(tmp_path / "out")]
