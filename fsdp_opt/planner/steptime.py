@@ -132,7 +132,7 @@ def memory_traffic(shape, strategy: str, inputs) -> tuple[float, float]:  # noqa
     """Bytes one rank reads and writes in a step outside matmuls and collectives (memory-bound work; on CPU it is a
     large share of the step), and the part of them written into freshly allocated memory:
     - each gather: the shard cast to the compute dtype into the gather's input, the gathered unit (a new buffer)
-      copied out into the parameters' new storage;
+      copied out into the parameters' new storage (one rank's "gather", NO_SHARD's, only casts);
     - each micro-batch's gradients: written in the compute dtype by backward, copied (cast) into a new buffer in
       the reduce dtype, and added in place to what earlier micro-batches left when accumulating without sync;
     - activations: the tensors a block saves written in forward and read in backward (twice with activation
@@ -145,8 +145,12 @@ def memory_traffic(shape, strategy: str, inputs) -> tuple[float, float]:  # noqa
     gathered = shape.root_params + block_gathers * shape.layers * shape.block_params
     lora = bool(getattr(inputs, "lora_rank", 0))
     trainable = adapter_params(shape, inputs) if lora else shape.params
-    gathers = micro * gathered * ((4 + c) / f + 2 * c)
-    gathers_fresh = micro * gathered * (c / f + 2 * c)
+    if f > 1:
+        gathers = micro * gathered * ((4 + c) / f + 2 * c)
+        gathers_fresh = micro * gathered * (c / f + 2 * c)
+    else:  # FSDP2 skips a one-rank gather: the parameters are made from the shard, cast if the dtype differs
+        gathers = micro * gathered * (4 + c) if c != 4 else 0
+        gathers_fresh = micro * gathered * c if c != 4 else 0
     accumulating = 0 if inputs.reduce_every_microbatch else max(0, micro - 1)
     grads = trainable * (micro * (c + c + r) + accumulating * 3 * r)
     grads_fresh = trainable * micro * (c + r)
