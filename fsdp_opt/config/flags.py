@@ -28,24 +28,22 @@ def parse_bool(text: str | bool) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
-def parse_start(text: str | int) -> int | str:
-    """--start_idx: a row index, or 'auto'."""
-    if isinstance(text, int) or text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a row index or 'auto', got {text!r}") from None
+def int_or_auto(what: str):  # noqa: ANN201
+    """An argparse type: an integer, or 'auto' (the run decides)."""
+
+    def parse(text: str | int) -> int | str:
+        if isinstance(text, int) or text == "auto":
+            return text
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what} or 'auto', got {text!r}") from None
+
+    return parse
 
 
-def parse_batch(text: str | int) -> int | str:
-    """--batch_size: sequences per micro-batch, or 'auto'."""
-    if isinstance(text, int) or text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of sequences or 'auto', got {text!r}") from None
+parse_start = int_or_auto("a row index")  # --start_idx
+parse_batch = int_or_auto("a number of sequences")  # --batch_size
 
 
 def parse_duration(text: str | None, name: str = "--time_limit") -> float | None:
