@@ -16,6 +16,7 @@ from dataclasses import replace
 from fsdp_opt.base import ConfigError, gib, parse_size
 from fsdp_opt.config.choices import PACKING_MODES, STRATEGIES, T4_MEMORY
 from fsdp_opt.config.flags import OneLineParser, parse_batch, parse_bool
+from fsdp_opt.config.training import TrainConfig
 from fsdp_opt.model.shapes import Shape, model_config
 from fsdp_opt.model.sources import LLAMA_8B, OPT_FAMILY
 from fsdp_opt.planner.calibrate import calibrate, read_rates
@@ -24,7 +25,7 @@ from fsdp_opt.planner.report import make_plan, render
 from fsdp_opt.planner.simulate import compare
 from fsdp_opt.planner.simulate import render as sim_render
 from fsdp_opt.planner.simulate import simulate as sim_simulate
-from fsdp_opt.planner.search import Space, recommend
+from fsdp_opt.planner.search import Space, recommend, reduce_dtypes
 from fsdp_opt.planner.steptime import Rates
 from fsdp_opt.runtime.hostmem import total_memory_bytes
 
@@ -86,24 +87,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def batch_of(a: argparse.Namespace) -> tuple[int, int]:
-    """Sequences per optimizer step and the accumulation of the flags given."""
-    auto = a.batch_size == "auto"
-    if a.global_batch is None:
-        accum = 16 if a.accum_steps is None else a.accum_steps
-        return (4 if auto else a.batch_size) * accum * a.gpus, accum
-    if a.global_batch < 1:
-        raise ConfigError(f"--global_batch {a.global_batch}: must be 1 or more")
-    if a.accum_steps is not None:
+    """Sequences per optimizer step and the accumulation of the flags given, by the trainer's rules (plan's
+    --accum_steps defaults to the seed's 16 where --global_batch does not set it)."""
+    if a.global_batch is not None and a.accum_steps is not None:
         raise ConfigError(f"--global_batch and --accum_steps {a.accum_steps}: give one of them (accum_steps is derived)")
-    if a.global_batch % a.gpus:
-        raise ConfigError(f"--global_batch {a.global_batch}: does not split over --gpus {a.gpus}")
-    if auto:
-        return a.global_batch, 1
-    per_step = a.batch_size * a.gpus
-    if a.global_batch % per_step:
-        raise ConfigError(f"--global_batch {a.global_batch}: not a multiple of --batch_size {a.batch_size} x {a.gpus} "
-                          f"GPU(s) = {per_step}")  # fmt: skip
-    return a.global_batch, a.global_batch // per_step
+    tc = TrainConfig(batch_size=a.batch_size, accum_steps=a.accum_steps or (1 if a.global_batch else 16),
+                     global_batch=a.global_batch)  # fmt: skip
+    samples = tc.samples_per_step(a.gpus)
+    if samples % a.gpus:
+        raise ConfigError(f"--global_batch {samples}: does not split over --gpus {a.gpus}")
+    return samples, 1 if a.batch_size == "auto" else tc.accum_for(a.gpus)
 
 
 def rates_of(a: argparse.Namespace) -> tuple[Rates, dict | None]:
@@ -157,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--base_bits {a.base_bits}: only with --lora_rank (a 4-bit base is frozen)")
         host = parse_size(a.host_memory, "--host_memory") if a.host_memory is not None else machine_memory()
         rates, measured = rates_of(a)
-        reduce_dtypes = {"fp32": ("fp32",), "fp16": ("fp16",)}.get(a.reduce_dtype, ("fp32", "fp16") if a.precision == "fp16" else ("fp32",))
-        space = Space(strategies=tuple(s for s in STRATEGIES if s != "HYBRID_SHARD" or a.nodes > 1), reduce_dtypes=reduce_dtypes)
+        space = Space(strategies=tuple(s for s in STRATEGIES if s != "HYBRID_SHARD" or a.nodes > 1),
+                      reduce_dtypes=reduce_dtypes(a.reduce_dtype, a.precision))
         if auto:
             shape = Shape.of(model_config(a.model))
             best = recommend(shape, inputs, samples, rates, space, host, a.state_dict_type == "sharded")

@@ -13,7 +13,7 @@ from fsdp_opt.config.parse import Config
 from fsdp_opt.model.shapes import Shape
 from fsdp_opt.planner.calibrate import measure
 from fsdp_opt.planner.inputs import Inputs
-from fsdp_opt.planner.search import Space, describe, recommend
+from fsdp_opt.planner.search import Space, describe, recommend, reduce_dtypes
 from fsdp_opt.planner.steptime import Rates, candidates, rates_for
 from fsdp_opt.runtime.distributed import DistEnv, print0
 from fsdp_opt.runtime.hostmem import total_memory_bytes
@@ -45,7 +45,7 @@ class Layout:
                 "reduce_every_microbatch": str(self.reduce_each_microbatch).lower()}  # fmt: skip
 
 
-def run_inputs(config: Config, env: DistEnv, precision: str, gpu: tuple[int, str] | None) -> Inputs:
+def run_inputs(config: Config, env: DistEnv, precision: str, gpu: tuple[int, str] | None, accum_steps: int = 1) -> Inputs:
     """The plan's inputs for this run: its ranks and memory, and the flags as given."""
     pc, tc, dc = config.parallel, config.train, config.data
     if gpu is None:  # CPU ranks: a share of the machine's RAM each
@@ -54,7 +54,7 @@ def run_inputs(config: Config, env: DistEnv, precision: str, gpu: tuple[int, str
         memory = gpu[0]
     return Inputs(
         gpus=env.world_size, nodes=env.num_nodes, gpu_memory=memory,
-        batch_size=4 if tc.batch_size == AUTO else tc.batch_size, max_length=dc.max_length, accum_steps=1,
+        batch_size=4 if tc.batch_size == AUTO else tc.batch_size, max_length=dc.max_length, accum_steps=accum_steps,
         precision=precision, activation_checkpointing=pc.activation_checkpointing,
         attn_implementation=config.model.attn_implementation, packing=dc.packing, prefetch=pc.prefetch,
         loss_chunk_tokens=tc.loss_chunk_tokens, cuda=gpu is not None, lora_rank=config.lora.lora_rank,
@@ -77,8 +77,7 @@ def choose_layout(config: Config, env: DistEnv, model_config: Any, precision: st
                  loss_chunk_tokens=tc.loss_chunk_tokens, cpu_offload=pc.cpu_offload, reduce_dtype=pc.reduce_dtype)  # fmt: skip
     if gpu is None:
         return Layout("FULL_SHARD" if pc.sharding_strategy == "AUTO" else pc.sharding_strategy, choice == "true", **fixed)
-    inputs = run_inputs(config, env, precision, gpu)
-    inputs.accum_steps = accum_steps
+    inputs = run_inputs(config, env, precision, gpu, accum_steps)
     shape = Shape.of(model_config)
     rates = rates_for(gpu[1], pc.tflops, pc.link_gbps)
     strategies = allowed(env) if pc.sharding_strategy == "AUTO" else [pc.sharding_strategy]
@@ -106,12 +105,8 @@ def search_space(config: Config, env: DistEnv, precision: str, cuda: bool) -> Sp
     """What --batch_size auto may vary: what the flags leave open."""
     pc = config.parallel
     every = {"auto": (False, True), "true": (True,), "false": (False,)}[pc.reduce_every_microbatch]
-    if pc.reduce_dtype == "auto":
-        dtypes = ("fp32", "fp16") if precision == "fp16" else ("fp32",)
-    else:
-        dtypes = (pc.reduce_dtype,)
     strategies = allowed(env) if pc.sharding_strategy == "AUTO" else [pc.sharding_strategy]
-    return Space(strategies=tuple(strategies), reduce_every=every, reduce_dtypes=dtypes,
+    return Space(strategies=tuple(strategies), reduce_every=every, reduce_dtypes=reduce_dtypes(pc.reduce_dtype, precision),
                  checkpointing=(True, False) if pc.activation_checkpointing else (False,), chunking=True,
                  offload=cuda)  # fmt: skip
 

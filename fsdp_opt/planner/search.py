@@ -39,6 +39,14 @@ class Space:
     offload: bool = True  # tried where nothing fits without it (GPU runs only)
 
 
+def reduce_dtypes(choice: str, precision: str) -> tuple[str, ...]:
+    """The reduce dtypes --reduce_dtype lets the search try: the one given, or with auto the fp16 reduce too where
+    the compute is fp16."""
+    if choice == "auto":
+        return ("fp32", "fp16") if precision == "fp16" else ("fp32",)
+    return (choice,)
+
+
 def divisors(n: int, limit: int = MICRO_BATCH_LIMIT) -> list[int]:
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 

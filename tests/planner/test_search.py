@@ -9,7 +9,7 @@ import sys
 from dataclasses import replace
 
 import pytest
-from conftest import ROOT, sandbox_env
+from conftest import sandbox_env
 
 from fsdp_opt.base import GIB
 from fsdp_opt.model.shapes import Shape, model_config
@@ -114,8 +114,7 @@ def test_cpu_ranks_compute_and_communicate_in_turn_gpus_overlap():
     # The fp16 reduce halves the reduce-scatter's bytes.
     half = step_time(shape, "FULL_SHARD", replace(x, reduce_dtype="fp16"), Rates(tflops=0.2, link_gbps=0.5, overlap=False))
     full = step_time(shape, "FULL_SHARD", x, Rates(tflops=0.2, link_gbps=0.5, overlap=False))
-    gather = step_time(shape, "FULL_SHARD", replace(x, accum_steps=2), Rates(tflops=0.2, link_gbps=0.5))
-    assert half["communication_s"] < full["communication_s"] and gather
+    assert half["communication_s"] < full["communication_s"]
 
 
 def plan_cli(*args: str, tmp_path) -> subprocess.CompletedProcess:  # noqa: ANN001
@@ -164,4 +163,3 @@ def test_plan_calibrate_measures_this_machine_and_predicts_from_it(tmp_path):
     full = next(x for x in plan["configurations"] if x["strategy"] == "FULL_SHARD" and not x["reduce_every_microbatch"])
     assert full["step_s"] == pytest.approx(full["compute_s"] + full["memory_bound_s"] + full["communication_s"]
                                            + full["optimizer_s"])  # fmt: skip
-    assert ROOT.exists()

@@ -11,6 +11,7 @@ from conftest import ROOT, sandbox_env, torchrun_cmd
 from fsdp_opt.base import GIB
 from fsdp_opt.model.shapes import Shape, model_config
 from fsdp_opt.planner.inputs import Inputs
+from fsdp_opt.planner.layout import choose_layout
 from fsdp_opt.planner.steptime import Rates, candidates, comm_bytes, fastest_that_fits, step_time
 
 CONFIGS = ["FULL_SHARD:false:true:fp32", "FULL_SHARD:true:true:fp32", "SHARD_GRAD_OP:false:true:fp32",
@@ -80,7 +81,6 @@ def test_trainer_resolves_auto_as_on_a_t4():
     import torch
 
     from fsdp_opt.config.parse import parse_args
-    from fsdp_opt.planner.layout import choose_layout
     from fsdp_opt.runtime.distributed import DistEnv
 
     env = DistEnv(rank=0, world_size=2, local_rank=0, local_world_size=2, device=torch.device("cpu"))
