@@ -24,6 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from fsdp_opt.runtime.distributed import end_process  # noqa: E402 - after the repository is on the path
+
 # name: (micro-batch, accumulation, strategy, reduce every micro-batch)
 CONFIGS = {
     "b2_a2_full_last": (2, 2, "FULL_SHARD", False),
@@ -149,4 +151,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end_process(main)

@@ -42,6 +42,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from fsdp_opt.runtime.distributed import end_process  # noqa: E402 - after the repository is on the path
+
 THROUGHPUT = ("packed", "packed_docs", "padded", "hf_trainer", "packed_compiled", "packed_prefetch2", "packed_chunked_loss", "packed_lora")
 MEMORY = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 
@@ -345,4 +347,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end_process(main)

@@ -1,16 +1,16 @@
-"""The training command: `fsdp_finetune.py` in the repository, `python -m fsdp_opt` from an installed wheel.
+r"""The training command: `fsdp_finetune.py` in the repository, `python -m fsdp_opt` from an installed wheel.
 
-torchrun --standalone --nproc_per_node=gpu -m fsdp_opt --num_epochs 1         --start_idx 0 --end_idx 5000 --batch_size 4 --accum_steps 16 --hf_repo user/repo
+torchrun --standalone --nproc_per_node=gpu -m fsdp_opt --num_epochs 1 \
+    --start_idx 0 --end_idx 5000 --batch_size 4 --accum_steps 16 --hf_repo user/repo
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
 from fsdp_opt.base import ConfigError
 from fsdp_opt.config.parse import build_parser, parse_args
-from fsdp_opt.runtime.distributed import fail
+from fsdp_opt.runtime.distributed import end_process, fail
 
 DESCRIPTION = "Fine-tune a Hugging Face causal LM with PyTorch FSDP2 on a slice [start_idx, end_idx) of a dataset."
 
@@ -37,10 +37,4 @@ def entry() -> None:
     if "-h" in sys.argv[1:] or "--help" in sys.argv[1:]:
         build_parser(description=DESCRIPTION).print_help()
         sys.exit(0)
-    code = main()
-    # NOTE: here every file is written, W&B is closed and the uploads are done. What is left is the interpreter's
-    # teardown, which can destroy gloo's worker threads out of order and abort (SIGABRT) a rank that has finished;
-    # torchrun then kills the other ranks, e.g. rank 0 while it waits for its last push. So the process ends now.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    end_process(main)

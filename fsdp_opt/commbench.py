@@ -10,14 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from fsdp_opt.runtime.distributed import init_distributed, teardown
+from fsdp_opt.runtime.distributed import end_process, init_distributed, teardown
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,4 +62,4 @@ def sync(device: torch.device) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end_process(main)

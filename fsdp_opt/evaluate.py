@@ -1,4 +1,4 @@
-"""Held-out evaluation: token-mean loss and perplexity, and generated text, on any number of ranks.
+r"""Held-out evaluation: token-mean loss and perplexity, and generated text, on any number of ranks.
 
 Used by training (`--eval_rows`) and on its own, to put the base model next to checkpoints:
 
@@ -14,12 +14,12 @@ makes the same forward calls, which a sharded model needs. Sums of loss and targ
 from __future__ import annotations
 
 import argparse
-import sys
 
 from fsdp_opt.base import ConfigError
 from fsdp_opt.config.choices import STRATEGIES
 from fsdp_opt.config.flags import OneLineParser
 from fsdp_opt.runtime.distributed import (
+    end_process,
     fail,
     init_distributed,
     teardown,
@@ -88,4 +88,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end_process(main)

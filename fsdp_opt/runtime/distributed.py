@@ -106,6 +106,27 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
+def end_process(main: Callable[[], int | None]) -> None:
+    """Run a command's `main` and end the process with its exit code, skipping the interpreter's teardown.
+
+    By then every file is written, W&B is closed and the uploads are done. What the teardown would add is the
+    destruction of gloo's worker threads, which can happen out of order and abort (SIGABRT) a rank that has
+    finished; torchrun then kills the other ranks, e.g. rank 0 while it waits for its last push. A user error
+    (`fail`, argparse) ends the same way, with its own code. An unexpected exception keeps its traceback.
+    """
+    try:
+        code = main()
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code
+        else:  # sys.exit("message"): Python prints the message and exits with 1
+            print(exc.code, file=sys.stderr)
+            code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+
+
 def print0(*args: Any, sep: str = " ", end: str = "\n", file: Any = None) -> None:
     """Print on rank 0 only, each line in one write: the upload thread's lines never split the main thread's."""
     if env_rank() == 0:

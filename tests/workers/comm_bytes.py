@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from fsdp_opt.config.parse import parse_args
 from fsdp_opt.engine.step import train_step
-from fsdp_opt.runtime.distributed import init_distributed, teardown
+from fsdp_opt.runtime.distributed import end_process, init_distributed, teardown
 from fsdp_opt.train.run import setup
 
 counted: dict[str, int] = {}
@@ -56,4 +56,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    end_process(main)

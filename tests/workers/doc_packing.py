@@ -19,7 +19,7 @@ from fsdp_opt.data.blocks import StepPlan, build_blocks, model_inputs, tokenize
 from fsdp_opt.data.sources import load_rows, select_texts
 from fsdp_opt.engine.loss import ChunkedLoss
 from fsdp_opt.engine.step import accumulate
-from fsdp_opt.runtime.distributed import init_distributed, teardown
+from fsdp_opt.runtime.distributed import end_process, init_distributed, teardown
 from fsdp_opt.train.run import setup
 
 
@@ -96,4 +96,4 @@ def locate(blocks, row: list[int]) -> tuple[int, int]:
 
 
 if __name__ == "__main__":
-    main()
+    end_process(main)

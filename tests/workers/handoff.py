@@ -14,7 +14,7 @@ from fsdp_opt.checkpoint.names import MODEL_KEY
 from fsdp_opt.checkpoint.save import save_checkpoint
 from fsdp_opt.config.parse import parse_args
 from fsdp_opt.engine.step import train_step
-from fsdp_opt.runtime.distributed import init_distributed, teardown
+from fsdp_opt.runtime.distributed import end_process, init_distributed, teardown
 from fsdp_opt.train.run import setup
 
 
@@ -52,4 +52,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    end_process(main)

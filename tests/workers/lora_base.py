@@ -11,7 +11,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from fsdp_opt.config.parse import parse_args
-from fsdp_opt.runtime.distributed import init_distributed, teardown
+from fsdp_opt.runtime.distributed import end_process, init_distributed, teardown
 from fsdp_opt.train.run import setup, train_session
 
 
@@ -51,4 +51,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    end_process(main)

@@ -12,7 +12,7 @@ from torch import nn
 
 from fsdp_opt.engine.optim import global_grad_norm
 from fsdp_opt.model.parallelize import apply_fsdp, build_mesh, mixed_precision_policy
-from fsdp_opt.runtime.distributed import init_distributed, teardown
+from fsdp_opt.runtime.distributed import end_process, init_distributed, teardown
 
 
 class Two(nn.Module):
@@ -53,4 +53,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    end_process(main)

@@ -10,7 +10,7 @@ import sys
 from fsdp_opt.config.parse import parse_args
 from fsdp_opt.engine.step import train_step
 from fsdp_opt.model.parallelize import local_state_bytes
-from fsdp_opt.runtime.distributed import init_distributed, teardown
+from fsdp_opt.runtime.distributed import end_process, init_distributed, teardown
 from fsdp_opt.train.run import setup
 
 
@@ -35,4 +35,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    end_process(main)

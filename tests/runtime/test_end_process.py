@@ -1,0 +1,48 @@
+"""`end_process`: how every command that torchrun launches ends. It skips the interpreter's teardown (where gloo's
+threads can abort a finished rank), so what it must keep is the exit code and every line already printed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from conftest import ROOT
+
+CASES = {
+    # main's body -> (exit code, text expected on stdout, on stderr)
+    "print('written, not flushed', end=''); return 3": (3, "written, not flushed", ""),
+    "return None": (0, "", ""),
+    "fail('--end_idx: must be above --start_idx')": (2, "", "error: --end_idx: must be above --start_idx\n"),
+    "sys.exit('stopped: a message')": (1, "", "stopped: a message\n"),
+    "sys.stderr.write('partial line'); sys.exit(0)": (0, "", "partial line"),
+}
+
+
+@pytest.mark.parametrize("body", list(CASES))
+def test_exit_code_and_output_survive(tmp_path, body):
+    code, out, err = CASES[body]
+    script = tmp_path / "command.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        from fsdp_opt.runtime.distributed import end_process, fail
+
+        def main():
+            {body}
+
+        end_process(main)
+        print("never reached")
+    """))
+    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (code, out, err)
+
+
+def test_an_unexpected_error_keeps_its_traceback(tmp_path):
+    script = tmp_path / "command.py"
+    script.write_text("from fsdp_opt.runtime.distributed import end_process\n"
+                      "def main():\n    raise RuntimeError('a bug')\n"
+                      "end_process(main)\n")  # fmt: skip
+    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "Traceback" in proc.stderr and "RuntimeError: a bug" in proc.stderr
