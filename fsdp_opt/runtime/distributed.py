@@ -109,10 +109,10 @@ def teardown() -> None:
 def end_process(main: Callable[[], int | None]) -> None:
     """Run a command's `main` and end the process with its exit code, skipping the interpreter's teardown.
 
-    By then every file is written, W&B is closed and the uploads are done. What the teardown would add is the
-    destruction of gloo's worker threads, which can happen out of order and abort (SIGABRT) a rank that has
-    finished; torchrun then kills the other ranks, e.g. rank 0 while it waits for its last push. A user error
-    (`fail`, argparse) ends the same way, with its own code. An unexpected exception keeps its traceback.
+    `main` returns once its work is done: files written, W&B closed, uploads finished. What the teardown would
+    add is the destruction of gloo's worker threads, which can happen out of order and abort (SIGABRT) a rank
+    that has finished; torchrun then kills the other ranks, e.g. rank 0 while it waits for its last push. A user
+    error (`fail`, argparse) ends the same way, with its own code. An unexpected exception keeps its traceback.
     """
     try:
         code = main()
