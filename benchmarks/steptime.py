@@ -24,7 +24,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fsdp_opt.runtime.distributed import end_process  # noqa: E402 - after the repository is on the path
+# NOTE: the package is imported from this repository (the path above), so these imports come after it.
+from fsdp_opt.config.parse import parse_args  # noqa: E402
+from fsdp_opt.engine.step import train_step  # noqa: E402
+from fsdp_opt.model.shapes import Shape, model_config  # noqa: E402
+from fsdp_opt.planner.inputs import Inputs  # noqa: E402
+from fsdp_opt.planner.steptime import Rates, step_time  # noqa: E402
+from fsdp_opt.runtime.distributed import end_process, init_distributed, teardown  # noqa: E402
+from fsdp_opt.train.run import setup  # noqa: E402
 
 # name: (micro-batch, accumulation, strategy, reduce every micro-batch)
 CONFIGS = {
@@ -63,11 +70,6 @@ def flags(args: argparse.Namespace, name: str, out_dir: str) -> list[str]:
 
 
 def worker(args: argparse.Namespace) -> None:
-    from fsdp_opt.config.parse import parse_args
-    from fsdp_opt.engine.step import train_step
-    from fsdp_opt.runtime.distributed import init_distributed, teardown
-    from fsdp_opt.train.run import setup
-
     env = init_distributed("cpu")
     try:
         s = setup(parse_args(flags(args, args.worker, tempfile.mkdtemp(prefix="steptime-"))), env)
@@ -100,10 +102,6 @@ def run_json(args: argparse.Namespace, argv: list[str], out: Path) -> dict:
 
 
 def predict(args: argparse.Namespace, name: str, measured_rates: dict) -> dict:
-    from fsdp_opt.model.shapes import Shape, model_config
-    from fsdp_opt.planner.inputs import Inputs
-    from fsdp_opt.planner.steptime import Rates, step_time
-
     b, a, strategy, every = CONFIGS[name]
     inputs = Inputs(gpus=args.nproc, batch_size=b, accum_steps=a, max_length=args.max_length, precision=args.precision,
                     reduce_every_microbatch=every, packing="concat", cuda=False)  # fmt: skip
