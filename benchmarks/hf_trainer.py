@@ -14,7 +14,8 @@ def run_hf_trainer(args: argparse.Namespace, env, out_dir: str) -> dict:
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
     from fsdp_opt.data.blocks import build_blocks
-    from fsdp_opt.data.sources import load_rows, select_texts
+    from fsdp_opt.data.formats import select_texts
+    from fsdp_opt.data.sources import load_rows
     from fsdp_opt.model.parallelize import find_block_classes, local_state_bytes, resolve_precision
     from fsdp_opt.model.shapes import Shape, flops_per_token, model_config
     from fsdp_opt.model.sources import load_model_config, load_tokenizer, resolve_model

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 
 from fsdp_opt.base import ConfigError
-from fsdp_opt.config.choices import STRATEGIES
+from fsdp_opt.config.choices import DATA_FORMATS, STRATEGIES, TRAIN_ON
 from fsdp_opt.config.flags import OneLineParser
 from fsdp_opt.runtime.distributed import (
     end_process,
@@ -38,7 +38,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "--hf_repo repo, `latest`, or Hugging Face model folders (default: latest)")  # fmt: skip
     p.add_argument("--no_base", action="store_true", help="leave the base model out")
     p.add_argument("--dataset", default=None, help="default: the first checkpoint's dataset")
-    p.add_argument("--text_column", default=None)
+    p.add_argument("--text_column", default=None, help="default: the first checkpoint's, like every data flag here")
+    p.add_argument("--data_format", default=None, choices=DATA_FORMATS)
+    p.add_argument("--prompt_column", default=None)
+    p.add_argument("--completion_column", default=None)
+    p.add_argument("--messages_column", default=None)
+    p.add_argument("--train_on", default=None, choices=TRAIN_ON, help="which tokens the held-out loss counts")
+    p.add_argument("--chat_template", default=None,
+                   help="a Jinja file or a built-in name (chatml); default: the one the first checkpoint trained with, "
+                        "else the tokenizer's own")  # fmt: skip
     p.add_argument("--start_idx", type=int, default=None, help="first held-out row (default: the end of the first checkpoint's range)")
     p.add_argument("--eval_rows", type=int, default=DEFAULT_EVAL_ROWS, help="held-out rows [start_idx, start_idx + N)")
     p.add_argument("--max_length", type=int, default=None, help="block length (default: the first checkpoint's)")
@@ -46,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the rows fill the blocks (default: docs, or concat for a run trained that way); docs and "
                         "pad give each row's loss on its own, so their results agree")  # fmt: skip
     p.add_argument("--batch_size", type=int, default=4, help="blocks per forward pass per rank")
-    p.add_argument("--prompts", nargs="*", default=None, help="default: the first words of the first held-out rows")
+    p.add_argument("--prompts", nargs="*", default=None,
+                   help="default: from the first held-out rows: a text row's first words; a row's prompt or its "
+                        "conversation up to the first answer, through the chat template")  # fmt: skip
     p.add_argument("--num_prompts", type=int, default=3)
     p.add_argument("--max_new_tokens", type=int, default=40)
     p.add_argument("--do_sample", action="store_true", help="sample (default: greedy)")

@@ -60,20 +60,32 @@ def _is_tied(model: torch.nn.Module, key: str) -> bool:
     return head is not None and key.endswith("weight") and head.weight is model.get_input_embeddings().weight
 
 
+def tokenizer_with(source, chat_template: str | None) -> Any:
+    """The model's tokenizer, carrying the chat template the run rendered its conversations with."""
+    tokenizer = load_tokenizer(source)
+    if chat_template:
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
 def export_lora(adapters: dict[str, torch.Tensor], info: dict[str, Any], dest: Path, dtype: str = "fp16", *,
-                merge: bool = False, seed: int = 0) -> Path:  # fmt: skip
+                merge: bool = False, seed: int = 0, chat_template: str | None = None) -> Path:  # fmt: skip
     """A LoRA run's adapters as a peft adapter folder; with `merge`, as a full model folder (the base with the
-    update merged in, by peft), which needs the base: `info` names it and holds its fingerprint."""
+    update merged in, by peft), which needs the base: `info` names it and holds its fingerprint. With a chat template,
+    the adapter folder holds the base's tokenizer carrying it."""
 
     if not merge:
-        return write_adapter(adapters, info, dest, DTYPES[dtype])
+        folder = write_adapter(adapters, info, dest, DTYPES[dtype])
+        if chat_template:
+            tokenizer_with(resolve_model(info["base"]), chat_template).save_pretrained(folder)
+        return folder
     import tempfile
 
     source = resolve_model(info["base"])
     with tempfile.TemporaryDirectory(dir=Path(dest).parent) as tmp:
         folder = write_adapter(adapters, info, Path(tmp) / "adapter", torch.float32)
         state = merged_state(folder, info, seed)
-    return export_model_folder(state, load_model_config(source), load_tokenizer(source), dest, dtype)
+    return export_model_folder(state, load_model_config(source), tokenizer_with(source, chat_template), dest, dtype)
 
 
 def export_checkpoint(path: Path, dest: Path, dtype: str = "fp16", model_name: str | None = None, merge: bool = False) -> Path:
@@ -81,14 +93,16 @@ def export_checkpoint(path: Path, dest: Path, dtype: str = "fp16", model_name: s
     info = payload.get("lora")
     if info is not None:
         seed = int((payload.get("config") or {}).get("seed", 0))
-        return export_lora(payload[MODEL_KEY], info, dest, dtype, merge=merge, seed=seed)
+        return export_lora(payload[MODEL_KEY], info, dest, dtype, merge=merge, seed=seed,
+                           chat_template=payload.get("chat_template"))  # fmt: skip
     if merge:
         raise ConfigError(f"--merge: {path} is a full fine-tuning checkpoint (nothing to merge); leave --merge out")
     name = model_name or (payload.get("config") or {}).get("model")
     if not name:
         raise ConfigError(f"checkpoint {path}: it does not record its model; pass --model NAME")
     source = resolve_model(name)
-    return export_model_folder(payload[MODEL_KEY], load_model_config(source), load_tokenizer(source), dest, dtype)
+    tokenizer = tokenizer_with(source, payload.get("chat_template"))
+    return export_model_folder(payload[MODEL_KEY], load_model_config(source), tokenizer, dest, dtype)
 
 
 def to_single_file(folder: Path, out: Path) -> Path:

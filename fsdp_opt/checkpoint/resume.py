@@ -7,6 +7,7 @@ schedule and global step, and start at the slice's first batch.
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +23,18 @@ from fsdp_opt.engine.step import TrainState
 from fsdp_opt.runtime.distributed import DistEnv, broadcast_object, print0
 
 
-def slice_key(config: Config, end_idx: int, num_samples: int) -> dict[str, Any]:
-    """What must match for a resume to continue inside the same slice."""
+# A checkpoint from before row formats trained text rows on every token, with no chat template.
+ROWS_BEFORE_FORMATS = {"data_format": "text", "train_on": "all", "chat_template": None}
+
+
+def slice_key(config: Config, end_idx: int, num_samples: int, rows: dict[str, Any] | None = None,
+              chat_template: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """What must match for a resume to continue inside the same slice. `rows` is the resolved format
+    (RowSpec.key); the chat template counts by its hash, and only for rows it renders."""
     dc = config.data
-    return {
+    rows = rows or {"data_format": "text", "columns": [dc.text_column], "train_on": "all"}
+    rendered = rows["data_format"] != "text"
+    key = {
         "dataset": dc.dataset,
         "start_idx": dc.start_idx,
         "end_idx": end_idx,
@@ -34,7 +43,12 @@ def slice_key(config: Config, end_idx: int, num_samples: int) -> dict[str, Any]:
         "packing": dc.packing,
         "seed": config.train.seed,
         "num_samples": num_samples,
+        **rows,
+        "chat_template": hashlib.sha256(chat_template.encode()).hexdigest()[:16] if rendered and chat_template else None,
     }
+    if not rendered:
+        key["columns"] = [dc.text_column]
+    return key
 
 
 def restore(
@@ -46,6 +60,8 @@ def restore(
     env: DistEnv,
     end_idx: int,
     num_samples: int,
+    rows: dict[str, Any] | None = None,
+    chat_template: str | None = None,
 ) -> TrainState:
     """Load a checkpoint held by rank 0 into every rank and work out where training continues."""
     has_optim = env.is_main and payload is not None and (
@@ -65,9 +81,9 @@ def restore(
                    file_path=file_path)  # fmt: skip
     if header["scaler"]:
         scaler.load_state_dict(header["scaler"])
-    here = slice_key(config, end_idx, num_samples)
+    here = slice_key(config, end_idx, num_samples, rows, chat_template)
     ts = header["train_state"] or {"global_step": int(header[STEP_KEY]), "epoch": 0, "offset": 0}
-    saved = dict(header["slice"] or {})
+    saved = {**ROWS_BEFORE_FORMATS, "columns": [(header["slice"] or {}).get("text_column")], **(header["slice"] or {})}
     if isinstance(saved.get("packing"), bool):  # checkpoints from before --packing: True was concat, False pad
         saved["packing"] = "concat" if saved["packing"] else "pad"
     same_slice = saved == here

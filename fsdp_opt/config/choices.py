@@ -12,6 +12,9 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 DEVICES = ("auto", "cuda", "cpu")
 STATE_DICT_TYPES = ("full", "sharded")
 PACKING_MODES = ("docs", "concat", "pad")
+# Row formats (--data_format) and which tokens carry loss (--train_on); data/formats.py reads the rows.
+DATA_FORMATS = ("auto", "text", "prompt_completion", "messages")
+TRAIN_ON = ("auto", "completion", "all")
 AUTO = "auto"  # --start_idx auto: the chain of sessions picks its own next range
 
 

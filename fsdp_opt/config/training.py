@@ -8,7 +8,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fsdp_opt.base import ConfigError, parse_size
-from fsdp_opt.config.choices import AUTO, DEVICES, LR_SCHEDULES, PACKING_MODES, PRECISIONS, STRATEGIES, T4_LINK_GBPS
+from fsdp_opt.config.choices import (
+    AUTO,
+    DATA_FORMATS,
+    DEVICES,
+    LR_SCHEDULES,
+    PACKING_MODES,
+    PRECISIONS,
+    STRATEGIES,
+    T4_LINK_GBPS,
+    TRAIN_ON,
+)
 from fsdp_opt.config.flags import flag, parse_batch, parse_start
 
 
@@ -26,7 +36,29 @@ class DataConfig:
         "ash001/arxiv-abstract",
         "Hub dataset id, a local .jsonl/.json/.csv/.parquet/.txt file or folder, or the built-in 'python-docs'.",
     )
-    text_column: str = flag("text", "Column holding the training text.")
+    text_column: str = flag("text", "Column holding the training text (--data_format text).")
+    data_format: str = flag(
+        "auto",
+        "What a row is. text: one string; prompt_completion: a prompt and a completion, each a string or a list of "
+        "messages (conversational); messages: a list of {role, content} (system, user, assistant). auto: from the "
+        "columns (an error names this flag when more than one format fits).",
+        choices=DATA_FORMATS,
+    )
+    prompt_column: str = flag("prompt", "Column holding the prompt (--data_format prompt_completion).")
+    completion_column: str = flag("completion", "Column holding the completion (--data_format prompt_completion).")
+    messages_column: str = flag("messages", "Column holding the conversation (--data_format messages).")
+    train_on: str = flag(
+        "auto",
+        "Which tokens carry loss. completion: only the answers (a prompt_completion row's completion, each "
+        "assistant turn of a conversation with its end-of-turn marker); all: every token. auto: completion for "
+        "prompt_completion and messages rows, all for text rows.",
+        choices=TRAIN_ON,
+    )
+    chat_template: str | None = flag(
+        None,
+        "The chat template that renders conversations: a Jinja file, or a built-in name (chatml). Default: the "
+        "tokenizer's own. The exported model and the Hub export carry the template the run used.",
+    )
     start_idx: int | str = flag(
         0,
         "First row of the slice to train on (inclusive), or 'auto': the chain picks its own range from the newest "
@@ -80,8 +112,12 @@ class DataConfig:
             raise ConfigError(f"--max_length {self.max_length}: must be at least 2")
         if self.eval_rows < 0:
             raise ConfigError(f"--eval_rows {self.eval_rows}: must be 0 or more")
-        if not self.text_column:
-            raise ConfigError("--text_column: must not be empty")
+        for name in ("text_column", "prompt_column", "completion_column", "messages_column"):
+            if not getattr(self, name):
+                raise ConfigError(f"--{name}: must not be empty")
+        if self.data_format == "text" and self.train_on == "completion":
+            raise ConfigError("--train_on completion: text rows have no completion (use --data_format prompt_completion "
+                              "or messages, or --train_on all)")  # fmt: skip
         if self.pad_to_max_length:
             if self.packing == "concat":
                 raise ConfigError("--pad_to_max_length: contradicts --packing concat (it means --packing pad)")

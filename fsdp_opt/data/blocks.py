@@ -15,19 +15,55 @@ import torch
 
 from fsdp_opt.base import DataError
 from fsdp_opt.config.choices import PACKING_MODES
+from fsdp_opt.data.formats import Rows, RowSpec
 from fsdp_opt.data.packing import document_mask, pack_documents
+from fsdp_opt.data.tokens import Encoded, encode_rows
 
 IGNORE_INDEX = -100
 
 
-def tokenize(texts: Sequence[str], tokenizer, batch: int = 1000) -> list[list[int]]:
-    """Token ids per row, EOS appended, no BOS: rows are separated by EOS once packed."""
-    eos = tokenizer.eos_token_id
-    out: list[list[int]] = []
-    for i in range(0, len(texts), batch):
-        ids = tokenizer(list(texts[i : i + batch]), add_special_tokens=False, verbose=False)["input_ids"]
-        out.extend(row + [eos] for row in ids)
-    return out
+def tokenize(texts: Sequence[str], tokenizer) -> list[list[int]]:
+    """Token ids of text rows: the tokenizer's own special tokens (a BOS where it adds one), then EOS."""
+    return encode_rows([{"text": t} for t in texts], RowSpec("text"), tokenizer, train_on="all").ids
+
+
+@dataclass(frozen=True)
+class Fit:
+    """What fitting whole rows into --max_length cost: rows cut at the end, the answer tokens lost with them, and rows
+    left with no answer token (dropped)."""
+
+    rows: int
+    cut: int = 0
+    dropped: int = 0
+    targets: int = 0  # answer tokens of the rows before the cut
+    targets_lost: int = 0
+
+    def describe(self) -> str:
+        share = self.targets_lost / self.targets if self.targets else 0.0
+        return (f"{self.cut} of {self.rows} rows longer than --max_length were cut at its end ({share:.1%} of the answer "
+                f"tokens lost); {self.dropped} left with no answer token were dropped")  # fmt: skip
+
+
+def fit_rows(encoded: Encoded, max_length: int) -> tuple[Encoded, Fit]:
+    """Whole rows cut to max_length tokens (never split: a second piece would hold answers without their question);
+    a row left without a target is dropped."""
+    ids, targets, cut, dropped, total, lost = [], [], 0, 0, 0, 0
+    for k, row in enumerate(encoded.ids):
+        mask = encoded.targets[k] if encoded.targets is not None else [False] + [True] * (len(row) - 1)
+        n = sum(mask)
+        total += n
+        if len(row) > max_length:
+            cut += 1
+            kept = sum(mask[:max_length])
+            lost += n - kept
+            row, mask = row[:max_length], mask[:max_length]
+        if not any(mask):
+            dropped += 1
+            continue
+        ids.append(row)
+        targets.append(mask)
+    fit = Fit(len(encoded.ids), cut, dropped, total, lost)
+    return Encoded(ids, targets if encoded.targets is not None else None, encoded.whole_rows), fit
 
 
 @dataclass
@@ -44,6 +80,8 @@ class Blocks:
     pad_id: int
     positions: torch.Tensor | None = None  # [n, max_length] int32
     attention: str = "sdpa"  # the model's attention implementation: the form the mask takes
+    targets: torch.Tensor | None = None  # [n, max_length] bool: the tokens that carry loss (None: every real one)
+    fit: Fit | None = None  # whole rows (prompt_completion, messages): what fitting them into max_length cost
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -53,11 +91,14 @@ class Blocks:
         return self.input_ids.shape[1]
 
     def target_counts(self) -> torch.Tensor:
-        """Predicted tokens per block: every real token but the first of each document."""
-        if self.positions is None:
-            return (self.lengths - 1).clamp(min=0)
-        valid = torch.arange(self.max_length)[None, :] < self.lengths[:, None]
-        return ((self.positions != 0) & valid).sum(1)
+        """Predicted tokens per block: real tokens that carry loss, except a block's and each document's first."""
+        pos = torch.arange(self.max_length)[None, :]
+        ok = (pos < self.lengths[:, None]) & (pos > 0)
+        if self.positions is not None:
+            ok &= self.positions != 0
+        if self.targets is not None:
+            ok &= self.targets
+        return ok.sum(1)
 
     def batch(self, index: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
         """Rows `index` as model inputs; index -1 is a filler row that has no targets."""
@@ -68,6 +109,8 @@ class Blocks:
         valid = pos[None, :] < lengths[:, None]
         rows = torch.where(valid, rows, self.pad_id)
         labels = torch.where(valid, rows, IGNORE_INDEX)
+        if self.targets is not None:
+            labels = torch.where(self.targets[index.clamp(min=0)] & real[:, None], labels, IGNORE_INDEX)
         if self.positions is not None:
             # Filler rows are one segment from position 0. A document's first token is no target.
             positions = torch.where(real[:, None], self.positions[index.clamp(min=0)].long(), pos[None, :])
@@ -97,7 +140,12 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: batch[k] for k in MODEL_INPUTS if k in batch}
 
 
-def pack(rows: Sequence[Sequence[int]], max_length: int, pad_id: int) -> Blocks:
+def _mask(targets: Sequence[Sequence[bool]] | None, n: int, max_length: int) -> torch.Tensor | None:
+    return None if targets is None else torch.zeros((n, max_length), dtype=torch.bool)
+
+
+def pack(rows: Sequence[Sequence[int]], max_length: int, pad_id: int,
+         targets: Sequence[Sequence[bool]] | None = None) -> Blocks:  # fmt: skip
     """Concatenate rows in order and cut into max_length blocks; the last block is padded, nothing is dropped."""
     flat = torch.tensor([t for row in rows for t in row], dtype=torch.int32)
     n = -(-flat.numel() // max_length)
@@ -106,34 +154,63 @@ def pack(rows: Sequence[Sequence[int]], max_length: int, pad_id: int) -> Blocks:
     lengths = torch.full((n,), max_length, dtype=torch.int64)
     if n:
         lengths[-1] = flat.numel() - (n - 1) * max_length
-    return Blocks(ids.view(n, max_length), lengths, pad_id)
+    mask = _mask(targets, n, max_length)
+    if mask is not None:
+        mask.view(-1)[: flat.numel()] = torch.tensor([f for row in targets for f in row], dtype=torch.bool)
+    return Blocks(ids.view(n, max_length), lengths, pad_id, targets=mask)
 
 
-def pad_rows(rows: Sequence[Sequence[int]], max_length: int, pad_id: int) -> Blocks:
+def pad_rows(rows: Sequence[Sequence[int]], max_length: int, pad_id: int,
+             targets: Sequence[Sequence[bool]] | None = None) -> Blocks:  # fmt: skip
     """One block per row, truncated to max_length and right-padded (the original recipe)."""
     ids = torch.full((len(rows), max_length), pad_id, dtype=torch.int32)
     lengths = torch.empty(len(rows), dtype=torch.int64)
+    mask = _mask(targets, len(rows), max_length)
     for i, row in enumerate(rows):
         row = row[:max_length]
         ids[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
         lengths[i] = len(row)
-    return Blocks(ids, lengths, pad_id)
+        if mask is not None:
+            mask[i, : len(row)] = torch.tensor(targets[i][:max_length], dtype=torch.bool)
+    return Blocks(ids, lengths, pad_id, targets=mask)
 
 
 def build_blocks(texts: Sequence[str], tokenizer, max_length: int, packing: str, attention: str = "sdpa") -> Blocks:
+    """Text rows into blocks (see blocks_from)."""
+    encoded = encode_rows([{"text": t} for t in texts], RowSpec("text"), tokenizer, train_on="all")
+    return blocks_from(encoded, max_length, tokenizer.pad_token_id, packing, attention)
+
+
+def rows_to_blocks(rows: Rows, spec: RowSpec, tokenizer, *, train_on: str, max_length: int, packing: str,
+                   attention: str = "sdpa") -> Blocks:  # fmt: skip
+    """The checked rows of a slice (data.formats) tokenized (data.tokens) and laid into blocks."""
+    encoded = encode_rows(rows.rows, spec, tokenizer, train_on=train_on, indices=rows.indices,
+                          conversational=rows.conversational)  # fmt: skip
+    return blocks_from(encoded, max_length, tokenizer.pad_token_id, packing, attention)
+
+
+def blocks_from(encoded: Encoded, max_length: int, pad_id: int, packing: str, attention: str = "sdpa") -> Blocks:
     """--packing docs: whole documents per block, each seeing only itself; concat: rows joined and cut every
-    max_length tokens; pad: one row per block, truncated and padded (the original recipe)."""
-    rows = tokenize(texts, tokenizer)
-    pad_id = tokenizer.pad_token_id
+    max_length tokens; pad: one row per block, truncated and padded (the original recipe).
+
+    Whole rows (prompt_completion, messages) are cut at max_length, never split, under docs and pad; under concat
+    every row is joined and cut like text. The targets travel with the tokens in each mode."""
+    fit = None
+    if encoded.whole_rows and packing != "concat":
+        encoded, fit = fit_rows(encoded, max_length)
+        if not encoded.ids:
+            raise DataError(f"--max_length {max_length}: no row keeps an answer token once cut to this length")
+    rows, targets = encoded.ids, encoded.targets
     if packing == "docs":
-        ids, lengths, positions = pack_documents(rows, max_length, pad_id)
-        blocks = Blocks(ids, lengths, pad_id, positions, attention)
+        ids, lengths, positions, mask = pack_documents(rows, max_length, pad_id, targets)
+        blocks = Blocks(ids, lengths, pad_id, positions, attention, mask)
     elif packing == "concat":
-        blocks = pack(rows, max_length, pad_id)
+        blocks = pack(rows, max_length, pad_id, targets)
     elif packing == "pad":
-        blocks = pad_rows(rows, max_length, pad_id)
+        blocks = pad_rows(rows, max_length, pad_id, targets)
     else:
         raise ValueError(f"packing {packing!r}: one of {', '.join(PACKING_MODES)}")
+    blocks.fit = fit
     if int(blocks.target_counts().sum()) == 0:
         raise DataError("--dataset: the slice has no tokens to train on")
     return blocks
@@ -148,6 +225,7 @@ class StepBatch:
     micro_batches: list[torch.Tensor]  # this rank's sample indices per micro-batch (-1 = filler)
     samples: int  # samples in the whole step, all ranks
     target_tokens: int  # predicted tokens in the whole step, all ranks: the loss denominator
+    seen_tokens: int  # real (non-pad) tokens the step runs through the model, all ranks
     end_offset: int  # samples of this epoch consumed once the step is done
 
 
@@ -164,6 +242,7 @@ class StepPlan:
         self.micro_global = batch_size * world_size
         self.global_batch = self.micro_global * accum_steps
         self._targets = blocks.target_counts()
+        self._lengths = blocks.lengths
 
     def steps_per_epoch(self, start_offset: int = 0) -> int:
         return -(-(self.num_samples - start_offset) // self.global_batch)
@@ -183,6 +262,7 @@ class StepPlan:
                 micro_batches=self._rank_share(samples),
                 samples=samples.numel(),
                 target_tokens=int(self._targets[samples].sum()),
+                seen_tokens=int(self._lengths[samples].sum()),
                 end_offset=begin + samples.numel(),
             )
 

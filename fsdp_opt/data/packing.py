@@ -51,8 +51,10 @@ def place(sizes: Sequence[int], max_length: int) -> list[list[int]]:
     return blocks
 
 
-def pack_documents(rows: Sequence[Sequence[int]], max_length: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Token ids [n, max_length], real-token counts [n] and positions [n, max_length] of whole-document blocks.
+def pack_documents(rows: Sequence[Sequence[int]], max_length: int, pad_id: int,
+                   targets: Sequence[Sequence[bool]] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """Token ids [n, max_length], real-token counts [n], positions [n, max_length] of whole-document blocks, and
+    (with `targets`, per row which tokens carry loss) the same mask laid out like the ids.
 
     Each document's positions run from 0; the padding after the last document counts from 0 as well (a segment
     of its own, never attended to by a real token, whose labels are ignored).
@@ -62,18 +64,24 @@ def pack_documents(rows: Sequence[Sequence[int]], max_length: int, pad_id: int) 
     ids = torch.full((len(groups), max_length), pad_id, dtype=torch.int32)
     positions = torch.empty((len(groups), max_length), dtype=torch.int32)
     lengths = torch.empty(len(groups), dtype=torch.int64)
+    mask = torch.zeros((len(groups), max_length), dtype=torch.bool) if targets is not None else None
     for k, members in enumerate(groups):
         tokens: list[int] = []
         starts: list[int] = []
+        flags: list[bool] = []
         for p in members:
             r, b, e = pieces[p]
             starts.append(len(tokens))
             tokens.extend(rows[r][b:e])
+            if targets is not None:
+                flags.extend(targets[r][b:e])
         used = len(tokens)
         ids[k, :used] = torch.tensor(tokens, dtype=torch.int32)
+        if mask is not None:
+            mask[k, :used] = torch.tensor(flags, dtype=torch.bool)
         lengths[k] = used
         positions[k] = segment_positions(starts + ([used] if used < max_length else []), max_length)
-    return ids, lengths, positions
+    return ids, lengths, positions, mask
 
 
 def segment_positions(starts: Sequence[int], length: int) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""Rows of text from a source: the built-in `python-docs`, a local file or folder, or a Hub dataset; the
-[start_idx, end_idx) slice of them, and the held-out rows after it."""
+"""Where rows come from: the built-in `python-docs` (text) and `python-docs-chat` (conversations), a local file or
+folder, or a Hub dataset. data/formats.py reads the rows of a slice."""
 
 from __future__ import annotations
 
@@ -9,20 +9,49 @@ from pathlib import Path
 from fsdp_opt.base import DataError, first_line, looks_like_path, quiet_hub_logs
 
 BUILTIN_DATASET = "python-docs"
+BUILTIN_CHAT_DATASET = "python-docs-chat"
+BUILTIN_DATASETS = (BUILTIN_DATASET, BUILTIN_CHAT_DATASET)
 
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
 
-def python_docs_texts(min_chars: int = 200) -> list[str]:
-    """Paragraphs of Python's own documentation topics (pydoc_data): text with no download."""
+def _python_docs_paragraphs(min_chars: int) -> list[tuple[str, str]]:
+    """(the topic's title, a paragraph) of Python's own documentation topics (pydoc_data), in a fixed order."""
     from pydoc_data.topics import topics
 
-    rows = []
+    out = []
     for key in sorted(topics):
+        title = topics[key].strip().splitlines()[0].strip()
         for para in re.split(r"\n\s*\n", topics[key]):
             text = " ".join(para.split())
             if len(text) >= min_chars:
-                rows.append(text)
+                out.append((title, text))
+    return out
+
+
+def python_docs_texts(min_chars: int = 200) -> list[str]:
+    """Paragraphs of Python's own documentation topics (pydoc_data): text with no download."""
+    return [text for _, text in _python_docs_paragraphs(min_chars)]
+
+
+CHAT_SYSTEM = "You answer questions about the Python documentation."
+CHAT_OPENING_WORDS = 8
+
+
+def python_docs_chat_rows(min_chars: int = 200) -> list[list[dict[str, str]]]:
+    """Conversations made from the same paragraphs, offline: the user quotes a paragraph's opening words and asks
+    where they come from (the answer: the topic's title), then asks for the rest of the paragraph."""
+    rows = []
+    for title, text in _python_docs_paragraphs(min_chars):
+        words = text.split(" ")
+        opening, rest = " ".join(words[:CHAT_OPENING_WORDS]), " ".join(words[CHAT_OPENING_WORDS:])
+        rows.append([
+            {"role": "system", "content": CHAT_SYSTEM},
+            {"role": "user", "content": f'Which part of the Python documentation begins a paragraph with "{opening}"?'},
+            {"role": "assistant", "content": title},
+            {"role": "user", "content": "How does that paragraph go on?"},
+            {"role": "assistant", "content": rest},
+        ])  # fmt: skip
     return rows
 
 
@@ -33,6 +62,8 @@ def load_rows(spec: str):
     datasets.disable_progress_bars()
     if spec == BUILTIN_DATASET:
         return datasets.Dataset.from_dict({"text": python_docs_texts()})
+    if spec == BUILTIN_CHAT_DATASET:
+        return datasets.Dataset.from_dict({"messages": python_docs_chat_rows()})
     path = Path(spec).expanduser()
     try:
         if path.is_file():
@@ -57,33 +88,5 @@ def load_rows(spec: str):
     except Exception as exc:  # noqa: BLE001
         raise DataError(
             f"--dataset {spec}: cannot load it from the Hugging Face Hub ({first_line(exc)}). "
-            f"Check the id and the network, or use --dataset {BUILTIN_DATASET} or a local file."
+            f"Check the id and the network, or use --dataset {BUILTIN_DATASET} ({BUILTIN_CHAT_DATASET}) or a local file."
         ) from None
-
-
-def select_texts(ds, text_column: str, start_idx: int, end_idx: int | None) -> tuple[list[str], int]:
-    """Rows [start_idx, end_idx) of the raw data, empty ones dropped. Returns (texts, resolved end_idx)."""
-    if text_column not in ds.column_names:
-        raise DataError(f"--text_column {text_column}: no such column (the dataset has: {', '.join(ds.column_names)})")
-    total = len(ds)
-    if total == 0:
-        raise DataError("--dataset: the dataset has no rows")
-    end = total if end_idx is None else end_idx
-    if start_idx >= total:
-        raise DataError(f"--start_idx {start_idx}: past the end of the dataset ({total} rows)")
-    if end > total:
-        raise DataError(f"--end_idx {end}: past the end of the dataset ({total} rows)")
-    column = ds.select(range(start_idx, end))[text_column]
-    texts = [t for t in column if isinstance(t, str) and t.strip()]
-    if not texts:
-        raise DataError(f"--start_idx {start_idx} --end_idx {end}: every row of this slice is empty")
-    return texts, end
-
-
-def held_out_texts(ds, text_column: str, end_idx: int, rows: int) -> tuple[list[str], int]:
-    """--eval_rows: the rows right after the slice, [end_idx, end_idx + rows), cut at the end of the dataset.
-    Returns the texts and where they end."""
-    total = len(ds)
-    if end_idx >= total:
-        raise DataError(f"--eval_rows {rows}: no rows after --end_idx {end_idx} to evaluate on (the dataset has {total})")
-    return select_texts(ds, text_column, end_idx, min(total, end_idx + rows))

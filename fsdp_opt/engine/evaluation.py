@@ -46,15 +46,22 @@ def evaluate_loss(model: nn.Module, blocks: Blocks, batch_size: int, env: DistEn
 
 @torch.no_grad()
 def generate(model: nn.Module, tokenizer, prompts: list[str], env: DistEnv, *, max_new_tokens: int,
-             do_sample: bool, temperature: float, top_p: float, seed: int) -> list[str]:  # fmt: skip
+             do_sample: bool, temperature: float, top_p: float, seed: int, rendered: bool = False,
+             stop: str | None = None) -> list[str]:  # fmt: skip
     """Continuations of each prompt. Every rank runs the same calls with the same seed (a sharded model
-    gathers its weights in each forward), so all ranks produce the same text."""
+    gathers its weights in each forward), so all ranks produce the same text.
+
+    `rendered` prompts come from a chat template, which writes its own special tokens: they are tokenized without
+    the tokenizer's. With `stop` (the template's end-of-turn marker) generation ends at the marker, which the text
+    keeps, so a reader sees whether the answer ended as the template says."""
     model.eval()
     outputs = []
     for prompt in prompts:
         torch.manual_seed(seed)
-        enc = tokenizer(prompt, return_tensors="pt")
+        enc = tokenizer(prompt, return_tensors="pt", add_special_tokens=not rendered)
         sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if do_sample else {"do_sample": False}
+        if stop is not None:
+            sampling.update(stop_strings=[stop], tokenizer=tokenizer)
         out = model.generate(
             input_ids=enc["input_ids"].to(env.device),
             attention_mask=enc["attention_mask"].to(env.device),
@@ -63,5 +70,12 @@ def generate(model: nn.Module, tokenizer, prompts: list[str], env: DistEnv, *, m
             use_cache=True,
             **sampling,
         )
-        outputs.append(tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True))
+        new = out[0, enc["input_ids"].shape[1] :]
+        if stop is None:
+            outputs.append(tokenizer.decode(new, skip_special_tokens=True))
+            continue
+        text = tokenizer.decode(new, skip_special_tokens=False)
+        if stop in text:
+            text = text[: text.index(stop) + len(stop)]
+        outputs.append(text.replace(tokenizer.pad_token or "\0", ""))
     return outputs

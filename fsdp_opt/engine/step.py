@@ -114,6 +114,7 @@ def train_step(s: StepRun, step: StepBatch) -> dict[str, Any]:
     s.state.global_step += 1
     seconds = time.perf_counter() - started
     tokens_per_second = step.target_tokens / seconds if seconds > 0 else 0.0
+    seen_per_second = step.seen_tokens / seconds if seconds > 0 else 0.0
     loss_mean = loss_total / max(1, step.target_tokens)
     s.last_loss = loss_mean
     record: dict[str, Any] = {
@@ -124,6 +125,7 @@ def train_step(s: StepRun, step: StepBatch) -> dict[str, Any]:
         "grad_norm": norm_scaled / scale,
         "loss_scale": scale,
         "tokens": step.target_tokens,
+        "tokens_seen": step.seen_tokens,
         "tokens_per_second": tokens_per_second,
         "elapsed": 0.0,
         "skipped": not finite,
@@ -132,7 +134,8 @@ def train_step(s: StepRun, step: StepBatch) -> dict[str, Any]:
         "skipped_rate": 0.0,  # set by the loop's SkipWatch
     }
     if s.peak_flops:
-        record["mfu"] = tokens_per_second * s.flops_per_token / (s.peak_flops * env.world_size)
+        # The model computes every real token, answers or not: utilisation counts the tokens seen.
+        record["mfu"] = seen_per_second * s.flops_per_token / (s.peak_flops * env.world_size)
     mem = peak_memory_bytes(env.device)
     if mem is not None:
         record["peak_memory_bytes"] = mem

@@ -19,14 +19,18 @@ LOCAL_FLAGS = {
 }  # fmt: skip
 
 
-def run_info(flat_config: dict[str, Any], *, world_size: int, global_batch: int, n_params: int) -> dict[str, Any]:
-    """What the card says about the run: base model, data and hyperparameters (never tokens: flags only)."""
+def run_info(flat_config: dict[str, Any], *, world_size: int, global_batch: int, n_params: int,
+             rows: dict[str, Any] | None = None, chat_template: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """What the card says about the run: base model, data (the rows' format, the chat template) and hyperparameters
+    (never tokens: flags only)."""
     hyper = {k: v for k, v in flat_config.items() if k not in LOCAL_FLAGS and v is not None}
     hyper.update(world_size=world_size, global_batch=global_batch)
     return {
         "base_model": flat_config.get("model"),
         "dataset": flat_config.get("dataset"),
         "text_column": flat_config.get("text_column"),
+        "rows": rows or {},
+        "chat_template": chat_template if (rows or {}).get("data_format", "text") != "text" else None,
         "parameters": n_params,
         "hyperparameters": hyper,
     }
@@ -60,6 +64,26 @@ def _fmt_loss(x: Any) -> str:
     return f"{x:.4f}" if isinstance(x, (int, float)) and math.isfinite(x) else "-"
 
 
+def _data_line(run: dict[str, Any]) -> str:
+    rows = run.get("rows") or {}
+    fmt = rows.get("data_format", "text")
+    if fmt == "text":
+        return f"text column `{run.get('text_column', 'text')}`"
+    columns = ", ".join(f"`{c}`" for c in rows.get("columns", []))
+    loss = "the answers only" if rows.get("train_on") == "completion" else "every token"
+    return f"{fmt} rows from {columns}, loss on {loss}"
+
+
+def template_section(run: dict[str, Any]) -> list[str]:
+    """The chat template the run rendered its conversations with: the exported tokenizer carries it."""
+    if not run.get("chat_template"):
+        return []
+    return ["", "## Chat template", "",
+            "Conversations were rendered with this template, which the exported tokenizer carries: "
+            "`tokenizer.apply_chat_template(messages, add_generation_prompt=True)` gives the training format.",
+            "", "```jinja", run["chat_template"], "```"]  # fmt: skip
+
+
 def render_card(repo_id: str, index: dict[str, Any]) -> str:
     run = index.get("run", {})
     base, dataset = run.get("base_model") or "unknown", run.get("dataset") or "unknown"
@@ -82,7 +106,7 @@ def render_card(repo_id: str, index: dict[str, Any]) -> str:
         "",
         f"# {repo_id.split('/')[-1]}",
         "",
-        f"Fine-tuned from **{base}** on **{dataset}** (text column `{run.get('text_column', 'text')}`) with "
+        f"Fine-tuned from **{base}** on **{dataset}** ({_data_line(run)}) with "
         "fsdp-opt, one session per row range. The sessions resume each other exactly, so together they are "
         "one training run."
         + (f" LoRA adapters of rank {lora_rank} were trained on the frozen base; the checkpoints hold the adapters "
@@ -109,6 +133,7 @@ def render_card(repo_id: str, index: dict[str, Any]) -> str:
             f"measured {storage.get('date', '')}). The newest full checkpoints stay resumable; older ranges keep "
             "their weights file (`--hub_keep_full`).",
         ]
+    out += template_section(run)
     out += ["", "## Hyperparameters (latest session)", "", "| setting | value |", "|---|---|"]
     out += [f"| {k} | {v} |" for k, v in sorted(hyper.items())]
     if run.get("parameters"):

@@ -20,8 +20,9 @@ METRICS_FIELDS = (
     "lr",
     "grad_norm",  # global L2 norm of the unscaled gradients, before clipping
     "loss_scale",  # fp16 loss scale used for the step (1.0 without scaling)
-    "tokens",  # target tokens of the step, all ranks
-    "tokens_per_second",
+    "tokens",  # tokens trained: the step's targets (answer tokens under --train_on completion), all ranks
+    "tokens_seen",  # real (non-pad) tokens the step ran through the model, all ranks; `mfu` counts these
+    "tokens_per_second",  # tokens trained per second
     "elapsed",  # seconds since this session's training started
     "skipped",  # true when the step was skipped for a non-finite gradient
     "skipped_steps",  # skipped steps so far in the run

@@ -23,7 +23,7 @@ class Progress:
 
     def update(self, loss: float, tokens_per_second: float) -> None:
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_second:,.0f}", refresh=False)
+            self.bar.set_postfix(loss=f"{loss:.4f}", trained_tok_s=f"{tokens_per_second:,.0f}", refresh=False)
             self.bar.update(1)
 
     def close(self) -> None:

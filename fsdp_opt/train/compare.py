@@ -18,14 +18,17 @@ from fsdp_opt.checkpoint.loading import load_into
 from fsdp_opt.checkpoint.read import check_compatible, read_checkpoint
 from fsdp_opt.config.choices import DTYPES, shard_count
 from fsdp_opt.config.training import DataConfig, LoraConfig, ModelConfig
-from fsdp_opt.data.blocks import build_blocks
-from fsdp_opt.data.sources import held_out_texts, load_rows
+from fsdp_opt.data.blocks import rows_to_blocks
+from fsdp_opt.data.formats import held_out_rows
+from fsdp_opt.data.sources import load_rows
+from fsdp_opt.data.tokens import end_of_turn, generation_prompt, read_template
 from fsdp_opt.engine.evaluation import evaluate_loss, generate
 from fsdp_opt.hub.store import find_resume
 from fsdp_opt.model.adapters import Adapters, check_resume
 from fsdp_opt.model.parallelize import initialize, resolve_precision, shard_model, tie_and_check
 from fsdp_opt.model.sources import build_meta_model, load_model_config, load_tokenizer, resolve_model
 from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, broadcast_object, print0, rank0_first
+from fsdp_opt.train.inputs import data_spec
 
 DEFAULT_EVAL_ROWS = 200
 
@@ -41,21 +44,27 @@ def report_markdown(results: dict[str, Any] | str | Path) -> str:
         "| --- | --- | --- |",
     ]
     lines += [f"| {r['name']} | {r['loss']:.4f} | {r['perplexity']:.2f} |" for r in results["models"]]
+    cell = lambda text: text.strip().replace("|", "\\|").replace(chr(10), " / ")  # noqa: E731
     for sample in results.get("samples", []):
-        lines += ["", f"**Prompt:** {sample['prompt']}", "", "| model | continuation |", "| --- | --- |"]
+        lines += ["", f"**Prompt:** {cell(sample['prompt'])}", "", "| model | continuation |", "| --- | --- |"]
+        if sample.get("answer"):
+            lines.append(f"| the row's own answer | {cell(sample['answer'])} |")
         for name, text in sample["outputs"].items():
-            lines.append(f"| {name} | {text.strip().replace('|', '/').replace(chr(10), ' / ')} |")
+            lines.append(f"| {name} | {cell(text)} |")
     return "\n".join(lines)
 
 
 def _trained_from(entries: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The flags and the slice the first checkpoint was trained with (rank 0)."""
+    """The flags and the slice the first checkpoint was trained with (rank 0); the flags carry the chat template the
+    run used (`chat_template_text`)."""
 
     first = next((e for e in entries if e["kind"] == "ckpt"), None)
     if first is None:
         return {}, {}
     payload = read_checkpoint(Path(first["path"]), "--checkpoints")
-    return payload.get("config") or {}, payload.get("slice") or {}
+    flags = dict(payload.get("config") or {})
+    flags["chat_template_text"] = payload.get("chat_template")
+    return flags, payload.get("slice") or {}
 
 
 def _find(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
@@ -114,6 +123,10 @@ def _fill(model: nn.Module, entry: dict[str, Any], payload: dict[str, Any] | Non
     load_into(model, None, payload, env, load_optimizer=False, sharded_path=path if sharded else None)
 
 
+# The data flags evaluate takes, or else the first checkpoint's.
+DATA_FLAGS = ("text_column", "data_format", "prompt_column", "completion_column", "messages_column", "train_on")
+
+
 def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
     """Evaluate the base model and each checkpoint in turn (one in memory at a time) on the same rows."""
     import gc
@@ -122,24 +135,44 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
     entries, trained, trained_slice = broadcast_object(found)
     model_name = args.model or trained.get("model") or ModelConfig.model
     dataset = args.dataset or trained.get("dataset") or DataConfig.dataset
-    text_column = args.text_column or trained.get("text_column") or DataConfig.text_column
     max_length = args.max_length or trained.get("max_length") or DataConfig.max_length
     start = args.start_idx if args.start_idx is not None else trained_slice.get("end_idx")
     if start is None:
         raise ConfigError("--start_idx: needed when no checkpoint says which rows it was trained on")
+    data_flags = {k: getattr(args, k, None) or trained.get(k) for k in DATA_FLAGS}
+    dc = DataConfig(dataset=dataset, **{k: v for k, v in data_flags.items() if v is not None})
 
     source = all_ranks_ok(lambda: resolve_model(model_name))
     precision = all_ranks_ok(lambda: resolve_precision(args.precision, env.device))
     model_config, tokenizer = rank0_first(lambda: (load_model_config(source), load_tokenizer(source)))
-    texts, end = rank0_first(lambda: held_out_texts(load_rows(dataset), text_column, start, args.eval_rows))
+    # The template the run trained with (kept in its checkpoint), unless --chat_template names another.
+    template = trained.get("chat_template_text") if args.chat_template is None else None
+    template = template or all_ranks_ok(lambda: read_template(args.chat_template, tokenizer))
+    if template is not None:
+        tokenizer.chat_template = template
+
+    def read_held_out():
+        ds = load_rows(dataset)
+        spec, train_on = data_spec(dc, ds.column_names)
+        return spec, train_on, held_out_rows(ds, spec, start, args.eval_rows)
+
+    spec, train_on, held_out = rank0_first(read_held_out)
+    end = held_out.end_idx
     packing = args.packing or ("concat" if trained.get("packing") == "concat" else "docs")
-    blocks = all_ranks_ok(lambda: build_blocks(texts, tokenizer, max_length, packing))
-    prompts = args.prompts or [" ".join(t.split()[:12]) for t in texts[: args.num_prompts]]
+    blocks = all_ranks_ok(lambda: rows_to_blocks(held_out, spec, tokenizer, train_on=train_on, max_length=max_length,
+                                                 packing=packing))  # fmt: skip
+    asked = [generation_prompt(r, spec, tokenizer) for r in held_out.rows[: args.num_prompts]]
+    if args.prompts:
+        asked = [(p, False, "") for p in args.prompts]
+    prompts = [p for p, _, _ in asked]
+    rendered = bool(asked) and asked[0][1]
+    stop = end_of_turn(tokenizer) if rendered else None
     candidates = ([] if args.no_base else [{"name": f"base ({model_name})", "kind": "base"}]) + entries
     print0(f"evaluating {len(candidates)} model(s) on rows [{start}, {end}) of {dataset}: {len(blocks)} blocks of "
-           f"{max_length} tokens ({packing}), {env.world_size} rank(s), {precision}")  # fmt: skip
+           f"{max_length} tokens ({packing}), loss on {'every token' if train_on == 'all' else 'the answers'}, "
+           f"{env.world_size} rank(s), {precision}")  # fmt: skip
 
-    models, samples = [], [{"prompt": p, "outputs": {}} for p in prompts]
+    models, samples = [], [{"prompt": p, "answer": a, "outputs": {}} for p, _, a in asked]
     for entry in candidates:
         model = build_meta_model(model_config)
         payload, adapters, seed = None, None, args.seed
@@ -158,7 +191,8 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
         tie_and_check(model)
         result = evaluate_loss(model, blocks, args.batch_size, env)
         texts_out = generate(model, tokenizer, prompts, env, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
-                             temperature=args.temperature, top_p=args.top_p, seed=args.seed)  # fmt: skip
+                             temperature=args.temperature, top_p=args.top_p, seed=args.seed, rendered=rendered,
+                             stop=stop)  # fmt: skip
         print0(f"  {entry['name']}: eval loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}")
         models.append({"name": entry["name"], "kind": entry["kind"], "path": entry.get("path"), **result})
         for sample, text in zip(samples, texts_out):
@@ -169,7 +203,8 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
             torch.cuda.empty_cache()
 
     report = {
-        "rows": f"[{start}, {end})", "start_idx": start, "end_idx": end, "dataset": dataset, "text_column": text_column,
+        "rows": f"[{start}, {end})", "start_idx": start, "end_idx": end, "dataset": dataset, "data_format": spec.format,
+        "columns": list(spec.columns), "train_on": train_on, "end_of_turn": stop,
         "max_length": max_length, "world_size": env.world_size, "precision": precision, "models": models,
         "samples": samples, "generation": {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample,
         "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed},

@@ -9,8 +9,11 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from fsdp_opt.base import ConfigError
 from fsdp_opt.config.parse import Config
-from fsdp_opt.data.blocks import Blocks, build_blocks
-from fsdp_opt.data.sources import held_out_texts, load_rows, select_texts
+from fsdp_opt.config.training import DataConfig
+from fsdp_opt.data.blocks import Blocks, rows_to_blocks
+from fsdp_opt.data.formats import RowSpec, Rows, held_out_rows, resolve_spec, select_rows
+from fsdp_opt.data.sources import load_rows
+from fsdp_opt.data.tokens import read_template
 from fsdp_opt.engine.fp16watch import trained_in_bf16
 from fsdp_opt.model.sources import ModelSource, load_model_config, load_tokenizer, max_positions
 from fsdp_opt.runtime.distributed import all_ranks_ok, print0, rank0_first
@@ -24,6 +27,9 @@ class SliceData:
     end_idx: int  # --end_idx, or the end of the data
     eval_blocks: Blocks | None
     rows: int  # of the whole dataset
+    spec: RowSpec  # the rows' format, resolved from the columns under --data_format auto
+    train_on: str  # completion | all, resolved
+    eval_rows: Rows | None = None  # the held-out rows themselves (their prompts, for generation)
 
 
 @dataclass
@@ -48,27 +54,61 @@ def read_inputs(config: Config, source: ModelSource) -> Loaded:
     return Loaded(model_config, tokenizer, read_slice(config, tokenizer), bf16_pretrained)
 
 
+def data_spec(dc: DataConfig, column_names) -> tuple[RowSpec, str]:
+    """The row format (--data_format, or the one the columns fit) and --train_on resolved for it."""
+    spec = resolve_spec(column_names, dc.data_format, text_column=dc.text_column, prompt_column=dc.prompt_column,
+                        completion_column=dc.completion_column, messages_column=dc.messages_column)  # fmt: skip
+    if dc.train_on == "completion" and not spec.has_answers:
+        raise ConfigError(f"--train_on completion: the rows are text (column {spec.text_column}), with no completion; "
+                          "use --train_on all, or name the prompt and completion or messages columns")  # fmt: skip
+    train_on = dc.train_on if dc.train_on != "auto" else ("completion" if spec.has_answers else "all")
+    return spec, train_on
+
+
 def read_slice(config: Config, tokenizer: PreTrainedTokenizerBase) -> SliceData:
     """The slice of config.data as blocks. A range of an auto chain that ends at the end of the data has no rows after
-    it: it trains without --eval_rows, with a note, rather than stopping the chain."""
+    it: it trains without --eval_rows, with a note, rather than stopping the chain. The chat template (--chat_template,
+    else the tokenizer's own) is set on the tokenizer, which the export saves with the model."""
     mc, dc = config.model, config.data
+    template = all_ranks_ok(lambda: read_template(dc.chat_template, tokenizer))
+    if template is not None:
+        tokenizer.chat_template = template
 
-    def read_data() -> tuple[list[str], int, list[str] | None, int]:
+    def read_data() -> tuple[RowSpec, str, Rows, Rows | None, int]:
         ds = load_rows(dc.dataset)
-        texts, end = select_texts(ds, dc.text_column, dc.start_idx, dc.end_idx)
+        spec, train_on = data_spec(dc, ds.column_names)
+        rows = select_rows(ds, spec, dc.start_idx, dc.end_idx)
         held_out = None
-        if dc.eval_rows and dc.range_size is not None and end >= len(ds):
-            print0(f"note: no rows after [{dc.start_idx}, {end}), the end of the data, to evaluate on: this range "
-                   "trains without --eval_rows")  # fmt: skip
+        if dc.eval_rows and dc.range_size is not None and rows.end_idx >= len(ds):
+            print0(f"note: no rows after [{dc.start_idx}, {rows.end_idx}), the end of the data, to evaluate on: this "
+                   "range trains without --eval_rows")  # fmt: skip
         elif dc.eval_rows:
-            held_out = held_out_texts(ds, dc.text_column, end, dc.eval_rows)[0]
-        return texts, end, held_out, len(ds)
+            held_out = held_out_rows(ds, spec, rows.end_idx, dc.eval_rows)
+        return spec, train_on, rows, held_out, len(ds)
 
-    texts, end_idx, eval_texts, rows = rank0_first(read_data)
+    spec, train_on, rows, eval_rows, total = rank0_first(read_data)
     attention = mc.attn_implementation
-    blocks = all_ranks_ok(lambda: build_blocks(texts, tokenizer, dc.max_length, dc.packing, attention))
+
+    def blocks_of(part: Rows, packing: str) -> Blocks:
+        return rows_to_blocks(part, spec, tokenizer, train_on=train_on, max_length=dc.max_length, packing=packing,
+                              attention=attention)  # fmt: skip
+
+    blocks = all_ranks_ok(lambda: blocks_of(rows, dc.packing))
     eval_blocks = None
-    if eval_texts is not None:  # docs and pad give the same per-row losses; docs in fewer blocks
+    if eval_rows is not None:  # docs and pad give the same per-row losses; docs in fewer blocks
         eval_packing = "concat" if dc.packing == "concat" else "docs"
-        eval_blocks = all_ranks_ok(lambda: build_blocks(eval_texts, tokenizer, dc.max_length, eval_packing, attention))
-    return SliceData(blocks, end_idx, eval_blocks, rows)
+        eval_blocks = all_ranks_ok(lambda: blocks_of(eval_rows, eval_packing))
+    describe_rows(spec, train_on, rows, blocks)
+    return SliceData(blocks, rows.end_idx, eval_blocks, total, spec, train_on, eval_rows)
+
+
+def describe_rows(spec: RowSpec, train_on: str, rows: Rows, blocks: Blocks) -> None:
+    """One line on what the rows are and which tokens train, and one on what --max_length cut."""
+    kind = {"text": "text", "messages": "conversations", "prompt_completion": "prompt/completion pairs"}[spec.format]
+    if rows.conversational:
+        kind += " of messages"
+    loss = "every token" if train_on == "all" else "the answers only"
+    empty = f"; {rows.empty} with nothing to train on dropped" if rows.empty else ""
+    print0(f"data: {len(rows.rows):,} rows of {kind} (column {', '.join(spec.columns)}), loss on {loss}{empty}")
+    if blocks.fit is not None and (blocks.fit.cut or blocks.fit.dropped):
+        print0(f"data: {blocks.fit.describe()}")

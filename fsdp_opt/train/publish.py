@@ -20,7 +20,8 @@ from fsdp_opt.train.session import Session
 
 def start_uploader(s: Session) -> Any:
     hc = s.config.hub
-    run = run_info(s.flags(), world_size=s.env.world_size, global_batch=s.plan.global_batch, n_params=s.n_params)
+    run = run_info(s.flags(), world_size=s.env.world_size, global_batch=s.plan.global_batch, n_params=s.n_params,
+                   rows=s.rows, chat_template=s.chat_template)  # fmt: skip
     uploader = Uploader(
         HubStore(hc.hf_repo, retries=hc.hub_retries),
         lambda index: render_card(hc.hf_repo, index),
@@ -78,7 +79,8 @@ def export_final(s: Session) -> None:
     dest = Path(cc.export_hf)
     if s.env.is_main:
         if s.lora is not None:
-            all_ranks_ok(lambda: export_lora(model_sd, s.lora, dest, cc.export_dtype, merge=cc.export_merge, seed=s.config.train.seed))
+            all_ranks_ok(lambda: export_lora(model_sd, s.lora, dest, cc.export_dtype, merge=cc.export_merge,
+                                             seed=s.config.train.seed, chat_template=s.chat_template))  # fmt: skip
             what = "the base with the adapters merged in" if cc.export_merge else "a peft adapter folder"
         else:
             all_ranks_ok(lambda: export_model_folder(model_sd, s.model_config, s.tokenizer, dest, cc.export_dtype))

@@ -127,7 +127,8 @@ def setup(config: Config, env: DistEnv) -> Session:
     if config.checkpoint.resume_file:  # payload: rank 0's; every rank takes part in restoring it
         load_started = time.perf_counter()
         session.state = restore(built.model, session.optimizer, session.scaler, payload, config, env,
-                                inputs.data.end_idx, len(inputs.data.blocks))  # fmt: skip
+                                inputs.data.end_idx, len(inputs.data.blocks), session.rows,
+                                session.chat_template)  # fmt: skip
         print0(f"  checkpoint found and read in {read_seconds:.1f} s, loaded into the shards in "
                f"{time.perf_counter() - load_started:.1f} s")  # fmt: skip
         run_id = payload.get("wandb_run_id") if env.is_main else None
@@ -226,6 +227,7 @@ def make_session(config: Config, env: DistEnv, checked: Checked, inputs: Loaded,
         peak_flops=peak_flops(env.device), out_dir=out_dir, model_config=inputs.model_config,
         tokenizer=inputs.tokenizer, n_params=built.n_params, params=[p for p in model.parameters() if p.requires_grad],
         eval_blocks=inputs.data.eval_blocks, chunked_loss=built.chunked_loss,
+        rows=inputs.data.spec.key(inputs.data.train_on),
         lora=built.adapters.identity() if built.adapters else None,
         ckpt_writer=BackgroundWriter() if uses_async_save(config, env.device.type) else None,
     )  # fmt: skip

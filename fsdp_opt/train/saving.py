@@ -73,7 +73,8 @@ def save(s: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
             s.ckpt_writer.wait()  # the previous write: its bytes count in make_room, its memory is freed first
         make_room(s, keep=path)
     extra = {
-        "slice": slice_key(s.config, s.end_idx, len(s.blocks)),
+        "slice": slice_key(s.config, s.end_idx, len(s.blocks), s.rows, s.chat_template),
+        "chat_template": s.chat_template,  # the export and evaluate render with it, on any machine
         "scaler": s.scaler.state_dict(),
         "lr_schedule": s.schedule.state_dict(),
         "config": s.flags(),

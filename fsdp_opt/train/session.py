@@ -70,6 +70,12 @@ class Session:
     chain: ChainStatus | None = None  # where the chain of sessions stands; saved with every checkpoint
     clock_started: float | None = None  # time.monotonic() when training began: the session's share of train_seconds
     chain_seconds_before: float = 0.0  # train_seconds of the chain before this session
+    rows: dict[str, Any] = field(default_factory=dict)  # the rows' format, resolved: data.formats.row_key
+
+    @property
+    def chat_template(self) -> str | None:
+        """The template conversations were rendered with (--chat_template, or the tokenizer's own)."""
+        return getattr(self.tokenizer, "chat_template", None) or None
 
     @property
     def reduce_each_microbatch(self) -> bool:

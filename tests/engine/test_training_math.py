@@ -16,7 +16,8 @@ from conftest import built_once, read_jsonl, run_cli
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fsdp_opt.data.blocks import StepPlan, build_blocks
-from fsdp_opt.data.sources import load_rows, select_texts
+from fsdp_opt.data.formats import select_texts
+from fsdp_opt.data.sources import load_rows
 
 END_IDX, MAX_LEN, LR, CLIP, SEED, GLOBAL_BATCH = 100, 64, 1e-3, 0.5, 3, 8
 COMMON = [

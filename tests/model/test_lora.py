@@ -33,7 +33,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fsdp_opt.checkpoint.names import MODEL_KEY, checkpoint_name
 from fsdp_opt.data.blocks import StepPlan, build_blocks
-from fsdp_opt.data.sources import load_rows, select_texts
+from fsdp_opt.data.formats import select_texts
+from fsdp_opt.data.sources import load_rows
 from fsdp_opt.model.sources import model_tag
 
 END_IDX, MAX_LEN, LR, CLIP, SEED, GLOBAL_BATCH, RANK = 64, 64, 1e-2, 0.5, 3, 8, 4

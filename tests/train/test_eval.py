@@ -24,7 +24,8 @@ def test_eval_rows_match_reference(tmp_path, det_model):
     from conftest import loss_alone, row_pieces
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fsdp_opt.data.sources import held_out_texts, load_rows
+    from fsdp_opt.data.formats import held_out_texts
+    from fsdp_opt.data.sources import load_rows
 
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "export").eval()
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out" / "export")

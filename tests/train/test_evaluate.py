@@ -56,7 +56,8 @@ def test_base_vs_checkpoints_match_reference(tmp_path, det_model):
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fsdp_opt.data.sources import held_out_texts, load_rows
+    from fsdp_opt.data.formats import held_out_texts
+    from fsdp_opt.data.sources import load_rows
 
     texts, end = held_out_texts(load_rows("python-docs"), "text", 40, 11)
     assert end == 51
@@ -95,7 +96,8 @@ def test_lora_checkpoint_evaluates_as_peft_on_its_base(tmp_path, det_model):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fsdp_opt.data.sources import held_out_texts, load_rows
+    from fsdp_opt.data.formats import held_out_texts
+    from fsdp_opt.data.sources import load_rows
 
     train = run_cli(["--model", str(det_model), *TRAIN, "--lora_rank", "4", "--lr", "1e-2", "--num_epochs", "1", "--export_hf", "out/adapter",
                      "--export_dtype", "fp32"], tmp_path, nproc=2)  # fmt: skip

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from fsdp_opt.config.parse import parse_args
 from fsdp_opt.data.blocks import StepPlan, build_blocks, model_inputs, tokenize
-from fsdp_opt.data.sources import load_rows, select_texts
+from fsdp_opt.data.formats import select_texts
+from fsdp_opt.data.sources import load_rows
 from fsdp_opt.engine.loss import ChunkedLoss
 from fsdp_opt.engine.step import accumulate
 from fsdp_opt.runtime.distributed import end_process, init_distributed, teardown

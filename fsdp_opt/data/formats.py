@@ -1,0 +1,182 @@
+"""What a row is, found from the dataset's columns, and the rows of a slice checked one by one.
+
+The formats are the ones the ecosystem's trainers read:
+- text: one string column;
+- prompt_completion: a prompt and a completion, both strings (standard) or both lists of messages (conversational);
+- messages: a list of {"role", "content"} messages (system, user, assistant).
+
+A row is handed on as a plain dict: {"text"}, {"prompt", "completion"} or {"messages"}. Every error names the row's
+index in the dataset and its column, so a bad row is found without reading the whole file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from fsdp_opt.base import DataError
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """The format of the rows and the columns that hold them."""
+
+    format: str  # text | prompt_completion | messages
+    text_column: str = "text"
+    prompt_column: str = "prompt"
+    completion_column: str = "completion"
+    messages_column: str = "messages"
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        if self.format == "text":
+            return (self.text_column,)
+        if self.format == "prompt_completion":
+            return (self.prompt_column, self.completion_column)
+        return (self.messages_column,)
+
+    def key(self, train_on: str) -> dict[str, Any]:
+        """What the rows are, for a checkpoint: the format, its columns and which tokens carry loss."""
+        return {"data_format": self.format, "columns": list(self.columns), "train_on": train_on}
+
+    @property
+    def has_answers(self) -> bool:
+        """Rows with a part that answers (a completion, assistant turns): they can train on the answers alone."""
+        return self.format != "text"
+
+
+@dataclass
+class Rows:
+    """The usable rows of a slice and what was left out."""
+
+    rows: list[dict[str, Any]]
+    end_idx: int  # the slice's end, resolved
+    indices: list[int]  # each row's index in the dataset (for errors)
+    empty: int = 0  # rows dropped: empty text, an empty completion, or only empty assistant turns
+    conversational: bool = False  # prompt_completion rows of messages
+
+
+def resolve_spec(column_names: Sequence[str], data_format: str, *, text_column: str = "text",
+                 prompt_column: str = "prompt", completion_column: str = "completion",
+                 messages_column: str = "messages") -> RowSpec:  # fmt: skip
+    """--data_format, or (auto) the one format whose columns the dataset has."""
+    kw = {"text_column": text_column, "prompt_column": prompt_column, "completion_column": completion_column,
+          "messages_column": messages_column}  # fmt: skip
+    have = set(column_names)
+    listed = ", ".join(column_names)
+    if data_format != "auto":
+        spec = RowSpec(data_format, **kw)
+        missing = [c for c in spec.columns if c not in have]
+        if missing:
+            flag = {text_column: "--text_column", prompt_column: "--prompt_column",
+                    completion_column: "--completion_column", messages_column: "--messages_column"}[missing[0]]  # fmt: skip
+            raise DataError(f"{flag} {missing[0]}: no such column for --data_format {data_format} (the dataset has: {listed})")
+        return spec
+    fits = [f for f in ("messages", "prompt_completion", "text") if all(c in have for c in RowSpec(f, **kw).columns)]
+    if not fits:
+        raise DataError(f"--text_column {text_column}: no such column, and no {prompt_column}/{completion_column} or "
+                        f"{messages_column} column either (the dataset has: {listed}); name the columns with "
+                        "--text_column, --prompt_column/--completion_column or --messages_column")  # fmt: skip
+    if len(fits) > 1:
+        raise DataError(f"--data_format: the columns fit more than one format ({', '.join(fits)}; the dataset has: "
+                        f"{listed}); name one with --data_format")  # fmt: skip
+    return RowSpec(fits[0], **kw)
+
+
+def _messages(value: Any, index: int, column: str, what: str = "a list of messages") -> list[dict[str, str]]:
+    if not isinstance(value, (list, tuple)):
+        raise DataError(f"row {index}, column {column}: expected {what}, got {type(value).__name__}")
+    out = []
+    for k, m in enumerate(value):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise DataError(f"row {index}, column {column}: message {k} is not a {{'role', 'content'}} object")
+        if m["role"] not in ROLES:
+            raise DataError(f"row {index}, column {column}: message {k} has the unknown role {m['role']!r} (use "
+                            f"{', '.join(ROLES)})")  # fmt: skip
+        if not isinstance(m["content"], str):
+            raise DataError(f"row {index}, column {column}: message {k}'s content is {type(m['content']).__name__}, "
+                            "not a string")  # fmt: skip
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+def check_row(spec: RowSpec, raw: dict[str, Any], index: int) -> dict[str, Any] | None:
+    """One row as the trainer takes it; None for a row with nothing to train on (dropped and counted)."""
+    if spec.format == "text":
+        text = raw[spec.text_column]
+        if text is not None and not isinstance(text, str):
+            raise DataError(f"row {index}, column {spec.text_column}: expected a string, got {type(text).__name__}")
+        return {"text": text} if text and text.strip() else None
+    if spec.format == "messages":
+        messages = _messages(raw[spec.messages_column], index, spec.messages_column)
+        answers = [m for m in messages if m["role"] == "assistant"]
+        if not answers:
+            raise DataError(f"row {index}, column {spec.messages_column}: the conversation has no assistant turn")
+        return {"messages": messages} if any(m["content"] for m in answers) else None
+    prompt, completion = raw[spec.prompt_column], raw[spec.completion_column]
+    if isinstance(prompt, str) or prompt is None:
+        for column, value in ((spec.prompt_column, prompt), (spec.completion_column, completion)):
+            if not isinstance(value, str):
+                raise DataError(f"row {index}, column {column}: expected a string like the prompt, got "
+                                f"{type(value).__name__}")  # fmt: skip
+        return {"prompt": prompt, "completion": completion} if completion else None
+    prompt_m = _messages(prompt, index, spec.prompt_column, "a string or a list of messages")
+    completion_m = _messages(completion, index, spec.completion_column, "a list of messages, like the prompt")
+    if not any(m["role"] == "assistant" for m in completion_m):
+        raise DataError(f"row {index}, column {spec.completion_column}: the completion has no assistant turn")
+    if not any(m["content"] for m in completion_m if m["role"] == "assistant"):
+        return None
+    return {"prompt": prompt_m, "completion": completion_m}
+
+
+def select_rows(ds, spec: RowSpec, start_idx: int, end_idx: int | None) -> Rows:
+    """Rows [start_idx, end_idx) of the raw data, each checked; rows with nothing to train on dropped and counted."""
+    total = len(ds)
+    if total == 0:
+        raise DataError("--dataset: the dataset has no rows")
+    end = total if end_idx is None else end_idx
+    if start_idx >= total:
+        raise DataError(f"--start_idx {start_idx}: past the end of the dataset ({total} rows)")
+    if end > total:
+        raise DataError(f"--end_idx {end}: past the end of the dataset ({total} rows)")
+    part = ds.select(range(start_idx, end)).select_columns(list(spec.columns))
+    rows, indices, empty = [], [], 0
+    for offset, raw in enumerate(part):
+        row = check_row(spec, raw, start_idx + offset)
+        if row is None:
+            empty += 1
+        else:
+            rows.append(row)
+            indices.append(start_idx + offset)
+    if not rows:
+        raise DataError(f"--start_idx {start_idx} --end_idx {end}: every row of this slice is empty")
+    conversational = spec.format == "prompt_completion" and not isinstance(rows[0]["prompt"], str)
+    if spec.format == "prompt_completion" and any(isinstance(r["prompt"], str) == conversational for r in rows):
+        index = next(indices[i] for i, r in enumerate(rows) if isinstance(r["prompt"], str) == conversational)
+        raise DataError(f"row {index}, column {spec.prompt_column}: mixes string prompts and lists of messages in one "
+                        "slice")  # fmt: skip
+    return Rows(rows, end, indices, empty, conversational)
+
+
+def held_out_rows(ds, spec: RowSpec, end_idx: int, rows: int) -> Rows:
+    """--eval_rows: the rows right after the slice, [end_idx, end_idx + rows), cut at the end of the dataset."""
+    total = len(ds)
+    if end_idx >= total:
+        raise DataError(f"--eval_rows {rows}: no rows after --end_idx {end_idx} to evaluate on (the dataset has {total})")
+    return select_rows(ds, spec, end_idx, min(total, end_idx + rows))
+
+
+def select_texts(ds, text_column: str, start_idx: int, end_idx: int | None) -> tuple[list[str], int]:
+    """The text rows [start_idx, end_idx), empty ones dropped, and the resolved end."""
+    if text_column not in ds.column_names:
+        raise DataError(f"--text_column {text_column}: no such column (the dataset has: {', '.join(ds.column_names)})")
+    got = select_rows(ds, RowSpec("text", text_column=text_column), start_idx, end_idx)
+    return [r["text"] for r in got.rows], got.end_idx
+
+
+def held_out_texts(ds, text_column: str, end_idx: int, rows: int) -> tuple[list[str], int]:
+    """--eval_rows of text rows: [end_idx, end_idx + rows), and where they end."""
+    got = held_out_rows(ds, RowSpec("text", text_column=text_column), end_idx, rows)
+    return [r["text"] for r in got.rows], got.end_idx
