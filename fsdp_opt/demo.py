@@ -1,11 +1,15 @@
 """The CPU demo: tiny-opt on python-docs, 2 processes, end to end, then a one-line verdict.
 
-python -m fsdp_opt.demo [--nproc 2] [--output_dir outputs/demo] [extra fsdp_finetune.py flags]
+python -m fsdp_opt.demo [--nproc 2] [--output_dir outputs/demo] [--chat] [extra fsdp_finetune.py flags]
+
+--chat trains on python-docs-chat instead (conversations in the built-in chatml template, loss on the answers
+only), then asks the trained model the held-out questions and shows its answers beside the rows' own.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import subprocess
 import sys
@@ -19,17 +23,26 @@ DEMO_ARGS = [
     "--model", "tiny-opt", "--dataset", "python-docs", "--max_length", "128", "--batch_size", "4",
     "--num_epochs", "2", "--lr", "3e-3", "--warmup_steps", "20", "--seed", "0",
 ]  # fmt: skip
+CHAT_ROWS = 700  # of python-docs-chat's 754: the rest are held out, asked after training
+CHAT_ARGS = [
+    "--model", "tiny-opt", "--dataset", "python-docs-chat", "--chat_template", "chatml", "--max_length", "256",
+    "--end_idx", str(CHAT_ROWS), "--batch_size", "4", "--num_epochs", "2", "--lr", "3e-3", "--warmup_steps", "20",
+    "--seed", "0",
+]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2, help="worker processes (CPU ranks)")
-    parser.add_argument("--output_dir", default="outputs/demo", help="where checkpoints and metrics go (replaced)")
+    parser.add_argument("--output_dir", default=None, help="where checkpoints and metrics go (replaced; default "
+                        "outputs/demo, or outputs/demo-chat with --chat)")  # fmt: skip
+    parser.add_argument("--chat", action="store_true", help="train on python-docs-chat, loss on the answers only")
     args, extra = parser.parse_known_args(argv)
-    out = Path(args.output_dir)
+    out = Path(args.output_dir or ("outputs/demo-chat" if args.chat else "outputs/demo"))
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", str(ENTRY)]
-    cmd += DEMO_ARGS + ["--device", "cpu", "--output_dir", str(out)] + extra
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
+    cmd = launch + [str(ENTRY)] + (CHAT_ARGS if args.chat else DEMO_ARGS) + ["--device", "cpu", "--output_dir", str(out)]
+    cmd += extra
     print("$ " + " ".join(cmd[1:]), flush=True)
     code = subprocess.call(cmd)
     if code != 0:
@@ -37,7 +50,19 @@ def main(argv: list[str] | None = None) -> int:
     rows = read_metrics(out)
     first = sum(r["loss"] for r in rows[:10]) / min(10, len(rows))
     last = sum(r["loss"] for r in rows[-10:]) / min(10, len(rows))
-    print(f"demo: {len(rows)} steps; mean loss of the first 10 steps {first:.3f}, of the last 10 {last:.3f}")
+    what = "answer-token loss" if args.chat else "loss"
+    print(f"demo: {len(rows)} steps; mean {what} of the first 10 steps {first:.3f}, of the last 10 {last:.3f}")
+    if args.chat:
+        report = out / "answers.json"
+        ask = launch + ["-m", "fsdp_opt.evaluate", "--checkpoints", "latest", "--output_dir", str(out),
+                        "--eval_rows", "20", "--num_prompts", "4", "--device", "cpu", "--json", str(report)]  # fmt: skip
+        print("$ " + " ".join(ask[1:]), flush=True)
+        code = subprocess.call(ask)
+        if code != 0:
+            return code
+        samples = json.loads(report.read_text())["samples"]
+        ended = sum(1 for s in samples if next(reversed(s["outputs"].values())).endswith("<|im_end|>"))
+        print(f"demo: the trained model ended {ended} of {len(samples)} answers with the template's <|im_end|>")
     print(f"demo: checkpoints and metrics.jsonl are in {out}/")
     return 0 if last < first else 1
 

@@ -241,3 +241,40 @@ def hub_env(tmp: Path, server: HubServer, name: str) -> dict[str, str]:
 
 def saved_names(out: str) -> list[str]:
     return [Path(m).name for m in re.findall(r"^saved (\S+) \(", out, flags=re.M)]
+
+
+# A Llama-3-style chat template written for the tests: the template writes the BOS itself, each turn ends with
+# <|eot_id|>, and the generation prompt is the assistant's header.
+LLAMA_STYLE_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+
+
+def make_chat_llama(dest: Path, seed: int = 0, template: str | None = LLAMA_STYLE_TEMPLATE, **overrides) -> Path:
+    """A local Llama-architecture model folder whose tokenizer adds a BOS (as Llama 3's does) and has a chat template:
+    random weights, the built-in tokenizer's vocabulary, dropout off."""
+    import torch
+    from tokenizers import Tokenizer, processors
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    raw = Tokenizer.from_file(str(ASSETS / "tokenizer.json"))
+    raw.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)]),
+    ])  # fmt: skip
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                        unk_token="<unk>")  # fmt: skip
+    if template:
+        tokenizer.chat_template = template
+    settings = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0, eos_token_id=2,
+                    pad_token_id=1, tie_word_embeddings=True)  # fmt: skip
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    LlamaForCausalLM(LlamaConfig(**settings)).save_pretrained(dest)
+    tokenizer.save_pretrained(dest)
+    return dest
