@@ -18,6 +18,11 @@ Configurations (throughput mode):
   packed_chunked_loss  packed, with --loss_chunk_tokens 256 (the logits 256 tokens at a time); its memory
               effect shows with a large vocabulary: --vocab 50272 (opt-1.3b's) trains a copy of the model
               with that many token embeddings
+  chat_docs   python-docs-chat (conversations in the chatml template), --packing docs, loss on the answers only:
+              useful tokens are answer tokens
+  chat_padded the same rows, one per block, padded (--packing pad)
+  chat_all    the same rows and blocks as chat_docs with --train_on all: text rows of exactly the same lengths, every
+              token a target; its step time against chat_docs' is what the answer mask costs
 Each runs under torchrun in its own processes: warm-up steps, then timed steps. Reported per configuration:
 useful (non-pad target) tokens/s, the median step time, MFU (PaLM's 6N + 12·L·H·Q·T FLOPs per token against the
 GPU's datasheet peak, or on CPU against a large-matmul peak measured in the same processes), the training state
@@ -44,7 +49,9 @@ sys.path.insert(0, str(ROOT))
 
 from fsdp_opt.runtime.distributed import end_process  # noqa: E402 - after the repository is on the path
 
-THROUGHPUT = ("packed", "packed_docs", "padded", "hf_trainer", "packed_compiled", "packed_prefetch2", "packed_chunked_loss", "packed_lora")
+THROUGHPUT = ("packed", "packed_docs", "padded", "hf_trainer", "packed_compiled", "packed_prefetch2", "packed_chunked_loss",
+              "packed_lora", "chat_docs", "chat_padded", "chat_all")
+CHAT = ["--dataset", "python-docs-chat", "--chat_template", "chatml"]  # the chat configurations' rows
 MEMORY = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 
 
@@ -131,11 +138,13 @@ def run_engine(args: argparse.Namespace, name: str, env, out_dir: str) -> dict:
 
     strategy = name if args.memory_only else "FULL_SHARD"
     extra = {"packed_compiled": ["--compile"], "packed_prefetch2": ["--prefetch", "2"],
-             "packed_chunked_loss": ["--loss_chunk_tokens", "256"], "packed_lora": ["--lora_rank", "16"]}.get(name, [])  # fmt: skip
-    packing = {"padded": "pad", "packed_docs": "docs"}.get(name, "concat")
+             "packed_chunked_loss": ["--loss_chunk_tokens", "256"], "packed_lora": ["--lora_rank", "16"],
+             "chat_docs": CHAT, "chat_padded": CHAT, "chat_all": CHAT + ["--train_on", "all"]}.get(name, [])  # fmt: skip
+    packing = {"padded": "pad", "packed_docs": "docs", "chat_docs": "docs", "chat_all": "docs",
+               "chat_padded": "pad"}.get(name, "concat")  # fmt: skip
     config = parse_args(engine_flags(args, out_dir, strategy, packing=packing, extra=extra))
     s = setup(config, env)
-    times, tokens = [], 0
+    times, tokens, seen = [], 0, 0
     epoch, last = 0, None
     gc_clock = GcClock()
     while len(times) < args.warmup + args.steps:
@@ -151,6 +160,7 @@ def run_engine(args: argparse.Namespace, name: str, env, out_dir: str) -> dict:
             times.append(time.perf_counter() - t0)
             if len(times) > args.warmup:
                 tokens += step.target_tokens
+                seen += step.seen_tokens
             last = step
             if len(times) == args.warmup + args.steps:
                 break
@@ -166,6 +176,7 @@ def run_engine(args: argparse.Namespace, name: str, env, out_dir: str) -> dict:
     timed = times[args.warmup :]
     return {
         "useful_tokens_per_s": tokens / sum(timed),
+        "seen_tokens_per_s": seen / sum(timed),
         "step_time_s": statistics.median(timed),
         "flops_per_token": s.flops_per_token,
         "global_batch": s.plan.global_batch,
@@ -204,7 +215,9 @@ def worker(args: argparse.Namespace) -> None:
             result["peak_flops_per_rank"] = float(measured) / env.world_size
             result["peak_source"] = "measured fp32 1024x1024 matmul, all ranks at once"
         peak_total = result["peak_flops_per_rank"] * env.world_size
-        result["mfu"] = result["useful_tokens_per_s"] * result["flops_per_token"] / peak_total if peak_total else None
+        # The model computes every real token, trained on or not (a prompt's): utilisation counts the tokens seen.
+        per_s = result.get("seen_tokens_per_s", result["useful_tokens_per_s"])
+        result["mfu"] = per_s * result["flops_per_token"] / peak_total if peak_total else None
         if env.rank == 0:
             Path(args.out).write_text(json.dumps(result))
     except Exception as exc:  # noqa: BLE001 - reported in the table, the other configurations still run
@@ -327,6 +340,10 @@ def main(argv: list[str] | None = None) -> int:
     if "packed" in ok and "packed_lora" in ok:
         ratios["packed_lora_over_packed_state"] = ok["packed_lora"]["peak_state_bytes_per_rank"] / ok["packed"]["peak_state_bytes_per_rank"]
         ratios["packed_lora_over_packed_tokens_per_s"] = ok["packed_lora"]["useful_tokens_per_s"] / ok["packed"]["useful_tokens_per_s"]
+    if "chat_docs" in ok and "chat_padded" in ok:
+        ratios["chat_docs_over_chat_padded_answer_tokens_per_s"] = ok["chat_docs"]["useful_tokens_per_s"] / ok["chat_padded"]["useful_tokens_per_s"]
+    if "chat_docs" in ok and "chat_all" in ok:
+        ratios["chat_docs_over_chat_all_step_time"] = ok["chat_docs"]["step_time_s"] / ok["chat_all"]["step_time_s"]
     if "FULL_SHARD" in ok and "NO_SHARD" in ok:
         ratios["full_shard_over_no_shard_state"] = ok["FULL_SHARD"]["peak_state_bytes_per_rank"] / ok["NO_SHARD"]["peak_state_bytes_per_rank"]
     for name, r in ok.items():

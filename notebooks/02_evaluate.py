@@ -28,7 +28,7 @@ nproc = "gpu"
 repo_dir = None
 checkpoints = None  # names or paths; None: the newest ("latest")
 eval_rows = 200  # held-out rows right after the newest checkpoint's range
-prompts = None  # None: the opening words of the first held-out rows
+prompts = None  # None: from the first held-out rows (a text row's opening words; a chat row's question, in its template)
 max_new_tokens = 40
 do_sample = False  # False: greedy; True: sampled with temperature 0.8, top-p 0.95
 extra_flags = ""
@@ -61,7 +61,7 @@ if importlib.util.find_spec("fsdp_opt") is None:
 from IPython.display import Markdown, display
 
 from fsdp_opt import notebook as nb
-from fsdp_opt.train.compare import report_markdown
+from fsdp_opt.train.compare import answers_markdown, report_markdown
 
 print(nb.load_secrets())
 print(nb.gpu_summary())
@@ -86,13 +86,24 @@ assert _exit_code == 0, "the evaluation stopped with an error: see the lines abo
 # %% [markdown]
 # ## 3. Base vs checkpoints
 #
-# Eval loss is the mean next-token cross-entropy over every held-out token; perplexity is its exponential.
+# Eval loss is the mean next-token cross-entropy over the held-out target tokens (every token of text rows; the
+# answers of instruction and chat rows, as training counts them); perplexity is its exponential.
 
 # %%
 display(Markdown(report_markdown(results_json)))
 
 # %% [markdown]
-# ## 4. The training loss curve
+# ## 4. Answers side by side
+#
+# Each held-out prompt (for chat rows: the conversation up to its first answer, through the chat template the run
+# trained with), the row's own answer, and what each model generated. A tuned chat model ends its answer with the
+# template's end-of-turn marker.
+
+# %%
+display(Markdown(answers_markdown(results_json)))
+
+# %% [markdown]
+# ## 5. The training loss curve
 #
 # Saved as `loss_curve.png` next to `metrics.jsonl`.
 

@@ -110,7 +110,7 @@ class Blocks:
         rows = torch.where(valid, rows, self.pad_id)
         labels = torch.where(valid, rows, IGNORE_INDEX)
         if self.targets is not None:
-            labels = torch.where(self.targets[index.clamp(min=0)] & real[:, None], labels, IGNORE_INDEX)
+            labels = torch.where(self.targets[index.clamp(min=0)], labels, IGNORE_INDEX)  # filler rows: none valid
         if self.positions is not None:
             # Filler rows are one segment from position 0. A document's first token is no target.
             positions = torch.where(real[:, None], self.positions[index.clamp(min=0)].long(), pos[None, :])

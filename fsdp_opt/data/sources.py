@@ -39,18 +39,22 @@ CHAT_OPENING_WORDS = 8
 
 
 def python_docs_chat_rows(min_chars: int = 200) -> list[list[dict[str, str]]]:
-    """Conversations made from the same paragraphs, offline: the user quotes a paragraph's opening words and asks
-    where they come from (the answer: the topic's title), then asks for the rest of the paragraph."""
+    """Conversations made from the same paragraphs, offline. The user quotes a paragraph's opening words and asks
+    where they come from (the answer: the topic's title). Every other conversation has a system message and a second
+    turn, which asks how the paragraph goes on (the answer: its next sentence, at most 40 words)."""
     rows = []
-    for title, text in _python_docs_paragraphs(min_chars):
+    for k, (title, text) in enumerate(_python_docs_paragraphs(min_chars)):
         words = text.split(" ")
         opening, rest = " ".join(words[:CHAT_OPENING_WORDS]), " ".join(words[CHAT_OPENING_WORDS:])
+        sentence = re.match(r"(.+?[.:;?!])(\s|$)", rest)
+        sentence = " ".join((sentence.group(1) if sentence else rest).split(" ")[:40])
+        ask = {"role": "user", "content": f'Which part of the Python documentation begins a paragraph with "{opening}"?'}
+        if k % 2:
+            rows.append([ask, {"role": "assistant", "content": title}])
+            continue
         rows.append([
-            {"role": "system", "content": CHAT_SYSTEM},
-            {"role": "user", "content": f'Which part of the Python documentation begins a paragraph with "{opening}"?'},
-            {"role": "assistant", "content": title},
-            {"role": "user", "content": "How does that paragraph go on?"},
-            {"role": "assistant", "content": rest},
+            {"role": "system", "content": CHAT_SYSTEM}, ask, {"role": "assistant", "content": title},
+            {"role": "user", "content": "How does that paragraph go on?"}, {"role": "assistant", "content": sentence},
         ])  # fmt: skip
     return rows
 

@@ -54,6 +54,25 @@ def report_markdown(results: dict[str, Any] | str | Path) -> str:
     return "\n".join(lines)
 
 
+def answers_markdown(results: dict[str, Any] | str | Path) -> str:
+    """The generated answers as one table: a row per held-out prompt, the row's own answer, then a column per model."""
+    if not isinstance(results, dict):
+        results = json.loads(Path(results).read_text())
+    samples = results.get("samples", [])
+    if not samples:
+        return "No prompts were asked."
+    cell = lambda text: text.strip().replace("|", "\\|").replace(chr(10), " / ")  # noqa: E731
+    names = list(samples[0]["outputs"])
+    lines = ["| prompt | the row's own answer | " + " | ".join(names) + " |", "|---" * (len(names) + 2) + "|"]
+    for sample in samples:
+        asked = sample["prompt"]
+        if results.get("end_of_turn"):  # a rendered conversation: its last user turn is the question
+            asked = asked.rsplit("user", 1)[-1]
+        outputs = [cell(sample["outputs"][n]) for n in names]
+        lines.append(f"| {cell(asked)[-200:]} | {cell(sample.get('answer', ''))} | " + " | ".join(outputs) + " |")
+    return "\n".join(lines)
+
+
 def _trained_from(entries: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
     """The flags and the slice the first checkpoint was trained with (rank 0); the flags carry the chat template the
     run used (`chat_template_text`)."""

@@ -35,7 +35,8 @@ def test_memory_only_report(tmp_path):
 def test_throughput_report_runs_the_trainer_under_fsdp2(tmp_path):
     """hf_trainer really is transformers' Trainer with FSDP2 shards (the worker refuses a DDP-wrapped model)."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--configs", "packed", "hf_trainer", "packed_lora",
-           "--nproc", "2", "--warmup", "1", "--steps", "1", "--max_length", "64", "--json", str(tmp_path / "bench.json")]  # fmt: skip
+           "chat_docs", "chat_all", "--nproc", "2", "--warmup", "1", "--steps", "1", "--max_length", "128", "--json",
+           str(tmp_path / "bench.json")]  # fmt: skip
     proc = subprocess.run(cmd, cwd=tmp_path, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     configs = json.loads((tmp_path / "bench.json").read_text())["configs"]
@@ -52,6 +53,11 @@ def test_throughput_report_runs_the_trainer_under_fsdp2(tmp_path):
     assert abs(lora["predicted_state_bytes_per_rank"] / lora["peak_state_bytes_per_rank"] - 1) <= 0.02
     assert lora["peak_state_bytes_per_rank"] < 0.5 * ours["peak_state_bytes_per_rank"]
     assert "packed_lora_over_packed_state" in proc.stdout
+    # Chat rows: answer tokens are useful, every real token is seen; --train_on all on the same rows trains them all.
+    chat, every = configs["chat_docs"], configs["chat_all"]
+    assert 0 < chat["useful_tokens_per_s"] < 0.5 * chat["seen_tokens_per_s"]
+    assert every["useful_tokens_per_s"] > 0.9 * every["seen_tokens_per_s"]
+    assert "chat_docs_over_chat_all_step_time" in proc.stdout
 
 
 def test_gc_clock_counts_collections_only_while_started():

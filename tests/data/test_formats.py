@@ -231,3 +231,17 @@ def test_trl_trains_the_same_tokens(fmt, opt_tok, tmp_path):
     for k, theirs in enumerate(trainer.train_dataset):
         assert theirs["input_ids"] == enc.ids[k]
         assert [lab != IGNORE_INDEX for lab in theirs["labels"]] == enc.targets[k]
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "json", "parquet"])
+def test_local_files_of_every_kind_hold_conversations(tmp_path, suffix):
+    ds = _ds([{"messages": c} for c in CHAT])
+    path = tmp_path / f"rows.{suffix}"
+    if suffix == "parquet":
+        ds.to_parquet(str(path))
+    else:
+        ds.to_json(str(path), lines=suffix == "jsonl")
+    loaded = load_rows(str(path))
+    spec = resolve_spec(loaded.column_names, "auto")
+    assert spec.format == "messages"
+    assert [r["messages"] for r in select_rows(loaded, spec, 0, None).rows] == CHAT
