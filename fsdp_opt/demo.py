@@ -26,7 +26,7 @@ DEMO_ARGS = [
 CHAT_ROWS = 700  # of python-docs-chat's 754: the rest are held out, asked after training
 CHAT_ARGS = [
     "--model", "tiny-opt", "--dataset", "python-docs-chat", "--chat_template", "chatml", "--max_length", "256",
-    "--end_idx", str(CHAT_ROWS), "--batch_size", "4", "--num_epochs", "2", "--lr", "3e-3", "--warmup_steps", "20",
+    "--end_idx", str(CHAT_ROWS), "--batch_size", "2", "--num_epochs", "2", "--lr", "3e-3", "--warmup_steps", "20",
     "--seed", "0",
 ]  # fmt: skip
 

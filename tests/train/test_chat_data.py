@@ -109,7 +109,7 @@ def format_runs(tmp_path_factory):
                 args += ["--num_epochs", "1", "--eval_rows", str(HELD_OUT), "--export_hf", str(folder / "export"),
                          "--export_dtype", "fp32"]  # fmt: skip
             else:  # LoRA (on a 16-bit or a 4-bit base): three steps, each over every row
-                args += ["--num_epochs", "3", "--lora_rank", "8", "--lr", "1e-2"]
+                args += ["--num_epochs", "3", "--lora_rank", "8", "--lr", "3e-3"]
                 args += ["--base_bits", "4"] if "nf4" in run else []
             proc = run_cli(args, folder, nproc=2)
             assert proc.returncode == 0, proc.stdout + proc.stderr
