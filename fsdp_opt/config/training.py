@@ -26,7 +26,10 @@ from fsdp_opt.config.flags import flag, parse_batch, parse_start
 class ModelConfig:
     model: str = flag("facebook/opt-1.3b", "Hugging Face hub id, local model folder, or the built-in 'tiny-opt'.")
     attn_implementation: str = flag(
-        "sdpa", "Attention kernel: 'sdpa' (PyTorch scaled-dot-product) or 'eager'.", choices=("sdpa", "eager")
+        "auto",
+        "Attention kernel: 'sdpa' (PyTorch scaled-dot-product) or 'eager'; auto: SDPA where the model has it, else "
+        "eager (Gemma 2), with one line saying so.",
+        choices=("auto", "sdpa", "eager"),
     )
 
 

@@ -16,7 +16,7 @@ import torch
 from fsdp_opt.base import DataError
 from fsdp_opt.config.choices import PACKING_MODES
 from fsdp_opt.data.formats import Rows, RowSpec
-from fsdp_opt.data.packing import document_mask, pack_documents
+from fsdp_opt.data.packing import MaskPattern, model_masks, pack_documents
 from fsdp_opt.data.tokens import Encoded, encode_rows
 
 IGNORE_INDEX = -100
@@ -82,6 +82,7 @@ class Blocks:
     attention: str = "sdpa"  # the model's attention implementation: the form the mask takes
     targets: torch.Tensor | None = None  # [n, max_length] bool: the tokens that carry loss (None: every real one)
     fit: Fit | None = None  # whole rows (prompt_completion, messages): what fitting them into max_length cost
+    pattern: MaskPattern | None = None  # the model's sliding windows, which the document mask applies too
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -119,7 +120,7 @@ class Blocks:
             if not bool((positions == pos).all()):  # else: one full document per row, plain causal is the same
                 positions = positions.to(device, non_blocking=True)
                 out["position_ids"] = positions
-                out["attention_mask"] = document_mask(positions, self.attention)
+                out["attention_mask"] = model_masks(positions, self.attention, self.pattern)
             return out
         out = {
             "input_ids": rows.to(device, non_blocking=True),
@@ -175,21 +176,23 @@ def pad_rows(rows: Sequence[Sequence[int]], max_length: int, pad_id: int,
     return Blocks(ids, lengths, pad_id, targets=mask)
 
 
-def build_blocks(texts: Sequence[str], tokenizer, max_length: int, packing: str, attention: str = "sdpa") -> Blocks:
+def build_blocks(texts: Sequence[str], tokenizer, max_length: int, packing: str, attention: str = "sdpa",
+                 pattern: MaskPattern | None = None) -> Blocks:  # fmt: skip
     """Text rows into blocks (see blocks_from)."""
     encoded = encode_rows([{"text": t} for t in texts], RowSpec("text"), tokenizer, train_on="all")
-    return blocks_from(encoded, max_length, tokenizer.pad_token_id, packing, attention)
+    return blocks_from(encoded, max_length, tokenizer.pad_token_id, packing, attention, pattern)
 
 
 def rows_to_blocks(rows: Rows, spec: RowSpec, tokenizer, *, train_on: str, max_length: int, packing: str,
-                   attention: str = "sdpa") -> Blocks:  # fmt: skip
+                   attention: str = "sdpa", pattern: MaskPattern | None = None) -> Blocks:  # fmt: skip
     """The checked rows of a slice (data.formats) tokenized (data.tokens) and laid into blocks."""
     encoded = encode_rows(rows.rows, spec, tokenizer, train_on=train_on, indices=rows.indices,
                           conversational=rows.conversational)  # fmt: skip
-    return blocks_from(encoded, max_length, tokenizer.pad_token_id, packing, attention)
+    return blocks_from(encoded, max_length, tokenizer.pad_token_id, packing, attention, pattern)
 
 
-def blocks_from(encoded: Encoded, max_length: int, pad_id: int, packing: str, attention: str = "sdpa") -> Blocks:
+def blocks_from(encoded: Encoded, max_length: int, pad_id: int, packing: str, attention: str = "sdpa",
+                pattern: MaskPattern | None = None) -> Blocks:  # fmt: skip
     """--packing docs: whole documents per block, each seeing only itself; concat: rows joined and cut every
     max_length tokens; pad: one row per block, truncated and padded (the original recipe).
 
@@ -203,7 +206,7 @@ def blocks_from(encoded: Encoded, max_length: int, pad_id: int, packing: str, at
     rows, targets = encoded.ids, encoded.targets
     if packing == "docs":
         ids, lengths, positions, mask = pack_documents(rows, max_length, pad_id, targets)
-        blocks = Blocks(ids, lengths, pad_id, positions, attention, mask)
+        blocks = Blocks(ids, lengths, pad_id, positions, attention, mask, pattern=pattern)
     elif packing == "concat":
         blocks = pack(rows, max_length, pad_id, targets)
     elif packing == "pad":

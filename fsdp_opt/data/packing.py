@@ -18,6 +18,7 @@ no positions: plain causal attention is then the same thing, and SDPA keeps its 
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -92,13 +93,39 @@ def segment_positions(starts: Sequence[int], length: int) -> torch.Tensor:
     return (index - begin.cummax(0).values).to(torch.int32)
 
 
-def document_mask(positions: torch.Tensor, attention: str) -> torch.Tensor:
-    """[batch, 1, L, L] block-diagonal causal mask from positions that restart at 0 with each document."""
+@dataclass(frozen=True)
+class MaskPattern:
+    """What the model's own attention masks hold beyond causality, which a document mask must hold too.
+
+    window: a sliding window of this many tokens (a query sees itself and window - 1 earlier tokens).
+    by_layer_type: the model takes one mask per layer type ({"full_attention": ..., "sliding_attention": ...}) and
+    only its sliding layers have the window (Gemma 2 and 3, Qwen2/3 with sliding layers); else every layer has it.
+    """
+
+    window: int | None = None
+    by_layer_type: bool = False
+
+
+def document_mask(positions: torch.Tensor, attention: str, window: int | None = None) -> torch.Tensor:
+    """[batch, 1, L, L] block-diagonal causal mask from positions that restart at 0 with each document; with
+    `window`, a query sees only the window - 1 tokens before it (as the model's sliding-window layers do)."""
     segment = (positions == 0).cumsum(1)
     length = positions.shape[1]
     causal = torch.ones(length, length, dtype=torch.bool, device=positions.device).tril()
+    if window is not None:
+        causal &= ~torch.ones(length, length, dtype=torch.bool, device=positions.device).tril(-window)
     allowed = (segment[:, :, None] == segment[:, None, :]) & causal
     allowed = allowed[:, None]
     if attention == "eager":  # added to the scores before the softmax
         return torch.zeros(allowed.shape, dtype=torch.float32, device=positions.device).masked_fill_(~allowed, float("-inf"))
     return allowed
+
+
+def model_masks(positions: torch.Tensor, attention: str, pattern: MaskPattern | None) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The attention_mask a model with this pattern takes for document-packed rows."""
+    if pattern is None or pattern.window is None:
+        return document_mask(positions, attention)
+    windowed = document_mask(positions, attention, pattern.window)
+    if not pattern.by_layer_type:
+        return windowed
+    return {"full_attention": document_mask(positions, attention), "sliding_attention": windowed}

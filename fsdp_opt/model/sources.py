@@ -23,6 +23,7 @@ from transformers import (
 )
 
 from fsdp_opt.base import ModelError, looks_like_path, quiet_hub_logs
+from fsdp_opt.model.families import resolve_attention
 
 BUILTIN_MODEL = "tiny-opt"
 
@@ -87,7 +88,9 @@ def _fetch_error(source: ModelSource, exc: Exception) -> ModelError:
     return ModelError(f"--model {source.name}: cannot load it ({reason[:200]})")
 
 
-def load_model_config(source: ModelSource, attn_implementation: str = "sdpa") -> PretrainedConfig:
+def load_model_config(source: ModelSource, attn_implementation: str = "auto") -> PretrainedConfig:
+    """The model's config, set up for training: no KV cache, and the attention kernel (--attn_implementation, auto:
+    SDPA where the architecture has it, else eager) in `_attn_implementation`."""
     try:
         with quiet_hub_logs():
             if source.kind == "random":
@@ -97,7 +100,7 @@ def load_model_config(source: ModelSource, attn_implementation: str = "sdpa") ->
                 config = AutoConfig.from_pretrained(source.location)
     except Exception as exc:  # noqa: BLE001 - any failure to fetch is reported as one line
         raise _fetch_error(source, exc) from None
-    config._attn_implementation = attn_implementation
+    config._attn_implementation = resolve_attention(config, attn_implementation)[0]
     config.use_cache = False  # training never reads a KV cache
     return config
 

@@ -45,8 +45,10 @@ class Layout:
                 "reduce_every_microbatch": str(self.reduce_each_microbatch).lower()}  # fmt: skip
 
 
-def run_inputs(config: Config, env: DistEnv, precision: str, gpu: tuple[int, str] | None, accum_steps: int = 1) -> Inputs:
-    """The plan's inputs for this run: its ranks and memory, and the flags as given."""
+def run_inputs(config: Config, env: DistEnv, precision: str, gpu: tuple[int, str] | None, accum_steps: int = 1,
+               attention: str | None = None) -> Inputs:  # fmt: skip
+    """The plan's inputs for this run: its ranks and memory, the attention kernel it runs (`attention`, resolved from
+    --attn_implementation auto), and the flags as given."""
     pc, tc, dc = config.parallel, config.train, config.data
     if gpu is None:  # CPU ranks: a share of the machine's RAM each
         memory = int(CPU_MEMORY_SHARE * (total_memory_bytes() or 16 * 2**30) / max(1, env.local_world_size))
@@ -56,7 +58,7 @@ def run_inputs(config: Config, env: DistEnv, precision: str, gpu: tuple[int, str
         gpus=env.world_size, nodes=env.num_nodes, gpu_memory=memory,
         batch_size=4 if tc.batch_size == AUTO else tc.batch_size, max_length=dc.max_length, accum_steps=accum_steps,
         precision=precision, activation_checkpointing=pc.activation_checkpointing,
-        attn_implementation=config.model.attn_implementation, packing=dc.packing, prefetch=pc.prefetch,
+        attn_implementation=attention or config.model.attn_implementation, packing=dc.packing, prefetch=pc.prefetch,
         loss_chunk_tokens=tc.loss_chunk_tokens, cuda=gpu is not None, lora_rank=config.lora.lora_rank,
         lora_targets=config.lora.lora_targets, lora_dropout=config.lora.dropout, base_bits=config.lora.base_bits,
         reduce_dtype="fp16" if pc.reduce_dtype == "fp16" else "fp32", cpu_offload=pc.cpu_offload,
@@ -77,7 +79,7 @@ def choose_layout(config: Config, env: DistEnv, model_config: Any, precision: st
                  loss_chunk_tokens=tc.loss_chunk_tokens, cpu_offload=pc.cpu_offload, reduce_dtype=pc.reduce_dtype)  # fmt: skip
     if gpu is None:
         return Layout("FULL_SHARD" if pc.sharding_strategy == "AUTO" else pc.sharding_strategy, choice == "true", **fixed)
-    inputs = run_inputs(config, env, precision, gpu, accum_steps)
+    inputs = run_inputs(config, env, precision, gpu, accum_steps, getattr(model_config, "_attn_implementation", None))
     shape = Shape.of(model_config)
     rates = rates_for(gpu[1], pc.tflops, pc.link_gbps)
     strategies = allowed(env) if pc.sharding_strategy == "AUTO" else [pc.sharding_strategy]
@@ -125,7 +127,7 @@ def searched_layout(config: Config, env: DistEnv, model_config: Any, precision: 
     else:
         rates = rates_for(gpu[1], pc.tflops, pc.link_gbps)
         where = f"{gpu[1]}, {gib(gpu[0])} each, {rates.tflops:.0f} TFLOPS, link {rates.link_gbps:g} GB/s"
-    inputs = run_inputs(config, env, precision, gpu)
+    inputs = run_inputs(config, env, precision, gpu, attention=getattr(model_config, "_attn_implementation", None))
     shape = Shape.of(model_config)
     best = recommend(shape, inputs, samples, rates, search_space(config, env, precision, gpu is not None),
                      None if gpu is None else total_memory_bytes(), config.checkpoint.state_dict_type == "sharded")  # fmt: skip

@@ -98,7 +98,7 @@ def next_in_session(s: Session, stop: StopControl, trained_here: int) -> bool:
         return False
     config = range_config(s.config, NextRange(*after, resume=s.last_saved_path.name if s.last_saved_path else None,
                                               finishing=False))  # fmt: skip
-    data = read_slice(config, s.tokenizer)
+    data = read_slice(config, s.tokenizer, s.model_config)
     steps = step_plan(config, s.env, data.blocks, s.layout.batch_size, s.accum_steps).steps_per_epoch()
     step_s = statistics.median(s.step_seconds) if s.step_seconds else 0.0
     left = stop.seconds_left()

@@ -25,6 +25,7 @@ from fsdp_opt.data.tokens import end_of_turn, generation_prompt, read_template
 from fsdp_opt.engine.evaluation import evaluate_loss, generate
 from fsdp_opt.hub.store import find_resume
 from fsdp_opt.model.adapters import Adapters, check_resume
+from fsdp_opt.model.families import mask_pattern
 from fsdp_opt.model.parallelize import initialize, resolve_precision, shard_model, tie_and_check
 from fsdp_opt.model.sources import build_meta_model, load_model_config, load_tokenizer, resolve_model
 from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, broadcast_object, print0, rank0_first
@@ -178,8 +179,10 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
     spec, train_on, held_out = rank0_first(read_held_out)
     end = held_out.end_idx
     packing = args.packing or ("concat" if trained.get("packing") == "concat" else "docs")
+    pattern = all_ranks_ok(lambda: mask_pattern(model_config) if packing == "docs" else None)
     blocks = all_ranks_ok(lambda: rows_to_blocks(held_out, spec, tokenizer, train_on=train_on, max_length=max_length,
-                                                 packing=packing))  # fmt: skip
+                                                 packing=packing, attention=model_config._attn_implementation,
+                                                 pattern=pattern))  # fmt: skip
     asked = [generation_prompt(r, spec, tokenizer) for r in held_out.rows[: args.num_prompts]]
     if args.prompts:
         asked = [(p, False, "") for p in args.prompts]

@@ -15,6 +15,7 @@ from fsdp_opt.data.formats import RowSpec, Rows, held_out_rows, resolve_spec, se
 from fsdp_opt.data.sources import load_rows
 from fsdp_opt.data.tokens import read_template
 from fsdp_opt.engine.fp16watch import trained_in_bf16
+from fsdp_opt.model.families import mask_pattern
 from fsdp_opt.model.sources import ModelSource, load_model_config, load_tokenizer, max_positions
 from fsdp_opt.runtime.distributed import all_ranks_ok, print0, rank0_first
 
@@ -47,11 +48,13 @@ def read_inputs(config: Config, source: ModelSource) -> Loaded:
     model_config, tokenizer = rank0_first(
         lambda: (load_model_config(source, mc.attn_implementation), load_tokenizer(source))
     )
+    if mc.attn_implementation == "auto" and model_config._attn_implementation != "sdpa":
+        print0(f"attention: {model_config._attn_implementation} ({model_config.model_type} has no SDPA path)")
     bf16_pretrained = trained_in_bf16(model_config)
     positions = max_positions(model_config)
     if positions is not None and dc.max_length > positions:
         raise ConfigError(f"--max_length {dc.max_length}: {mc.model} has only {positions} positions")
-    return Loaded(model_config, tokenizer, read_slice(config, tokenizer), bf16_pretrained)
+    return Loaded(model_config, tokenizer, read_slice(config, tokenizer, model_config), bf16_pretrained)
 
 
 def data_spec(dc: DataConfig, column_names) -> tuple[RowSpec, str]:
@@ -65,7 +68,7 @@ def data_spec(dc: DataConfig, column_names) -> tuple[RowSpec, str]:
     return spec, train_on
 
 
-def read_slice(config: Config, tokenizer: PreTrainedTokenizerBase) -> SliceData:
+def read_slice(config: Config, tokenizer: PreTrainedTokenizerBase, model_config: PretrainedConfig) -> SliceData:
     """The slice of config.data as blocks. A range of an auto chain that ends at the end of the data has no rows after
     it: it trains without --eval_rows, with a note, rather than stopping the chain. The chat template (--chat_template,
     else the tokenizer's own) is set on the tokenizer, which the export saves with the model."""
@@ -87,11 +90,12 @@ def read_slice(config: Config, tokenizer: PreTrainedTokenizerBase) -> SliceData:
         return spec, train_on, rows, held_out, len(ds)
 
     spec, train_on, rows, eval_rows, total = rank0_first(read_data)
-    attention = mc.attn_implementation
+    attention = model_config._attn_implementation
+    pattern = all_ranks_ok(lambda: mask_pattern(model_config) if dc.packing == "docs" else None)
 
     def blocks_of(part: Rows, packing: str) -> Blocks:
         return rows_to_blocks(part, spec, tokenizer, train_on=train_on, max_length=dc.max_length, packing=packing,
-                              attention=attention)  # fmt: skip
+                              attention=attention, pattern=pattern)  # fmt: skip
 
     blocks = all_ranks_ok(lambda: blocks_of(rows, dc.packing))
     eval_blocks = None

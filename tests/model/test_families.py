@@ -1,0 +1,110 @@
+"""Each architecture's own attention pattern inside docs packing: a row packed with others has, token for token, the
+losses it has alone, for models with sliding windows shorter than the block (Mistral, Qwen2/3 with sliding layers,
+Gemma 2 and 3 with local and global layers, Phi-3) under every attention kernel each has. The reference is the model
+run on the row alone, through transformers' own masks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import ASSETS
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    Gemma2Config,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+from fsdp_opt.base import ModelError
+from fsdp_opt.data.blocks import build_blocks, model_inputs, tokenize
+from fsdp_opt.data.packing import MaskPattern
+from fsdp_opt.data.sources import python_docs_texts
+from fsdp_opt.model.families import mask_pattern, resolve_attention
+
+WINDOW, LENGTH = 32, 128
+SMALL = dict(vocab_size=4104, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512, bos_token_id=2, eos_token_id=2, pad_token_id=1)  # fmt: skip
+
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**SMALL),
+    "mistral": lambda: MistralConfig(**SMALL, sliding_window=WINDOW),
+    "qwen2": lambda: Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+    "qwen3": lambda: Qwen3Config(**SMALL, head_dim=16, use_sliding_window=True, sliding_window=WINDOW,
+                                 max_window_layers=1),
+    "gemma2": lambda: Gemma2Config(**SMALL, head_dim=16, sliding_window=WINDOW),
+    "gemma3_text": lambda: Gemma3TextConfig(**SMALL, head_dim=16, sliding_window=WINDOW,
+                                            layer_types=["sliding_attention", "full_attention"]),
+    "phi3": lambda: Phi3Config(**SMALL, sliding_window=WINDOW),
+}  # fmt: skip
+CASES = [(f, a) for f in CONFIGS for a in ("sdpa", "eager") if not (f == "gemma2" and a == "sdpa")]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(ASSETS)
+
+
+def _model(family: str, attention: str):
+    config = CONFIGS[family]()
+    config._attn_implementation = attention
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def worst_gap(model, blocks, rows) -> float:
+    """The largest |packed - alone| next-token loss over every token of every row."""
+    pieces = [r[i : i + LENGTH] for r in rows for i in range(0, len(r), LENGTH)]
+    with torch.no_grad():
+        logits = model(**model_inputs(blocks.batch(torch.arange(len(blocks)), torch.device("cpu")))).logits
+        worst = 0.0
+        for k in range(len(blocks)):
+            n, pos, ids = int(blocks.lengths[k]), blocks.positions[k].tolist(), blocks.input_ids[k].tolist()
+            starts = [i for i in range(n) if pos[i] == 0] + [n]
+            for a, b in zip(starts, starts[1:]):
+                piece = ids[a:b]
+                assert piece in pieces
+                if len(piece) < 2:
+                    continue
+                t = torch.tensor([piece])
+                alone = F.cross_entropy(model(input_ids=t).logits[0, :-1], t[0, 1:], reduction="none")
+                packed = F.cross_entropy(logits[k, a : b - 1], t[0, 1:], reduction="none")
+                worst = max(worst, (packed - alone).abs().max().item())
+    return worst
+
+
+@pytest.mark.parametrize("family,attention", CASES, ids=[f"{f}-{a}" for f, a in CASES])
+def test_packed_rows_have_their_losses_alone_with_the_models_own_windows(tokenizer, family, attention):
+    model = _model(family, attention)
+    texts = python_docs_texts()[:12]
+    rows = tokenize(texts, tokenizer)
+    assert max(map(len, rows)) > WINDOW  # rows longer than the window: the window shapes their losses
+    pattern = mask_pattern(model.config)
+    blocks = build_blocks(texts, tokenizer, LENGTH, "docs", attention, pattern)
+    assert worst_gap(model, blocks, rows) <= 1e-5
+    if pattern is not None:  # the block mask without the window is not the model's attention: the test can tell
+        assert pattern.window == WINDOW
+        plain = build_blocks(texts, tokenizer, LENGTH, "docs", attention, None)
+        assert worst_gap(model, plain, rows) > 1e-3
+
+
+def test_the_patterns_each_family_has():
+    assert mask_pattern(CONFIGS["llama"]()) is None
+    assert mask_pattern(CONFIGS["mistral"]()) == MaskPattern(WINDOW, by_layer_type=False)
+    assert mask_pattern(CONFIGS["phi3"]()) == MaskPattern(WINDOW, by_layer_type=False)
+    for family in ("qwen2", "qwen3", "gemma2", "gemma3_text"):
+        assert mask_pattern(CONFIGS[family]()) == MaskPattern(WINDOW, by_layer_type=True), family
+    assert mask_pattern(Qwen2Config(**SMALL)) is None  # Qwen2.5 as released: no sliding layers
+
+
+def test_attention_auto_and_a_kernel_the_model_lacks():
+    assert resolve_attention(CONFIGS["llama"](), "auto") == ("sdpa", None)
+    assert resolve_attention(CONFIGS["gemma2"](), "auto") == ("eager", "attention: eager (gemma2 has no SDPA path)")
+    assert resolve_attention(CONFIGS["gemma2"](), "eager") == ("eager", None)
+    with pytest.raises(ModelError, match=r"--attn_implementation sdpa: gemma2 does not have it \(it has: eager"):
+        resolve_attention(CONFIGS["gemma2"](), "sdpa")
