@@ -17,8 +17,10 @@ from fsdp_opt.base import ConfigError, gib, parse_size
 from fsdp_opt.config.choices import PACKING_MODES, STRATEGIES, T4_MEMORY
 from fsdp_opt.config.flags import OneLineParser, parse_batch, parse_bool
 from fsdp_opt.config.training import TrainConfig
+from fsdp_opt.model.catalog import SHAPES
 from fsdp_opt.model.shapes import Shape, model_config
 from fsdp_opt.model.sources import LLAMA_8B, OPT_FAMILY
+from fsdp_opt.planner.catalog import catalog_rows, render_catalog
 from fsdp_opt.planner.calibrate import calibrate, read_rates
 from fsdp_opt.planner.inputs import Inputs
 from fsdp_opt.planner.report import make_plan, render
@@ -37,7 +39,8 @@ def machine_memory() -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m fsdp_opt.plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="facebook/opt-1.3b",
-                   help=f"one of {', '.join(OPT_FAMILY)}, {LLAMA_8B}, tiny-opt, or a local model folder")
+                   help=f"one of {', '.join(OPT_FAMILY)}, {LLAMA_8B}, the catalogue's ({', '.join(SHAPES)}, and their "
+                        "-Instruct/-it variants), tiny-opt, or a local model folder")  # fmt: skip
     p.add_argument("--gpus", type=int, default=2, help="GPUs in all (ranks)")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpu_memory", default=T4_MEMORY, help=f"memory of one GPU as torch reads it (Kaggle's T4: {T4_MEMORY})")
@@ -82,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--simulate", nargs="?", const="FULL_SHARD", default=None, metavar="STRATEGIES",
                    help="also run one training step at the model's real shape on fake tensors (no memory used) for "
                         "these strategies (comma-separated; default FULL_SHARD) and hold its peaks against the plan")
+    p.add_argument("--catalog", action="store_true",
+                   help="instead of one model's plan: what fits of every built-in model (full fine-tuning, LoRA r16, "
+                        "LoRA r16 on a 4-bit base) at the flags' GPUs, memory, precision, length and sequences per step")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return p
 
@@ -152,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
         rates, measured = rates_of(a)
         space = Space(strategies=tuple(s for s in STRATEGIES if s != "HYBRID_SHARD" or a.nodes > 1),
                       reduce_dtypes=reduce_dtypes(a.reduce_dtype, a.precision))
+        if a.catalog:
+            rows = catalog_rows(inputs, samples, rates, space, host)
+            print(json.dumps(rows, indent=1) if a.json else render_catalog(rows, inputs, samples))
+            return 0
         if auto:
             shape = Shape.of(model_config(a.model))
             best = recommend(shape, inputs, samples, rates, space, host, a.state_dict_type == "sharded")

@@ -1,4 +1,5 @@
-"""Model shapes for the planner: the OPT family and Llama-3.1-8B built in (offline), any other from its config; and
+"""Model shapes for the planner: the OPT family, Llama-3.1-8B and the catalogue of popular models (model/catalog.py)
+built in (offline), any other from its config; and
 what the memory math needs of a shape (exact parameter counts per FSDP unit, activation dimensions, the linear
 layers LoRA adapts), read from a skeleton on the meta device.
 """
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fsdp_opt.model.catalog import catalog_config, catalog_id
 from fsdp_opt.model.parallelize import find_block_classes, find_blocks
 from fsdp_opt.model.sources import (
     LLAMA_8B,
@@ -27,6 +29,8 @@ def model_config(name: str):
         return opt_config(name)
     if name == LLAMA_8B:
         return llama_8b_config()
+    if catalog_id(name) is not None:
+        return catalog_config(name)
 
     return load_model_config(resolve_model(name))
 

@@ -23,6 +23,7 @@ from transformers import (
 )
 
 from fsdp_opt.base import ModelError, looks_like_path, quiet_hub_logs
+from fsdp_opt.model.catalog import SHAPES, catalog_config, catalog_id
 from fsdp_opt.model.families import resolve_attention
 
 BUILTIN_MODEL = "tiny-opt"
@@ -50,8 +51,8 @@ def resolve_model(name: str) -> ModelSource:
     if name.startswith(RANDOM_PREFIX):
 
         shape = name[len(RANDOM_PREFIX):]
-        if shape not in OPT_FAMILY:
-            raise ModelError(f"--model {name}: random weights are built for {', '.join(OPT_FAMILY)}")
+        if shape not in OPT_FAMILY and catalog_id(shape) is None:
+            raise ModelError(f"--model {name}: random weights are built for {', '.join([*OPT_FAMILY, *SHAPES])}")
         return ModelSource(name, shape, "random")
     path = Path(name).expanduser()
     if path.is_dir():
@@ -94,8 +95,7 @@ def load_model_config(source: ModelSource, attn_implementation: str = "auto") ->
     try:
         with quiet_hub_logs():
             if source.kind == "random":
-
-                config = opt_config(source.location)
+                config = opt_config(source.location) if source.location in OPT_FAMILY else catalog_config(source.location)
             else:
                 config = AutoConfig.from_pretrained(source.location)
     except Exception as exc:  # noqa: BLE001 - any failure to fetch is reported as one line

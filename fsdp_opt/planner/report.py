@@ -19,7 +19,16 @@ from fsdp_opt.planner.host import render_host
 from fsdp_opt.planner.inputs import Inputs, state_bytes
 from fsdp_opt.planner.lora import adapter_params, describe
 from fsdp_opt.planner.memory import activation_bytes, largest_micro_batch, memory, peak_bytes
-from fsdp_opt.planner.search import KEYS, Space, by_gpu_count, gpu_count_line, recommend, recommended_line
+from fsdp_opt.planner.search import (
+    KEYS,
+    Space,
+    by_gpu_count,
+    change_line,
+    cheapest_change,
+    gpu_count_line,
+    recommend,
+    recommended_line,
+)
 from fsdp_opt.planner.steptime import candidates, comm_bytes, render_configurations, step_time
 
 
@@ -49,6 +58,7 @@ def make_plan(model: str, inputs: Inputs, *, disk: int, host_memory: int, keep_l
     samples = samples or inputs.batch_size * inputs.accum_steps * inputs.gpus
     space = space or Space(strategies=tuple(strategies))
     recommended = recommend(shape, inputs, samples, rates, space, host_memory, sharded)
+    change = None if recommended else cheapest_change(shape, inputs, samples, rates, space, host_memory, sharded)
     gpu_counts = by_gpu_count(shape, inputs, samples, rates, space, host_memory, sharded)
     stored = disk_and_hub(shape, inputs, disk=disk, keep_last=keep_last, save_optimizer=save_optimizer, slices=slices,
                           keep_full=keep_full)  # fmt: skip
@@ -73,6 +83,8 @@ def make_plan(model: str, inputs: Inputs, *, disk: int, host_memory: int, keep_l
         "by_gpu_count": [{k: r[k] for k in (*KEYS, "fits") if k in r} | ({"why": r["why"]} if "why" in r else {})
                          for r in gpu_counts],
         "recommended_line": "",
+        "fits_with": {k: change[k] for k in (*KEYS, "change", "max_length")} if change else None,
+        "fits_with_line": None if recommended else change_line(not inputs.lora_rank, inputs, change),
         "gpu_count_line": gpu_count_line(gpu_counts),
         **stored,
         "host_ram": host_ram(
@@ -116,6 +128,8 @@ def render(plan: dict[str, Any]) -> str:
                      "reduce-scattered, so they are not added to them)")
 
     lines += ["", *render_configurations(plan), plan["recommended_line"], plan["gpu_count_line"]]
+    if plan.get("fits_with_line"):
+        lines.append(plan["fits_with_line"])
     a, c, d, r = plan["activations"], plan["checkpoints"], plan["disk"], plan["host_ram"]
     lines += [
         "",

@@ -121,6 +121,46 @@ def _search(shape: Shape, inputs: Inputs, samples: int, rates: Rates, space: Spa
     return None, "nothing fits the GPU's memory"
 
 
+SUGGESTED_RANK = 16  # the LoRA rank a suggestion names
+
+
+def cheapest_change(shape: Shape, inputs: Inputs, samples: int, rates: Rates | None = None, space: Space = Space(),
+                    host_memory: int | None = None, sharded: bool = False) -> dict[str, Any] | None:  # fmt: skip
+    """When nothing fits: the first change that does, in order of what it gives up: LoRA (rank 16) instead of
+    full fine-tuning, then a 4-bit base, then a shorter --max_length (halved, down to 128). Returns the fastest
+    configuration with that change, with "change" (the flags) and "max_length" in it; None when none fits."""
+    tries: list[tuple[list[str], Inputs]] = []
+    lora = inputs
+    if not inputs.lora_rank:
+        lora = replace(inputs, lora_rank=SUGGESTED_RANK)
+        tries.append(([f"--lora_rank {SUGGESTED_RANK}"], lora))
+    flags = [] if inputs.lora_rank else [f"--lora_rank {SUGGESTED_RANK}"]
+    small = lora
+    if lora.base_bits != 4:
+        small = replace(lora, base_bits=4)
+        flags = flags + ["--base_bits 4"]
+        tries.append((flags, small))
+    length = inputs.max_length // 2
+    while length >= 128:
+        tries.append((flags + [f"--max_length {length}"], replace(small, max_length=length)))
+        length //= 2
+    for change, this in tries:
+        best = recommend(shape, this, samples, rates, space, host_memory, sharded)
+        if best is not None:
+            return {**best, "change": " ".join(change), "max_length": this.max_length}
+    return None
+
+
+def change_line(full: bool, inputs: Inputs, found: dict[str, Any] | None) -> str:
+    """The plan's line when nothing fits: what does, e.g. "full fine-tuning does not fit 2 x 14.50 GiB; --lora_rank 16
+    fits, 10.40 s per step"."""
+    what = "full fine-tuning" if full else f"LoRA rank {inputs.lora_rank}" + (" on a 4-bit base" if inputs.base_bits == 4 else "")
+    line = f"{what} does not fit {inputs.gpus} x {inputs.gpu_memory / 2**30:.2f} GiB"
+    if found is None:
+        return line + "; nor does LoRA on a 4-bit base at 128 tokens"
+    return line + f"; {found['change']} fits, {found['predicted_step_time_s']:.2f} s per step ({describe(found)})"
+
+
 def by_gpu_count(shape: Shape, inputs: Inputs, samples: int, rates: Rates | None = None, space: Space = Space(),
                  host_memory: int | None = None, sharded: bool = False) -> list[dict[str, Any]]:  # fmt: skip
     """The best configuration for 1, 2, ... inputs.gpus GPUs at the same sequences per step (on one node while the
