@@ -33,6 +33,7 @@ PUBLISHED = {
     "microsoft/Phi-3.5-mini-instruct": 3_821_079_552, "mistralai/Mistral-7B-v0.3": 7_248_023_552,
 }  # fmt: skip
 T4S = dict(gpus=2, gpu_memory=int(14.5 * 2**30), batch_size=4, max_length=512, accum_steps=16, precision="fp16")
+HOST = 31 * 10**9  # Kaggle's RAM: what --cpu_offload must fit in too
 
 
 @pytest.mark.parametrize("name", [n for n in SHAPES if n in PUBLISHED])
@@ -59,20 +60,23 @@ def test_ids_variants_names_and_random_weights():
 def test_nothing_fits_names_the_cheapest_change_that_does():
     shape = Shape.of(model_config("Qwen/Qwen2.5-1.5B"))
     inputs = Inputs(**T4S)
-    assert recommend(shape, inputs, 128) is None
-    found = cheapest_change(shape, inputs, 128)
+    assert recommend(shape, inputs, 128, host_memory=HOST) is None
+    found = cheapest_change(shape, inputs, 128, host_memory=HOST)
     assert found["change"] == "--lora_rank 16" and found["max_length"] == 512
     # the change, planned as given, fits with that configuration
-    again = recommend(shape, Inputs(**{**T4S, "lora_rank": 16}), 128)
+    again = recommend(shape, Inputs(**{**T4S, "lora_rank": 16}), 128, host_memory=HOST)
     assert again["predicted_step_time_s"] == found["predicted_step_time_s"] and again["peak_bytes"] <= inputs.gpu_memory
     line = change_line(True, inputs, found)
     assert line.startswith("full fine-tuning does not fit 2 x 14.50 GiB; --lora_rank 16 fits, ")
     # a model too large for LoRA on a 16-bit base is told to take the 4-bit base
     big = Shape.of(model_config("Qwen/Qwen2.5-7B"))
-    assert cheapest_change(big, inputs, 128)["change"] == "--lora_rank 16 --base_bits 4"
-    # and one that fits nowhere at full length is offered a shorter one
-    tight = Inputs(**{**T4S, "gpu_memory": 6 * 2**30})
-    assert "--max_length" in (cheapest_change(big, tight, 128) or {"change": "--max_length"})["change"]
+    assert cheapest_change(big, inputs, 128, host_memory=HOST)["change"] == "--lora_rank 16 --base_bits 4"
+    # and where even that does not fit at full length, a shorter one
+    tight = Inputs(**{**T4S, "gpu_memory": 10 * 2**30})
+    assert recommend(big, Inputs(**{**T4S, "gpu_memory": 10 * 2**30, "lora_rank": 16, "base_bits": 4}), 128,
+                     host_memory=HOST) is None  # fmt: skip
+    shorter = cheapest_change(big, tight, 128, host_memory=HOST)
+    assert shorter["change"].startswith("--lora_rank 16 --base_bits 4 --max_length ") and shorter["max_length"] < 512
 
 
 def _plan(*args: str) -> str:
@@ -92,3 +96,10 @@ def test_the_plan_answers_offline_for_every_model_and_the_readme_table_is_its_ou
     assert block, "the README has no models table"
     assert block.group(1).strip() == table, "README's models table is stale: run python -m fsdp_opt.plan --catalog " \
                                             "--gpu_memory 14.5GiB --host_memory 31GB"
+
+
+def test_when_nothing_fits_even_the_changes_the_line_says_so():
+    big = Shape.of(model_config("Qwen/Qwen2.5-7B"))
+    small = Inputs(**{**T4S, "gpu_memory": 6 * 2**30})
+    assert cheapest_change(big, small, 128, host_memory=HOST) is None
+    assert change_line(True, small, None).endswith("nor does LoRA on a 4-bit base at 128 tokens")

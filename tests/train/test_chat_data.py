@@ -183,7 +183,7 @@ def test_evaluate_scores_the_answers_and_asks_through_the_template(format_runs, 
 def test_a_chain_over_conversations_equals_one_straight_run(tmp_path):
     args = ["--model", "tiny-opt", "--dataset", "python-docs-chat", "--chat_template", "chatml", "--max_length", "256",
             "--batch_size", "2", "--lr", "3e-3", "--num_epochs", "1", "--precision", "fp32", "--seed", "3",
-            "--start_idx", "auto", "--range_size", "8"]  # fmt: skip
+            "--start_idx", "auto", "--range_size", "8", "--wandb_mode", "disabled"]  # fmt: skip
     straight = run_cli(args + ["--session_ranges", "3", "--output_dir", str(tmp_path / "straight")], tmp_path, nproc=2)
     assert straight.returncode == 0, straight.stdout + straight.stderr
     with HubServer(token=HF_TOK) as server:
