@@ -46,8 +46,6 @@ def slice_key(config: Config, end_idx: int, num_samples: int, rows: dict[str, An
         **rows,
         "chat_template": hashlib.sha256(chat_template.encode()).hexdigest()[:16] if rendered and chat_template else None,
     }
-    if not rendered:
-        key["columns"] = [dc.text_column]
     return key
 
 
