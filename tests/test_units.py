@@ -137,8 +137,12 @@ def test_wrap_policy_finds_blocks_of_other_architectures(config, block):
 
 
 def test_wrap_policy_says_when_nothing_matches():
-    model = _meta(OPTConfig(num_hidden_layers=1, hidden_size=16, ffn_dim=32, num_attention_heads=2, vocab_size=50,
-                            word_embed_proj_dim=16))  # fmt: skip
+    # an architecture outside the tested families: its blocks are the ones _no_split_modules names
+    from transformers import GPTNeoXConfig
+
+    model = _meta(GPTNeoXConfig(num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                                vocab_size=50))  # fmt: skip
+    assert {c.__name__ for c in find_block_classes(model)} == {"GPTNeoXLayer"}
     model._no_split_modules = ["NoSuchLayer"]
     with pytest.raises(ModelError, match="NoSuchLayer"):
         find_block_classes(model)

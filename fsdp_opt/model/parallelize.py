@@ -20,6 +20,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from fsdp_opt.base import ConfigError, ModelError
 from fsdp_opt.config.choices import DTYPES, shard_count
+from fsdp_opt.model.families import block_class_names
 from fsdp_opt.model.sources import ModelSource, load_full_state_dict, non_persistent_buffer_names
 from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok
 
@@ -44,13 +45,14 @@ def mixed_precision_policy(precision: str, reduce_dtype: str = "fp32") -> MixedP
 
 
 def find_block_classes(model: nn.Module) -> set[type[nn.Module]]:
-    """Classes named by the model's `_no_split_modules` that occur in it (OPTDecoderLayer for OPT)."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
+    """The decoder block classes that occur in the model: its family's (OPTDecoderLayer for OPT), or for another
+    architecture the ones its `_no_split_modules` names."""
+    names = block_class_names(model)
     found = {type(m) for m in model.modules() if type(m).__name__ in names}
     if not found:
         listed = ", ".join(sorted(names)) or "nothing"
         raise ModelError(
-            f"--model: no transformer block to shard: the model's _no_split_modules lists {listed}, "
+            f"--model: no transformer block to shard: its blocks would be {listed}, "
             f"and no module of {type(model).__name__} matches"
         )
     return found

@@ -15,7 +15,7 @@ from fsdp_opt.data.formats import RowSpec, Rows, held_out_rows, resolve_spec, se
 from fsdp_opt.data.sources import load_rows
 from fsdp_opt.data.tokens import read_template
 from fsdp_opt.engine.fp16watch import trained_in_bf16
-from fsdp_opt.model.families import mask_pattern
+from fsdp_opt.model.families import bos_note, mask_pattern, untested_note
 from fsdp_opt.model.sources import ModelSource, load_model_config, load_tokenizer, max_positions
 from fsdp_opt.runtime.distributed import all_ranks_ok, print0, rank0_first
 
@@ -50,6 +50,11 @@ def read_inputs(config: Config, source: ModelSource) -> Loaded:
     )
     if mc.attn_implementation == "auto" and model_config._attn_implementation != "sdpa":
         print0(f"attention: {model_config._attn_implementation} ({model_config.model_type} has no SDPA path)")
+    # the built-in model and random: shapes read text with the built-in tokenizer, which adds no BOS by design
+    bos = bos_note(model_config, tokenizer) if source.kind in ("local", "hub") else None
+    for line in (untested_note(model_config), bos):
+        if line:
+            print0(line)
     bf16_pretrained = trained_in_bf16(model_config)
     positions = max_positions(model_config)
     if positions is not None and dc.max_length > positions:

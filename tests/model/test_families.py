@@ -8,14 +8,19 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ASSETS
+from conftest import ASSETS, make_chat_llama
+from transformers.pytorch_utils import Conv1D
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     Gemma2Config,
+    Gemma3Config,
     Gemma3TextConfig,
+    GPT2Config,
+    GPTNeoXConfig,
     LlamaConfig,
     MistralConfig,
+    OPTConfig,
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
@@ -25,7 +30,8 @@ from fsdp_opt.base import ModelError
 from fsdp_opt.data.blocks import build_blocks, model_inputs, tokenize
 from fsdp_opt.data.packing import MaskPattern
 from fsdp_opt.data.sources import python_docs_texts
-from fsdp_opt.model.families import mask_pattern, resolve_attention
+from fsdp_opt.model.families import FAMILIES, bos_note, family_of, mask_pattern, resolve_attention, untested_note
+from fsdp_opt.model.parallelize import find_block_classes, find_blocks
 
 WINDOW, LENGTH = 32, 128
 SMALL = dict(vocab_size=4104, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -108,3 +114,55 @@ def test_attention_auto_and_a_kernel_the_model_lacks():
     assert resolve_attention(CONFIGS["gemma2"](), "eager") == ("eager", None)
     with pytest.raises(ModelError, match=r"--attn_implementation sdpa: gemma2 does not have it \(it has: eager"):
         resolve_attention(CONFIGS["gemma2"](), "sdpa")
+
+
+TINY_OTHERS = {
+    "opt": lambda: OPTConfig(num_hidden_layers=2, hidden_size=32, ffn_dim=64, num_attention_heads=2, vocab_size=100,
+                             word_embed_proj_dim=32),
+    "gpt2": lambda: GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=[f.model_types[0] for f in FAMILIES])
+def test_each_familys_entry_is_what_transformers_builds(family):
+    """The registry against the models themselves: the block is a class the model has, and the one its
+    _no_split_modules names; the LoRA targets are exactly the block's linear layers; the kernels are the ones
+    transformers' model class supports."""
+    (model_type,) = family.model_types
+    config = (CONFIGS.get(model_type) or TINY_OTHERS[model_type])()
+    assert family_of(config) is family and untested_note(config) is None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert family.block in model._no_split_modules
+    (block_class,) = find_block_classes(model)
+    assert block_class.__name__ == family.block
+    block = find_blocks(model, {block_class})[0]
+    leaves = {n.rsplit(".", 1)[-1] for n, m in block.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D))}
+    assert leaves == set(family.lora_targets)
+    assert ("sdpa" in family.attention) == bool(type(model)._supports_sdpa)
+    assert bool(config.tie_word_embeddings) == (model.get_output_embeddings().weight is model.get_input_embeddings().weight)
+
+
+def test_other_architectures_run_the_generic_path_with_one_line():
+    config = GPTNeoXConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                           vocab_size=100)  # fmt: skip
+    assert family_of(config) is None
+    note = untested_note(config)
+    assert note.startswith("note: gpt_neox is not one of the tested families (OPT, GPT-2, Llama") and "\n" not in note
+    assert resolve_attention(config, "auto") == ("sdpa", None)  # from transformers' own model class
+    assert mask_pattern(config) is None
+    # a windowed model outside the families: docs packing is refused, never run inexact
+    with pytest.raises(ModelError, match="--packing docs: gemma3 has sliding-window attention"):
+        mask_pattern(Gemma3Config(text_config=dict(sliding_window=WINDOW, layer_types=["sliding_attention"] * 2,
+                                                   num_hidden_layers=2)))  # fmt: skip
+
+
+def test_a_family_whose_tokenizer_adds_no_bos_gets_one_line(tokenizer, tmp_path):
+    llama = CONFIGS["llama"]()
+    with_bos = AutoTokenizer.from_pretrained(make_chat_llama(tmp_path / "llama", template=None))
+    assert with_bos("a")["input_ids"][0] == with_bos.bos_token_id
+    assert bos_note(llama, with_bos) is None
+    assert tokenizer("a")["input_ids"][0] != tokenizer.bos_token_id  # the built-in tokenizer adds no BOS
+    note = bos_note(llama, tokenizer)
+    assert note.startswith("note: Llama 3.x / SmolLM2 models saw a BOS (</s>) first in pretraining") and "\n" not in note
+    assert bos_note(CONFIGS["qwen3"](), tokenizer) is None  # Qwen's tokenizer adds none, as its pretraining had none
