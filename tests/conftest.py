@@ -257,24 +257,33 @@ LLAMA_STYLE_TEMPLATE = (
 def make_chat_llama(dest: Path, seed: int = 0, template: str | None = LLAMA_STYLE_TEMPLATE, **overrides) -> Path:
     """A local Llama-architecture model folder whose tokenizer adds a BOS (as Llama 3's does) and has a chat template:
     random weights, the built-in tokenizer's vocabulary, dropout off."""
+    return make_family_model(dest, "llama", bos=True, seed=seed, template=template,
+                             **{"tie_word_embeddings": True, **overrides})  # fmt: skip
+
+
+def make_family_model(dest: Path, model_type: str, bos: bool, seed: int = 0, template: str | None = None,
+                      **overrides) -> Path:  # fmt: skip
+    """A local model folder of one architecture (transformers' model_type), small, with random weights, and a
+    tokenizer of the built-in vocabulary that puts a BOS first (as Llama 3's, Gemma's and Mistral's do) or not (as
+    Qwen's): the config, safetensors weights and tokenizer files `from_pretrained` reads."""
     import torch
     from tokenizers import Tokenizer, processors
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
     raw = Tokenizer.from_file(str(ASSETS / "tokenizer.json"))
-    raw.post_processor = processors.Sequence([
-        processors.ByteLevel(trim_offsets=False),
-        processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)]),
-    ])  # fmt: skip
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                        unk_token="<unk>")  # fmt: skip
+    steps = [processors.ByteLevel(trim_offsets=False)]
+    if bos:
+        steps.append(processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)]))
+    raw.post_processor = processors.Sequence(steps)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>" if bos else None, eos_token="</s>",
+                                        pad_token="<pad>", unk_token="<unk>")  # fmt: skip
     if template:
         tokenizer.chat_template = template
     settings = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0, eos_token_id=2,
-                    pad_token_id=1, tie_word_embeddings=True)  # fmt: skip
+                    num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0 if bos else None,
+                    eos_token_id=2, pad_token_id=1)  # fmt: skip
     settings.update(overrides)
     torch.manual_seed(seed)
-    LlamaForCausalLM(LlamaConfig(**settings)).save_pretrained(dest)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **settings)).save_pretrained(dest)
     tokenizer.save_pretrained(dest)
     return dest
