@@ -4,7 +4,9 @@
   a non-finite loss gives one line of advice instead of hours of skipped steps.
 - `SkipWatch`: the share of skipped (overflowed) steps over a window, for metrics.jsonl and W&B; a warning when more
   than 1 step in 20 is skipped or the loss scale falls below 1; a stop, in one line, when every step of a window of
-  50 overflowed. Every rank takes the same skip decision (the global gradient norm), so they stop at the same step.
+  50 overflowed. The skips before the first step that goes through are the loss scale finding its level (it starts
+  at 65,536 and halves until the gradients fit fp16): they count in the share, and in the stop, but not in the
+  warning. Every rank takes the same skip decision (the global gradient norm), so they stop at the same step.
 """
 
 from __future__ import annotations
@@ -34,16 +36,17 @@ def trained_in_bf16(model_config: Any) -> bool:
 def overflow_probe(bf16_pretrained: bool, precision: str, forward_loss: Callable[[], torch.Tensor], model_name: str) -> str | None:
     """For a bf16-pretrained model (`trained_in_bf16` of its config as read, before the engine sets its dtype)
     trained in fp16: the forward loss of the first micro-batch (every rank calls this: the forward is collective).
-    Returns the advice when it is not finite, else None."""
+    Returns the line to print: that the loss is finite, or a warning with the advice when it is not. None when the
+    probe does not apply."""
     if precision != "fp16" or not bf16_pretrained:
         return None
     with torch.no_grad():
-        loss = forward_loss()
-    if math.isfinite(float(loss)):
-        return None
-    return (f"{model_name} was pretrained in bfloat16 and overflows fp16 on the first batch (non-finite loss): fp16 "
-            "cannot hold its activations. Use a GPU with bf16 (compute capability 8.0 or more) with --precision bf16, "
-            "--precision fp32, or a model trained in fp16/fp32")  # fmt: skip
+        loss = float(forward_loss())
+    if math.isfinite(loss):
+        return f"fp16 probe: {model_name} was pretrained in bfloat16; its first batch is finite in fp16 (loss {loss:.4f})"
+    return (f"warning: {model_name} was pretrained in bfloat16 and overflows fp16 on the first batch (non-finite loss): "
+            "fp16 cannot hold its activations. Use a GPU with bf16 (compute capability 8.0 or more) with --precision "
+            "bf16, --precision fp32, or a model trained in fp16/fp32")  # fmt: skip
 
 
 class SkipWatch:
@@ -54,11 +57,14 @@ class SkipWatch:
         self.warned_at = -WARN_WINDOW  # steps seen when the last warning was given
         self.seen = 0
         self.warned_scale = False
+        self.calibrated: deque[bool] = deque(maxlen=WARN_WINDOW)  # the steps since the first that went through
 
     def observe(self, skipped: bool, scale: float) -> tuple[float, str | None, str | None]:
         """(skipped share of the last WARN_WINDOW steps, a warning or None, a reason to stop or None)."""
         self.recent.append(skipped)
         self.seen += 1
+        if self.calibrated or not skipped:
+            self.calibrated.append(skipped)
         window = list(self.recent)[-WARN_WINDOW:]
         rate = sum(window) / len(window)
         warning = None
@@ -67,9 +73,10 @@ class SkipWatch:
                     "trained since. The model does not fit fp16's range: use --precision bf16 on a GPU that has it, or "
                     "--precision fp32")  # fmt: skip
             return rate, None, stop
-        if sum(window) > WARN_SKIPS and self.seen - self.warned_at >= WARN_WINDOW:
+        since = list(self.calibrated)
+        if sum(since) > WARN_SKIPS and self.seen - self.warned_at >= WARN_WINDOW:
             self.warned_at = self.seen
-            warning = (f"warning: fp16: {sum(window)} of the last {len(window)} steps overflowed and were skipped "
+            warning = (f"warning: fp16: {sum(since)} of the last {len(since)} steps overflowed and were skipped "
                        f"(loss scale {scale:.3g})")  # fmt: skip
         if scale < 1 and not self.warned_scale:
             self.warned_scale = True

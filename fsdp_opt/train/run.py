@@ -237,9 +237,9 @@ def start_side_work(s: Session, built: Built, run_id: str | None, bf16_pretraine
     """The summary, the fp16 overflow probe, the Hub uploader (rank 0) and the W&B run."""
     config, env = s.config, s.env
     print_summary(s, built.block_classes, built.units, s.n_params)
-    advice = overflow_probe(bf16_pretrained, s.precision, lambda: first_batch_loss(s), config.model.model)
-    if advice:
-        print0(f"warning: {advice}")
+    probe = overflow_probe(bf16_pretrained, s.precision, lambda: first_batch_loss(s), config.model.model)
+    if probe:
+        print0(probe)
     s.uploader = all_ranks_ok(lambda: start_uploader(s) if env.is_main and config.hub.hf_repo else None)
     wc = config.wandb
     wandb_config = {**s.flags(), "world_size": env.world_size, "global_batch": s.plan.global_batch,

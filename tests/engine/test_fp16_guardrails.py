@@ -67,6 +67,13 @@ def test_the_skip_watch_windows():
     rate, warning, stop = w.observe(True, 2.0**14)
     assert rate == 2 / 20 and warning and "2 of the last 20 steps" in warning and stop is None
     assert w.observe(True, 2.0**13)[1] is None  # at most one warning per 20 steps
+    # The loss scale finding its level: skips before the first step that goes through are not warned about
+    w = SkipWatch()
+    assert [w.observe(True, 2.0 ** (16 - i))[1] for i in range(3)] == [None] * 3
+    assert w.observe(False, 2.0**13)[:2] == (3 / 4, None)
+    assert w.observe(True, 2.0**12)[1] is None  # one skip since: calibration
+    warning = w.observe(True, 2.0**11)[1]  # two since: counted from the first step that went through
+    assert warning and "2 of the last 3 steps overflowed" in warning
     w = SkipWatch()
     results = [w.observe(True, 2.0 ** (15 - i)) for i in range(STOP_WINDOW)]
     assert all(r[2] is None for r in results[:-1]) and results[-1][2]

@@ -6,12 +6,18 @@ known to be large), which random weights do not have; the fp16 probe at the star
 
 from __future__ import annotations
 
+import json
+import math
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import ASSETS, read_jsonl, run_cli
 from transformers import AutoModelForCausalLM
 
+from fsdp_opt.data.sources import python_docs_texts
 from fsdp_opt.model.catalog import SHAPES, catalog_config
 
 
@@ -33,3 +39,44 @@ def test_fp16_stays_finite_and_tracks_fp32_at_real_width(name):
     loss16 = F.cross_entropy(half[0, :-1], ids[0, 1:]).item()
     assert abs(loss16 - loss32) < 0.02 * loss32, (loss16, loss32)
     assert SHAPES[name][1]["hidden_size"] == config.hidden_size  # the real width, not a toy one
+
+
+def bf16_model_at_real_width(dest: Path, name: str) -> Path:
+    """One decoder layer of the catalogued shape at its real width, a 4096-token vocabulary (the built-in tokenizer's),
+    random weights, its config saying bfloat16 as the published one does: a local folder the trainer loads."""
+    config = catalog_config(name)
+    config.num_hidden_layers, config.vocab_size = 1, 4096
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = 0, 2, 1
+    layer_types = getattr(config, "layer_types", None) or []
+    config.layer_types = ["sliding_attention" if "sliding_attention" in layer_types else "full_attention"]
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(dest)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ASSETS / file, dest / file)
+    return dest
+
+
+@pytest.mark.parametrize("name", ["google/gemma-2-2b", "Qwen/Qwen2.5-1.5B"])
+def test_the_trainer_in_fp16_at_real_width_probes_then_trains_without_overflow(tmp_path, name):
+    """The trainer's own fp16 path at real width: FSDP2 with fp16 compute, dynamic loss scaling, the overflow probe on
+    the first batch (the config says bfloat16) and the skip watch. Gemma 2 is the hardest case (embedding scaled by
+    sqrt(2304), attention and final soft-caps); Qwen2.5 has biased q/k/v projections. (fp16 matrix products on this
+    CPU are slow: one layer, 16-token blocks, four steps.)"""
+    model = bf16_model_at_real_width(tmp_path / "model", name)
+    texts = [t.split(".")[0][:60] for t in python_docs_texts()[:4]]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    proc = run_cli(["--model", str(model), "--dataset", str(data), "--max_length", "16", "--packing", "pad",
+                    "--batch_size", "1", "--num_epochs", "1", "--lr", "1e-5", "--precision", "fp16", "--device", "cpu",
+                    "--output_dir", str(tmp_path / "out")], tmp_path, timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    probe = [l for l in proc.stdout.splitlines() if l.startswith("fp16 probe: ")]
+    assert len(probe) == 1 and "pretrained in bfloat16; its first batch is finite in fp16" in probe[0], proc.stdout
+    assert "warning" not in proc.stdout
+    steps = read_jsonl(tmp_path / "out" / "metrics.jsonl")
+    assert len(steps) == 4 and all(math.isfinite(s["loss"]) for s in steps)
+    # The loss scale starts at 65,536 and halves while the gradients overflow: only the first steps may be skipped,
+    # and every step after the first one that goes through trains.
+    skipped = [s["skipped"] for s in steps]
+    calibration = skipped.index(False)
+    assert calibration <= 2 and not any(skipped[calibration:]), steps
