@@ -7,8 +7,8 @@
 #
 # It builds a virtualenv from exactly that set, installs fsdp-opt from its wheel as the README's Kaggle section says,
 # checks that the platform's torch is kept, then runs on CPU with 2 processes: a training run and its resume into the
-# next range; LoRA; LoRA on a 4-bit base after the README's torchao install line; each --packing; evaluate; plan; and
-# both notebooks. Each step prints "ok: ..." or stops the script with "FAILED: ...". The first run downloads several
+# next range; LoRA; LoRA on a 4-bit base after the README's torchao install line; a Gemma 3 model with a sliding window
+# on chat data (chain and LoRA); each --packing; evaluate; plan; and both notebooks. Each step prints "ok: ..." or stops the script with "FAILED: ...". The first run downloads several
 # GB (torch's CUDA packages); later runs reuse pip's cache. Not part of CI (about 15 minutes): run it before a release.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -136,6 +136,41 @@ else
   expect_rc0 four "${FOUR[@]}"
 fi
 ok "4-bit base with $(python -c 'import importlib.metadata as m; print("torchao", m.version("torchao"))')"
+
+step "a Gemma 3 (text) model with a sliding window on chat data: 2 processes, --start_idx auto into the next range, LoRA"
+python - <<'PY'
+# A small random-weight Gemma 3 text model (local and global layers, a 32-token window under 256-token blocks) that
+# reads the built-in tokenizer's vocabulary: the model family path beyond OPT, on this platform's transformers.
+import shutil
+from pathlib import Path
+import fsdp_opt
+from transformers import AutoModelForCausalLM, Gemma3TextConfig
+assets = Path(fsdp_opt.__file__).parent / "assets" / "tiny-opt"
+config = Gemma3TextConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=32,
+                          layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512,
+                          bos_token_id=0, eos_token_id=2, pad_token_id=1)
+AutoModelForCausalLM.from_config(config).save_pretrained("gemma3-tiny")
+for f in assets.iterdir():
+    if "token" in f.name:
+        shutil.copy(f, "gemma3-tiny")
+PY
+CHAT=(--model gemma3-tiny --dataset python-docs-chat --chat_template chatml --max_length 256 --batch_size 2 --num_epochs 1
+      --lr 3e-3)
+expect_rc0 chat "${TORCHRUN[@]}" "${CHAT[@]}" --start_idx 0 --end_idx 32 --output_dir out_chat
+grep -q "loss on the answers only" "$RUN/chat.log" || fail "the chat run did not train on the answers only"
+expect_rc0 chat_resume "${TORCHRUN[@]}" "${CHAT[@]}" --start_idx auto --range_size 32 --output_dir out_chat
+grep -q "ends its range: going on with rows \[32, 64)" "$RUN/chat_resume.log" || fail "--start_idx auto did not pick [32, 64) for Gemma 3"
+expect_rc0 chat_lora "${TORCHRUN[@]}" "${CHAT[@]}" --end_idx 32 --lora_rank 8 --output_dir out_chat_lora
+python - <<'PY' || fail "the Gemma 3 chat runs"
+import json, math
+rows = [json.loads(l) for l in open("out_chat/metrics.jsonl")]
+assert {r["slice"] for r in rows} == {"0-32", "32-64"} and all(math.isfinite(r["loss"]) for r in rows)
+lora = [json.loads(l) for l in open("out_chat_lora/metrics.jsonl")]
+print("  gemma3_text: steps 1 ..", len(rows), "over 0-32 and 32-64, loss", round(rows[0]["loss"], 3), "->",
+      round(rows[-1]["loss"], 3), "; LoRA", len(lora), "steps")
+PY
+ok "Gemma 3 (text), sliding window, chat data, chain, LoRA"
 
 step "--packing concat and pad"
 expect_rc0 concat "${TORCHRUN[@]}" "${BASE[@]}" --end_idx 64 --packing concat --output_dir out_concat
