@@ -137,3 +137,15 @@ def mask_pattern(config: PretrainedConfig) -> MaskPattern | None:
         return MaskPattern(window=int(window), by_layer_type=False)
     raise ModelError(f"--packing docs: {config.model_type} has sliding-window attention that its document mask cannot "
                      "express here; use --packing pad or concat")  # fmt: skip
+
+
+def families_markdown() -> str:
+    """The README's table of the tested families, from FAMILIES (a test keeps the README's copy equal to this)."""
+    masks = {"one": "one mask for every layer (its window, when the config sets one)",
+             "by_layer_type": "a mask per layer type (full, sliding)"}  # fmt: skip
+    lines = ["| family | model_type | block (one FSDP unit) | attention | masks under docs packing | BOS | LoRA targets "
+             "(default: all) | embeddings |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for f in FAMILIES:
+        lines.append(f"| {f.name} | {', '.join(f.model_types)} | `{f.block}` | {', '.join(f.attention)} | "
+                     f"{masks[f.masks]} | {'yes' if f.bos else 'no'} | {', '.join(f.lora_targets)} | {f.embeddings} |")
+    return "\n".join(lines)

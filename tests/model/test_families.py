@@ -5,6 +5,8 @@ run on the row alone, through transformers' own masks."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,7 +32,15 @@ from fsdp_opt.base import ModelError
 from fsdp_opt.data.blocks import build_blocks, model_inputs, tokenize
 from fsdp_opt.data.packing import MaskPattern
 from fsdp_opt.data.sources import python_docs_texts
-from fsdp_opt.model.families import FAMILIES, bos_note, family_of, mask_pattern, resolve_attention, untested_note
+from fsdp_opt.model.families import (
+    FAMILIES,
+    bos_note,
+    families_markdown,
+    family_of,
+    mask_pattern,
+    resolve_attention,
+    untested_note,
+)
 from fsdp_opt.model.parallelize import find_block_classes, find_blocks
 
 WINDOW, LENGTH = 32, 128
@@ -166,3 +176,9 @@ def test_a_family_whose_tokenizer_adds_no_bos_gets_one_line(tokenizer, tmp_path)
     note = bos_note(llama, tokenizer)
     assert note.startswith("note: Llama 3.x / SmolLM2 models saw a BOS (</s>) first in pretraining") and "\n" not in note
     assert bos_note(CONFIGS["qwen3"](), tokenizer) is None  # Qwen's tokenizer adds none, as its pretraining had none
+
+
+def test_the_readme_table_of_families_is_the_registry():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = readme.split("<!-- families-table -->\n", 1)[1].split("\n<!-- /families-table -->", 1)[0]
+    assert table == families_markdown()
