@@ -14,7 +14,7 @@ from conftest import ROOT
 from transformers import AutoModelForCausalLM
 
 from fsdp_opt import plan
-from fsdp_opt.checkpoint.names import checkpoint_name
+from fsdp_opt.checkpoint.names import checkpoint_name, parse_name
 from fsdp_opt.model.catalog import SHAPES, catalog_config, catalog_id
 from fsdp_opt.model.shapes import Shape, model_config
 from fsdp_opt.model.sources import model_tag, resolve_model
@@ -49,6 +49,11 @@ def test_ids_variants_names_and_random_weights():
     assert catalog_id("qwen/qwen3-1.7b") == "Qwen/Qwen3-1.7B" and catalog_id("someone/model") is None
     assert checkpoint_name(model_tag("Qwen/Qwen3-1.7B"), 0, 5000, 1) == "Qwen3_1.7B_0-5000-epoch-1.pt"
     assert model_tag("meta-llama/Llama-3.2-1B") == "Llama_3.2_1B" and model_tag("google/gemma-2-2b") == "gemma_2_2b"
+    for name in SHAPES:  # the chain and the Hub's index read every catalogued model's names back
+        for sharded, step in ((False, None), (True, 40)):
+            saved = checkpoint_name(model_tag(name), 5000, 10000, 2, step=step, sharded=sharded)
+            parsed = parse_name(saved)
+            assert (parsed["tag"], parsed["start"], parsed["end"], parsed["epoch"]) == (model_tag(name), 5000, 10000, 2)
     assert resolve_model("random:Qwen/Qwen3-0.6B").kind == "random"
     # Gemma 3's local:global pattern and Gemma 2's soft-caps come with the shape
     gemma3 = catalog_config("google/gemma-3-1b-pt")
