@@ -6,7 +6,8 @@ It serves the routes an upload, a download and storage management use, on 127.0.
   POST /api/models/{repo}/preupload/{rev}        "lfs" for weight files and files of 10 MiB or more, else "regular"
   POST /{repo}.git/info/lfs/objects/batch        LFS basic transfer: an upload URL per object not stored yet
   PUT  /lfs-upload/{repo}/{oid}                  the object's bytes, streamed to disk and checked against its sha256
-  POST /api/models/{repo}/commit/{rev}           NDJSON: header, file (base64), lfsFile, deletedFile, deletedFolder
+  POST /api/models/{repo}/commit/{rev}           NDJSON: header, file (base64), lfsFile, deletedFile, deletedFolder;
+                                                 412 when the header's parentCommit is not the head
   GET  /api/models/{repo}[/revision/{rev}]       model info with siblings and usedStorage
   GET  /api/models/{repo}/tree/{rev}[/{path}]    files (with their LFS pointer info) and folders
   GET  /api/models/{repo}/lfs-files              every LFS object the repo stores
@@ -332,12 +333,15 @@ class HubServer:
     def _apply_commit(self, repo: Repo, repo_id: str, body: bytes):
         changes: dict[str, Blob | None] = {}
         folders: list[str] = []
+        parent = None
         for line in body.decode().splitlines():
             if not line.strip():
                 continue
             item = json.loads(line)
             key, value = item["key"], item["value"]
-            if key == "file":
+            if key == "header":
+                parent = value.get("parentCommit")
+            elif key == "file":
                 content = base64.b64decode(value["content"])
                 changes[value["path"]] = Blob(content, len(content))
             elif key == "lfsFile":
@@ -349,9 +353,12 @@ class HubServer:
                 changes[value["path"]] = None
             elif key == "deletedFolder":
                 folders.append(value["path"].rstrip("/") + "/")
-            elif key != "header":
+            else:
                 return 400, {}, {"error": f"unsupported commit line {key}"}
         with self._lock:
+            if parent is not None and parent != repo.sha:
+                # as the Hub answers a commit whose parent is no longer the head (optimistic concurrency)
+                return 412, {}, {"error": "A commit has happened since. Please refresh and try again."}
             for prefix in folders:
                 for p in [p for p in repo.tree if p.startswith(prefix)]:
                     del repo.tree[p]

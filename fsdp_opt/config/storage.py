@@ -85,6 +85,11 @@ class HubConfig:
         "Full resumable checkpoints the repo keeps (default 1 with --hf_repo): older ones leave only their fp16 "
         "weights file (weights/<name>.safetensors, one per range), and their storage is freed. 0 keeps every one.",
     )
+    take_over: bool = flag(
+        False,
+        "Take the chain's lease even when another session holds it (one that died and whose lease has not expired "
+        "yet). The lease (in the --hf_repo repo, else in --output_dir) lets one session at a time write to a chain.",
+    )
 
     def __post_init__(self) -> None:
         if self.hf_repo is not None and not re.fullmatch(r"[\w.-]+/[\w.-]+", self.hf_repo):

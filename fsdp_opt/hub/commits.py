@@ -13,9 +13,14 @@ from typing import Any, Callable
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
 from fsdp_opt.checkpoint.weightsfile import WEIGHTS_DIR, checkpoint_of
+from fsdp_opt.hub.lease import HubLease
 from fsdp_opt.hub.queue import Upload
 from fsdp_opt.hub.retention import decide
 from fsdp_opt.hub.store import CARD_FILE, INDEX_FILE, METRICS_IN_REPO, HubStore, now_iso
+
+
+class LeaseLost(RuntimeError):
+    """Another session took the chain's lease over: this one must not write to the repo."""
 
 
 class RepoWriter:
@@ -23,8 +28,8 @@ class RepoWriter:
 
     def __init__(self, store: HubStore, render_card: Callable[[dict[str, Any]], str], *, index: dict[str, Any],
                  private: bool, metrics: Path | None, keep_full: int, repo_ready: bool,
-                 log: Callable[[str], None]) -> None:  # fmt: skip
-        self.store, self.render_card, self.index = store, render_card, index
+                 log: Callable[[str], None], lease: HubLease | None = None) -> None:  # fmt: skip
+        self.store, self.render_card, self.index, self.lease = store, render_card, index, lease
         self.private, self.metrics, self.keep_full, self.repo_ready, self.log = private, metrics, keep_full, repo_ready, log
         # LFS objects this run removed from the head and has yet to delete from storage (a later session finishes).
         self.to_purge: set[str] = set(index.get("purge_pending", []))
@@ -71,6 +76,14 @@ class RepoWriter:
             CommitOperationAdd(INDEX_FILE, json.dumps(index, indent=1, sort_keys=True).encode()),
             CommitOperationAdd(CARD_FILE, self.render_card(index).encode()),
         ]
+        if self.lease is not None:
+            # one writer: a session whose lease was taken over writes nothing more; each push renews the lease
+            if self.lease.lost or (self.lease.held and not self.lease.still_held()):
+                self.lease.held, self.lease.lost = False, True
+                raise LeaseLost(f"the lease on {self.store.repo_id} was taken over by another session; this one "
+                                "writes nothing more to the repo")  # fmt: skip
+            if self.lease.held:
+                ops.append(self.lease.renew_op())
         try:
             info = self.store.api.create_commit(self.store.repo_id, ops, commit_message=message)
         except Exception:

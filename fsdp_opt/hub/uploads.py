@@ -47,6 +47,7 @@ class Uploader:
         on_uploaded: Callable[[Upload], None] | None = None,
         log: Callable[[str], None] = print,
         keep_full: int = 0,
+        lease: Any = None,
     ) -> None:
         disable_progress_bars()  # the training progress bar owns the console
         logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # its retry notes; ours say the same once
@@ -60,7 +61,7 @@ class Uploader:
             _try(lambda: store.fetch(METRICS_IN_REPO, metrics), None)
         # keep_full: --hub_keep_full; 0 keeps everything and deletes nothing
         self.repo = RepoWriter(store, render_card, index=index, private=private, metrics=metrics, keep_full=keep_full,
-                               repo_ready=ready, log=log)  # fmt: skip
+                               repo_ready=ready, log=log, lease=lease)  # fmt: skip
         self.queue = UploadQueue(set(store.checkpoints(files)), log)
         self._thread = threading.Thread(target=self._work, name="hub-uploads", daemon=True)
         self._thread.start()

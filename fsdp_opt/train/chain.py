@@ -19,6 +19,8 @@ from fsdp_opt.config.choices import AUTO
 from fsdp_opt.config.parse import Config
 from fsdp_opt.data.sources import load_rows
 from fsdp_opt.engine.step import TrainState
+from fsdp_opt.hub.lease import TRIES as LEASE_TRIES
+from fsdp_opt.hub.lease import FileLease, HubLease, Lease, Outcome, hold_seconds, new_holder
 from fsdp_opt.hub.store import HubStore, newest_checkpoint
 from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, broadcast_object, print0
 from fsdp_opt.runtime.stopping import StopControl
@@ -71,6 +73,44 @@ def first_range(config: Config, env: DistEnv) -> Config | None:
         how = f"the newest checkpoint, {nxt.resume} (global step {newest[1]}), ends its range: going on"
     print0(f"chain: {how} with rows [{nxt.start}, {nxt.end}) (pass {nxt.epoch + 1} of {config.train.num_epochs})")
     return range_config(config, nxt)
+
+
+def claim(config: Config, env: DistEnv) -> tuple[Config | None, Lease | None]:
+    """This session's range (first_range) and the chain's lease, decided against one state of the repo: the lease is
+    committed on the head the range was read at, so a commit that landed in between (another session's lease, the
+    last checkpoint of one that just ended) sends the session back to decide again. (None, None) when the chain is
+    done or another session holds the lease: nothing to train, said in one line. The lease is rank 0's."""
+    hc, cc = config.hub, config.checkpoint
+    lease: Lease | None = None
+    if env.is_main:
+        hold = hold_seconds(cc.time_limit_seconds, hc.hub_wait_seconds)
+        if not hc.hf_repo:
+            lease = FileLease(Path(cc.output_dir), new_holder(None, None, hold), hold)
+        elif HubStore(hc.hf_repo, retries=hc.hub_retries).ensure_repo(private=not hc.hub_public):
+            lease = HubLease(HubStore(hc.hf_repo, retries=hc.hub_retries), new_holder(None, None, hold), hold)
+        else:
+            print0(f"warning: the Hub cannot be reached now to take the chain's lease on {hc.hf_repo}: this session "
+                   "trains without it (uploads will retry)")  # fmt: skip
+    for _ in range(LEASE_TRIES):
+        head = broadcast_object(all_ranks_ok(lambda: lease.head() if isinstance(lease, HubLease) else None))
+        resolved = first_range(config, env)
+        if resolved is None:
+            return None, None
+
+        def take() -> Outcome:
+            if lease is None:
+                return Outcome(True, "")
+            lease.holder.start, lease.holder.end = resolved.data.start_idx, resolved.data.end_idx
+            return lease.take(hc.take_over, head)
+
+        outcome = broadcast_object(all_ranks_ok(lambda: take() if env.is_main else None))
+        if outcome.conflict:
+            continue
+        if outcome.line:
+            print0(outcome.line)
+        return (resolved, lease) if outcome.won else (None, None)
+    raise CheckpointError(f"--hf_repo {hc.hf_repo}: the repo kept changing while this session took the chain's lease "
+                          f"({LEASE_TRIES} tries); run it again")  # fmt: skip
 
 
 def range_fits(steps: int, step_seconds: float, save_seconds: float, seconds_left: float | None) -> bool:

@@ -10,6 +10,7 @@ from typing import Any
 from fsdp_opt.checkpoint.export import export_lora, export_model_folder
 from fsdp_opt.checkpoint.state import gather_full_state
 from fsdp_opt.hub.card import render_card, run_info
+from fsdp_opt.hub.lease import HubLease, Lease
 from fsdp_opt.hub.store import HubStore
 from fsdp_opt.hub.uploads import Uploader
 from fsdp_opt.runtime.distributed import all_ranks_ok, print0
@@ -32,6 +33,7 @@ def start_uploader(s: Session) -> Any:
         on_uploaded=lambda job: prune(s, job.path),
         log=print0,
         keep_full=hc.keep_full,
+        lease=s.lease if isinstance(s.lease, HubLease) else None,
     )
     where = "reachable" if uploader.repo_ready else "not reachable now; uploads will retry"
     print0(f"hub: checkpoints go to {hc.hf_repo}/{'checkpoints'} in the background (the Hub is {where})")
@@ -60,6 +62,15 @@ def finish_outside(s: Session) -> None:
                    f"full checkpoint(s), {storage['weights_files']} weights file(s) (--hub_keep_full {s.config.hub.keep_full})")  # fmt: skip
     if s.wandb is not None:
         s.wandb.finish()
+
+
+def release_lease(lease: Lease) -> None:
+    """The chain's lease, given back at exit (rank 0): a failure to reach the Hub leaves it to expire."""
+    try:
+        lease.release()
+    except Exception as exc:  # noqa: BLE001 - the session's work is done; the lease then ends at its expiry
+        print0(f"warning: the chain's lease on {lease.where} could not be released ({str(exc).splitlines()[0][:200]}); "
+               f"it ends at its expiry")  # fmt: skip
 
 
 def log_pushed(s: Session) -> None:

@@ -26,6 +26,7 @@ from fsdp_opt.engine.fp16watch import Fp16Overflow, overflow_probe
 from fsdp_opt.engine.loss import ChunkedLoss
 from fsdp_opt.engine.optim import LossScaler, LRSchedule, build_optimizer
 from fsdp_opt.engine.step import TrainState, first_batch_loss, train_step
+from fsdp_opt.hub.lease import Lease
 from fsdp_opt.hub.store import read_resume
 from fsdp_opt.model.adapters import KEY, Adapters, check_resume
 from fsdp_opt.model.parallelize import initialize, resolve_precision, shard_model, tie_and_check
@@ -55,9 +56,9 @@ from fsdp_opt.runtime.torchao_gate import check_for_nf4
 from fsdp_opt.tracking.metrics import MetricsWriter
 from fsdp_opt.tracking.progress import Progress, gpu_memory_line, host_peaks_line
 from fsdp_opt.tracking.wandb_run import WandbRun
-from fsdp_opt.train.publish import export_final, finish_outside, log_pushed, start_uploader
+from fsdp_opt.train.publish import export_final, finish_outside, log_pushed, release_lease, start_uploader
 from fsdp_opt.train.saving import raise_if_write_failed, save, save_estimate, uses_async_save, wait_for_writes
-from fsdp_opt.train.chain import first_range, next_in_session, start_status
+from fsdp_opt.train.chain import claim, next_in_session, start_status
 from fsdp_opt.train.inputs import Loaded, read_inputs
 from fsdp_opt.train.session import Session, seed_dropout, step_plan
 from fsdp_opt.train.summary import print_summary
@@ -66,13 +67,15 @@ from fsdp_opt.train.summary import print_summary
 def run(config: Config) -> None:
     configure_allocator()
     env = init_distributed(config.parallel.device)
-    session = None
+    session, lease = None, None
     try:
-        config = first_range(config, env)  # --start_idx auto: this session's range; None: the chain is done
+        # --start_idx auto: this session's range; and the chain's lease. None: the chain is done, or another session
+        # holds the lease.
+        config, lease = claim(config, env)
         if config is None:
             barrier()
             return
-        session = setup(config, env)
+        session = setup(config, env, lease)
         train_session(session)
         for line in (step_time_line(session.step_seconds, session.predicted_step), gpu_memory_line(env)):
             if line:
@@ -84,6 +87,8 @@ def run(config: Config) -> None:
         teardown()
         if session is not None:
             finish_outside(session)
+        if lease is not None:  # after the last uploads, which renew it
+            release_lease(lease)
 
 
 # ---------------------------------------------------------------- setup
@@ -112,7 +117,7 @@ class Built:
     flops_per_token: float
 
 
-def setup(config: Config, env: DistEnv) -> Session:
+def setup(config: Config, env: DistEnv, lease: Lease | None = None) -> Session:
     """The fixed order: check the flags -> read model config, tokenizer and data -> read the checkpoint to resume
     -> build the model (meta, adapters, layout, shard, weights) -> optimizer and position -> the session and its side
     work (summary, fp16 probe, uploads, W&B). Every step is agreed across ranks: a user error anywhere stops all."""
@@ -124,6 +129,7 @@ def setup(config: Config, env: DistEnv) -> Session:
     read_seconds = time.perf_counter() - read_started
     built = build_model(config, env, checked, inputs, payload)
     session = make_session(config, env, checked, inputs, built)
+    session.lease = lease
     if config.checkpoint.resume_file:  # payload: rank 0's; every rank takes part in restoring it
         load_started = time.perf_counter()
         session.state = restore(built.model, session.optimizer, session.scaler, payload, config, env,

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fsdp_opt.hub.lease import FileLease
 from fsdp_opt.base import CheckpointError
 from fsdp_opt.checkpoint.atomic import save_or_explain
 from fsdp_opt.checkpoint.chain import CHAIN_KEY
@@ -72,6 +73,8 @@ def save(s: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
         if s.ckpt_writer is not None:
             s.ckpt_writer.wait()  # the previous write: its bytes count in make_room, its memory is freed first
         make_room(s, keep=path)
+        if isinstance(s.lease, FileLease):  # on a shared disk the lease moves on with each save
+            s.lease.renew()
     extra = {
         "slice": slice_key(s.config, s.end_idx, len(s.blocks), s.rows, s.chat_template),
         "chat_template": s.chat_template,  # the export and evaluate render with it, on any machine

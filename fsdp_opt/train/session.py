@@ -20,6 +20,7 @@ from fsdp_opt.engine.fp16watch import SkipWatch
 from fsdp_opt.engine.loss import ChunkedLoss
 from fsdp_opt.engine.optim import LossScaler, LRSchedule
 from fsdp_opt.engine.step import TrainState
+from fsdp_opt.hub.lease import Lease
 from fsdp_opt.hub.uploads import Uploader
 from fsdp_opt.planner.layout import Layout
 from fsdp_opt.runtime.distributed import DistEnv
@@ -71,6 +72,7 @@ class Session:
     clock_started: float | None = None  # time.monotonic() when training began: the session's share of train_seconds
     chain_seconds_before: float = 0.0  # train_seconds of the chain before this session
     rows: dict[str, Any] = field(default_factory=dict)  # the rows' format, resolved: data.formats.row_key
+    lease: Lease | None = None  # the chain's lease (rank 0): renewed by pushes, or with each save on a shared disk
 
     @property
     def chat_template(self) -> str | None:

@@ -1,0 +1,262 @@
+"""The chain's lease: one session writes to a chain at a time.
+
+A training run holds a lease for as long as it may write: in the Hub repo (`fsdp_opt_lease.json` at its root) with
+--hf_repo, else in --output_dir (`.fsdp_opt_lease.json`) for runs that share a disk. The lease names the session
+(an id, its host and process, when it started, the range it trains) and when it expires: the session's own end
+(--time_limit plus --hub_wait, or 12 hours plus --hub_wait without a time limit), moved on with each push.
+
+- Taking it is one commit whose parent is the head the session read (huggingface_hub's `parent_commit`): two
+  sessions that read the same head cannot both commit, so exactly one wins; the other reads again and finds the
+  winner's lease. On disk, the file is created with O_EXCL, which only one process can do.
+- A live lease of another session stops this one before it trains, in one line, with exit 0.
+- A lease past its expiry, or one whose process is gone from this very host, is taken over with one line, as is any
+  lease with --take_over.
+- The lease is renewed in the commits that push checkpoints (no commits of its own), and released at exit: the end,
+  a time limit, SIGTERM, an error. A session killed outright leaves it until it expires.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from fsdp_opt.hub.store import HubStore, status_code
+
+LEASE_FILE = "fsdp_opt_lease.json"  # at the root of the Hub repo
+LOCAL_LEASE = ".fsdp_opt_lease.json"  # in --output_dir
+HOLD_WITHOUT_LIMIT_S = 12 * 3600  # a session with no --time_limit: Kaggle's longest session
+TRIES = 8  # commits that lose a race are tried again against the new head this many times
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _ago(seconds: float) -> str:
+    minutes = max(0, int(seconds // 60))
+    return f"{minutes // 60} h {minutes % 60} min" if minutes >= 60 else f"{minutes} min"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass
+class Holder:
+    """What a lease says of the session that holds it."""
+
+    session: str
+    host: str
+    pid: int
+    started: float  # seconds since the epoch
+    expires: float
+    start: int | None  # the range it trains, rows [start, end)
+    end: int | None
+
+    def to_bytes(self) -> bytes:
+        data = {**asdict(self), "started_utc": _iso(self.started), "expires_utc": _iso(self.expires)}
+        return json.dumps(data, indent=1, sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> "Holder | None":
+        try:
+            data = json.loads(raw)
+            return cls(str(data["session"]), str(data["host"]), int(data["pid"]), float(data["started"]),
+                       float(data["expires"]), data.get("start"), data.get("end"))  # fmt: skip
+        except (ValueError, KeyError, TypeError):
+            return None  # an unreadable lease holds nothing
+
+    def why_not_live(self, now: float) -> str | None:
+        """None while the lease holds; else why it no longer does."""
+        if self.expires <= now:
+            return f"it expired at {_iso(self.expires)}"
+        if self.host == socket.gethostname() and not _alive(self.pid):
+            return f"its process ({self.pid}) is gone from this host"
+        return None
+
+    def describe(self, now: float) -> str:
+        rows = f"rows [{self.start}, {self.end})" if self.start is not None else "its range"
+        return (f"session {self.session[:8]} on {self.host}, started {_iso(self.started)} "
+                f"({_ago(now - self.started)} ago), training {rows}")  # fmt: skip
+
+
+def new_holder(start: int | None, end: int | None, hold_s: float) -> Holder:
+    now = time.time()
+    return Holder(uuid.uuid4().hex, socket.gethostname(), os.getpid(), now, now + hold_s, start, end)
+
+
+def hold_seconds(time_limit_s: float | None, hub_wait_s: float) -> float:
+    """How long a session may write: its --time_limit (or 12 hours) and then --hub_wait for the last uploads."""
+    return (time_limit_s if time_limit_s else HOLD_WITHOUT_LIMIT_S) + hub_wait_s + 60.0
+
+
+@dataclass
+class Outcome:
+    won: bool
+    line: str  # what to print: the lease taken (or taken over), or why this session stops
+    conflict: bool = False  # the head moved since the caller read it: decide again
+
+
+class Lease:
+    """The lease of one session; `take` before anything is written, `release` at exit."""
+
+    where: str
+
+    def __init__(self, holder: Holder, hold_s: float) -> None:
+        self.holder, self.hold_s = holder, hold_s
+        self.held = False
+        self.lost = False  # another session took it over while this one held it
+
+    def _judge(self, current: Holder | None, take_over: bool) -> tuple[str | None, str | None]:
+        """(refusal line, takeover note) against the lease found."""
+        if current is None or current.session == self.holder.session:
+            return None, None
+        now = time.time()
+        why = "--take_over" if take_over else current.why_not_live(now)
+        if why is None:
+            return (f"chain: another session holds the lease on {self.where}: {current.describe(now)}, until "
+                    f"{_iso(current.expires)}. This one stops without training. Run it again when that session has "
+                    "ended; if it died, its lease ends at its expiry, or --take_over takes it now"), None  # fmt: skip
+        return None, f"chain: took over the lease of {current.describe(now)} ({why})"
+
+    def _taken(self, note: str | None) -> Outcome:
+        self.held = True
+        h = self.holder
+        rows = f"rows [{h.start}, {h.end})" if h.start is not None else "this session"
+        return Outcome(True, note or f"chain: lease on {self.where} taken for {rows} until {_iso(h.expires)}")
+
+    def renew(self) -> None:
+        self.holder.expires = max(self.holder.expires, time.time() + self.hold_s)
+
+
+class FileLease(Lease):
+    """The lease as a file in --output_dir: for runs that share a disk."""
+
+    def __init__(self, folder: Path, holder: Holder, hold_s: float) -> None:
+        super().__init__(holder, hold_s)
+        self.path = folder / LOCAL_LEASE
+        self.where = str(folder)
+        self.made_folder = False
+
+    def current(self) -> Holder | None:
+        try:
+            return Holder.from_bytes(self.path.read_bytes())
+        except FileNotFoundError:
+            return None
+
+    def take(self, take_over: bool, head: str | None = None) -> Outcome:
+        self.made_folder = not self.path.parent.exists()  # a run that writes nothing else leaves no folder behind
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        note = None
+        for _ in range(TRIES):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                current = self.current()
+                refusal, taken_over = self._judge(current, take_over)
+                if refusal:
+                    return Outcome(False, refusal)
+                note = note or taken_over
+                try:  # one process moves the old lease away; the others find it gone and try again
+                    self.path.rename(self.path.with_name(f"{LOCAL_LEASE}.old-{self.holder.session}"))
+                    self.path.with_name(f"{LOCAL_LEASE}.old-{self.holder.session}").unlink()
+                except FileNotFoundError:
+                    pass
+                continue
+            with os.fdopen(fd, "wb") as f:
+                f.write(self.holder.to_bytes())
+            return self._taken(note)
+        return Outcome(False, f"chain: could not take the lease in {self.where} after {TRIES} tries")
+
+    def renew(self) -> None:
+        super().renew()
+        if self.held and (self.current() or self.holder).session == self.holder.session:
+            tmp = self.path.with_name(f"{LOCAL_LEASE}.{self.holder.session}.tmp")
+            tmp.write_bytes(self.holder.to_bytes())
+            tmp.replace(self.path)
+
+    def release(self) -> None:
+        if self.held and (current := self.current()) is not None and current.session == self.holder.session:
+            self.path.unlink(missing_ok=True)
+            if self.made_folder and not any(self.path.parent.iterdir()):
+                self.path.parent.rmdir()
+        self.held = False
+
+
+class HubLease(Lease):
+    """The lease as a file in the Hub repo, taken and released in commits that name their parent."""
+
+    def __init__(self, store: HubStore, holder: Holder, hold_s: float) -> None:
+        super().__init__(holder, hold_s)
+        self.store = store
+        self.where = store.repo_id
+
+    def head(self) -> str:
+        """The repo's head commit (the repo must exist)."""
+        return self.store._call(lambda: self.store.api.model_info(self.store.repo_id)).sha
+
+    def current(self) -> Holder | None:
+        import tempfile
+
+        if LEASE_FILE not in self.store.files():
+            return None
+        with tempfile.TemporaryDirectory() as tmp:
+            return Holder.from_bytes(self.store.fetch(LEASE_FILE, Path(tmp) / LEASE_FILE).read_bytes())
+
+    def _commit(self, ops: list, message: str, parent: str) -> bool:
+        """One commit on `parent`; False when another commit landed first (HTTP 412)."""
+        try:
+            self.store.api.create_commit(self.store.repo_id, ops, commit_message=message, parent_commit=parent)
+        except Exception as exc:  # noqa: BLE001
+            if status_code(exc) == 412:
+                return False
+            raise
+        return True
+
+    def take(self, take_over: bool, head: str | None = None) -> Outcome:
+        """Take the lease in a commit on `head` (the commit the caller decided its range at; None: read it now).
+        `conflict` when the head has moved since: the caller decides again and calls this with the new head."""
+        from huggingface_hub import CommitOperationAdd
+
+        parent = head or self.head()
+        refusal, note = self._judge(self.current(), take_over)
+        if refusal:
+            return Outcome(False, refusal)
+        op = CommitOperationAdd(LEASE_FILE, self.holder.to_bytes())
+        if not self._commit([op], f"fsdp-opt: lease for session {self.holder.session[:8]}", parent):
+            return Outcome(False, "", conflict=True)
+        return self._taken(note)
+
+    def still_held(self) -> bool:
+        current = self.current()
+        return current is not None and current.session == self.holder.session
+
+    def renew_op(self):  # noqa: ANN201
+        """The lease, moved on, as one more operation of a push's commit."""
+        from huggingface_hub import CommitOperationAdd
+
+        self.renew()
+        return CommitOperationAdd(LEASE_FILE, self.holder.to_bytes())
+
+    def release(self) -> None:
+        from huggingface_hub import CommitOperationDelete
+
+        for _ in range(TRIES if self.held else 0):
+            parent = self.head()
+            if not self.still_held():
+                break
+            if self._commit([CommitOperationDelete(LEASE_FILE)], "fsdp-opt: lease released", parent):
+                break
+        self.held = False
