@@ -17,6 +17,11 @@ class CheckpointConfig:
     resume_file: str | None = flag(
         None, "Checkpoint to resume from: a path, a checkpoint name in --output_dir, or 'latest' (highest global step)."
     )
+    allow_changes: bool = flag(
+        False,
+        "Resume even when a flag that keeps the chain one exact run changed since the checkpoint (the model, dataset, "
+        "row format, max_length, packing, seed, or the global batch inside a range). Every change is printed anyway.",
+    )
     time_limit: str | None = flag(
         None, "Wall-clock budget such as 11h30m: save and exit 0 before it runs out, printing the resume command."
     )

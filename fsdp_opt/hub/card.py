@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from fsdp_opt.checkpoint.drift import CHANGES_KEY
 from fsdp_opt.checkpoint.chain import CHAIN_KEY, ChainStatus
 
 # Flags that describe this machine or this session, not the training recipe.
@@ -189,6 +190,12 @@ def render_card(repo_id: str, index: dict[str, Any]) -> str:
         out += ["", "## Where the chain stands", "",
                 f"As of `{latest[0]}` (global step {latest[1].get('global_step', '?')}, {latest[1].get('date', '')}):", ""]
         out += [f"- **{what}**: {where}" for what, where in chain.items()]
+    changes = latest[1].get(CHANGES_KEY) if latest[0] else None
+    if changes:
+        out += ["", "## Settings changed along the chain", "", "| from global step | flag | was | now | exactness |",
+                "|---|---|---|---|---|"]  # fmt: skip
+        out += [f"| {c.get('step', '?')} | `--{c['flag']}` | {c['from']} | {c['to']} | "
+                f"{'broken (--allow_changes): ' + c['breaks'] if c.get('breaks') else 'kept (a choice)'} |" for c in changes]
     lora = f" --lora_rank {lora_rank}" if lora_rank else ""
     out += ["", "## Resume training", ""]
     if chain is not None and chain.range_size and chain.passes:

@@ -17,6 +17,8 @@ from torch import nn
 from fsdp_opt.base import ConfigError
 from fsdp_opt.checkpoint.atomic import remove_stale_temp
 from fsdp_opt.checkpoint.chain import CHAIN_KEY
+from fsdp_opt.checkpoint.drift import CHANGES_KEY, compare, global_batch_change, refuse_if_breaking
+from fsdp_opt.checkpoint.drift import line as drift_line
 from fsdp_opt.checkpoint.read import check_compatible
 from fsdp_opt.checkpoint.resume import restore
 from fsdp_opt.checkpoint.save import BackgroundWriter
@@ -127,9 +129,13 @@ def setup(config: Config, env: DistEnv, lease: Lease | None = None) -> Session:
     payload = all_ranks_ok(lambda: read_resume(config.checkpoint.resume_file, Path(config.checkpoint.output_dir),
                                                config.hub.hf_repo, config.hub.hub_retries) if env.is_main else None)  # fmt: skip
     read_seconds = time.perf_counter() - read_started
+    changes = all_ranks_ok(lambda: settings_drift(config, payload) if env.is_main else None)
     built = build_model(config, env, checked, inputs, payload)
     session = make_session(config, env, checked, inputs, built)
     session.lease = lease
+    if config.checkpoint.resume_file:
+        session.settings_changes = all_ranks_ok(
+            lambda: record_changes(session, payload, changes) if env.is_main else None) or []
     if config.checkpoint.resume_file:  # payload: rank 0's; every rank takes part in restoring it
         load_started = time.perf_counter()
         session.state = restore(built.model, session.optimizer, session.scaler, payload, config, env,
@@ -149,6 +155,31 @@ def setup(config: Config, env: DistEnv, lease: Lease | None = None) -> Session:
     built.model.train()
     start_side_work(session, built, run_id, inputs.bf16_pretrained)
     return session
+
+
+def settings_drift(config: Config, payload: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Rank 0, resuming: each flag changed since the checkpoint, one line each; an exactness-breaking change stops
+    the run here, before anything is built, unless --allow_changes."""
+    if payload is None:
+        return []
+    changes = compare(payload.get("config"), config.flat())
+    for change in changes:
+        print0(drift_line(change))
+    refuse_if_breaking(changes, config.checkpoint.allow_changes, Path(payload["_path"]).name)
+    return changes
+
+
+def record_changes(s: Session, payload: dict[str, Any], changes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rank 0: the global batch checked too (it is known once the layout is), then the chain's record of changes:
+    the checkpoint's, and this session's at its first global step."""
+    ts = payload.get("train_state") or {}
+    moved = global_batch_change(payload.get("global_batch"), s.plan.global_batch, mid_range=bool(ts.get("offset")))
+    if moved is not None:
+        print0(drift_line(moved))
+        refuse_if_breaking([moved], s.config.checkpoint.allow_changes, Path(payload["_path"]).name)
+        changes = [moved] + changes
+    step = int(ts.get("global_step", 0))
+    return list(payload.get(CHANGES_KEY) or []) + [{**c, "step": step} for c in changes]
 
 
 def check_flags(config: Config, env: DistEnv) -> Checked:
@@ -249,7 +280,7 @@ def start_side_work(s: Session, built: Built, run_id: str | None, bf16_pretraine
     s.uploader = all_ranks_ok(lambda: start_uploader(s) if env.is_main and config.hub.hf_repo else None)
     wc = config.wandb
     wandb_config = {**s.flags(), "world_size": env.world_size, "global_batch": s.plan.global_batch,
-                    "parameters": s.n_params}  # fmt: skip
+                    "parameters": s.n_params, CHANGES_KEY: s.settings_changes}  # fmt: skip
     s.wandb = WandbRun(enabled=env.is_main, project=wc.wandb_project, mode=wc.wandb_mode,
                        run_id=None if wc.wandb_new_run else run_id, config=wandb_config, out_dir=s.out_dir)  # fmt: skip
 

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fsdp_opt.checkpoint.drift import CHANGES_KEY
 from fsdp_opt.hub.lease import FileLease
 from fsdp_opt.base import CheckpointError
 from fsdp_opt.checkpoint.atomic import save_or_explain
@@ -88,6 +89,7 @@ def save(s: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
         "wandb_run_id": s.wandb.run_id if s.wandb is not None else None,
         "lora": s.lora,
         CHAIN_KEY: s.chain_record(),
+        CHANGES_KEY: s.settings_changes,
     }
     entry = {
         "global_step": s.state.global_step,
@@ -99,6 +101,7 @@ def save(s: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
         "sharded": sharded,
         "eval_loss": evaluation["loss"] if evaluation else None,
         CHAIN_KEY: extra[CHAIN_KEY],
+        CHANGES_KEY: s.settings_changes,
     }
     kind = "epoch" if epoch_end else "step"
     started = time.perf_counter()

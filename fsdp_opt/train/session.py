@@ -72,6 +72,7 @@ class Session:
     clock_started: float | None = None  # time.monotonic() when training began: the session's share of train_seconds
     chain_seconds_before: float = 0.0  # train_seconds of the chain before this session
     rows: dict[str, Any] = field(default_factory=dict)  # the rows' format, resolved: data.formats.row_key
+    settings_changes: list[dict[str, Any]] = field(default_factory=list)  # flags changed along the chain (rank 0)
     lease: Lease | None = None  # the chain's lease (rank 0): renewed by pushes, or with each save on a shared disk
 
     @property

@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import (
     ASSETS,
+    assert_clean_failure,
     ENTRY,
     built_once,
     kill_all_with,
@@ -22,6 +23,7 @@ from conftest import (
     torchrun_cmd,
 )
 
+from fsdp_opt.checkpoint.drift import CHANGES_KEY
 from fsdp_opt.checkpoint.names import MODEL_KEY, checkpoint_name, list_checkpoints
 from fsdp_opt.checkpoint.save import EPOCHS_KEY, STEP_KEY
 
@@ -145,20 +147,32 @@ def test_new_slice_keeps_the_run_and_starts_at_its_first_batch(tmp_path):
     assert payload["slice"]["start_idx"] == 60 and payload["train_state"]["global_step"] == len(rows)
 
 
-def test_resume_with_another_packing_says_so_and_starts_the_slice_again(tmp_path, straight_dir, straight):
-    """The same slice packed another way has other blocks, so the saved position means nothing in it: the run keeps
-    the model, optimizer and global step, starts the slice at its first batch, and says why."""
+def test_changed_settings_are_each_one_line_breaking_ones_refused_unless_allowed(tmp_path, straight_dir, straight):
+    """Resuming with other flags: each change is one line with both values. --packing breaks exactness: refused in
+    one line, before anything is written. With --allow_changes the run goes on: the same slice packed another way has
+    other blocks, so it keeps the model, optimizer and global step, starts the slice at its first batch, and says why;
+    --lr is a choice, applied and recorded in the checkpoint."""
     out = tmp_path / "out"
-    args = TINY + ["--packing", "concat", "--resume_file", str(straight_dir / checkpoint_name("tiny_opt", 0, END, 1)),
-                   "--output_dir", str(out)]  # fmt: skip
-    proc = run_cli(args, tmp_path)
+    ckpt = straight_dir / checkpoint_name("tiny_opt", 0, END, 1)
+    args = TINY + ["--packing", "concat", "--lr", "1e-3", "--resume_file", str(ckpt), "--output_dir", str(out)]
+    refused = run_cli(args, tmp_path)
+    line = assert_clean_failure(refused, f"--resume_file {ckpt.name}: --packing docs -> concat (the blocks change)",
+                                "--allow_changes")  # fmt: skip
+    assert "--lr" not in line  # only the breaking changes stop the run
+    assert "settings: --lr 0.002 -> 0.001 (a choice: applied from this session on)" in refused.stdout
+    assert not out.exists()
+    proc = run_cli(args + ["--allow_changes"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "settings: --packing docs -> concat (breaks exactness: the blocks change)" in proc.stdout
     assert ("note: the checkpoint packed this slice with --packing docs; this run packs it with --packing concat, "
             "so its blocks differ and the slice starts again from its first batch") in proc.stdout
     per_epoch = len(straight) // 2
     assert f"at global step {per_epoch}; continuing at the first batch of slice [0, {END})" in proc.stdout
     rows = read_jsonl(out / "metrics.jsonl")
     assert rows[0]["step"] == per_epoch + 1 and rows[0]["epoch"] == 0
+    saved = torch.load(out / checkpoint_name("tiny_opt", 0, END, 1), weights_only=True)
+    assert [(c["flag"], c["from"], c["to"], c["step"]) for c in saved[CHANGES_KEY]] == [
+        ("packing", "docs", "concat", per_epoch), ("lr", 0.002, 0.001, per_epoch)]
 
 
 def test_checkpoint_contents_load_with_weights_only(straight_dir):

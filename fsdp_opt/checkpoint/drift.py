@@ -1,0 +1,92 @@
+"""Settings drift: the flags of a session that resumes a chain (--resume_file, or --start_idx auto) against the flags
+its checkpoint was trained with.
+
+Each flag that changed is one line with both values. Changes that break the chain's exactness stop the run before it
+builds anything, unless --allow_changes: the model, the dataset, what the rows are and which tokens train, the block
+length and packing, the seed (the data order), and the global batch when the session resumes inside a range (its
+position is counted in samples of that batch). Other changes are choices (the learning rate and its schedule, the
+time limit, the held-out rows, ...): applied from this session on, and recorded with every checkpoint (so on the
+model card and in W&B).
+
+How a step is laid out on this machine (batch per GPU, accumulation, sharding, precision, kernels, the output folder)
+is not compared: the same global batch gives the same steps on any machine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fsdp_opt.base import ConfigError
+
+CHANGES_KEY = "settings_changes"  # of a checkpoint's payload: every change the chain has taken, oldest first
+
+# flag -> what changing it breaks
+BREAKING = {
+    "model": "the weights go on as another model",
+    "dataset": "the row indices point into other rows",
+    "text_column": "other tokens train",
+    "data_format": "other tokens train",
+    "prompt_column": "other tokens train",
+    "completion_column": "other tokens train",
+    "messages_column": "other tokens train",
+    "train_on": "other tokens train",
+    "chat_template": "other tokens train",
+    "max_length": "the blocks change",
+    "packing": "the blocks change",
+    "seed": "the data order changes",
+}
+# Not compared: where this session is in the chain, and how this machine lays a step out.
+NOT_COMPARED = {
+    # num_epochs: the epochs one session trains, or an auto chain's passes (which only say where the chain ends)
+    "start_idx", "end_idx", "resume_file", "initial_epoch", "num_epochs", "take_over", "allow_changes", "output_dir",
+    "device",
+    "batch_size", "accum_steps", "global_batch", "sharding_strategy", "precision", "activation_checkpointing",
+    "cpu_offload", "reduce_every_microbatch", "reduce_dtype", "compile", "prefetch", "max_gpu_memory", "tflops",
+    "link_gbps", "loss_chunk_tokens", "attn_implementation", "async_save", "pad_to_max_length",
+    # the LoRA identity has its own check, with its own message (model/adapters.check_resume)
+    "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "base_bits",
+}  # fmt: skip
+
+
+def _shown(value: Any) -> str:
+    if value is None:
+        return "(not set)"
+    text = str(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def compare(saved: dict[str, Any] | None, now: dict[str, Any]) -> list[dict[str, Any]]:
+    """The flags that differ: [{"flag", "from", "to", "breaks"}], breaking ones first. Flags one side lacks (a
+    checkpoint from before a flag existed) are not compared."""
+    if not saved:
+        return []
+    changes = []
+    for name, value in now.items():
+        if name in NOT_COMPARED or name not in saved or saved[name] == value:
+            continue
+        if str(saved[name]) == str(value):  # 3e-4 read back as 0.0003, a tuple saved as a list
+            continue
+        changes.append({"flag": name, "from": saved[name], "to": value, "breaks": BREAKING.get(name)})
+    return sorted(changes, key=lambda c: c["breaks"] is None)
+
+
+def global_batch_change(saved_batch: int | None, batch: int, mid_range: bool) -> dict[str, Any] | None:
+    """Inside a range, the position is a count of samples of the saved global batch: another one breaks it."""
+    if not mid_range or saved_batch is None or saved_batch == batch:
+        return None
+    return {"flag": "global_batch", "from": saved_batch, "to": batch,
+            "breaks": "the range's position is counted in steps of the saved global batch"}  # fmt: skip
+
+
+def line(change: dict[str, Any]) -> str:
+    what = f"breaks exactness: {change['breaks']}" if change["breaks"] else "a choice: applied from this session on"
+    return f"settings: --{change['flag']} {_shown(change['from'])} -> {_shown(change['to'])} ({what})"
+
+
+def refuse_if_breaking(changes: list[dict[str, Any]], allow: bool, checkpoint: str) -> None:
+    """One line naming every exactness-breaking change, unless --allow_changes."""
+    breaking = [c for c in changes if c["breaks"]]
+    if breaking and not allow:
+        listed = "; ".join(f"--{c['flag']} {_shown(c['from'])} -> {_shown(c['to'])} ({c['breaks']})" for c in breaking)
+        raise ConfigError(f"--resume_file {checkpoint}: {listed}. Use the checkpoint's value, or --allow_changes "
+                          "to go on anyway (the chain is then no longer one exact run)")  # fmt: skip
