@@ -39,6 +39,11 @@ class DataConfig:
         "ash001/arxiv-abstract",
         "Hub dataset id, a local .jsonl/.json/.csv/.parquet/.txt file or folder, or the built-in 'python-docs'.",
     )
+    dataset_revision: str | None = flag(
+        None,
+        "A Hub dataset's revision (branch, tag or commit) to read. Default: the revision the chain's checkpoint "
+        "recorded when resuming (so a dataset that gains a revision does not move under the chain), else main.",
+    )
     text_column: str = flag("text", "Column holding the training text (--data_format text).")
     data_format: str = flag(
         "auto",

@@ -59,11 +59,13 @@ def python_docs_chat_rows(min_chars: int = 200) -> list[list[dict[str, str]]]:
     return rows
 
 
-def load_rows(spec: str):
-    """The raw dataset as a `datasets.Dataset` (train split)."""
+def load_rows(spec: str, revision: str | None = None):
+    """The raw dataset as a `datasets.Dataset` (train split); a Hub dataset at `revision` (None: main)."""
     import datasets
 
     datasets.disable_progress_bars()
+    if revision and (spec in BUILTIN_DATASETS or Path(spec).expanduser().exists()):
+        raise DataError(f"--dataset_revision {revision}: only for a Hub dataset id (--dataset {spec} is not one)")
     if spec == BUILTIN_DATASET:
         return datasets.Dataset.from_dict({"text": python_docs_texts()})
     if spec == BUILTIN_CHAT_DATASET:
@@ -88,8 +90,11 @@ def load_rows(spec: str):
         raise DataError(f"--dataset {spec}: no such file or folder")
     try:
         with quiet_hub_logs():
-            return datasets.load_dataset(spec, split="train")
+            return datasets.load_dataset(spec, split="train", revision=revision)
     except Exception as exc:  # noqa: BLE001
+        if revision:
+            raise DataError(f"--dataset {spec}: cannot load revision {revision} from the Hugging Face Hub "
+                            f"({first_line(exc)}); --dataset_revision names another") from None  # fmt: skip
         raise DataError(
             f"--dataset {spec}: cannot load it from the Hugging Face Hub ({first_line(exc)}). "
             f"Check the id and the network, or use --dataset {BUILTIN_DATASET} ({BUILTIN_CHAT_DATASET}) or a local file."

@@ -17,6 +17,7 @@ from fsdp_opt.base import CheckpointError
 from fsdp_opt.checkpoint.chain import ChainStatus, NextRange, next_range
 from fsdp_opt.config.choices import AUTO
 from fsdp_opt.config.parse import Config
+from fsdp_opt.data.pin import with_range
 from fsdp_opt.data.sources import load_rows
 from fsdp_opt.engine.step import TrainState
 from fsdp_opt.hub.lease import TRIES as LEASE_TRIES
@@ -50,7 +51,7 @@ def first_range(config: Config, env: DistEnv) -> Config | None:
         return config
 
     def decide() -> tuple[NextRange | None, int, tuple | None]:
-        rows = len(load_rows(dc.dataset))
+        rows = len(load_rows(dc.dataset, dc.dataset_revision))
         hc = config.hub
         # A repo the token cannot open reads as empty: open (or create) it first, as the uploader would.
         if hc.hf_repo and not HubStore(hc.hf_repo, retries=hc.hub_retries).ensure_repo(private=not hc.hub_public):
@@ -138,7 +139,7 @@ def next_in_session(s: Session, stop: StopControl, trained_here: int) -> bool:
         return False
     config = range_config(s.config, NextRange(*after, resume=s.last_saved_path.name if s.last_saved_path else None,
                                               finishing=False))  # fmt: skip
-    data = read_slice(config, s.tokenizer, s.model_config)
+    data = read_slice(config, s.tokenizer, s.model_config, s.data_revision)
     steps = step_plan(config, s.env, data.blocks, s.layout.batch_size, s.accum_steps).steps_per_epoch()
     step_s = statistics.median(s.step_seconds) if s.step_seconds else 0.0
     left = stop.seconds_left()
@@ -156,6 +157,9 @@ def switch_range(s: Session, config: Config, data: SliceData) -> None:
     """Point the session at the next range, as a new session resuming from the last checkpoint would start it."""
     s.config = config
     s.blocks, s.end_idx, s.eval_blocks = data.blocks, data.end_idx, data.eval_blocks
+    if s.data_pin is not None:  # rank 0
+        s.data_pin = with_range(s.data_pin, s.data_pin["source"], config.data.start_idx, data.end_idx, data.rows_digest,
+                                data.tokens_digest)  # fmt: skip
     s.plan = step_plan(config, s.env, data.blocks, s.layout.batch_size, s.accum_steps)
     s.state = TrainState(s.state.global_step, config.train.initial_epoch, 0)
     seed_dropout(config, s.env)

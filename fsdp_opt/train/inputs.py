@@ -4,14 +4,16 @@ the held-out rows of --eval_rows). Rank 0 reads first (downloads), the other ran
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from fsdp_opt.base import ConfigError
+from fsdp_opt.base import ConfigError, DataError
 from fsdp_opt.config.parse import Config
 from fsdp_opt.config.training import DataConfig
 from fsdp_opt.data.blocks import Blocks, rows_to_blocks
 from fsdp_opt.data.formats import RowSpec, Rows, held_out_rows, resolve_spec, select_rows
+from fsdp_opt.data.pin import described, rows_digest, source_identity, tokens_digest
 from fsdp_opt.data.sources import load_rows
 from fsdp_opt.data.tokens import read_template
 from fsdp_opt.engine.fp16watch import trained_in_bf16
@@ -31,6 +33,8 @@ class SliceData:
     spec: RowSpec  # the rows' format, resolved from the columns under --data_format auto
     train_on: str  # completion | all, resolved
     eval_rows: Rows | None = None  # the held-out rows themselves (their prompts, for generation)
+    rows_digest: str = ""  # fingerprints of the slice's rows and of their tokens (data/pin.py)
+    tokens_digest: str = ""
 
 
 @dataclass
@@ -43,7 +47,7 @@ class Loaded:
     bf16_pretrained: bool  # as the model's files say (building the model sets the config's dtype to the engine's)
 
 
-def read_inputs(config: Config, source: ModelSource) -> Loaded:
+def read_inputs(config: Config, source: ModelSource, revision: str | None = None) -> Loaded:
     mc, dc = config.model, config.data
     model_config, tokenizer = rank0_first(
         lambda: (load_model_config(source, mc.attn_implementation), load_tokenizer(source))
@@ -59,7 +63,7 @@ def read_inputs(config: Config, source: ModelSource) -> Loaded:
     positions = max_positions(model_config)
     if positions is not None and dc.max_length > positions:
         raise ConfigError(f"--max_length {dc.max_length}: {mc.model} has only {positions} positions")
-    return Loaded(model_config, tokenizer, read_slice(config, tokenizer, model_config), bf16_pretrained)
+    return Loaded(model_config, tokenizer, read_slice(config, tokenizer, model_config, revision), bf16_pretrained)
 
 
 def data_spec(dc: DataConfig, column_names) -> tuple[RowSpec, str]:
@@ -73,17 +77,20 @@ def data_spec(dc: DataConfig, column_names) -> tuple[RowSpec, str]:
     return spec, train_on
 
 
-def read_slice(config: Config, tokenizer: PreTrainedTokenizerBase, model_config: PretrainedConfig) -> SliceData:
+def read_slice(config: Config, tokenizer: PreTrainedTokenizerBase, model_config: PretrainedConfig,
+               revision: str | None = None) -> SliceData:  # fmt: skip
     """The slice of config.data as blocks. A range of an auto chain that ends at the end of the data has no rows after
     it: it trains without --eval_rows, with a note, rather than stopping the chain. The chat template (--chat_template,
-    else the tokenizer's own) is set on the tokenizer, which the export saves with the model."""
+    else the tokenizer's own) is set on the tokenizer, which the export saves with the model. A Hub dataset is read
+    at `revision` (the chain's pinned one, or --dataset_revision)."""
     mc, dc = config.model, config.data
+    revision = revision or dc.dataset_revision
     template = all_ranks_ok(lambda: read_template(dc.chat_template, tokenizer))
     if template is not None:
         tokenizer.chat_template = template
 
     def read_data() -> tuple[RowSpec, str, Rows, Rows | None, int]:
-        ds = load_rows(dc.dataset)
+        ds = load_rows(dc.dataset, revision)
         spec, train_on = data_spec(dc, ds.column_names)
         rows = select_rows(ds, spec, dc.start_idx, dc.end_idx)
         held_out = None
@@ -108,7 +115,54 @@ def read_slice(config: Config, tokenizer: PreTrainedTokenizerBase, model_config:
         eval_packing = "concat" if dc.packing == "concat" else "docs"
         eval_blocks = all_ranks_ok(lambda: blocks_of(eval_rows, eval_packing))
     describe_rows(spec, train_on, rows, blocks)
-    return SliceData(blocks, rows.end_idx, eval_blocks, total, spec, train_on, eval_rows)
+    return SliceData(blocks, rows.end_idx, eval_blocks, total, spec, train_on, eval_rows,
+                     rows_digest(rows.rows, rows.indices), tokens_digest(blocks))  # fmt: skip
+
+
+def check_pin(config: Config, pin: dict[str, Any] | None, data: SliceData, tokenizer: PreTrainedTokenizerBase,
+              model_config: PretrainedConfig, revision: str | None, resumed: tuple[int, int] | None) -> dict[str, Any]:  # fmt: skip
+    """Rank 0: the chain's data pin against the data as read now; returns the source as read now.
+
+    The source as recorded: nothing more to read. Another one (a file edited or grown, another revision): every
+    trained range is read again, and one whose rows changed stops the run in one line. The range the checkpoint
+    trained (`resumed`) is tokenized again when it is not this session's: other token ids mean another tokenizer."""
+    dc = config.data
+    source = source_identity(dc.dataset, revision)
+    if not pin:
+        return source
+    trained = pin.get("ranges", [])
+    if source != pin.get("source"):
+        ds = load_rows(dc.dataset, revision)
+        spec, _ = data_spec(dc, ds.column_names)
+        for r in trained:
+            if r["end"] > len(ds):
+                raise DataError(f"--dataset {dc.dataset}: rows [{r['start']}, {r['end']}), trained by this chain, are "
+                                f"gone: it has {len(ds):,} rows now (it was {described(pin.get('source'))}, now "
+                                f"{described(source)}). Restore the data the chain trained on, or start a new chain")  # fmt: skip
+            rows = select_rows(ds, spec, r["start"], r["end"])
+            if rows_digest(rows.rows, rows.indices) != r["rows"]:
+                raise DataError(f"--dataset {dc.dataset}: rows [{r['start']}, {r['end']}), trained by this chain, "
+                                f"changed since (it was {described(pin.get('source'))}, now {described(source)}): the "
+                                "chain would skip rows and train others twice. Restore the data the chain trained on, "
+                                "or start a new chain")  # fmt: skip
+        print0(f"data: {dc.dataset} is not what the chain recorded (it was {described(pin.get('source'))}, now "
+               f"{described(source)}), but the {len(trained)} range(s) it trained have the same rows: going on")  # fmt: skip
+    last = next((r for r in trained if resumed and (r["start"], r["end"]) == resumed), None)
+    if last is not None:
+        if (dc.start_idx, data.end_idx) == resumed:
+            tokens = data.tokens_digest
+        else:
+            ds = load_rows(dc.dataset, revision)
+            rows = select_rows(ds, data.spec, last["start"], last["end"])
+            pattern = mask_pattern(model_config) if dc.packing == "docs" else None
+            tokens = tokens_digest(rows_to_blocks(rows, data.spec, tokenizer, train_on=data.train_on,
+                                                  max_length=dc.max_length, packing=dc.packing,
+                                                  attention=model_config._attn_implementation, pattern=pattern))  # fmt: skip
+        if tokens != last["tokens"]:
+            raise DataError(f"--model {config.model.model}: its tokenizer makes other token ids of rows [{last['start']}, "
+                            f"{last['end']}) than the chain trained on (another tokenizer or its settings): use the "
+                            "tokenizer the chain trained with, or start a new chain")  # fmt: skip
+    return source
 
 
 def describe_rows(spec: RowSpec, train_on: str, rows: Rows, blocks: Blocks) -> None:

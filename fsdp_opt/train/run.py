@@ -24,6 +24,7 @@ from fsdp_opt.checkpoint.resume import restore
 from fsdp_opt.checkpoint.save import BackgroundWriter
 from fsdp_opt.config.choices import AUTO, DTYPES, shard_count
 from fsdp_opt.config.parse import Config
+from fsdp_opt.data.pin import PIN_KEY, pinned_revision, with_range
 from fsdp_opt.engine.fp16watch import Fp16Overflow, overflow_probe
 from fsdp_opt.engine.loss import ChunkedLoss
 from fsdp_opt.engine.optim import LossScaler, LRSchedule, build_optimizer
@@ -61,7 +62,7 @@ from fsdp_opt.tracking.wandb_run import WandbRun
 from fsdp_opt.train.publish import export_final, finish_outside, log_pushed, release_lease, start_uploader
 from fsdp_opt.train.saving import raise_if_write_failed, save, save_estimate, uses_async_save, wait_for_writes
 from fsdp_opt.train.chain import claim, next_in_session, start_status
-from fsdp_opt.train.inputs import Loaded, read_inputs
+from fsdp_opt.train.inputs import Loaded, check_pin, read_inputs
 from fsdp_opt.train.session import Session, seed_dropout, step_plan
 from fsdp_opt.train.summary import print_summary
 
@@ -124,15 +125,25 @@ def setup(config: Config, env: DistEnv, lease: Lease | None = None) -> Session:
     -> build the model (meta, adapters, layout, shard, weights) -> optimizer and position -> the session and its side
     work (summary, fp16 probe, uploads, W&B). Every step is agreed across ranks: a user error anywhere stops all."""
     checked = check_flags(config, env)
-    inputs = read_inputs(config, checked.source)
     read_started = time.perf_counter()
     payload = all_ranks_ok(lambda: read_resume(config.checkpoint.resume_file, Path(config.checkpoint.output_dir),
                                                config.hub.hf_repo, config.hub.hub_retries) if env.is_main else None)  # fmt: skip
     read_seconds = time.perf_counter() - read_started
     changes = all_ranks_ok(lambda: settings_drift(config, payload) if env.is_main else None)
+    pin = payload.get(PIN_KEY) if payload else None
+    # a Hub dataset is read at the revision the chain recorded, unless --dataset_revision names one
+    revision = broadcast_object(config.data.dataset_revision or pinned_revision(pin, config.data.dataset))
+    inputs = read_inputs(config, checked.source, revision)
+    resumed = (payload["slice"]["start_idx"], payload["slice"]["end_idx"]) if pin and payload.get("slice") else None
+    data_source = all_ranks_ok(lambda: check_pin(config, pin, inputs.data, inputs.tokenizer, inputs.model_config,
+                                                 revision, resumed) if env.is_main else None)  # fmt: skip
     built = build_model(config, env, checked, inputs, payload)
     session = make_session(config, env, checked, inputs, built)
     session.lease = lease
+    session.data_revision = revision
+    if env.is_main:
+        d = inputs.data
+        session.data_pin = with_range(pin, data_source, config.data.start_idx, d.end_idx, d.rows_digest, d.tokens_digest)
     if config.checkpoint.resume_file:
         session.settings_changes = all_ranks_ok(
             lambda: record_changes(session, payload, changes) if env.is_main else None) or []

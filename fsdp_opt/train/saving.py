@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_opt.checkpoint.drift import CHANGES_KEY
+from fsdp_opt.data.pin import PIN_KEY
 from fsdp_opt.hub.lease import FileLease
 from fsdp_opt.base import CheckpointError
 from fsdp_opt.checkpoint.atomic import save_or_explain
@@ -90,6 +91,7 @@ def save(s: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
         "lora": s.lora,
         CHAIN_KEY: s.chain_record(),
         CHANGES_KEY: s.settings_changes,
+        PIN_KEY: s.data_pin,
     }
     entry = {
         "global_step": s.state.global_step,
@@ -102,6 +104,7 @@ def save(s: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
         "eval_loss": evaluation["loss"] if evaluation else None,
         CHAIN_KEY: extra[CHAIN_KEY],
         CHANGES_KEY: s.settings_changes,
+        PIN_KEY: s.data_pin,
     }
     kind = "epoch" if epoch_end else "step"
     started = time.perf_counter()

@@ -73,6 +73,8 @@ class Session:
     chain_seconds_before: float = 0.0  # train_seconds of the chain before this session
     rows: dict[str, Any] = field(default_factory=dict)  # the rows' format, resolved: data.formats.row_key
     settings_changes: list[dict[str, Any]] = field(default_factory=list)  # flags changed along the chain (rank 0)
+    data_pin: dict[str, Any] | None = None  # the data the chain trained on (rank 0): data/pin.py
+    data_revision: str | None = None  # a Hub dataset's revision this session reads
     lease: Lease | None = None  # the chain's lease (rank 0): renewed by pushes, or with each save on a shared disk
 
     @property
