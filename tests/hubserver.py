@@ -13,6 +13,9 @@ It serves the routes an upload, a download and storage management use, on 127.0.
   GET  /api/models/{repo}/lfs-files              every LFS object the repo stores
   POST /api/models/{repo}/lfs-files/batch        permanently delete LFS objects
   HEAD/GET /{repo}/resolve/{rev}/{path}          with X-Repo-Commit and ETag; LFS files streamed from disk
+  GET  /api/datasets/{repo}[/revision/{rev}], GET /api/datasets/{repo}/tree/{rev}[/{path}],
+  POST /api/datasets/{repo}/paths-info/{rev}, HEAD/GET /datasets/{repo}/resolve/{rev}/{path}
+                                                 dataset repos (`commit_dataset`), read at main or any commit
 Storage is counted as the Hub counts it: an LFS object keeps counting after the file that used it is deleted or
 replaced, until it is permanently deleted. Use it with HF_HUB_DISABLE_XET=1, so the client takes the LFS path.
 `fail(route, times, status)` makes the next matching requests fail, to test retries.
@@ -61,6 +64,13 @@ class Repo:
     tree: dict[str, Blob] = field(default_factory=dict)
     lfs: dict[str, LfsObject] = field(default_factory=dict)
     commits: list[str] = field(default_factory=list)
+    snapshots: dict[str, dict[str, Blob]] = field(default_factory=dict)  # the tree at each commit
+
+    def tree_at(self, rev: str | None) -> dict[str, Blob] | None:
+        """The tree at a revision: main (the head) or a commit; None for one the repo does not have."""
+        if rev in (None, "main", self.sha):
+            return self.tree
+        return self.snapshots.get(rev)
 
     @property
     def sha(self) -> str:
@@ -94,6 +104,7 @@ class HubServer:
     def __init__(self, token: str | None = None, storage_dir: str | Path | None = None) -> None:
         self.token = token
         self.repos: dict[str, Repo] = {}
+        self.datasets: dict[str, Repo] = {}  # dataset repos, served read-only at any of their revisions
         self.requests: list[Request] = []
         self.commit_bodies: list[bytes] = []
         self.broken_refs: list[str] = []  # files at the head whose LFS object was permanently deleted: must stay empty
@@ -158,6 +169,17 @@ class HubServer:
 
     def files(self, repo_id: str) -> dict[str, bytes]:
         return dict(self.repos[repo_id].files)
+
+    def commit_dataset(self, repo_id: str, files: dict[str, bytes]) -> str:
+        """A new revision of a dataset repo (created if missing) with these files added or replaced; its commit."""
+        with self._lock:
+            repo = self.datasets.setdefault(repo_id, Repo(private=False, server=self))
+            for path, content in files.items():
+                repo.tree[path] = Blob(content, len(content))
+            sha = hashlib.sha1(repo.sha.encode() + json.dumps(sorted(files)).encode() + b"".join(files.values())).hexdigest()
+            repo.commits.append(sha)
+            repo.snapshots[sha] = dict(repo.tree)
+        return sha
 
     def object_path(self, sha256: str) -> Path:
         return self.storage / "objects" / sha256
@@ -225,6 +247,11 @@ class HubServer:
             ("POST", rf"^/api/models/{repo}/lfs-files/batch$", "lfs-delete", self._lfs_delete),
             ("GET", rf"^/api/models/{repo}/tree/(?P<rev>[^/]+)(?:/(?P<sub>.*))?$", "tree", self._tree),
             ("GET", rf"^/api/models/{repo}(?:/revision/(?P<rev>[^/]+))?$", "info", self._info),
+            ("GET", rf"^/api/datasets/{repo}/tree/(?P<rev>[^/]+)(?:/(?P<sub>.*))?$", "dataset-tree", self._dataset_tree),
+            ("POST", rf"^/api/datasets/{repo}/paths-info/(?P<rev>[^/]+)$", "dataset-paths", self._dataset_paths),
+            ("GET", rf"^/api/datasets/{repo}(?:/revision/(?P<rev>[^/]+))?$", "dataset-info", self._dataset_info),
+            ("GET", rf"^/datasets/{repo}/resolve/(?P<rev>[^/]+)/(?P<file>.+)$", "dataset-resolve", self._dataset_resolve),
+            ("HEAD", rf"^/datasets/{repo}/resolve/(?P<rev>[^/]+)/(?P<file>.+)$", "dataset-resolve", self._dataset_resolve),
             ("GET", rf"^/{repo}/resolve/(?P<rev>[^/]+)/(?P<file>.+)$", "resolve", self._resolve),
             ("HEAD", rf"^/{repo}/resolve/(?P<rev>[^/]+)/(?P<file>.+)$", "resolve", self._resolve),
         ]
@@ -371,6 +398,7 @@ class HubServer:
                         repo.lfs[blob.sha256].filename = p
             sha = hashlib.sha1(repo.sha.encode() + body).hexdigest()
             repo.commits.append(sha)
+            repo.snapshots[sha] = dict(repo.tree)
         return 200, {}, {"commitUrl": f"{self.url}/{repo_id}/commit/{sha}", "commitOid": sha, "success": True}
 
     def _info(self, h, body: bytes, repo_id: str, rev: str | None):
@@ -447,6 +475,79 @@ class HubServer:
             return 200, headers, self.object_path(blob.sha256)
         headers["ETag"] = f'"{_git_oid(blob.content)}"'
         return 200, headers, blob.content
+
+
+    # ------------------------------------------------------------ dataset repos, at any revision
+
+    def _dataset(self, repo_id: str, rev: str | None):
+        repo = self.datasets.get(repo_id)
+        if repo is None:
+            return None, None, self._not_found("RepoNotFound")
+        tree = repo.tree_at(rev)
+        if tree is None:
+            return None, None, self._not_found("RevisionNotFound")
+        sha = repo.sha if rev in (None, "main") else rev
+        return repo, (tree, sha), None
+
+    def _dataset_info(self, h, body: bytes, repo_id: str, rev: str | None):
+        repo, at, error = self._dataset(repo_id, rev)
+        if error:
+            return error
+        tree, sha = at
+        return 200, {}, {"id": repo_id, "sha": sha, "private": False, "siblings": [{"rfilename": p} for p in sorted(tree)],
+                         "cardData": {}, "tags": [], "lastModified": "2026-01-01T00:00:00.000Z"}
+
+    def _entry(self, path: str, blob: Blob) -> dict:
+        return {"type": "file", "oid": _git_oid(_pointer(blob)), "size": blob.size, "path": path}
+
+    def _dataset_tree(self, h, body: bytes, repo_id: str, rev: str, sub: str | None):
+        repo, at, error = self._dataset(repo_id, rev)
+        if error:
+            return error
+        tree, _ = at
+        recursive = "recursive=true" in (urlparse(h.path).query or "").lower()
+        prefix = (sub.strip("/") + "/") if sub else ""
+        entries, folders = [], set()
+        for p, blob in sorted(tree.items()):
+            if not p.startswith(prefix):
+                continue
+            parts = p[len(prefix) :].split("/")
+            for i in range(1, len(parts)):
+                folder = prefix + "/".join(parts[:i])
+                if (recursive or i == 1) and folder not in folders:
+                    folders.add(folder)
+                    entries.append({"type": "directory", "oid": "0" * 40, "size": 0, "path": folder})
+            if recursive or len(parts) == 1:
+                entries.append(self._entry(p, blob))
+        return 200, {}, entries
+
+    def _dataset_paths(self, h, body: bytes, repo_id: str, rev: str):
+        repo, at, error = self._dataset(repo_id, rev)
+        if error:
+            return error
+        tree, _ = at
+        from urllib.parse import parse_qs
+
+        asked = json.loads(body)["paths"] if body.strip().startswith(b"{") else parse_qs(body.decode()).get("paths", [])
+        out = []
+        for p in asked:
+            p = p.strip("/")
+            if p in tree:
+                out.append(self._entry(p, tree[p]))
+            elif any(q.startswith(p + "/") for q in tree) or p == "":
+                out.append({"type": "directory", "oid": "0" * 40, "size": 0, "path": p})
+        return 200, {}, out
+
+    def _dataset_resolve(self, h, body: bytes, repo_id: str, rev: str, file: str):
+        repo, at, error = self._dataset(repo_id, rev)
+        if error:
+            return error
+        tree, sha = at
+        blob = tree.get(file)
+        if blob is None:
+            return self._not_found("EntryNotFound")
+        return 200, {"X-Repo-Commit": sha, "ETag": f'"{_git_oid(blob.content)}"',
+                     "Content-Type": "application/octet-stream"}, blob.content
 
 
 def _read_body(h: BaseHTTPRequestHandler) -> bytes:
