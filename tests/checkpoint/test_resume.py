@@ -24,6 +24,7 @@ from conftest import (
 )
 
 from fsdp_opt.checkpoint.drift import CHANGES_KEY
+from fsdp_opt.hub.lease import LOCAL_LEASE
 from fsdp_opt.checkpoint.names import MODEL_KEY, checkpoint_name, list_checkpoints
 from fsdp_opt.checkpoint.save import EPOCHS_KEY, STEP_KEY
 
@@ -218,10 +219,12 @@ def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path):
     deadline = time.time() + 120
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3) and time.time() < deadline:
         time.sleep(0.05)
+    assert (out / LOCAL_LEASE).exists()  # the chain's lease, held while the session runs
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr[-3000:]
     assert "stopping: received SIGTERM" in stdout
+    assert not (out / LOCAL_LEASE).exists()  # ... and given back on the way out
     line = stdout.splitlines()[stdout.splitlines().index("resume with:") + 1].strip()
     assert line.startswith("python fsdp_finetune.py") and "--resume_file" in line
     name = line.split("--resume_file ")[1].split()[0]
@@ -239,6 +242,7 @@ def test_time_limit_saves_before_the_budget_and_prints_the_resume_command(tmp_pa
     took = time.time() - started
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "stopping: time limit" in proc.stdout and "--resume_file" in proc.stdout
+    assert f"chain: lease on {out} taken for rows [0, {END})" in proc.stdout and not (out / LOCAL_LEASE).exists()
     assert "torchrun --standalone --nproc_per_node=2 fsdp_finetune.py" in proc.stdout
     steps = len(read_jsonl(out / "metrics.jsonl"))
     lines = proc.stdout.splitlines()
