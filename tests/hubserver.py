@@ -418,23 +418,7 @@ class HubServer:
         repo = self._repo(h, repo_id)
         if repo is None:
             return self._not_found("RepoNotFound")
-        recursive = "recursive=true" in (urlparse(h.path).query or "").lower()
-        prefix = (sub.strip("/") + "/") if sub else ""
-        entries, folders = [], set()
-        for p, blob in sorted(repo.tree.items()):
-            if not p.startswith(prefix):
-                continue
-            parts = p[len(prefix) :].split("/")
-            for i in range(1, len(parts)):
-                folder = prefix + "/".join(parts[:i])
-                if (recursive or i == 1) and folder not in folders:
-                    folders.add(folder)
-                    entries.append({"type": "directory", "oid": "0" * 40, "size": 0, "path": folder})
-            if recursive or len(parts) == 1:
-                entry = {"type": "file", "oid": _git_oid(_pointer(blob)), "size": blob.size, "path": p}
-                if blob.sha256:
-                    entry["lfs"] = {"oid": blob.sha256, "size": blob.size, "pointerSize": len(_pointer(blob))}
-                entries.append(entry)
+        entries = _listing(repo.tree, h, sub)
         if sub and not entries:
             return self._not_found("EntryNotFound")
         return 200, {}, entries
@@ -497,29 +481,11 @@ class HubServer:
         return 200, {}, {"id": repo_id, "sha": sha, "private": False, "siblings": [{"rfilename": p} for p in sorted(tree)],
                          "cardData": {}, "tags": [], "lastModified": "2026-01-01T00:00:00.000Z"}
 
-    def _entry(self, path: str, blob: Blob) -> dict:
-        return {"type": "file", "oid": _git_oid(_pointer(blob)), "size": blob.size, "path": path}
-
     def _dataset_tree(self, h, body: bytes, repo_id: str, rev: str, sub: str | None):
         repo, at, error = self._dataset(repo_id, rev)
         if error:
             return error
-        tree, _ = at
-        recursive = "recursive=true" in (urlparse(h.path).query or "").lower()
-        prefix = (sub.strip("/") + "/") if sub else ""
-        entries, folders = [], set()
-        for p, blob in sorted(tree.items()):
-            if not p.startswith(prefix):
-                continue
-            parts = p[len(prefix) :].split("/")
-            for i in range(1, len(parts)):
-                folder = prefix + "/".join(parts[:i])
-                if (recursive or i == 1) and folder not in folders:
-                    folders.add(folder)
-                    entries.append({"type": "directory", "oid": "0" * 40, "size": 0, "path": folder})
-            if recursive or len(parts) == 1:
-                entries.append(self._entry(p, blob))
-        return 200, {}, entries
+        return 200, {}, _listing(at[0], h, sub)
 
     def _dataset_paths(self, h, body: bytes, repo_id: str, rev: str):
         repo, at, error = self._dataset(repo_id, rev)
@@ -533,7 +499,7 @@ class HubServer:
         for p in asked:
             p = p.strip("/")
             if p in tree:
-                out.append(self._entry(p, tree[p]))
+                out.append(_entry(p, tree[p]))
             elif any(q.startswith(p + "/") for q in tree) or p == "":
                 out.append({"type": "directory", "oid": "0" * 40, "size": 0, "path": p})
         return 200, {}, out
@@ -548,6 +514,32 @@ class HubServer:
             return self._not_found("EntryNotFound")
         return 200, {"X-Repo-Commit": sha, "ETag": f'"{_git_oid(blob.content)}"',
                      "Content-Type": "application/octet-stream"}, blob.content
+
+
+def _entry(path: str, blob: Blob) -> dict:
+    entry = {"type": "file", "oid": _git_oid(_pointer(blob)), "size": blob.size, "path": path}
+    if blob.sha256:
+        entry["lfs"] = {"oid": blob.sha256, "size": blob.size, "pointerSize": len(_pointer(blob))}
+    return entry
+
+
+def _listing(tree: dict[str, Blob], h: BaseHTTPRequestHandler, sub: str | None) -> list[dict]:
+    """A tree listing: the files and folders under `sub`, one level or (?recursive=true) all of them."""
+    recursive = "recursive=true" in (urlparse(h.path).query or "").lower()
+    prefix = (sub.strip("/") + "/") if sub else ""
+    entries, folders = [], set()
+    for p, blob in sorted(tree.items()):
+        if not p.startswith(prefix):
+            continue
+        parts = p[len(prefix) :].split("/")
+        for i in range(1, len(parts)):
+            folder = prefix + "/".join(parts[:i])
+            if (recursive or i == 1) and folder not in folders:
+                folders.add(folder)
+                entries.append({"type": "directory", "oid": "0" * 40, "size": 0, "path": folder})
+        if recursive or len(parts) == 1:
+            entries.append(_entry(p, blob))
+    return entries
 
 
 def _read_body(h: BaseHTTPRequestHandler) -> bytes:
