@@ -17,6 +17,11 @@ def flag(default: Any, help: str, **argparse_kwargs: Any) -> Any:
     return field(default=default, metadata={"help": help, **argparse_kwargs})
 
 
+def tri_state(help: str) -> Any:
+    """A flag of auto | true | false (default auto: the run decides); a bare `--flag` means true."""
+    return flag("auto", help, type=str.lower, choices=["auto", "true", "false"], nargs="?", const="true")
+
+
 def parse_bool(text: str | bool) -> bool:
     if isinstance(text, bool):
         return text

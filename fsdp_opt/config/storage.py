@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from fsdp_opt.base import ConfigError, parse_size
 from fsdp_opt.config.choices import STATE_DICT_TYPES
-from fsdp_opt.config.flags import flag, parse_duration
+from fsdp_opt.config.flags import flag, parse_duration, tri_state
 
 
 @dataclass
@@ -37,14 +37,9 @@ class CheckpointConfig:
         choices=STATE_DICT_TYPES,
     )
     save_optimizer: bool = flag(True, "Include the optimizer state (false: weights only, about a third of the size).")
-    async_save: str = flag(
-        "auto",
+    async_save: str = tri_state(
         "Write a full checkpoint in a background thread while training goes on (the gather still pauses it). "
-        "auto: on with CUDA; off on CPU, where the write would compete with the steps for cores and memory.",
-        type=str.lower,
-        choices=["auto", "true", "false"],
-        nargs="?",
-        const="true",
+        "auto: on with CUDA; off on CPU, where the write would compete with the steps for cores and memory."
     )
     export_hf: str | None = flag(
         None, "After training, write a Hugging Face model folder (safetensors, tokenizer) to this directory."

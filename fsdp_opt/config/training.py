@@ -19,7 +19,7 @@ from fsdp_opt.config.choices import (
     T4_LINK_GBPS,
     TRAIN_ON,
 )
-from fsdp_opt.config.flags import flag, parse_batch, parse_start
+from fsdp_opt.config.flags import flag, parse_batch, parse_start, tri_state
 
 
 @dataclass
@@ -252,16 +252,11 @@ class ParallelConfig:
     )
     activation_checkpointing: bool = flag(True, "Recompute each decoder layer in backward to save memory.")
     cpu_offload: bool = flag(False, "Keep sharded parameters, gradients and optimizer state in CPU memory.")
-    reduce_every_microbatch: str = flag(
-        "auto",
+    reduce_every_microbatch: str = tri_state(
         "Reduce-scatter gradients after every micro-batch instead of only the last one of a step: less memory "
         "(no unsharded fp32 gradient kept between micro-batches, 4 bytes per parameter), more communication. "
         "auto: on a GPU, whichever of the two fits with the shorter predicted step (without sync when both fit); "
-        "never on CPU.",
-        type=str.lower,
-        choices=["auto", "true", "false"],
-        nargs="?",
-        const="true",
+        "never on CPU."
     )
     reduce_dtype: str = flag(
         "fp32",
