@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import logging as _logging
 
+from fsdp_opt.base import VERSION as __version__
 from fsdp_opt.runtime.torchao_gate import gate
-
-__version__ = "0.1.0"
 
 # transformers imports torchao (the NF4 tensor of --base_bits 4) whenever it is installed. torchao then reports the
 # compiled kernels it has for other hardware failing to load, and torch warns about how it registers its enums: none

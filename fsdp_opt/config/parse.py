@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from fsdp_opt.base import ConfigError
+from fsdp_opt.base import VERSION, ConfigError
 from fsdp_opt.config.choices import AUTO
 from fsdp_opt.config.flags import OneLineParser, parse_bool
 from fsdp_opt.config.storage import CheckpointConfig, HubConfig, WandbConfig
@@ -83,6 +83,7 @@ def build_parser(prog: str = "fsdp_finetune.py", description: str | None = None)
                 kwargs.update(nargs="?", const=True, metavar="BOOL")
             kwargs.update(meta)
             group.add_argument(f"--{f.name}", *aliases, dest=f.name, **kwargs)
+    parser.add_argument("--version", action="version", version=f"fsdp-opt {VERSION}", help="print the version and exit")
     return parser
 
 

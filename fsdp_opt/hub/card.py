@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from fsdp_opt.base import VERSION
 from fsdp_opt.checkpoint.drift import CHANGES_KEY
 from fsdp_opt.checkpoint.chain import CHAIN_KEY, ChainStatus
 
@@ -34,6 +35,7 @@ def run_info(flat_config: dict[str, Any], *, world_size: int, global_batch: int,
         "chat_template": chat_template if (rows or {}).get("data_format", "text") != "text" else None,
         "parameters": n_params,
         "hyperparameters": hyper,
+        "fsdp_opt_version": VERSION,
     }
 
 
@@ -108,7 +110,7 @@ def render_card(repo_id: str, index: dict[str, Any]) -> str:
         f"# {repo_id.split('/')[-1]}",
         "",
         f"Fine-tuned from **{base}** on **{dataset}** ({_data_line(run)}) with "
-        "fsdp-opt, one session per row range. The sessions resume each other exactly, so together they are "
+        f"fsdp-opt {run.get('fsdp_opt_version', '')}".rstrip() + ", one session per row range. The sessions resume each other exactly, so together they are "
         "one training run."
         + (f" LoRA adapters of rank {lora_rank} were trained on the frozen base; the checkpoints hold the adapters "
            "only, never the base." if lora_rank else ""),

@@ -13,7 +13,7 @@ from typing import Any
 from fsdp_opt.checkpoint.drift import CHANGES_KEY
 from fsdp_opt.data.pin import PIN_KEY
 from fsdp_opt.hub.lease import FileLease
-from fsdp_opt.base import CheckpointError
+from fsdp_opt.base import VERSION, CheckpointError
 from fsdp_opt.checkpoint.atomic import save_or_explain
 from fsdp_opt.checkpoint.chain import CHAIN_KEY
 from fsdp_opt.checkpoint.names import checkpoint_name
@@ -92,6 +92,7 @@ def save(s: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
         CHAIN_KEY: s.chain_record(),
         CHANGES_KEY: s.settings_changes,
         PIN_KEY: s.data_pin,
+        "fsdp_opt_version": VERSION,
     }
     entry = {
         "global_step": s.state.global_step,
