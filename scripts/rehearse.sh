@@ -5,9 +5,9 @@
 #           transformers 5.0.0, peft 0.19.1, torchao 0.10.0 and the rest of its set, preinstalled as Kaggle has them.
 #   floor   the lowest versions requirements.txt admits (requirements-floors.txt) with torch 2.8.0, on Python 3.10.
 #
-# It builds a virtualenv from exactly that set, installs fsdp-opt from its wheel as the README's Kaggle section says,
+# It builds a virtualenv from exactly that set, installs fsdp-opt from its wheel as docs/kaggle.md says,
 # checks that the platform's torch is kept, then runs on CPU with 2 processes: a training run and its resume into the
-# next range; LoRA; LoRA on a 4-bit base after the README's torchao install line; a Gemma 3 model with a sliding window
+# next range; LoRA; LoRA on a 4-bit base after the torchao install line the run names; a Gemma 3 model with a sliding window
 # on chat data (chain and LoRA); each --packing; evaluate; plan; and both notebooks. Each step prints "ok: ..." or stops the script with "FAILED: ...". The first run downloads several
 # GB (torch's CUDA packages); later runs reuse pip's cache. Not part of CI (about 15 minutes): run it before a release.
 set -euo pipefail
@@ -59,7 +59,7 @@ python -m pip install -q "$TORCH" "${PACKAGES[@]}"
 TORCH_BEFORE="$(python -c 'import torch; print(torch.__version__)')"
 python -m pip list 2>/dev/null | grep -i -E '^(torch|torchao|transformers|peft|datasets|huggingface.hub|wandb|accelerate|safetensors) ' || true
 
-step "fsdp-opt from its wheel, as the README's Kaggle section installs it"
+step "fsdp-opt from its wheel, as docs/kaggle.md installs it"
 rm -rf "$WORK/dist"
 python -m pip install -q build
 python -m build --wheel --outdir "$WORK/dist" "$REPO" >/dev/null

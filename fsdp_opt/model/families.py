@@ -140,7 +140,7 @@ def mask_pattern(config: PretrainedConfig) -> MaskPattern | None:
 
 
 def families_markdown() -> str:
-    """The README's table of the tested families, from FAMILIES (a test keeps the README's copy equal to this)."""
+    """The table of the tested families in docs/models.md, from FAMILIES (a test keeps the page's copy equal to this)."""
     masks = {"one": "one mask for every layer (its window, when the config sets one)",
              "by_layer_type": "a mask per layer type (full, sliding)"}  # fmt: skip
     lines = ["| family | model_type | block (one FSDP unit) | attention | masks under docs packing | BOS | LoRA targets "

@@ -1,6 +1,6 @@
 """The table of what fits: every model of the built-in catalogue (model/catalog.py), for full fine-tuning, LoRA and
 LoRA on a 4-bit base, each at the fastest configuration the search finds for the GPUs given. `python -m fsdp_opt.plan
---catalog` prints it; the README's table is that output (a test holds them equal)."""
+--catalog` prints it; docs/models.md's table is that output (a test holds them equal)."""
 
 from __future__ import annotations
 

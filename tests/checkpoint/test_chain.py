@@ -1,5 +1,5 @@
 """--start_idx auto's arithmetic: the next range from the newest checkpoint's name, where the chain stands, and when a
-further range fits in a session. Expected values are written out by hand from the rules in the README."""
+further range fits in a session. Expected values are written out by hand from the rules in docs/kaggle.md."""
 
 from __future__ import annotations
 

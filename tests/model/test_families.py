@@ -178,7 +178,7 @@ def test_a_family_whose_tokenizer_adds_no_bos_gets_one_line(tokenizer, tmp_path)
     assert bos_note(CONFIGS["qwen3"](), tokenizer) is None  # Qwen's tokenizer adds none, as its pretraining had none
 
 
-def test_the_readme_table_of_families_is_the_registry():
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+def test_the_docs_table_of_families_is_the_registry():
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "models.md").read_text()
     table = readme.split("<!-- families-table -->\n", 1)[1].split("\n<!-- /families-table -->", 1)[0]
     assert table == families_markdown()
