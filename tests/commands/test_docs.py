@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
-from conftest import ROOT
+from conftest import ROOT, sandbox_env
 
 from fsdp_opt.config.parse import build_parser
-from fsdp_opt.docs import FLAGS_PAGE, flags_markdown, stale
+from fsdp_opt.docs import FLAGS_PAGE, command_blocks, flags_markdown, run_blocks, stale
 
 
 def test_the_flags_page_is_the_parsers():
@@ -33,3 +34,25 @@ def test_a_flag_the_page_lacks_fails_the_check(tmp_path):
                           capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 1 and "stale: docs/flags.md" in proc.stdout
     assert stale(tmp_path) == [str(FLAGS_PAGE)]
+
+
+def test_every_command_block_of_the_readme_and_docs_runs_or_says_why_not(tmp_path):
+    """The docs check: each ```bash / ```python block runs here from the checkout and exits 0, or the line before it
+    says why it cannot (a GPU, the network, a Kaggle cell) or names the test that runs it."""
+    blocks = command_blocks(ROOT)
+    run = [b for b in blocks if b.marker is None]
+    assert {b.page for b in run} >= {"docs/planner.md", "docs/launching.md", "docs/lora.md", "docs/kaggle.md"}
+    assert all(b.marker.startswith(("not run here: needs", "not run here: a Kaggle", "run by tests/"))
+               for b in blocks if b.marker)  # fmt: skip
+    env = sandbox_env(tmp_path, WANDB_MODE="disabled")
+    assert run_blocks(ROOT, blocks, timeout=600, env=env) == []
+    shutil.rmtree(ROOT / "outputs" / "cpu", ignore_errors=True)  # what the CPU launch example wrote
+
+
+def test_the_docs_check_fails_on_a_block_that_fails_or_names_no_test(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text("# x\n\n```bash\ntrue\n```\n\n```bash\nfalse\n```\n")
+    (tmp_path / "docs" / "page.md").write_text("<!-- run by tests/nowhere.py -->\n```python\nprint(1)\n```\n\n"
+                                               "<!-- not run here: needs a GPU -->\n```bash\nnvidia-smi\n```\n")  # fmt: skip
+    failures = run_blocks(tmp_path, command_blocks(tmp_path))
+    assert failures == ["README.md:7: exit 1 ()", "docs/page.md:2: the test it names, tests/nowhere.py, does not exist"]
