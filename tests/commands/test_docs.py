@@ -56,3 +56,18 @@ def test_the_docs_check_fails_on_a_block_that_fails_or_names_no_test(tmp_path):
                                                "<!-- not run here: needs a GPU -->\n```bash\nnvidia-smi\n```\n")  # fmt: skip
     failures = run_blocks(tmp_path, command_blocks(tmp_path))
     assert failures == ["README.md:7: exit 1 ()", "docs/page.md:2: the test it names, tests/nowhere.py, does not exist"]
+
+
+def test_the_version_is_one_number_everywhere():
+    from importlib.metadata import version
+
+    from fsdp_opt.base import VERSION
+    from fsdp_opt.hub.card import render_card, run_info
+
+    proc = subprocess.run([sys.executable, "-m", "fsdp_opt", "--version"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"fsdp-opt {VERSION}"
+    assert version("fsdp-opt") == VERSION  # pyproject.toml reads it
+    run = run_info({"model": "tiny-opt", "dataset": "python-docs"}, world_size=2, global_batch=8, n_params=1)
+    assert f"with fsdp-opt {VERSION}, one session per row range" in render_card("me/run", {"run": run, "checkpoints": {}})
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    assert f"## {VERSION} (" in changelog

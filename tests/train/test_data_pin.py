@@ -11,6 +11,7 @@ from pathlib import Path
 from conftest import assert_clean_failure, make_local_model, run_cli, sandbox_env, saved_names
 import torch
 
+from fsdp_opt.base import VERSION
 from fsdp_opt.data.pin import PIN_KEY
 from fsdp_opt.data.sources import python_docs_texts
 
@@ -33,7 +34,9 @@ def test_rows_appended_go_on_rows_edited_inside_a_trained_range_are_refused(tmp_
     data, out = _rows(tmp_path / "rows.jsonl"), tmp_path / "out"
     first = run_cli(chain("tiny-opt", data, out), tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
-    pin = torch.load(out / "tiny_opt_0-60-epoch-1.pt", weights_only=True)[PIN_KEY]
+    saved = torch.load(out / "tiny_opt_0-60-epoch-1.pt", weights_only=True)
+    assert saved["fsdp_opt_version"] == VERSION
+    pin = saved[PIN_KEY]
     assert pin["source"]["kind"] == "file" and pin["source"]["bytes"] == data.stat().st_size
     assert [(r["start"], r["end"]) for r in pin["ranges"]] == [(0, 60)] and len(pin["ranges"][0]["rows"]) == 32
 
