@@ -14,6 +14,7 @@ is not compared: the same global batch gives the same steps on any machine.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from fsdp_opt.base import ConfigError
@@ -48,6 +49,15 @@ NOT_COMPARED = {
 }  # fmt: skip
 
 
+# A local model folder or data file is often found at another path on the next machine: the same name counts as the
+# same one. What it holds is checked anyway: the checkpoint's shapes against the model, the data pin against the rows.
+SAME_BY_NAME = ("model", "dataset")
+
+
+def _name(value: Any) -> str:
+    return Path(str(value).rstrip("/\\")).name
+
+
 def _shown(value: Any) -> str:
     if value is None:
         return "(not set)"
@@ -66,7 +76,10 @@ def compare(saved: dict[str, Any] | None, now: dict[str, Any]) -> list[dict[str,
             continue
         if str(saved[name]) == str(value):  # 3e-4 read back as 0.0003, a tuple saved as a list
             continue
-        changes.append({"flag": name, "from": saved[name], "to": value, "breaks": BREAKING.get(name)})
+        breaks = BREAKING.get(name)
+        if name in SAME_BY_NAME and _name(saved[name]) == _name(value):
+            breaks = None  # the same folder or file found at another path (another machine, a new input mount)
+        changes.append({"flag": name, "from": saved[name], "to": value, "breaks": breaks})
     return sorted(changes, key=lambda c: c["breaks"] is None)
 
 
@@ -79,7 +92,12 @@ def global_batch_change(saved_batch: int | None, batch: int, mid_range: bool) ->
 
 
 def line(change: dict[str, Any]) -> str:
-    what = f"breaks exactness: {change['breaks']}" if change["breaks"] else "a choice: applied from this session on"
+    if change["breaks"]:
+        what = f"breaks exactness: {change['breaks']}"
+    elif change["flag"] in SAME_BY_NAME:
+        what = "the same name at another path: taken as the same one, and its contents checked"
+    else:
+        what = "a choice: applied from this session on"
     return f"settings: --{change['flag']} {_shown(change['from'])} -> {_shown(change['to'])} ({what})"
 
 

@@ -40,6 +40,14 @@ def test_changes_that_are_choices(argv, flag):
     assert line(got[0]).endswith("(a choice: applied from this session on)")
 
 
+def test_a_model_folder_or_data_file_at_another_path_is_the_same_one():
+    moved = compare({**SAVED, "model": "model", "dataset": "/kaggle/input/rows-v1/rows.jsonl"},
+                    {**SAVED, "model": "/tmp/work/model", "dataset": "/kaggle/input/rows-v2/rows.jsonl"})  # fmt: skip
+    assert [(c["flag"], c["breaks"]) for c in moved] == [("model", None), ("dataset", None)]
+    other = compare({**SAVED, "model": "/data/model-a"}, {**SAVED, "model": "/data/model-b"})
+    assert other[0]["breaks"] == BREAKING["model"]
+
+
 def test_what_is_not_compared_and_values_read_back():
     # where the session is in the chain and how this machine lays a step out
     assert changed("--start_idx", "5000", "--end_idx", "10000", "--batch_size", "8", "--accum_steps", "2",
