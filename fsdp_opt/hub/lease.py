@@ -26,7 +26,8 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from fsdp_opt.hub.store import HubStore, status_code
+from fsdp_opt.base import ConfigError
+from fsdp_opt.hub.store import HubStore, describe, status_code
 
 LEASE_FILE = "fsdp_opt_lease.json"  # at the root of the Hub repo
 LOCAL_LEASE = ".fsdp_opt_lease.json"  # in --output_dir
@@ -158,7 +159,10 @@ class FileLease(Lease):
 
     def take(self, take_over: bool, head: str | None = None) -> Outcome:
         self.made_folder = not self.path.parent.exists()  # a run that writes nothing else leaves no folder behind
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"--output_dir {self.where}: cannot write there ({exc.strerror or exc})") from None
         note = None
         for _ in range(TRIES):
             try:
@@ -203,9 +207,12 @@ class HubLease(Lease):
         self.store = store
         self.where = store.repo_id
 
-    def head(self) -> str:
-        """The repo's head commit (the repo must exist)."""
-        return self.store._call(lambda: self.store.api.model_info(self.store.repo_id)).sha
+    def head(self) -> str | None:
+        """The repo's head commit; None when the Hub cannot say now (then `take` reads it itself)."""
+        try:
+            return self.store._call(lambda: self.store.api.model_info(self.store.repo_id)).sha
+        except Exception:  # noqa: BLE001
+            return None
 
     def current(self) -> Holder | None:
         import tempfile
@@ -216,9 +223,10 @@ class HubLease(Lease):
             return Holder.from_bytes(self.store.fetch(LEASE_FILE, Path(tmp) / LEASE_FILE).read_bytes())
 
     def _commit(self, ops: list, message: str, parent: str) -> bool:
-        """One commit on `parent`; False when another commit landed first (HTTP 412)."""
+        """One commit on `parent` (network errors and 5xx retried); False when another commit landed first (412)."""
         try:
-            self.store.api.create_commit(self.store.repo_id, ops, commit_message=message, parent_commit=parent)
+            self.store._call(lambda: self.store.api.create_commit(self.store.repo_id, ops, commit_message=message,
+                                                                  parent_commit=parent))  # fmt: skip
         except Exception as exc:  # noqa: BLE001
             if status_code(exc) == 412:
                 return False
@@ -230,13 +238,17 @@ class HubLease(Lease):
         `conflict` when the head has moved since: the caller decides again and calls this with the new head."""
         from huggingface_hub import CommitOperationAdd
 
-        parent = head or self.head()
-        refusal, note = self._judge(self.current(), take_over)
-        if refusal:
-            return Outcome(False, refusal)
-        op = CommitOperationAdd(LEASE_FILE, self.holder.to_bytes())
-        if not self._commit([op], f"fsdp-opt: lease for session {self.holder.session[:8]}", parent):
-            return Outcome(False, "", conflict=True)
+        try:
+            parent = head or self.head()
+            refusal, note = self._judge(self.current(), take_over)
+            if refusal:
+                return Outcome(False, refusal)
+            op = CommitOperationAdd(LEASE_FILE, self.holder.to_bytes())
+            if not self._commit([op], f"fsdp-opt: lease for session {self.holder.session[:8]}", parent):
+                return Outcome(False, "", conflict=True)
+        except Exception as exc:  # noqa: BLE001 - the Hub failing after its retries: train, as the uploads would retry
+            return Outcome(True, f"warning: the chain's lease on {self.where} could not be taken ({describe(exc)}): "
+                                 "this session trains without it")  # fmt: skip
         return self._taken(note)
 
     def still_held(self) -> bool:
