@@ -173,7 +173,9 @@ def settings_drift(config: Config, payload: dict[str, Any] | None) -> list[dict[
     the run here, before anything is built, unless --allow_changes."""
     if payload is None:
         return []
-    changes = compare(payload.get("config"), config.flat())
+    # A LoRA checkpoint's base is checked by its fingerprint (model.adapters.check_resume), a stronger test than a name
+    saved = {k: v for k, v in (payload.get("config") or {}).items() if not (k == "model" and payload.get(KEY))}
+    changes = compare(saved, config.flat())
     for change in changes:
         print0(drift_line(change))
     refuse_if_breaking(changes, config.checkpoint.allow_changes, Path(payload["_path"]).name)
