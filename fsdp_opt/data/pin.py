@@ -93,8 +93,15 @@ def described(source: dict[str, Any] | None) -> str:
     return source["name"]
 
 
-def with_range(pin: dict[str, Any] | None, source: dict[str, Any], start: int, end: int, rows: str, tokens: str) -> dict[str, Any]:
-    """The pin after training rows [start, end): the source as read now, and this range's fingerprints."""
+def packed_as(max_length: int, packing: str) -> dict[str, Any]:
+    """The settings a range's token fingerprint depends on."""
+    return {"max_length": max_length, "packing": packing}
+
+
+def with_range(pin: dict[str, Any] | None, source: dict[str, Any], start: int, end: int, rows: str, tokens: str,
+               blocks: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """The pin after training rows [start, end): the source as read now, and this range's fingerprints. `blocks`:
+    the settings the tokens were packed under (max_length, packing), which their fingerprint depends on."""
     ranges = [r for r in (pin or {}).get("ranges", []) if (r["start"], r["end"]) != (start, end)]
-    ranges.append({"start": start, "end": end, "rows": rows, "tokens": tokens})
+    ranges.append({"start": start, "end": end, "rows": rows, "tokens": tokens, **(blocks or {})})
     return {"source": source, "ranges": sorted(ranges, key=lambda r: (r["start"], r["end"]))}

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -33,6 +34,8 @@ LEASE_FILE = "fsdp_opt_lease.json"  # at the root of the Hub repo
 LOCAL_LEASE = ".fsdp_opt_lease.json"  # in --output_dir
 HOLD_WITHOUT_LIMIT_S = 12 * 3600  # a session with no --time_limit: Kaggle's longest session
 TRIES = 8  # commits that lose a race are tried again against the new head this many times
+COMMIT_WAIT_S = 15.0  # the most a session waits for its lease commit before it trains without waiting
+RELEASE_WAIT_S = 10.0  # the most a session waits at exit to give the lease back
 
 
 def _iso(t: float) -> str:
@@ -233,6 +236,29 @@ class HubLease(Lease):
             raise
         return True
 
+    def _commit_within(self, ops: list, message: str, parent: str | None, timeout: float, then_held: bool) -> bool | None:
+        """`_commit` that waits at most `timeout` seconds: None when the Hub has not answered by then. The commit may
+        still land later; with `then_held` the lease is then held (and released at exit) all the same."""
+        result: dict[str, object] = {}
+
+        def work() -> None:
+            try:
+                result["ok"] = self._commit(ops, message, parent)
+            except Exception as exc:  # noqa: BLE001
+                result["error"] = exc
+            if then_held and result.get("ok") and result.get("late"):
+                self.held = True
+
+        thread = threading.Thread(target=work, name="fsdp-opt-lease", daemon=True)
+        thread.start()
+        thread.join(timeout)
+        if thread.is_alive():
+            result["late"] = True
+            return None
+        if "error" in result:
+            raise result["error"]  # type: ignore[misc]
+        return bool(result["ok"])
+
     def take(self, take_over: bool, head: str | None = None) -> Outcome:
         """Take the lease in a commit on `head` (the commit the caller decided its range at; None: read it now).
         `conflict` when the head has moved since: the caller decides again and calls this with the new head."""
@@ -244,7 +270,12 @@ class HubLease(Lease):
             if refusal:
                 return Outcome(False, refusal)
             op = CommitOperationAdd(LEASE_FILE, self.holder.to_bytes())
-            if not self._commit([op], f"fsdp-opt: lease for session {self.holder.session[:8]}", parent):
+            landed = self._commit_within([op], f"fsdp-opt: lease for session {self.holder.session[:8]}", parent,
+                                         COMMIT_WAIT_S, then_held=True)  # fmt: skip
+            if landed is None:
+                return Outcome(True, f"warning: the Hub did not answer the lease commit on {self.where} in "
+                                     f"{COMMIT_WAIT_S:.0f} s: this session trains without waiting for it")  # fmt: skip
+            if not landed:
                 return Outcome(False, "", conflict=True)
         except Exception as exc:  # noqa: BLE001 - the Hub failing after its retries: train, as the uploads would retry
             return Outcome(True, f"warning: the chain's lease on {self.where} could not be taken ({describe(exc)}): "
@@ -265,10 +296,17 @@ class HubLease(Lease):
     def release(self) -> None:
         from huggingface_hub import CommitOperationDelete
 
+        deadline = time.monotonic() + RELEASE_WAIT_S  # a Hub that does not answer: the lease ends at its expiry
         for _ in range(TRIES if self.held else 0):
             parent = self.head()
             if not self.still_held():
                 break
-            if self._commit([CommitOperationDelete(LEASE_FILE)], "fsdp-opt: lease released", parent):
+            left = deadline - time.monotonic()
+            landed = self._commit_within([CommitOperationDelete(LEASE_FILE)], "fsdp-opt: lease released", parent,
+                                         max(left, 0.1), then_held=False) if left > 0 else None  # fmt: skip
+            if landed is None:
+                self.held = False
+                raise TimeoutError(f"the Hub did not answer in {RELEASE_WAIT_S:.0f} s")
+            if landed:
                 break
         self.held = False

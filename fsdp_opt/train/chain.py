@@ -17,7 +17,7 @@ from fsdp_opt.base import CheckpointError
 from fsdp_opt.checkpoint.chain import ChainStatus, NextRange, next_range
 from fsdp_opt.config.choices import AUTO
 from fsdp_opt.config.parse import Config
-from fsdp_opt.data.pin import with_range
+from fsdp_opt.data.pin import packed_as, with_range
 from fsdp_opt.data.sources import load_rows
 from fsdp_opt.engine.step import TrainState
 from fsdp_opt.hub.lease import TRIES as LEASE_TRIES
@@ -81,17 +81,20 @@ def claim(config: Config, env: DistEnv) -> tuple[Config | None, Lease | None]:
     committed on the head the range was read at, so a commit that landed in between (another session's lease, the
     last checkpoint of one that just ended) sends the session back to decide again. (None, None) when the chain is
     done or another session holds the lease: nothing to train, said in one line. The lease is rank 0's."""
-    hc, cc = config.hub, config.checkpoint
-    lease: Lease | None = None
-    if env.is_main:
-        hold = hold_seconds(cc.time_limit_seconds, hc.hub_wait_seconds)
+    hc = config.hub
+
+    def make() -> Lease | None:
+        hold = hold_seconds(config.checkpoint.time_limit_seconds, hc.hub_wait_seconds)
         if not hc.hf_repo:
-            lease = FileLease(Path(cc.output_dir), new_holder(None, None, hold), hold)
-        elif HubStore(hc.hf_repo, retries=hc.hub_retries).ensure_repo(private=not hc.hub_public):
-            lease = HubLease(HubStore(hc.hf_repo, retries=hc.hub_retries), new_holder(None, None, hold), hold)
-        else:
-            print0(f"warning: the Hub cannot be reached now to take the chain's lease on {hc.hf_repo}: this session "
-                   "trains without it (uploads will retry)")  # fmt: skip
+            return FileLease(Path(config.checkpoint.output_dir), new_holder(None, None, hold), hold)
+        store = HubStore(hc.hf_repo, retries=hc.hub_retries)
+        if store.ensure_repo(private=not hc.hub_public):  # a token the Hub refuses: one line, on every rank
+            return HubLease(store, new_holder(None, None, hold), hold)
+        print0(f"warning: the Hub cannot be reached now to take the chain's lease on {hc.hf_repo}: this session "
+               "trains without it (uploads will retry)")  # fmt: skip
+        return None
+
+    lease = all_ranks_ok(lambda: make() if env.is_main else None)
     for _ in range(LEASE_TRIES):
         head = broadcast_object(all_ranks_ok(lambda: lease.head() if isinstance(lease, HubLease) else None))
         resolved = first_range(config, env)
@@ -159,7 +162,7 @@ def switch_range(s: Session, config: Config, data: SliceData) -> None:
     s.blocks, s.end_idx, s.eval_blocks = data.blocks, data.end_idx, data.eval_blocks
     if s.data_pin is not None:  # rank 0
         s.data_pin = with_range(s.data_pin, s.data_pin["source"], config.data.start_idx, data.end_idx, data.rows_digest,
-                                data.tokens_digest)  # fmt: skip
+                                data.tokens_digest, packed_as(config.data.max_length, config.data.packing))  # fmt: skip
     s.plan = step_plan(config, s.env, data.blocks, s.layout.batch_size, s.accum_steps)
     s.state = TrainState(s.state.global_step, config.train.initial_epoch, 0)
     seed_dropout(config, s.env)

@@ -148,7 +148,9 @@ def check_pin(config: Config, pin: dict[str, Any] | None, data: SliceData, token
         print0(f"data: {dc.dataset} is not what the chain recorded (it was {described(pin.get('source'))}, now "
                f"{described(source)}), but the {len(trained)} range(s) it trained have the same rows: going on")  # fmt: skip
     last = next((r for r in trained if resumed and (r["start"], r["end"]) == resumed), None)
-    if last is not None:
+    # the token fingerprint holds for the blocks as packed then: with --allow_changes to another packing or
+    # max_length there is nothing to compare it with
+    if last is not None and (last.get("packing"), last.get("max_length")) in ((dc.packing, dc.max_length), (None, None)):
         if (dc.start_idx, data.end_idx) == resumed:
             tokens = data.tokens_digest
         else:

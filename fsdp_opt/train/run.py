@@ -24,7 +24,7 @@ from fsdp_opt.checkpoint.resume import restore
 from fsdp_opt.checkpoint.save import BackgroundWriter
 from fsdp_opt.config.choices import AUTO, DTYPES, shard_count
 from fsdp_opt.config.parse import Config
-from fsdp_opt.data.pin import PIN_KEY, pinned_revision, with_range
+from fsdp_opt.data.pin import PIN_KEY, packed_as, pinned_revision, with_range
 from fsdp_opt.engine.fp16watch import Fp16Overflow, overflow_probe
 from fsdp_opt.engine.loss import ChunkedLoss
 from fsdp_opt.engine.optim import LossScaler, LRSchedule, build_optimizer
@@ -74,11 +74,12 @@ def run(config: Config) -> None:
     try:
         # --start_idx auto: this session's range; and the chain's lease. None: the chain is done, or another session
         # holds the lease.
+        checked = check_flags(config, env)  # the flags first: a typo never reaches the Hub or takes a lease
         config, lease = claim(config, env)
         if config is None:
             barrier()
             return
-        session = setup(config, env, lease)
+        session = setup(config, env, checked, lease)
         train_session(session)
         for line in (step_time_line(session.step_seconds, session.predicted_step), gpu_memory_line(env)):
             if line:
@@ -120,11 +121,12 @@ class Built:
     flops_per_token: float
 
 
-def setup(config: Config, env: DistEnv, lease: Lease | None = None) -> Session:
-    """The fixed order: check the flags -> read model config, tokenizer and data -> read the checkpoint to resume
-    -> build the model (meta, adapters, layout, shard, weights) -> optimizer and position -> the session and its side
-    work (summary, fp16 probe, uploads, W&B). Every step is agreed across ranks: a user error anywhere stops all."""
-    checked = check_flags(config, env)
+def setup(config: Config, env: DistEnv, checked: Checked | None = None, lease: Lease | None = None) -> Session:
+    """The fixed order: check the flags (unless `run` did) -> read the checkpoint to resume -> read model config,
+    tokenizer and data -> build the model (meta, adapters, layout, shard, weights) -> optimizer and position -> the
+    session and its side work (summary, fp16 probe, uploads, W&B). Every step is agreed across ranks: a user error
+    anywhere stops all."""
+    checked = checked or check_flags(config, env)
     read_started = time.perf_counter()
     payload = all_ranks_ok(lambda: read_resume(config.checkpoint.resume_file, Path(config.checkpoint.output_dir),
                                                config.hub.hf_repo, config.hub.hub_retries) if env.is_main else None)  # fmt: skip
@@ -143,7 +145,8 @@ def setup(config: Config, env: DistEnv, lease: Lease | None = None) -> Session:
     session.data_revision = revision
     if env.is_main:
         d = inputs.data
-        session.data_pin = with_range(pin, data_source, config.data.start_idx, d.end_idx, d.rows_digest, d.tokens_digest)
+        session.data_pin = with_range(pin, data_source, config.data.start_idx, d.end_idx, d.rows_digest, d.tokens_digest,
+                                      packed_as(config.data.max_length, config.data.packing))  # fmt: skip
     if config.checkpoint.resume_file:
         session.settings_changes = all_ranks_ok(
             lambda: record_changes(session, payload, changes) if env.is_main else None) or []

@@ -86,12 +86,14 @@ def test_refusals_name_the_file_and_what_is_wrong(tmp_path, trained):
     bogus_dir = tmp_path / "not_sharded"
     bogus_dir.mkdir()
     cases.append(([str(bogus_dir)], ["not_sharded", "not a sharded fsdp-opt checkpoint"]))
-    runs = [(TINY + ["--resume_file"] + resume + ["--output_dir", str(tmp_path / "out")], tmp_path, None) for resume, _ in cases]
+    # each in its own output folder: runs side by side in one folder would meet the chain's lease
+    runs = [(TINY + ["--resume_file"] + resume + ["--output_dir", str(tmp_path / f"out{i}")], tmp_path, None)
+            for i, (resume, _) in enumerate(cases)]  # fmt: skip
     for (_, needles), proc in zip(cases, run_cli_concurrently(runs, timeout=120)):
         assert_clean_failure(proc, "--resume_file", *needles)
         assert proc.returncode == 2
     assert not marker.exists(), "a checkpoint's pickled code was executed"
-    assert not (tmp_path / "out").exists()
+    assert not list(tmp_path.glob("out*"))
 
 
 @pytest.mark.parametrize("kind", ["full", "sharded"])
@@ -101,8 +103,10 @@ def test_checkpoint_of_another_shape_is_refused_on_every_rank(tmp_path, trained,
     other = make_local_model(tmp_path / "other", **change)
     ckpt = trained / kind / checkpoint_name("tiny_opt", 0, END, 1, sharded=kind == "sharded")
     args = ["--model", str(other)] + TINY[2:] + ["--resume_file", str(ckpt), "--output_dir", str(tmp_path / "out")]
-    proc = run_cli(args, tmp_path, nproc=2, timeout=120)
+    # --allow_changes lets the other model through the settings check; its shapes are refused all the same
+    proc = run_cli(args + ["--allow_changes"], tmp_path, nproc=2, timeout=120)
     assert_clean_failure(proc, "--resume_file", needle)
+    assert "settings: --model tiny-opt -> " in proc.stdout
 
 
 # ------------------------------------------------------------------ atomic writes

@@ -172,9 +172,9 @@ def test_bad_input_under_torchrun_does_not_hang_the_other_rank(tmp_path, extra, 
 def test_unreachable_hub_ids_say_so_and_point_to_builtins(tmp_path):
     # The Hub endpoint is a closed local port: the real download path fails (after its retries).
     model, dataset = run_cli_concurrently([
-        (["--model", "facebook/opt-125m", "--dataset", "python-docs", "--output_dir", str(tmp_path / "out")],
+        (["--model", "facebook/opt-125m", "--dataset", "python-docs", "--output_dir", str(tmp_path / "out1")],
          tmp_path, sandbox_env(tmp_path, HF_ENDPOINT=DEAD_ENDPOINT)),
-        (["--model", "tiny-opt", "--dataset", "someone/abstracts", "--output_dir", str(tmp_path / "out")],
+        (["--model", "tiny-opt", "--dataset", "someone/abstracts", "--output_dir", str(tmp_path / "out2")],
          tmp_path, sandbox_env(tmp_path, HF_HUB_OFFLINE="1")),
     ], timeout=180)  # fmt: skip
     assert_clean_failure(model, "--model facebook/opt-125m", "Hugging Face Hub", "tiny-opt")

@@ -39,6 +39,7 @@ def test_rows_appended_go_on_rows_edited_inside_a_trained_range_are_refused(tmp_
     pin = saved[PIN_KEY]
     assert pin["source"]["kind"] == "file" and pin["source"]["bytes"] == data.stat().st_size
     assert [(r["start"], r["end"]) for r in pin["ranges"]] == [(0, 60)] and len(pin["ranges"][0]["rows"]) == 32
+    assert (pin["ranges"][0]["max_length"], pin["ranges"][0]["packing"]) == (64, "docs")
 
     with data.open("a") as f:  # a growing dataset: rows after the trained ranges
         f.write(json.dumps({"text": "A row added later, after every row the chain has trained on so far."}) + "\n")
