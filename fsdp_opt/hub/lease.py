@@ -20,12 +20,15 @@ from __future__ import annotations
 import json
 import os
 import socket
+import tempfile
 import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+
+from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
 from fsdp_opt.base import ConfigError
 from fsdp_opt.hub.store import HubStore, describe, status_code
@@ -218,8 +221,6 @@ class HubLease(Lease):
             return None
 
     def current(self) -> Holder | None:
-        import tempfile
-
         if LEASE_FILE not in self.store.files():
             return None
         with tempfile.TemporaryDirectory() as tmp:
@@ -262,8 +263,6 @@ class HubLease(Lease):
     def take(self, take_over: bool, head: str | None = None) -> Outcome:
         """Take the lease in a commit on `head` (the commit the caller decided its range at; None: read it now).
         `conflict` when the head has moved since: the caller decides again and calls this with the new head."""
-        from huggingface_hub import CommitOperationAdd
-
         try:
             parent = head or self.head()
             refusal, note = self._judge(self.current(), take_over)
@@ -288,14 +287,10 @@ class HubLease(Lease):
 
     def renew_op(self):  # noqa: ANN201
         """The lease, moved on, as one more operation of a push's commit."""
-        from huggingface_hub import CommitOperationAdd
-
         self.renew()
         return CommitOperationAdd(LEASE_FILE, self.holder.to_bytes())
 
     def release(self) -> None:
-        from huggingface_hub import CommitOperationDelete
-
         deadline = time.monotonic() + RELEASE_WAIT_S  # a Hub that does not answer: the lease ends at its expiry
         for _ in range(TRIES if self.held else 0):
             parent = self.head()
