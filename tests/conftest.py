@@ -9,10 +9,12 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 from hubserver import HubServer
+from launcher import Zygote
 
 # The loopback Hub (tests/hubserver.py) speaks LFS, not Xet: set before anything imports huggingface_hub.
 os.environ["HF_HUB_DISABLE_XET"] = "1"
@@ -43,6 +45,8 @@ def sandbox_env(tmp: Path, **extra: str) -> dict[str, str]:
         # the repo first; an outer PYTHONPATH (scripts/floors.sh: the lowest declared versions) is kept after it
         PYTHONPATH=os.pathsep.join([str(ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])),
         HF_HUB_DISABLE_XET="1",
+        # the interpreter running the tests first: a command block's `python` is the test environment's
+        PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
     )
     env.update(extra)
     return env
@@ -65,23 +69,64 @@ def torchrun_cmd(nproc: int, script: Path | str = ENTRY, nnodes: int = 1, node_r
     ]
 
 
+_zygote: Zygote | None = None
+_zygote_lock = threading.Lock()
+
+
+def fast_launcher(env: dict[str, str]) -> Zygote | None:
+    """This pytest worker's launcher server (tests/launcher.py), or None where it cannot stand in for a fresh process
+    (another PYTHONPATH) or FSDP_OPT_REAL_LAUNCH=1 asks for real processes everywhere."""
+    global _zygote
+    if os.environ.get("FSDP_OPT_REAL_LAUNCH") == "1":
+        return None
+    with _zygote_lock:  # run_cli_concurrently's threads ask at once
+        if _zygote is None:
+            _zygote = Zygote(sandbox_env(Path(os.environ.get("TMPDIR", "/tmp"))))
+    return _zygote if _zygote.serves(env) else None
+
+
+def pytest_sessionfinish(session, exitstatus):  # noqa: ANN001
+    if _zygote is not None:
+        _zygote.close()
+
+
+def launch(target: list[str], args: list[str], tmp: Path, nproc: int = 0, timeout: float = 300,
+           env: dict[str, str] | None = None, real: bool = False,
+           late: dict[int, float] | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+    """`target` ([script] or ["-m", module]) with `args`, as `python ...` (nproc 0) or `torchrun --standalone
+    --nproc_per_node=nproc ...` would run it: forked from the launcher's server unless `real` (the real python or
+    torchrun: for tests of the entry points and of torchrun's own behaviour)."""
+    env = env or sandbox_env(tmp)
+    zygote = None if real else fast_launcher(env)
+    if zygote is not None:
+        return zygote.run(target, args, tmp, env, nproc, timeout, late)
+    assert not late, "only the launcher's server starts a rank late"
+    cmd = [sys.executable, *target] if nproc == 0 else torchrun_cmd(nproc, target[0]) + target[1:]
+    return subprocess.run(cmd + args, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def plan_cli(args: list[str], cwd: Path = ROOT, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m fsdp_opt.plan ARGS` (forked by the launcher's server)."""
+    return launch(["-m", "fsdp_opt.plan"], list(args), cwd, timeout=timeout)
+
+
 def run_cli(
-    args: list[str], tmp: Path, nproc: int = 0, timeout: float = 300, env: dict[str, str] | None = None
+    args: list[str], tmp: Path, nproc: int = 0, timeout: float = 300, env: dict[str, str] | None = None,
+    real: bool = False,
 ) -> subprocess.CompletedProcess:
-    """nproc=0: plain `python fsdp_finetune.py`; otherwise torchrun with nproc workers."""
-    cmd = [sys.executable, str(ENTRY)] if nproc == 0 else torchrun_cmd(nproc)
-    return subprocess.run(
-        cmd + args, cwd=tmp, env=env or sandbox_env(tmp), capture_output=True, text=True, timeout=timeout
-    )
+    """The training command: nproc=0 as `python fsdp_finetune.py`, otherwise under torchrun with nproc workers
+    (forked by the launcher's server unless `real`)."""
+    return launch([str(ENTRY)], args, tmp, nproc, timeout, env, real)
 
 
-def run_cli_concurrently(runs: list[tuple[list[str], Path, dict[str, str] | None]], timeout: float = 300) -> list[subprocess.CompletedProcess]:
-    """Plain single-process CLI runs (args, cwd, env), as many at once as there are cores: one such run keeps one
-    core busy, so run one after another they leave the others idle. Results in the order given."""
+def run_cli_concurrently(runs: list[tuple[list[str], Path, dict[str, str] | None]], timeout: float = 300,
+                         nproc: int = 0, workers: int | None = None) -> list[subprocess.CompletedProcess]:  # fmt: skip
+    """CLI runs (args, cwd, env) side by side, as many at once as there are cores (a single-process run keeps one core
+    busy; one after another they leave the others idle). Results in the order given."""
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-        futures = [pool.submit(run_cli, args, cwd, 0, timeout, env) for args, cwd, env in runs]
+    with ThreadPoolExecutor(max_workers=workers or max(1, (os.cpu_count() or 1) // max(1, nproc))) as pool:
+        futures = [pool.submit(run_cli, args, cwd, nproc, timeout, env) for args, cwd, env in runs]
         return [f.result() for f in futures]
 
 

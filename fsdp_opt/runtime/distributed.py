@@ -8,7 +8,9 @@ CPU tensors (and all object collectives), chosen automatically.
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, TypeVar
@@ -200,10 +202,25 @@ def _error_class(name: str) -> type[ConfigError]:
     return cls if isinstance(cls, type) and issubclass(cls, ConfigError) else ConfigError
 
 
+# How long a rank other than 0 waits, on a user error, for rank 0 to print it and exit.
+PRINT_WAIT_S = 30.0
+
+
 def fail(message: str, code: int = 2) -> None:
-    """Print a user error once (rank 0) as one line and exit without a traceback."""
-    if env_rank() == 0:
+    """Print a user error once (rank 0) as one line and exit without a traceback.
+
+    NOTE: torchrun stops every rank as soon as one of them exits with an error. Every rank meets the same user error
+    (the flags are parsed on each, and errors found later are agreed by all_ranks_ok), and a rank other than 0 that
+    exited first would take rank 0 down before it printed the line: the user would see only torchrun's report. So
+    the other ranks wait for rank 0 to print and exit (torchrun then stops them). One still running after
+    PRINT_WAIT_S prints the line itself: rank 0 did not meet the error."""
+    rank = env_rank()
+    if rank == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
+    else:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        time.sleep(PRINT_WAIT_S)
+        print(f"error: (rank {rank}) {message}", file=sys.stderr, flush=True)
     teardown_quietly()
     sys.exit(code)
 

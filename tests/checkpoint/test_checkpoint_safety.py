@@ -19,6 +19,7 @@ from conftest import (
     ROOT,
     assert_clean_failure,
     built_once,
+    launch,
     make_local_model,
     run_cli,
     run_cli_concurrently,
@@ -201,8 +202,7 @@ def test_export_round_trip_gives_the_trained_models_loss(tmp_path, trained):
     # The command, from a full file (fp16 default) and from a sharded folder.
     for source in (trained / "full" / NAME, trained / "sharded" / checkpoint_name("tiny_opt", 0, END, 1, sharded=True)):
         dest = tmp_path / source.stem
-        proc = subprocess.run([sys.executable, "-m", "fsdp_opt.export", str(source), str(dest)], cwd=ROOT,
-                              env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=120)  # fmt: skip
+        proc = launch(["-m", "fsdp_opt.export"], [str(source), str(dest)], tmp_path)
         assert proc.returncode == 0, proc.stderr[-2000:]
         model = AutoModelForCausalLM.from_pretrained(dest)
         assert next(model.parameters()).dtype == torch.float16
@@ -212,8 +212,7 @@ def test_export_round_trip_gives_the_trained_models_loss(tmp_path, trained):
 def test_sharded_folder_converts_to_the_single_file_form(tmp_path, trained):
     folder = trained / "sharded" / checkpoint_name("tiny_opt", 0, END, 1, sharded=True)
     out = tmp_path / "single.pt"
-    proc = subprocess.run([sys.executable, "-m", "fsdp_opt.export", "--single_file", str(folder), str(out)], cwd=ROOT,
-                          env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = launch(["-m", "fsdp_opt.export"], ["--single_file", str(folder), str(out)], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     single = torch.load(out, weights_only=True)
     full = torch.load(trained / "full" / NAME, weights_only=True)
@@ -232,8 +231,7 @@ def test_a_checkpoint_handed_to_the_background_writer_keeps_its_step(tmp_path):
     """--async_save: the gathered payload is not changed by the steps that run while it is written (on CPU the full
     optimizer state dict hands out AdamW's live step counters; they are copied at the hand-off)."""
     out = tmp_path / "handoff.json"
-    cmd = torchrun_cmd(2, ROOT / "tests" / "workers" / "handoff.py") + [str(out)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=300)
+    proc = launch([str(ROOT / "tests" / "workers" / "handoff.py")], [str(out)], tmp_path, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     main, other = (json.loads((tmp_path / f"handoff.json.rank{r}").read_text()) for r in range(2))
     assert main["handed"] == 1 and other["handed"] == 0  # rank 0 writes

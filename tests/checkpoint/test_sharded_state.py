@@ -4,17 +4,16 @@ planner's state figures must match what the ranks hold."""
 from __future__ import annotations
 
 import json
-import subprocess
 
-from conftest import ROOT, sandbox_env, torchrun_cmd
+from conftest import ROOT, launch
 
 from fsdp_opt.model.sources import build_meta_model, load_model_config, resolve_model
 
 
 def test_full_shard_halves_per_rank_state(tmp_path):
     out = tmp_path / "state.json"
-    cmd = torchrun_cmd(2, ROOT / "tests" / "workers" / "state_bytes.py") + [str(out), "FULL_SHARD", "NO_SHARD"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=300)
+    proc = launch([str(ROOT / "tests" / "workers" / "state_bytes.py")], [str(out), "FULL_SHARD", "NO_SHARD"], tmp_path,
+                  nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"state.json.rank{r}").read_text()) for r in range(2)]
     # Independent size: the model's unique fp32 parameters, counted on an unsharded skeleton.

@@ -7,12 +7,11 @@ by itself, with no padding and no mask, and its per-token losses are what the pa
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ASSETS, ROOT, sandbox_env, torchrun_cmd
+from conftest import ASSETS, ROOT, launch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig
 
 from fsdp_opt.data.blocks import IGNORE_INDEX, build_blocks, model_inputs, tokenize
@@ -172,8 +171,7 @@ def test_two_ranks_full_shard_gradients_equal_the_padded_recipe(tmp_path, det_mo
     args = ["--model", str(det_model), "--dataset", "python-docs", "--end_idx", "24", "--max_length", "256",
             "--batch_size", "2", "--precision", "fp32", "--output_dir", str(out), "--wandb_mode", "disabled",
             "--sharding_strategy", "FULL_SHARD", "--activation_checkpointing", "true", "--packing", "docs"]  # fmt: skip
-    proc = subprocess.run(torchrun_cmd(2, worker) + args, cwd=tmp_path, env=sandbox_env(tmp_path),
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = launch([worker], args, tmp_path, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "doc_packing.json").read_text())
     assert report["longest_row"] <= 256  # nothing truncated by the padded recipe: the same tokens both ways

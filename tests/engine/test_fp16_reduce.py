@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 from pathlib import Path
 
-from conftest import ROOT, read_jsonl, sandbox_env, torchrun_cmd
+from conftest import ROOT, launch, read_jsonl, run_cli_concurrently
 
 ARGS = ["--model", "tiny-opt", "--dataset", "python-docs", "--max_length", "64", "--packing", "concat", "--batch_size",
         "2", "--accum_steps", "2", "--end_idx", "330", "--lr", "3e-3", "--precision", "fp16", "--save_every_steps", "0",
@@ -20,18 +19,15 @@ MEAN_TOLERANCE = 0.005
 
 def train_pairs(tmp_path: Path, extra: list[str]) -> dict[str, list[dict]]:
     """The fp32 and fp16 reduce runs of ARGS + extra, side by side (2 ranks each)."""
-    procs = {}
-    for dtype in ("fp32", "fp16"):
-        out = tmp_path / f"{dtype}{len(extra)}"
+    folders = {dtype: tmp_path / f"{dtype}{len(extra)}" for dtype in ("fp32", "fp16")}
+    for out in folders.values():
         out.mkdir()
-        procs[dtype] = (out, subprocess.Popen(torchrun_cmd(2) + ARGS + extra + ["--reduce_dtype", dtype, "--output_dir",
-                        str(out / "out")], cwd=out, env=sandbox_env(out), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                        text=True))  # fmt: skip
+    procs = run_cli_concurrently([(ARGS + extra + ["--reduce_dtype", dtype, "--output_dir", str(out / "out")], out, None)
+                                  for dtype, out in folders.items()], timeout=400, nproc=2)  # fmt: skip
     rows = {}
-    for dtype, (out, proc) in procs.items():
-        text, _ = proc.communicate(timeout=400)
-        assert proc.returncode == 0, text[-2000:]
-        assert f"{dtype} gradient reduction" in text
+    for (dtype, out), proc in zip(folders.items(), procs):
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert f"{dtype} gradient reduction" in proc.stdout
         rows[dtype] = read_jsonl(out / "out" / "metrics.jsonl")
     return rows
 
@@ -72,8 +68,7 @@ def test_a_sum_past_fp16s_range_arrives_as_inf_and_trips_the_overflow_check(tmp_
     # Each rank's gradient is 40000 (finite in fp16); their sum, 80000, is not. Reduced in fp32 the norm is exact:
     # 8 gradients of 80000 -> sqrt(8) x 80000.
     out = tmp_path / "overflow.json"
-    proc = subprocess.run(torchrun_cmd(2, ROOT / "tests" / "workers" / "reduce_overflow.py") + [str(out)], cwd=tmp_path,
-                          env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = launch([str(ROOT / "tests" / "workers" / "reduce_overflow.py")], [str(out)], tmp_path, nproc=2)
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(out.read_text())
     assert r["fp32"]["block_grad_max"] == 80000.0

@@ -13,7 +13,6 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
 from conftest import ENTRY, HF_TOK, hub_env, read_jsonl, run_cli, sandbox_env, saved_names
 from hubserver import HubServer
 

@@ -7,7 +7,6 @@ import json
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from conftest import (
     assert_clean_failure,
     hub_env,
     kill_all_with,
+    launch,
     losses_by_step,
     make_local_model,
     read_jsonl,
@@ -149,8 +149,7 @@ def test_base_unchanged_adapters_fp32_and_export_gives_the_training_logits(tmp_p
                      "--end_idx", "40", "--precision", precision, "--export_hf", str(export), "--export_dtype", "fp32",
                      "--wandb_mode", "disabled"]  # fmt: skip
     worker = str(ROOT / "tests" / "workers" / "lora_base.py")
-    proc = subprocess.run(torchrun_cmd(2, worker) + args, cwd=tmp_path, env=sandbox_env(tmp_path),
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = launch([worker], args, tmp_path, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "lora_check.json").read_text())
     assert report["base_tensors"] > 30 and report["base_changed"] == []
@@ -212,8 +211,7 @@ def test_lora_checkpoint_is_small_resumes_exactly_after_sigkill_and_merges(tmp_p
     # --merge: the base with the update in, a plain model folder; its logits are peft's on the adapter folder.
     final = straight / checkpoint_name("tiny_opt", 0, 80, 1)
     for dest, extra in ((tmp_path / "adapter", []), (tmp_path / "merged", ["--merge"])):
-        proc = subprocess.run([sys.executable, "-m", "fsdp_opt.export", str(final), str(dest), "--dtype", "fp32", *extra],
-                              cwd=tmp_path, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=120)  # fmt: skip
+        proc = launch(["-m", "fsdp_opt.export"], [str(final), str(dest), "--dtype", "fp32", *extra], tmp_path)
         assert proc.returncode == 0, proc.stderr[-2000:]
     from peft import PeftModel
 

@@ -19,7 +19,7 @@ from fsdp_opt.model.catalog import SHAPES, catalog_config, catalog_id
 from fsdp_opt.model.shapes import Shape, model_config
 from fsdp_opt.model.sources import model_tag, resolve_model
 from fsdp_opt.planner.inputs import Inputs
-from fsdp_opt.planner.search import Space, change_line, cheapest_change, recommend
+from fsdp_opt.planner.search import change_line, cheapest_change, recommend
 
 # Parameter counts as the models' safetensors hold them, tied embeddings counted once (Qwen3-1.7B's files store
 # its tied head a second time: 2,031,739,904 there). Gemma-3-4B: its text model (the published 4.3B adds the vision

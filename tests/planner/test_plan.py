@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
-from conftest import ROOT, make_local_model
+from conftest import make_local_model, plan_cli
 
 from fsdp_opt.base import GIB, parse_size
 from fsdp_opt.model.shapes import Shape, model_config
@@ -78,9 +76,9 @@ def test_memory_arithmetic_for_opt_1_3b_on_two_t4():
 
 
 def test_cli_reports_fit_and_disk(tmp_path):
-    cmd = [sys.executable, "-m", "fsdp_opt.plan", "--model", "facebook/opt-1.3b", "--gpus", "2", "--gpu_memory", "15GiB",
-           "--batch_size", "4", "--max_length", "512", "--reduce_every_microbatch", "--json"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    cmd = ["--model", "facebook/opt-1.3b", "--gpus", "2", "--gpu_memory", "15GiB", "--batch_size", "4", "--max_length",
+           "512", "--reduce_every_microbatch", "--json"]  # fmt: skip
+    proc = plan_cli(cmd)
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
     assert list(plan["strategies"]) == ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]  # HYBRID needs 2+ nodes
@@ -95,10 +93,10 @@ def test_cli_reports_fit_and_disk(tmp_path):
     assert plan["disk"]["fits"] and plan["disk"]["checkpoints_that_fit"] == 0 and plan["disk"]["needs_hub_for_room"]
     assert plan["disk"]["peak_bytes"] == 12 * n and plan["disk"]["kept_while_saving"] == 0
     assert plan["host_ram"]["gather_bytes"] == 12 * n and plan["host_ram"]["fits"]
-    text = subprocess.run(cmd[:-1], cwd=ROOT, capture_output=True, text=True, timeout=120).stdout
+    text = plan_cli(cmd[:-1]).stdout
     assert "| **total** |" in text
     assert "only one checkpoint fits: before each save the previous one is removed once the Hub has it" in text
-    bad = subprocess.run([sys.executable, "-m", "fsdp_opt.plan", "--gpu_memory", "lots"], cwd=ROOT, capture_output=True, text=True)
+    bad = plan_cli(["--gpu_memory", "lots"])
     assert bad.returncode == 2 and bad.stderr.strip() == "error: --gpu_memory 'lots': use a size such as 15GiB, 20GB or 512MiB"
 
 
@@ -151,12 +149,10 @@ def test_lora_makes_opt_6_7b_fit_two_t4_and_full_fine_tuning_does_not():
     lora = Inputs(**{**t4.__dict__, "lora_rank": 16})
     assert peak_bytes(memory(shape, "FULL_SHARD", lora)) < 12 * GIB
     assert peak_bytes(memory(shape, "SHARD_GRAD_OP", lora)) > 15 * GIB  # every block's fp16 weights kept gathered
-    out = subprocess.run([sys.executable, "-m", "fsdp_opt.plan", "--model", "facebook/opt-6.7b", "--lora_rank", "16",
-                          "--host_memory", "31GB", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = plan_cli(["--model", "facebook/opt-6.7b", "--lora_rank", "16", "--host_memory", "31GB", "--json"])
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
     assert plan["auto_pick"]["strategy"] == "FULL_SHARD" and plan["strategies"]["FULL_SHARD"]["fits"]
     assert plan["host_ram"]["fits"] and plan["checkpoints"]["full_with_optimizer"] < 0.5e9
-    bad = subprocess.run([sys.executable, "-m", "fsdp_opt.plan", "--base_bits", "4"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=60)  # fmt: skip
+    bad = plan_cli(["--base_bits", "4"])
     assert bad.returncode == 2 and bad.stderr.strip() == "error: --base_bits 4: only with --lora_rank (a 4-bit base is frozen)"

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
-from conftest import sandbox_env
+from conftest import launch
 
 from fsdp_opt.base import GIB
 from fsdp_opt.model.shapes import Shape, model_config
@@ -118,8 +117,7 @@ def test_cpu_ranks_compute_and_communicate_in_turn_gpus_overlap():
 
 
 def plan_cli(*args: str, tmp_path) -> subprocess.CompletedProcess:  # noqa: ANN001
-    return subprocess.run([sys.executable, "-m", "fsdp_opt.plan", *args], cwd=tmp_path, env=sandbox_env(tmp_path),
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    return launch(["-m", "fsdp_opt.plan"], list(args), tmp_path)
 
 
 def test_plan_batch_auto_global_batch_and_their_errors(tmp_path):

@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from conftest import ROOT
+from conftest import ROOT, plan_cli
 
 # One process: a fake process group of 2 ranks (rank 0), the same step on fake tensors, then on real ones.
 SCRIPT = """
@@ -68,8 +68,7 @@ def test_fake_step_measures_what_a_real_step_holds_and_the_plan_agrees():
 
 
 def test_simulate_names_a_bad_strategy():
-    cmd = [sys.executable, "-m", "fsdp_opt.plan", "--model", "tiny-opt", "--simulate", "FULL_SHARD,ZERO3"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = plan_cli(["--model", "tiny-opt", "--simulate", "FULL_SHARD,ZERO3"])
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "error: --simulate FULL_SHARD,ZERO3: ZERO3 is not one of FULL_SHARD, SHARD_GRAD_OP, NO_SHARD"
     ], proc.stderr

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
-from conftest import ROOT, sandbox_env, torchrun_cmd
+from conftest import ROOT, launch, plan_cli
 
 from fsdp_opt.base import GIB
 from fsdp_opt.model.shapes import Shape, model_config
@@ -20,8 +18,7 @@ CONFIGS = ["FULL_SHARD:false:true:fp32", "FULL_SHARD:true:true:fp32", "SHARD_GRA
 
 def test_collective_bytes_counted_on_gloo_equal_the_formula(tmp_path):
     out = tmp_path / "comm.json"
-    cmd = torchrun_cmd(2, ROOT / "tests" / "workers" / "comm_bytes.py") + [str(out), *CONFIGS]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=300)
+    proc = launch([str(ROOT / "tests" / "workers" / "comm_bytes.py")], [str(out), *CONFIGS], tmp_path, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"comm.json.rank{r}").read_text()) for r in range(2)]
     shape = Shape.of(model_config("tiny-opt"))
@@ -66,13 +63,11 @@ def test_step_time_model_and_auto_pick_for_opt_1_3b():
 
 
 def test_plan_json_carries_bytes_and_predicted_time():
-    cmd = [sys.executable, "-m", "fsdp_opt.plan", "--json", "--link_gbps", "6.4"]
-    plan = json.loads(subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120).stdout)
+    plan = json.loads(plan_cli(["--json", "--link_gbps", "6.4"]).stdout)
     for name, s in plan["strategies"].items():
         assert s["comm_bytes_per_step"]["wire"] >= 0 and s["predicted_step_time_s"] > 0, name
     assert plan["auto_pick"]["fits"] and plan["auto_pick"] == plan["configurations"][0]
-    bad = subprocess.run([sys.executable, "-m", "fsdp_opt.plan", "--link_gbps", "0"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)  # fmt: skip
+    bad = plan_cli(["--link_gbps", "0"])
     assert bad.returncode == 2 and bad.stderr.strip() == "error: --link_gbps 0.0: must be more than 0"
 
 

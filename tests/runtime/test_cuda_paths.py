@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, plan_cli
 
 from fsdp_opt.base import GIB, ConfigError
 from fsdp_opt.model.shapes import Shape, model_config
@@ -93,7 +93,7 @@ def test_the_plan_takes_a_t4_as_torch_reads_it_less_context_and_nccl():
     rest = lambda parts: sum(v for k, v in parts.items() if k != "runtime")  # noqa: E731
     assert two["runtime"] - int(0.05 * (rest(two) - two["gradients"])) == CUDA_CONTEXT_BYTES + NCCL_BUFFER_BYTES
     assert one["runtime"] - int(0.05 * (rest(one) - one["gradients"])) == CUDA_CONTEXT_BYTES
-    text = subprocess.run([sys.executable, "-m", "fsdp_opt.plan"], capture_output=True, text=True, timeout=120).stdout
+    text = plan_cli([]).stdout
     assert "14.56 GiB each" in text
 
 

@@ -4,10 +4,9 @@ predicts its step time from rates it measures (CPU), and trains exactly as that 
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
 
-from conftest import read_jsonl, sandbox_env, torchrun_cmd
+from conftest import read_jsonl, run_cli
 
 ARGS = ["--model", "tiny-opt", "--dataset", "python-docs", "--max_length", "64", "--end_idx", "200", "--lr", "3e-3",
         "--precision", "fp32", "--save_every_steps", "0", "--wandb_mode", "disabled", "--seed", "3"]  # fmt: skip
@@ -18,8 +17,7 @@ DECIDED = ("batch_size", "accum_steps", "sharding_strategy", "reduce_every_micro
 def run(tmp: Path, name: str, extra: list[str]) -> tuple[str, list[dict]]:
     folder = tmp / name
     folder.mkdir()
-    proc = subprocess.run(torchrun_cmd(2) + ARGS + extra + ["--output_dir", str(folder / "out")], cwd=folder,
-                          env=sandbox_env(folder), capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = run_cli(ARGS + extra + ["--output_dir", str(folder / "out")], folder, nproc=2)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return proc.stdout, read_jsonl(folder / "out" / "metrics.jsonl")
 

@@ -19,13 +19,13 @@ from conftest import (
     assert_clean_failure,
     built_once,
     hub_env,
+    launch,
     make_chat_llama,
     read_jsonl,
     run_cli,
     run_cli_concurrently,
     sandbox_env,
     saved_names,
-    torchrun_cmd,
 )
 from hubserver import HubServer
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -155,10 +155,9 @@ def test_evaluate_scores_the_answers_and_asks_through_the_template(format_runs, 
     model, runs = format_runs
     _, folder = runs["messages"]
     report = tmp_path / "report.json"
-    cmd = torchrun_cmd(2, "-m") + ["fsdp_opt.evaluate", "--checkpoints", "latest", "--output_dir", str(folder / "out"),
-                                   "--eval_rows", str(HELD_OUT), "--num_prompts", "2", "--max_new_tokens", "8",
-                                   "--device", "cpu", "--json", str(report)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=tmp_path, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=300)
+    args = ["--checkpoints", "latest", "--output_dir", str(folder / "out"), "--eval_rows", str(HELD_OUT),
+            "--num_prompts", "2", "--max_new_tokens", "8", "--device", "cpu", "--json", str(report)]  # fmt: skip
+    proc = launch(["-m", "fsdp_opt.evaluate"], args, tmp_path, nproc=2)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     got = json.loads(report.read_text())
     rows = rows_for("messages")[TRAIN:]

@@ -3,22 +3,17 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import assert_clean_failure, run_cli, sandbox_env, torchrun_cmd
+from conftest import assert_clean_failure, launch, run_cli
 
 TRAIN = ["--dataset", "python-docs", "--start_idx", "0", "--end_idx", "40", "--max_length", "64", "--batch_size", "2",
          "--lr", "3e-3", "--num_epochs", "2", "--precision", "fp32", "--output_dir", "out"]  # fmt: skip
 
 
-def evaluate(tmp, args, nproc=0):
-    cmd = [sys.executable, "-m", "fsdp_opt.evaluate"] if nproc == 0 else torchrun_cmd(nproc, "fsdp_opt.evaluate")
-    if nproc:
-        cmd.insert(cmd.index("fsdp_opt.evaluate"), "-m")
-    return subprocess.run(cmd + args, cwd=tmp, env=sandbox_env(tmp), capture_output=True, text=True, timeout=600)
+def evaluate(tmp, args, nproc=0, real=False):
+    return launch(["-m", "fsdp_opt.evaluate"], args, tmp, nproc, timeout=600, real=real)
 
 
 def hf_reference(model, tokenizer, texts, max_length, prompts, max_new_tokens):
