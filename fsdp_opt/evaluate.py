@@ -38,6 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "--hf_repo repo, `latest`, or Hugging Face model folders (default: latest)")  # fmt: skip
     p.add_argument("--no_base", action="store_true", help="leave the base model out")
     p.add_argument("--dataset", default=None, help="default: the first checkpoint's dataset")
+    p.add_argument("--dataset_config", default=None, help="the dataset's config (default: the first checkpoint's)")
+    p.add_argument("--dataset_split", default=None, help="the split trained on (default: the first checkpoint's)")
+    p.add_argument("--dataset_files", default=None, help="data files of the split (default: the first checkpoint's)")
+    p.add_argument("--eval_split", default=None,
+                   help="take the held-out rows from this split's first --eval_rows (default: the first checkpoint's; "
+                        "without one, the rows after its range, or when none are left, a test or validation split)")
     p.add_argument("--text_column", default=None, help="default: the first checkpoint's, like every data flag here")
     p.add_argument("--data_format", default=None, choices=DATA_FORMATS)
     p.add_argument("--prompt_column", default=None)

@@ -17,6 +17,8 @@ from fsdp_opt.base import ConfigError, gib, parse_size
 from fsdp_opt.config.choices import PACKING_MODES, STRATEGIES, T4_MEMORY
 from fsdp_opt.config.flags import OneLineParser, parse_batch, parse_bool
 from fsdp_opt.config.training import TrainConfig
+from fsdp_opt.data.resolve import DataSource
+from fsdp_opt.data.sources import data_on_disk
 from fsdp_opt.model.catalog import SHAPES
 from fsdp_opt.model.shapes import Shape, model_config
 from fsdp_opt.model.sources import LLAMA_8B, OPT_FAMILY
@@ -65,6 +67,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora_dropout", type=float, default=0.05, help="the trainer's --lora_dropout")
     p.add_argument("--base_bits", type=int, default=16, choices=[16, 4], help="the trainer's --base_bits")
     p.add_argument("--disk", default="20GB", help="disk for checkpoints (Kaggle's /kaggle/working: 20GB)")
+    p.add_argument("--data_on_disk", default="0",
+                   help="what a session keeps of the dataset on that disk: 0 when its rows are read by range (a split "
+                        "stored as parquet, on the Hub or in a folder); a split downloaded whole keeps about twice its "
+                        "size (the files and datasets' arrow copy) where HF_HOME is; --dataset measures it")
+    p.add_argument("--dataset", default=None,
+                   help="a dataset to measure --data_on_disk from (its Hub listing; with --dataset_config and "
+                        "--dataset_split as the trainer takes them)")
+    p.add_argument("--dataset_config", default=None, help="the trainer's --dataset_config")
+    p.add_argument("--dataset_split", default="train", help="the trainer's --dataset_split")
     p.add_argument("--host_memory", default=None, help="RAM of one machine (default: this machine's; Kaggle: 31GB)")
     p.add_argument("--state_dict_type", default="full", choices=["full", "sharded"], help="the trainer's --state_dict_type")
     p.add_argument("--cpu_offload", type=parse_bool, nargs="?", const=True, default=False, help="the trainer's --cpu_offload")
@@ -169,10 +180,13 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"--batch_size auto: no configuration of {samples} sequences per step fits "
                                   f"{a.gpus} GPU(s) of {a.gpu_memory}")  # fmt: skip
             inputs = applied(inputs, best)
+        data_bytes = parse_size(a.data_on_disk, "--data_on_disk")
+        if a.dataset:
+            data_bytes = data_on_disk(DataSource(a.dataset, a.dataset_config, a.dataset_split))
         plan = make_plan(a.model, inputs, disk=parse_size(a.disk, "--disk"), host_memory=host, keep_last=a.keep_last,
                          save_optimizer=a.save_optimizer, sharded=a.state_dict_type == "sharded",
                          offload=inputs.cpu_offload, slices=a.slices, keep_full=a.hub_keep_full, rates=rates,
-                         samples=samples, space=space)  # fmt: skip
+                         samples=samples, space=space, data_bytes=data_bytes)  # fmt: skip
         if measured is not None:
             plan["calibration"] = measured
         simulate = [x.strip() for x in a.simulate.split(",")] if a.simulate else []

@@ -15,7 +15,11 @@ It serves the routes an upload, a download and storage management use, on 127.0.
   HEAD/GET /{repo}/resolve/{rev}/{path}          with X-Repo-Commit and ETag; LFS files streamed from disk
   GET  /api/datasets/{repo}[/revision/{rev}], GET /api/datasets/{repo}/tree/{rev}[/{path}],
   POST /api/datasets/{repo}/paths-info/{rev}, HEAD/GET /datasets/{repo}/resolve/{rev}/{path}
-                                                 dataset repos (`commit_dataset`), read at main or any commit
+                                                 dataset repos (`commit_dataset`), read at any branch (main, or one
+                                                 such as refs/convert/parquet, URL-encoded as the client sends it) or
+                                                 commit; data files and files of 10 MiB or more stored as LFS objects
+HTTP Range (`bytes=a-b`, `bytes=a-`) is answered with 206 and the part asked for; `sent` counts the body bytes of
+every response by route (e.g. sent["dataset-resolve"]: what the dataset downloads cost).
 Storage is counted as the Hub counts it: an LFS object keeps counting after the file that used it is deleted or
 replaced, until it is permanently deleted. Use it with HF_HUB_DISABLE_XET=1, so the client takes the LFS path.
 `fail(route, times, status)` makes the next matching requests fail, to test retries.
@@ -39,6 +43,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 LFS_SUFFIXES = (".pt", ".bin", ".safetensors", ".pth", ".distcp")
+DATA_LFS_SUFFIXES = (".parquet", ".arrow")
 LFS_MIN_BYTES = 10 * 2**20
 CHUNK = 4 * 2**20
 
@@ -117,6 +122,7 @@ class HubServer:
         self.gate.set()
         self.in_commit = 0
         self.max_in_commit = 0  # the most commits that were in progress at one time
+        self.sent: dict[str, int] = {}  # body bytes sent, by route
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -170,16 +176,44 @@ class HubServer:
     def files(self, repo_id: str) -> dict[str, bytes]:
         return dict(self.repos[repo_id].files)
 
-    def commit_dataset(self, repo_id: str, files: dict[str, bytes]) -> str:
-        """A new revision of a dataset repo (created if missing) with these files added or replaced; its commit."""
+    def commit_dataset(self, repo_id: str, files: dict[str, bytes | Path], branch: str = "main") -> str:
+        """A new revision of a dataset repo's branch (created if missing) with these files (bytes, or a file to copy)
+        added or replaced; its commit. Data files (parquet, arrow) and files of 10 MiB or more are LFS objects, as
+        the Hub stores them."""
+        blobs = {}
+        for path, content in files.items():
+            if isinstance(content, Path) or path.endswith(DATA_LFS_SUFFIXES) or len(content) >= LFS_MIN_BYTES:
+                blobs[path] = self._store_object(content)
+            else:
+                blobs[path] = Blob(content, len(content))
         with self._lock:
-            repo = self.datasets.setdefault(repo_id, Repo(private=False, server=self))
-            for path, content in files.items():
-                repo.tree[path] = Blob(content, len(content))
-            sha = hashlib.sha1(repo.sha.encode() + json.dumps(sorted(files)).encode() + b"".join(files.values())).hexdigest()
+            key = repo_id if branch == "main" else f"{repo_id}@{branch}"
+            repo = self.datasets.setdefault(key, Repo(private=False, server=self))
+            repo.tree.update(blobs)
+            marks = json.dumps(sorted((p, b.sha256 or _git_oid(b.content)) for p, b in blobs.items())).encode()
+            sha = hashlib.sha1(repo.sha.encode() + branch.encode() + marks).hexdigest()
             repo.commits.append(sha)
             repo.snapshots[sha] = dict(repo.tree)
         return sha
+
+    def _store_object(self, content: bytes | Path) -> Blob:
+        digest = hashlib.sha256()
+        with tempfile.NamedTemporaryFile(dir=self.storage, delete=False) as tmp:
+            source = content.open("rb") if isinstance(content, Path) else None
+            chunks = iter(lambda: source.read(CHUNK), b"") if source else [content]
+            size = 0
+            for chunk in chunks:
+                digest.update(chunk)
+                tmp.write(chunk)
+                size += len(chunk)
+            if source:
+                source.close()
+        Path(tmp.name).replace(self.object_path(digest.hexdigest()))
+        return Blob(None, size, digest.hexdigest())
+
+    def dataset_bytes(self, repo_id: str, branch: str = "main") -> int:
+        """Every file's bytes at a dataset branch's head."""
+        return sum(b.size for b in self.datasets[repo_id if branch == "main" else f"{repo_id}@{branch}"].tree.values())
 
     def object_path(self, sha256: str) -> Path:
         return self.storage / "objects" / sha256
@@ -189,7 +223,7 @@ class HubServer:
     def _handle(self, h: BaseHTTPRequestHandler, method: str) -> None:
         url = urlparse(h.path)
         path = unquote(url.path)
-        route, handler, args = self._route(method, path)
+        route, handler, args = self._route(method, url.path)  # matched before unquoting: a revision may hold "%2F"
         with self._lock:
             pending = self._failures.get(route)
             injected = pending.pop(0) if pending else None
@@ -202,37 +236,50 @@ class HubServer:
         else:
             status, headers, payload = handler(h, body, *args)
         self.requests.append(Request(method, path, route, status, h.headers.get("Authorization")))
-        h.send_response(status)
         if isinstance(payload, (dict, list)):
             payload = json.dumps(payload).encode()
             headers.setdefault("Content-Type", "application/json")
         if isinstance(payload, Path):  # a stored LFS object: streamed, or only its headers for HEAD
-            self._send_file(h, method, headers, payload)
+            self._send_file(h, method, status, headers, payload, route)
             return
+        size = len(payload)
+        start, end = _range(h, method, status, size)
+        if (start, end) != (0, size):
+            status, headers["Content-Range"] = 206, f"bytes {start}-{end - 1}/{size}"
+            payload = payload[start:end]
+        h.send_response(status)
         for k, v in headers.items():
             h.send_header(k, v)
         h.send_header("Content-Length", str(len(payload)))
         h.end_headers()
         if method != "HEAD":
             h.wfile.write(payload)
+            self._count(route, len(payload))
 
-    def _send_file(self, h: BaseHTTPRequestHandler, method: str, headers: dict, path: Path) -> None:
+    def _count(self, route: str, n: int) -> None:
+        with self._lock:
+            self.sent[route] = self.sent.get(route, 0) + n
+
+    def _send_file(self, h: BaseHTTPRequestHandler, method: str, status: int, headers: dict, path: Path,
+                   route: str) -> None:  # fmt: skip
         size = path.stat().st_size
-        start = 0
-        m = re.fullmatch(r"bytes=(\d+)-", h.headers.get("Range", "") or "")
-        if m and method == "GET" and int(m.group(1)) < size:
-            start = int(m.group(1))
-            headers["Content-Range"] = f"bytes {start}-{size - 1}/{size}"
+        start, end = _range(h, method, status, size)
+        if (start, end) != (0, size):
+            status, headers["Content-Range"] = 206, f"bytes {start}-{end - 1}/{size}"
+        h.send_response(status)
         for k, v in headers.items():
             h.send_header(k, v)
-        h.send_header("Content-Length", str(size - start))
+        h.send_header("Content-Length", str(end - start))
         h.end_headers()
         if method == "HEAD":
             return
         with path.open("rb") as f:
             f.seek(start)
-            while chunk := f.read(CHUNK):
+            left = end - start
+            while left and (chunk := f.read(min(CHUNK, left))):
                 h.wfile.write(chunk)
+                left -= len(chunk)
+        self._count(route, end - start)
 
     def _route(self, method: str, path: str):
         repo = r"(?P<repo>[^/]+/[^/]+?)"
@@ -258,7 +305,7 @@ class HubServer:
         for m, pattern, name, fn in table:
             match = re.match(pattern, path)
             if m == method and match:
-                return name, fn, tuple(v for v in match.groupdict().values())
+                return name, fn, tuple(None if v is None else unquote(v) for v in match.groupdict().values())
         return "unknown", None, ()
 
     # ------------------------------------------------------------ helpers
@@ -467,11 +514,14 @@ class HubServer:
         repo = self.datasets.get(repo_id)
         if repo is None:
             return None, None, self._not_found("RepoNotFound")
-        tree = repo.tree_at(rev)
-        if tree is None:
-            return None, None, self._not_found("RevisionNotFound")
-        sha = repo.sha if rev in (None, "main") else rev
-        return repo, (tree, sha), None
+        branch = self.datasets.get(f"{repo_id}@{rev}")
+        if branch is not None:  # a branch other than main, at its head
+            return branch, (branch.tree, branch.sha), None
+        for candidate in [repo] + [r for k, r in self.datasets.items() if k.startswith(repo_id + "@")]:
+            tree = candidate.tree_at(rev)
+            if tree is not None and (rev in (None, "main") or rev in candidate.snapshots):
+                return candidate, (tree, candidate.sha if rev in (None, "main") else rev), None
+        return None, None, self._not_found("RevisionNotFound")
 
     def _dataset_info(self, h, body: bytes, repo_id: str, rev: str | None):
         repo, at, error = self._dataset(repo_id, rev)
@@ -512,8 +562,21 @@ class HubServer:
         blob = tree.get(file)
         if blob is None:
             return self._not_found("EntryNotFound")
-        return 200, {"X-Repo-Commit": sha, "ETag": f'"{_git_oid(blob.content)}"',
-                     "Content-Type": "application/octet-stream"}, blob.content
+        headers = {"X-Repo-Commit": sha, "Content-Type": "application/octet-stream", "Accept-Ranges": "bytes"}
+        if blob.sha256:
+            headers["ETag"] = f'"{blob.sha256}"'
+            return 200, headers, self.object_path(blob.sha256)
+        headers["ETag"] = f'"{_git_oid(blob.content)}"'
+        return 200, headers, blob.content
+
+
+def _range(h: BaseHTTPRequestHandler, method: str, status: int, size: int) -> tuple[int, int]:
+    """The byte range [start, end) a GET asks for with `Range: bytes=a-b` or `bytes=a-` (all of it otherwise)."""
+    m = re.fullmatch(r"bytes=(\d+)-(\d*)", h.headers.get("Range", "") or "")
+    if not m or method != "GET" or status != 200 or int(m.group(1)) >= size:
+        return 0, size
+    start = int(m.group(1))
+    return start, min(size, int(m.group(2)) + 1) if m.group(2) else size
 
 
 def _entry(path: str, blob: Blob) -> dict:

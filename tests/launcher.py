@@ -148,8 +148,16 @@ def serve(path: str) -> None:
     server.bind(tmp)
     server.listen(64)
     os.rename(tmp, path)  # the client waits for the name: it appears once the socket listens
+    parent = os.getppid()
+    server.settimeout(2.0)
     while True:
-        conn, _ = server.accept()
+        try:
+            conn, _ = server.accept()
+        except (socket.timeout, TimeoutError):
+            if os.getppid() != parent:  # the pytest worker is gone (killed): so is the need for this server
+                return
+            continue
+        conn.settimeout(None)
         sys.stdout.flush()
         sys.stderr.flush()
         if os.fork() == 0:

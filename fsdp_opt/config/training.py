@@ -39,6 +39,20 @@ class DataConfig:
         "ash001/arxiv-abstract",
         "Hub dataset id, a local .jsonl/.json/.csv/.parquet/.txt file or folder, or the built-in 'python-docs'.",
     )
+    dataset_config: str | None = flag(
+        None,
+        "The dataset's config (subset), as the Hub names it: e.g. sample-10BT of HuggingFaceFW/fineweb-edu, main of "
+        "openai/gsm8k. Needed when a dataset has several and no default; an error lists them.",
+    )
+    dataset_split: str = flag(
+        "train",
+        "The split to train on, e.g. train_sft of HuggingFaceH4/ultrachat_200k; an error lists the splits there are.",
+    )
+    dataset_files: str | None = flag(
+        None,
+        "Data files of the repo or folder to read as --dataset_split, as a glob (e.g. 'data/en/*.parquet'), instead "
+        "of the ones its card or its layout names.",
+    )
     dataset_revision: str | None = flag(
         None,
         "A Hub dataset's revision (branch, tag or commit) to read. Default: the revision the chain's checkpoint "
@@ -89,8 +103,13 @@ class DataConfig:
     max_length: int = flag(512, "Tokens per training sequence.")
     eval_rows: int = flag(
         0,
-        "Held-out rows right after the slice, [end_idx, end_idx + N): eval loss and perplexity at every save "
-        "(0: no evaluation).",
+        "Held-out rows: eval loss and perplexity at every save (0: no evaluation). The N rows right after the slice, "
+        "[end_idx, end_idx + N), or the first N rows of --eval_split.",
+    )
+    eval_split: str | None = flag(
+        None,
+        "Take the --eval_rows held-out rows from this split (e.g. test_sft; the built-ins have test), the same rows "
+        "for every range, instead of the rows after the slice.",
     )
     packing: str = flag(
         "docs",
@@ -120,6 +139,18 @@ class DataConfig:
             raise ConfigError(f"--max_length {self.max_length}: must be at least 2")
         if self.eval_rows < 0:
             raise ConfigError(f"--eval_rows {self.eval_rows}: must be 0 or more")
+        if self.eval_split is not None:
+            if not self.eval_rows:
+                raise ConfigError(f"--eval_split {self.eval_split}: needs --eval_rows N (how many of its rows)")
+            if self.eval_split == self.dataset_split:
+                raise ConfigError(f"--eval_split {self.eval_split}: the split trained on (--dataset_split); held-out "
+                                  "rows must come from another")  # fmt: skip
+            if self.dataset_files:
+                raise ConfigError(f"--eval_split {self.eval_split}: not with --dataset_files (the files are the "
+                                  "training split's)")  # fmt: skip
+        for name in ("dataset_split", "dataset_config", "dataset_files", "eval_split"):
+            if getattr(self, name) is not None and not getattr(self, name).strip():
+                raise ConfigError(f"--{name}: must not be empty")
         for name in ("text_column", "prompt_column", "completion_column", "messages_column"):
             if not getattr(self, name):
                 raise ConfigError(f"--{name}: must not be empty")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from fsdp_opt.base import DataError
+from fsdp_opt.data.table import as_table
 
 ROLES = ("system", "user", "assistant")
 
@@ -131,9 +132,11 @@ def check_row(spec: RowSpec, raw: dict[str, Any], index: int) -> dict[str, Any] 
     return {"prompt": prompt_m, "completion": completion_m}
 
 
-def select_rows(ds, spec: RowSpec, start_idx: int, end_idx: int | None) -> Rows:
-    """Rows [start_idx, end_idx) of the raw data, each checked; rows with nothing to train on dropped and counted."""
-    total = len(ds)
+def select_rows(data, spec: RowSpec, start_idx: int, end_idx: int | None) -> Rows:
+    """Rows [start_idx, end_idx) of the raw data (a Table, or a `datasets.Dataset`), each checked; rows with nothing
+    to train on dropped and counted. Only those rows are read."""
+    table = as_table(data)
+    total = len(table)
     if total == 0:
         raise DataError("--dataset: the dataset has no rows")
     end = total if end_idx is None else end_idx
@@ -141,7 +144,7 @@ def select_rows(ds, spec: RowSpec, start_idx: int, end_idx: int | None) -> Rows:
         raise DataError(f"--start_idx {start_idx}: past the end of the dataset ({total} rows)")
     if end > total:
         raise DataError(f"--end_idx {end}: past the end of the dataset ({total} rows)")
-    part = ds.select(range(start_idx, end)).select_columns(list(spec.columns))
+    part = table.rows(start_idx, end, spec.columns)
     rows, indices, empty = [], [], 0
     for offset, raw in enumerate(part):
         row = check_row(spec, raw, start_idx + offset)
@@ -160,12 +163,20 @@ def select_rows(ds, spec: RowSpec, start_idx: int, end_idx: int | None) -> Rows:
     return Rows(rows, end, indices, empty, conversational)
 
 
-def held_out_rows(ds, spec: RowSpec, end_idx: int, rows: int) -> Rows:
+def held_out_rows(data, spec: RowSpec, end_idx: int, rows: int) -> Rows:
     """--eval_rows: the rows right after the slice, [end_idx, end_idx + rows), cut at the end of the dataset."""
-    total = len(ds)
+    total = len(data)
     if end_idx >= total:
-        raise DataError(f"--eval_rows {rows}: no rows after --end_idx {end_idx} to evaluate on (the dataset has {total})")
-    return select_rows(ds, spec, end_idx, min(total, end_idx + rows))
+        raise DataError(f"--eval_rows {rows}: no rows after --end_idx {end_idx} to evaluate on (the dataset has "
+                        f"{total}; --eval_split names a held-out split)")  # fmt: skip
+    return select_rows(data, spec, end_idx, min(total, end_idx + rows))
+
+
+def held_out_split(data, spec: RowSpec, rows: int, split: str) -> Rows:
+    """--eval_rows with --eval_split: the split's first rows."""
+    if len(data) == 0:
+        raise DataError(f"--eval_split {split}: the split has no rows")
+    return select_rows(data, spec, 0, min(len(data), rows))
 
 
 def select_texts(ds, text_column: str, start_idx: int, end_idx: int | None) -> tuple[list[str], int]:

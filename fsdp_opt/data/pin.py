@@ -2,8 +2,10 @@
 not move between sessions.
 
 Every checkpoint (and its Hub index entry) records:
-- the source: a Hub dataset's revision (its commit), a local file's size and sha256 (a folder's: of its files), or
-  the built-in's name;
+- the source (data/sources.py): a Hub dataset's revision (its commit), its config, split and files when named, and
+  for parquet the split's index (each file's LFS sha256 from the Hub's listing, size and row groups: later sessions
+  read it from here); a local file's size and sha256 (a folder's: of its files; parquet: of their footers); or the
+  built-in's name;
 - for each range trained so far, a fingerprint of its rows (the columns the format reads) and of their token ids
   (ids and the mask of tokens that carry loss, as packed).
 
@@ -17,54 +19,22 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 from typing import Any
 
 from fsdp_opt.data.blocks import Blocks
-from fsdp_opt.data.sources import BUILTIN_DATASETS
+from fsdp_opt.data.resolve import DataSource
 
 PIN_KEY = "data_pin"  # of a checkpoint's payload and of its Hub index entry
 
 
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def source_identity(spec: str, revision: str | None = None) -> dict[str, Any]:
-    """What the rows come from, as precisely as can be said of it."""
-    if spec in BUILTIN_DATASETS:
-        return {"kind": "builtin", "name": spec}
-    path = Path(spec).expanduser()
-    if path.is_file():
-        return {"kind": "file", "path": spec, "bytes": path.stat().st_size, "sha256": _file_sha256(path)}
-    if path.is_dir():
-        digest, size = hashlib.sha256(), 0
-        for f in sorted(p for p in path.rglob("*") if p.is_file()):
-            digest.update(f"{f.relative_to(path).as_posix()}:{_file_sha256(f)}\n".encode())
-            size += f.stat().st_size
-        return {"kind": "folder", "path": spec, "bytes": size, "sha256": digest.hexdigest()}
-    return {"kind": "hub", "id": spec, "revision": hub_revision(spec, revision)}
-
-
-def hub_revision(dataset_id: str, revision: str | None) -> str | None:
-    """The commit a Hub dataset's revision (a branch, tag or commit; None: main) points to now; None when the Hub
-    cannot say."""
-    try:
-        from huggingface_hub import HfApi
-
-        return HfApi().dataset_info(dataset_id, revision=revision).sha
-    except Exception:  # noqa: BLE001 - offline: the rows still load from the cache, unpinned
-        return None
-
-
-def pinned_revision(pin: dict[str, Any] | None, dataset: str) -> str | None:
-    """The commit the chain recorded for this Hub dataset; None for another dataset or source."""
+def pinned_revision(pin: dict[str, Any] | None, src: DataSource) -> str | None:
+    """The commit the chain recorded for this Hub dataset's split; None for another dataset, split or source."""
     source = (pin or {}).get("source") or {}
-    return source.get("revision") if source.get("kind") == "hub" and source.get("id") == dataset else None
+    if source.get("kind") != "hub" or source.get("id") != src.dataset:
+        return None
+    if any(source.get(k) != src.names().get(k) for k in ("config", "split", "files")):
+        return None
+    return source.get("revision")
 
 
 def rows_digest(rows: list[dict[str, Any]], indices: list[int]) -> str:
@@ -87,6 +57,8 @@ def described(source: dict[str, Any] | None) -> str:
     if not source:
         return "unknown"
     if source["kind"] in ("file", "folder"):
+        if "footers" in source:  # parquet, known by its footers
+            return f"{source['bytes']:,} bytes, parquet footers {source['footers'][:12]}"
         return f"{source['bytes']:,} bytes, sha256 {source['sha256'][:12]}"
     if source["kind"] == "hub":
         return f"revision {source['revision'] or 'unknown'}"

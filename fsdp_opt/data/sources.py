@@ -1,12 +1,31 @@
 """Where rows come from: the built-in `python-docs` (text) and `python-docs-chat` (conversations), a local file or
-folder, or a Hub dataset. data/formats.py reads the rows of a slice."""
+folder, or a Hub dataset, each opened as a Table (data/table.py) of one split. data/formats.py reads a slice's rows.
+
+A Hub dataset or local folder stored as parquet is read by row group: a session fetches the rows of its range (and
+its held-out rows), not the dataset. Anything else is read whole, as `datasets.load_dataset` reads it."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 from pathlib import Path
 
+from typing import Any
+
 from fsdp_opt.base import DataError, first_line, looks_like_path, quiet_hub_logs
+from fsdp_opt.data.parquet import ParquetReader, SplitIndex
+from fsdp_opt.data.resolve import (
+    DEFAULT_SPLIT,
+    DataSource,
+    Resolved,
+    download_line,
+    export_files,
+    index_split,
+    listing,
+    split_files,
+)
+from fsdp_opt.data.table import MemoryTable, ParquetTable, Table
+from fsdp_opt.runtime.distributed import print0
 
 BUILTIN_DATASET = "python-docs"
 BUILTIN_CHAT_DATASET = "python-docs-chat"
@@ -15,7 +34,12 @@ BUILTIN_DATASETS = (BUILTIN_DATASET, BUILTIN_CHAT_DATASET)
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
 
-def _python_docs_paragraphs(min_chars: int) -> list[tuple[str, str]]:
+# The built-ins' splits: train, paragraphs of at least 200 characters; test, the shorter ones of 120 to 199
+# characters, which no training row holds (held-out rows for --eval_split test).
+BUILTIN_SPLITS = {"train": (200, None), "test": (120, 200)}
+
+
+def _python_docs_paragraphs(min_chars: int, max_chars: int | None = None) -> list[tuple[str, str]]:
     """(the topic's title, a paragraph) of Python's own documentation topics (pydoc_data), in a fixed order."""
     from pydoc_data.topics import topics
 
@@ -24,26 +48,26 @@ def _python_docs_paragraphs(min_chars: int) -> list[tuple[str, str]]:
         title = topics[key].strip().splitlines()[0].strip()
         for para in re.split(r"\n\s*\n", topics[key]):
             text = " ".join(para.split())
-            if len(text) >= min_chars:
+            if len(text) >= min_chars and (max_chars is None or len(text) < max_chars):
                 out.append((title, text))
     return out
 
 
-def python_docs_texts(min_chars: int = 200) -> list[str]:
+def python_docs_texts(min_chars: int = 200, max_chars: int | None = None) -> list[str]:
     """Paragraphs of Python's own documentation topics (pydoc_data): text with no download."""
-    return [text for _, text in _python_docs_paragraphs(min_chars)]
+    return [text for _, text in _python_docs_paragraphs(min_chars, max_chars)]
 
 
 CHAT_SYSTEM = "You answer questions about the Python documentation."
 CHAT_OPENING_WORDS = 8
 
 
-def python_docs_chat_rows(min_chars: int = 200) -> list[list[dict[str, str]]]:
+def python_docs_chat_rows(min_chars: int = 200, max_chars: int | None = None) -> list[list[dict[str, str]]]:
     """Conversations made from the same paragraphs, offline. The user quotes a paragraph's opening words and asks
     where they come from (the answer: the topic's title). Every other conversation has a system message and a second
     turn, which asks how the paragraph goes on (the answer: its next sentence, at most 40 words)."""
     rows = []
-    for k, (title, text) in enumerate(_python_docs_paragraphs(min_chars)):
+    for k, (title, text) in enumerate(_python_docs_paragraphs(min_chars, max_chars)):
         words = text.split(" ")
         opening, rest = " ".join(words[:CHAT_OPENING_WORDS]), " ".join(words[CHAT_OPENING_WORDS:])
         sentence = re.match(r"(.+?[.:;?!])(\s|$)", rest)
@@ -59,43 +83,182 @@ def python_docs_chat_rows(min_chars: int = 200) -> list[list[dict[str, str]]]:
     return rows
 
 
-def load_rows(spec: str, revision: str | None = None):
-    """The raw dataset as a `datasets.Dataset` (train split); a Hub dataset at `revision` (None: main)."""
+def builtin_split(name: str, split: str):  # noqa: ANN201
+    """A built-in dataset's split as a `datasets.Dataset`."""
+    import datasets
+
+    if split not in BUILTIN_SPLITS:
+        raise DataError(f"--dataset_split {split}: {name} has no such split (its splits: {', '.join(BUILTIN_SPLITS)})")
+    low, high = BUILTIN_SPLITS[split]
+    if name == BUILTIN_DATASET:
+        return datasets.Dataset.from_dict({"text": python_docs_texts(low, high)})
+    return datasets.Dataset.from_dict({"messages": python_docs_chat_rows(low, high)})
+
+
+def load_rows(spec: str, revision: str | None = None, split: str = DEFAULT_SPLIT):
+    """A built-in or local dataset's split as a `datasets.Dataset` (for scripts and tests; the trainer opens
+    sources with open_source)."""
+    table = open_source(DataSource(spec, split=split, revision=revision))
+    if not isinstance(table, MemoryTable):
+        raise DataError(f"--dataset {spec}: read by range (open_source), not as a whole")
+    return table.ds
+
+
+def open_source(src: DataSource, pin: dict[str, Any] | None = None) -> Table:
+    """The split the flags name, as a Table. `pin`: the chain's record of the source (data/pin.py); a Hub dataset
+    recorded with its parquet index at this revision is opened from it, without reading any footer or card."""
     import datasets
 
     datasets.disable_progress_bars()
-    if revision and (spec in BUILTIN_DATASETS or Path(spec).expanduser().exists()):
-        raise DataError(f"--dataset_revision {revision}: only for a Hub dataset id (--dataset {spec} is not one)")
-    if spec == BUILTIN_DATASET:
-        return datasets.Dataset.from_dict({"text": python_docs_texts()})
-    if spec == BUILTIN_CHAT_DATASET:
-        return datasets.Dataset.from_dict({"messages": python_docs_chat_rows()})
-    path = Path(spec).expanduser()
+    names = src.names()
+    if src.revision and (src.dataset in BUILTIN_DATASETS or Path(src.dataset).expanduser().exists()):
+        raise DataError(f"--dataset_revision {src.revision}: only for a Hub dataset id (--dataset {src.dataset} is not one)")
+    if src.dataset in BUILTIN_DATASETS:
+        if src.config or src.files:
+            raise DataError(f"--dataset_{'config' if src.config else 'files'}: not for the built-in {src.dataset}")
+        return MemoryTable(builtin_split(src.dataset, src.split), {"kind": "builtin", "name": src.dataset, **names})
+    path = Path(src.dataset).expanduser()
+    if path.is_file():
+        return _local_file(src, path)
+    if path.is_dir():
+        return _local_folder(src, path)
+    if looks_like_path(src.dataset, tuple(LOCAL_FORMATS)):
+        raise DataError(f"--dataset {src.dataset}: no such file or folder")
+    return _hub(src, pin)
+
+
+def _local_file(src: DataSource, path: Path) -> Table:
+    if src.config or src.files:
+        raise DataError(f"--dataset_{'config' if src.config else 'files'}: not for a single file ({src.dataset})")
+    if src.split != DEFAULT_SPLIT:
+        raise DataError(f"--dataset_split {src.split}: a single file ({src.dataset}) holds one split, train")
+    fmt = LOCAL_FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        known = ", ".join(sorted(LOCAL_FORMATS))
+        raise DataError(f"--dataset {src.dataset}: unsupported file type {path.suffix!r} (use one of {known})")
+    if fmt == "parquet":
+        resolved = Resolved([str(path)], [path.name], None, None, "parquet")
+        return _parquet(src, resolved, None, {"kind": "file", "path": src.dataset})
+    return MemoryTable(_load(src, lambda d: d.load_dataset(fmt, data_files=str(path), split="train")),
+                       _hashed(src, "file", [path]))  # fmt: skip
+
+
+def _local_folder(src: DataSource, path: Path) -> Table:
+    if (path / "dataset_info.json").is_file() and (path / "state.json").is_file():
+        if src.config or src.files or src.split != DEFAULT_SPLIT:
+            raise DataError(f"--dataset {src.dataset}: a folder saved by save_to_disk holds one split; no "
+                            "--dataset_config, --dataset_split or --dataset_files")  # fmt: skip
+        return MemoryTable(_load(src, lambda d: d.load_from_disk(str(path))), _hashed(src, "folder", _files(path)))
+    resolved = split_files(src)
+    if resolved.module == "parquet":
+        return _parquet(src, resolved, None, {"kind": "folder", "path": src.dataset})
+    ds = _load(src, lambda d: d.load_dataset(str(path), name=src.config, split=src.split, data_files=_data_files(src)))
+    return MemoryTable(ds, _hashed(src, "folder", [Path(u) for u in resolved.urls]))
+
+
+NAMES = ("config", "split", "files")
+
+
+def recorded_index(src: DataSource, pin: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The chain's record of this Hub split with its parquet index, when it is this split at this revision."""
+    recorded = (pin or {}).get("source") or {}
+    if recorded.get("kind") != "hub" or not recorded.get("index") or recorded.get("revision") != src.revision:
+        return None
+    same = recorded.get("id") == src.dataset and all(recorded.get(k) == src.names().get(k) for k in NAMES)
+    return recorded if same else None
+
+
+def _hub(src: DataSource, pin: dict[str, Any] | None) -> Table:
+    recorded = recorded_index(src, pin)
+    if recorded is not None:
+        return ParquetTable(SplitIndex.from_dict(recorded["index"]), ParquetReader(_hub_fs()), dict(recorded),
+                            src.describe())  # fmt: skip
+    resolved = split_files(src, src.revision)
+    identity = {"kind": "hub", "id": src.dataset, **src.names()}
+    if resolved.module == "parquet":
+        return _parquet(src, resolved, src.dataset, identity)
+    exported = export_files(src)
+    if exported is not None:
+        print0(f"data: {src.describe()} is stored as {resolved.module}: reading its split {src.split} from the Hub's "
+               "parquet export")  # fmt: skip
+        return _parquet(src, exported, src.dataset, identity | {"export": True})
+    sizes, _ = listing(src.dataset, resolved.revision, resolved.names)
+    print0(download_line(src, len(resolved.urls), resolved.module, sum(sizes)))
+    ds = _load(src, lambda d: d.load_dataset(src.dataset, name=src.config, split=src.split, revision=resolved.revision,
+                                             data_files=_data_files(src)))  # fmt: skip
+    return MemoryTable(ds, identity | {"revision": resolved.revision})
+
+
+def _parquet(src: DataSource, resolved: Resolved, hub_id: str | None, identity: dict[str, Any]) -> ParquetTable:
+    reader = ParquetReader(_hub_fs() if hub_id else None)
+    index = index_split(resolved, reader, hub_id)
+    if hub_id:
+        identity = identity | {"revision": resolved.revision, "index": index.to_dict()}
+    else:  # a local file is known by its size and footer (row groups, offsets, statistics), not hashed whole
+        identity = identity | {"bytes": index.bytes, "footers": _digest([f.key for f in index.files]), **src.names()}
+    return ParquetTable(index, reader, identity, src.describe())
+
+
+def _hub_fs():  # noqa: ANN202
+    from huggingface_hub import HfFileSystem
+
+    return HfFileSystem()
+
+
+def _data_files(src: DataSource) -> dict[str, str] | None:
+    return {src.split: src.files} if src.files else None
+
+
+def _load(src: DataSource, load):  # noqa: ANN001, ANN202
+    import datasets
+
     try:
-        if path.is_file():
-            fmt = LOCAL_FORMATS.get(path.suffix.lower())
-            if fmt is None:
-                known = ", ".join(sorted(LOCAL_FORMATS))
-                raise DataError(f"--dataset {spec}: unsupported file type {path.suffix!r} (use one of {known})")
-            return datasets.load_dataset(fmt, data_files=str(path), split="train")
-        if path.is_dir():
-            if (path / "dataset_info.json").is_file() and (path / "state.json").is_file():
-                return datasets.load_from_disk(str(path))
-            return datasets.load_dataset(str(path), split="train")
+        with quiet_hub_logs():
+            return load(datasets)
     except DataError:
         raise
     except Exception as exc:  # noqa: BLE001 - a damaged file is a user error: one line, no traceback
-        raise DataError(f"--dataset {spec}: cannot read it ({first_line(exc)})") from None
-    if looks_like_path(spec, tuple(LOCAL_FORMATS)):
-        raise DataError(f"--dataset {spec}: no such file or folder")
-    try:
-        with quiet_hub_logs():
-            return datasets.load_dataset(spec, split="train", revision=revision)
-    except Exception as exc:  # noqa: BLE001
-        if revision:
-            raise DataError(f"--dataset {spec}: cannot load revision {revision} from the Hugging Face Hub "
-                            f"({first_line(exc)}); --dataset_revision names another") from None  # fmt: skip
-        raise DataError(
-            f"--dataset {spec}: cannot load it from the Hugging Face Hub ({first_line(exc)}). "
-            f"Check the id and the network, or use --dataset {BUILTIN_DATASET} ({BUILTIN_CHAT_DATASET}) or a local file."
-        ) from None
+        raise DataError(f"--dataset {src.dataset}: cannot read it ({first_line(exc)})") from None
+
+
+def _files(path: Path) -> list[Path]:
+    return sorted(p for p in path.rglob("*") if p.is_file())
+
+
+def _digest(parts: list[str]) -> str:
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _hashed(src: DataSource, kind: str, files: list[Path]) -> dict[str, Any]:
+    """A local source read whole, known by its files' bytes."""
+    if kind == "file":
+        f = files[0]
+        return {"kind": "file", "path": src.dataset, "bytes": f.stat().st_size, "sha256": file_sha256(f), **src.names()}
+    root = Path(src.dataset).expanduser()
+    digest = _digest([f"{f.relative_to(root).as_posix()}:{file_sha256(f)}" for f in files])
+    return {"kind": "folder", "path": src.dataset, "bytes": sum(f.stat().st_size for f in files), "sha256": digest,
+            **src.names()}  # fmt: skip
+
+
+def data_on_disk(src: DataSource) -> int:
+    """What a session keeps of the split on disk: 0 when it reads rows by range (parquet, or the Hub's parquet export);
+    a split read whole: its files and datasets' arrow copy of them, about twice their size."""
+    if src.dataset in BUILTIN_DATASETS:
+        return 0
+    path = Path(src.dataset).expanduser()
+    if path.is_file():
+        return 0 if path.suffix.lower() == ".parquet" else 2 * path.stat().st_size
+    resolved = split_files(src, src.revision)
+    if resolved.module == "parquet" or (not path.exists() and export_files(src) is not None):
+        return 0
+    if path.is_dir():
+        return 2 * sum(Path(u).stat().st_size for u in resolved.urls)
+    return 2 * sum(listing(src.dataset, resolved.revision, resolved.names)[0])

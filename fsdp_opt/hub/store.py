@@ -26,6 +26,7 @@ from fsdp_opt.checkpoint.names import SUFFIX, parse_name
 from fsdp_opt.checkpoint.read import read_checkpoint
 from fsdp_opt.checkpoint.weightsfile import SUFFIX as WEIGHTS_SUFFIX
 from fsdp_opt.checkpoint.weightsfile import WEIGHTS_DIR, checkpoint_of, weights_name
+from fsdp_opt.data.pin import PIN_KEY
 
 CKPT_DIR = "checkpoints"
 
@@ -255,6 +256,19 @@ def newest_checkpoint(out_dir: Path, repo_id: str | None, retries: int = 3, flag
     if remote is not None and (found is None or remote[1] > found[1]):
         return remote[0], remote[1], None
     return found
+
+
+def newest_pin(newest: tuple[str, int, Path | None], repo_id: str | None, retries: int = 3) -> dict[str, Any] | None:
+    """The data pin of the newest checkpoint (newest_checkpoint's answer): a local one's, read from its file (mapped,
+    not loaded), or the Hub index entry's. None when it has none or it cannot be read: the caller reads the data's own
+    metadata instead."""
+    name, _, path = newest
+    try:
+        if path is not None:
+            return read_checkpoint(path).get(PIN_KEY)
+        return HubStore(repo_id, retries=retries).read_index()["checkpoints"].get(name, {}).get(PIN_KEY)
+    except Exception:  # noqa: BLE001 - only a shortcut: without it the split's metadata is read
+        return None
 
 
 def find_resume(name: str, out_dir: Path, repo_id: str | None, retries: int = 3, flag: str = "--resume_file") -> Path:

@@ -38,8 +38,10 @@ def hub_repo_bytes(shape: Shape, *, slices: int, keep_full: int, save_optimizer:
 
 
 def disk_and_hub(shape: Shape, inputs, *, disk: int, keep_last: int, save_optimizer: bool, slices: int,
-                 keep_full: int) -> dict[str, Any]:  # noqa: ANN001  # fmt: skip
-    """The plan's checkpoint sizes, disk and Hub figures, and `saved`: the parameters a checkpoint holds."""
+                 keep_full: int, data_bytes: int = 0) -> dict[str, Any]:  # noqa: ANN001  # fmt: skip
+    """The plan's checkpoint sizes, disk and Hub figures, and `saved`: the parameters a checkpoint holds.
+    `data_bytes`: what a session keeps of the dataset on the same disk (0 when its rows are read by range)."""
+    disk = max(0, disk - data_bytes)
     if inputs.lora_rank:
 
         sizes = lora_checkpoints(shape, inputs)
@@ -58,7 +60,8 @@ def disk_and_hub(shape: Shape, inputs, *, disk: int, keep_last: int, save_optimi
         "checkpoints": sizes,
         "disk": {
             "checkpoint_bytes": one,
-            "peak_bytes": on_disk,
+            "data_bytes": data_bytes,
+            "peak_bytes": on_disk + data_bytes,
             "fits": one + sizes["export_fp16"] <= disk,
             "checkpoints_that_fit": fit_beside,
             "kept_while_saving": kept,
@@ -78,5 +81,7 @@ def disk_line(d: dict[str, Any], keep_last: int, disk: int) -> str:
         else "fits; older checkpoints that would not fit beside a new one are removed before it"
         if not keep_last or d["checkpoints_that_fit"] < keep_last else "fits"
     )
+    data = (f", with {gib(d['data_bytes'])} of data downloaded whole" if d.get("data_bytes")
+            else ", no dataset files on it: rows read by range (--data_on_disk)")  # fmt: skip
     return (f"disk: {gib(d['peak_bytes'])} at the peak of a save ({d['kept_while_saving']} older checkpoint(s) "
-            f"kept while one is written, --keep_last {keep_last}), of {disk / 1e9:,.0f} GB: {verdict}")
+            f"kept while one is written, --keep_last {keep_last}{data}), of {disk / 1e9:,.0f} GB: {verdict}")

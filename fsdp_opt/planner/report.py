@@ -34,7 +34,8 @@ from fsdp_opt.planner.steptime import candidates, comm_bytes, render_configurati
 
 def make_plan(model: str, inputs: Inputs, *, disk: int, host_memory: int, keep_last: int, save_optimizer: bool,
               sharded: bool = False, offload: bool = False, slices: int = 10, keep_full: int = 1,
-              rates=None, samples: int | None = None, space: Space | None = None) -> dict[str, Any]:  # fmt: skip
+              rates=None, samples: int | None = None, space: Space | None = None,
+              data_bytes: int = 0) -> dict[str, Any]:  # fmt: skip
     """`samples`: sequences per optimizer step to search for (default: what the inputs imply); `space`: what the
     search may vary (default: everything, the fp16 reduce only with fp16 compute)."""
 
@@ -61,7 +62,7 @@ def make_plan(model: str, inputs: Inputs, *, disk: int, host_memory: int, keep_l
     change = None if recommended else cheapest_change(shape, inputs, samples, rates, space, host_memory, sharded)
     gpu_counts = by_gpu_count(shape, inputs, samples, rates, space, host_memory, sharded)
     stored = disk_and_hub(shape, inputs, disk=disk, keep_last=keep_last, save_optimizer=save_optimizer, slices=slices,
-                          keep_full=keep_full)  # fmt: skip
+                          keep_full=keep_full, data_bytes=data_bytes)  # fmt: skip
     saved = stored.pop("saved")
 
     given = configurations[0] if configurations and configurations[0]["fits"] else None

@@ -17,12 +17,13 @@ from fsdp_opt.base import CheckpointError
 from fsdp_opt.checkpoint.chain import ChainStatus, NextRange, next_range
 from fsdp_opt.config.choices import AUTO
 from fsdp_opt.config.parse import Config
-from fsdp_opt.data.pin import packed_as, with_range
-from fsdp_opt.data.sources import load_rows
+from fsdp_opt.data.pin import packed_as, pinned_revision, with_range
+from fsdp_opt.data.resolve import DataSource
+from fsdp_opt.data.sources import open_source
 from fsdp_opt.engine.step import TrainState
 from fsdp_opt.hub.lease import TRIES as LEASE_TRIES
 from fsdp_opt.hub.lease import FileLease, HubLease, Lease, Outcome, hold_seconds, new_holder
-from fsdp_opt.hub.store import HubStore, newest_checkpoint
+from fsdp_opt.hub.store import HubStore, newest_checkpoint, newest_pin
 from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, broadcast_object, print0
 from fsdp_opt.runtime.stopping import StopControl
 from fsdp_opt.train.inputs import SliceData, read_slice
@@ -51,13 +52,17 @@ def first_range(config: Config, env: DistEnv) -> Config | None:
         return config
 
     def decide() -> tuple[NextRange | None, int, tuple | None]:
-        rows = len(load_rows(dc.dataset, dc.dataset_revision))
         hc = config.hub
         # A repo the token cannot open reads as empty: open (or create) it first, as the uploader would.
         if hc.hf_repo and not HubStore(hc.hf_repo, retries=hc.hub_retries).ensure_repo(private=not hc.hub_public):
             raise CheckpointError(f"--start_idx auto: cannot read the Hub repo {hc.hf_repo} now (it cannot be "
                                   "reached); its newest checkpoint decides the range, so none is guessed")  # fmt: skip
         newest = newest_checkpoint(Path(cc.output_dir), hc.hf_repo, hc.hub_retries, "--start_idx auto", strict=True)
+        # The split's length: from the chain's record of it where it has one (no card, no footers read), else from
+        # the split's metadata; a split stored as parquet is not downloaded for it.
+        pin = newest_pin(newest, hc.hf_repo, hc.hub_retries) if newest else None
+        src = DataSource.of(dc, dc.dataset_revision or pinned_revision(pin, DataSource.of(dc)))
+        rows = len(open_source(src, pin))
         return next_range(newest[0] if newest else None, rows, dc.range_size, config.train.num_epochs), rows, newest
 
     nxt, rows, newest = broadcast_object(all_ranks_ok(lambda: decide() if env.is_main else None))
@@ -142,7 +147,7 @@ def next_in_session(s: Session, stop: StopControl, trained_here: int) -> bool:
         return False
     config = range_config(s.config, NextRange(*after, resume=s.last_saved_path.name if s.last_saved_path else None,
                                               finishing=False))  # fmt: skip
-    data = read_slice(config, s.tokenizer, s.model_config, s.data_revision)
+    data = read_slice(config, s.tokenizer, s.model_config, s.data_revision, s.data_pin)
     steps = step_plan(config, s.env, data.blocks, s.layout.batch_size, s.accum_steps).steps_per_epoch()
     step_s = statistics.median(s.step_seconds) if s.step_seconds else 0.0
     left = stop.seconds_left()
@@ -159,7 +164,7 @@ def next_in_session(s: Session, stop: StopControl, trained_here: int) -> bool:
 def switch_range(s: Session, config: Config, data: SliceData) -> None:
     """Point the session at the next range, as a new session resuming from the last checkpoint would start it."""
     s.config = config
-    s.blocks, s.end_idx, s.eval_blocks = data.blocks, data.end_idx, data.eval_blocks
+    s.blocks, s.end_idx, s.eval_blocks, s.eval_label = data.blocks, data.end_idx, data.eval_blocks, data.eval_label
     if s.data_pin is not None:  # rank 0
         s.data_pin = with_range(s.data_pin, s.data_pin["source"], config.data.start_idx, data.end_idx, data.rows_digest,
                                 data.tokens_digest, packed_as(config.data.max_length, config.data.packing))  # fmt: skip

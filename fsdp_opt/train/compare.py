@@ -19,8 +19,10 @@ from fsdp_opt.checkpoint.read import check_compatible, read_checkpoint
 from fsdp_opt.config.choices import DTYPES, shard_count
 from fsdp_opt.config.training import DataConfig, LoraConfig, ModelConfig
 from fsdp_opt.data.blocks import rows_to_blocks
-from fsdp_opt.data.formats import held_out_rows
-from fsdp_opt.data.sources import load_rows
+from fsdp_opt.data.formats import held_out_rows, held_out_split
+from fsdp_opt.data.pin import PIN_KEY, pinned_revision
+from fsdp_opt.data.resolve import DataSource
+from fsdp_opt.data.sources import open_source
 from fsdp_opt.data.tokens import end_of_turn, generation_prompt, read_template
 from fsdp_opt.engine.evaluation import evaluate_loss, generate
 from fsdp_opt.hub.store import find_resume
@@ -74,6 +76,19 @@ def answers_markdown(results: dict[str, Any] | str | Path) -> str:
     return "\n".join(lines)
 
 
+def _held_out_split(src: DataSource) -> str | None:
+    """A held-out split the dataset has (test, else validation), or None."""
+    for split in FALLBACK_SPLITS:
+        if split == src.split:
+            continue
+        try:
+            open_source(src.with_split(split))
+            return split
+        except ConfigError:
+            continue
+    return None
+
+
 def _trained_from(entries: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
     """The flags and the slice the first checkpoint was trained with (rank 0); the flags carry the chat template the
     run used (`chat_template_text`)."""
@@ -84,6 +99,7 @@ def _trained_from(entries: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[s
     payload = read_checkpoint(Path(first["path"]), "--checkpoints")
     flags = dict(payload.get("config") or {})
     flags["chat_template_text"] = payload.get("chat_template")
+    flags[PIN_KEY] = payload.get(PIN_KEY)
     return flags, payload.get("slice") or {}
 
 
@@ -144,7 +160,9 @@ def _fill(model: nn.Module, entry: dict[str, Any], payload: dict[str, Any] | Non
 
 
 # The data flags evaluate takes, or else the first checkpoint's.
-DATA_FLAGS = ("text_column", "data_format", "prompt_column", "completion_column", "messages_column", "train_on")
+DATA_FLAGS = ("text_column", "data_format", "prompt_column", "completion_column", "messages_column", "train_on",
+              "dataset_config", "dataset_split", "dataset_files", "eval_split")  # fmt: skip
+FALLBACK_SPLITS = ("test", "validation")  # held-out splits looked for when no row is left after the range
 
 
 def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
@@ -157,10 +175,17 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
     dataset = args.dataset or trained.get("dataset") or DataConfig.dataset
     max_length = args.max_length or trained.get("max_length") or DataConfig.max_length
     start = args.start_idx if args.start_idx is not None else trained_slice.get("end_idx")
-    if start is None:
-        raise ConfigError("--start_idx: needed when no checkpoint says which rows it was trained on")
     data_flags = {k: getattr(args, k, None) or trained.get(k) for k in DATA_FLAGS}
+    if args.dataset and args.dataset != trained.get("dataset"):  # another dataset: not the run's names of its parts
+        data_flags.update({k: getattr(args, k, None) for k in ("dataset_config", "dataset_split", "dataset_files")})
+    if args.start_idx is not None and not args.eval_split:
+        data_flags["eval_split"] = None  # rows of the training split were asked for
+    data_flags["eval_rows"] = args.eval_rows
     dc = DataConfig(dataset=dataset, **{k: v for k, v in data_flags.items() if v is not None})
+    if start is None and dc.eval_split is None:
+        raise ConfigError("--start_idx: needed when no checkpoint says which rows it was trained on (or --eval_split)")
+    pin = trained.get(PIN_KEY) if dataset == trained.get("dataset") else None
+    src = DataSource.of(dc, pinned_revision(pin, DataSource.of(dc)))
 
     source = all_ranks_ok(lambda: resolve_model(model_name))
     precision = all_ranks_ok(lambda: resolve_precision(args.precision, env.device))
@@ -171,12 +196,22 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
     if template is not None:
         tokenizer.chat_template = template
 
-    def read_held_out():
-        ds = load_rows(dataset)
-        spec, train_on = data_spec(dc, ds.column_names)
-        return spec, train_on, held_out_rows(ds, spec, start, args.eval_rows)
+    def read_held_out() -> tuple[Any, str, Any, str, int]:
+        table = open_source(src, pin)
+        spec, train_on = data_spec(dc, table.column_names)
+        split = dc.eval_split
+        if split is None and (start or 0) >= len(table):
+            split = _held_out_split(src)
+            if split is None:
+                held_out_rows(table, spec, start, args.eval_rows)  # the error: no rows after the range
+            print0(f"note: no rows after [.., {start}) of {src.describe()}, the end of it: evaluating on its {split} "
+                   "split")  # fmt: skip
+        if split is not None:
+            held = open_source(src.with_split(split))
+            return spec, train_on, held_out_split(held, spec, args.eval_rows, split), f"split {split}", 0
+        return spec, train_on, held_out_rows(table, spec, start, args.eval_rows), f"split {src.split}", start
 
-    spec, train_on, held_out = rank0_first(read_held_out)
+    spec, train_on, held_out, where, start = broadcast_object(all_ranks_ok(lambda: read_held_out() if env.is_main else None))
     end = held_out.end_idx
     packing = args.packing or ("concat" if trained.get("packing") == "concat" else "docs")
     pattern = all_ranks_ok(lambda: mask_pattern(model_config) if packing == "docs" else None)
@@ -190,7 +225,7 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
     rendered = bool(asked) and asked[0][1]
     stop = end_of_turn(tokenizer) if rendered else None
     candidates = ([] if args.no_base else [{"name": f"base ({model_name})", "kind": "base"}]) + entries
-    print0(f"evaluating {len(candidates)} model(s) on rows [{start}, {end}) of {dataset}: {len(blocks)} blocks of "
+    print0(f"evaluating {len(candidates)} model(s) on rows [{start}, {end}) ({where}) of {dataset}: {len(blocks)} blocks of "
            f"{max_length} tokens ({packing}), loss on {'every token' if train_on == 'all' else 'the answers'}, "
            f"{env.world_size} rank(s), {precision}")  # fmt: skip
 
@@ -225,7 +260,8 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
             torch.cuda.empty_cache()
 
     report = {
-        "rows": f"[{start}, {end})", "start_idx": start, "end_idx": end, "dataset": dataset, "data_format": spec.format,
+        "rows": f"[{start}, {end})", "start_idx": start, "end_idx": end, "split": where, "dataset": dataset,
+        "data_format": spec.format,
         "columns": list(spec.columns), "train_on": train_on, "end_of_turn": stop,
         "max_length": max_length, "world_size": env.world_size, "precision": precision, "models": models,
         "samples": samples, "generation": {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample,

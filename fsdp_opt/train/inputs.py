@@ -12,14 +12,16 @@ from fsdp_opt.base import ConfigError, DataError
 from fsdp_opt.config.parse import Config
 from fsdp_opt.config.training import DataConfig
 from fsdp_opt.data.blocks import Blocks, rows_to_blocks
-from fsdp_opt.data.formats import RowSpec, Rows, held_out_rows, resolve_spec, select_rows
-from fsdp_opt.data.pin import described, rows_digest, source_identity, tokens_digest
-from fsdp_opt.data.sources import load_rows
+from fsdp_opt.data.formats import RowSpec, Rows, held_out_rows, held_out_split, resolve_spec, select_rows
+from fsdp_opt.data.pin import described, rows_digest, tokens_digest
+from fsdp_opt.data.resolve import DataSource
+from fsdp_opt.data.sources import open_source
+from fsdp_opt.data.table import Table
 from fsdp_opt.data.tokens import read_template
 from fsdp_opt.engine.fp16watch import trained_in_bf16
 from fsdp_opt.model.families import bos_note, mask_pattern, untested_note
 from fsdp_opt.model.sources import ModelSource, load_model_config, load_tokenizer, max_positions
-from fsdp_opt.runtime.distributed import all_ranks_ok, print0, rank0_first
+from fsdp_opt.runtime.distributed import all_ranks_ok, broadcast_object, env_rank, print0, rank0_first
 
 
 @dataclass
@@ -35,6 +37,9 @@ class SliceData:
     eval_rows: Rows | None = None  # the held-out rows themselves (their prompts, for generation)
     rows_digest: str = ""  # fingerprints of the slice's rows and of their tokens (data/pin.py)
     tokens_digest: str = ""
+    source: dict[str, Any] | None = None  # what the rows come from, as the pin records it (data/sources.py)
+    table: Table | None = None  # rank 0's open split, to read other ranges of (the pin's checks)
+    eval_label: str = ""  # which rows the held-out ones are: [a, b) after the slice, or [0, n) of split S
 
 
 @dataclass
@@ -47,7 +52,8 @@ class Loaded:
     bf16_pretrained: bool  # as the model's files say (building the model sets the config's dtype to the engine's)
 
 
-def read_inputs(config: Config, source: ModelSource, revision: str | None = None) -> Loaded:
+def read_inputs(config: Config, source: ModelSource, revision: str | None = None,
+                pin: dict[str, Any] | None = None) -> Loaded:  # fmt: skip
     mc, dc = config.model, config.data
     model_config, tokenizer = rank0_first(
         lambda: (load_model_config(source, mc.attn_implementation), load_tokenizer(source))
@@ -63,7 +69,7 @@ def read_inputs(config: Config, source: ModelSource, revision: str | None = None
     positions = max_positions(model_config)
     if positions is not None and dc.max_length > positions:
         raise ConfigError(f"--max_length {dc.max_length}: {mc.model} has only {positions} positions")
-    return Loaded(model_config, tokenizer, read_slice(config, tokenizer, model_config, revision), bf16_pretrained)
+    return Loaded(model_config, tokenizer, read_slice(config, tokenizer, model_config, revision, pin), bf16_pretrained)
 
 
 def data_spec(dc: DataConfig, column_names) -> tuple[RowSpec, str]:
@@ -78,30 +84,43 @@ def data_spec(dc: DataConfig, column_names) -> tuple[RowSpec, str]:
 
 
 def read_slice(config: Config, tokenizer: PreTrainedTokenizerBase, model_config: PretrainedConfig,
-               revision: str | None = None) -> SliceData:  # fmt: skip
+               revision: str | None = None, pin: dict[str, Any] | None = None) -> SliceData:  # fmt: skip
     """The slice of config.data as blocks. A range of an auto chain that ends at the end of the data has no rows after
     it: it trains without --eval_rows, with a note, rather than stopping the chain. The chat template (--chat_template,
     else the tokenizer's own) is set on the tokenizer, which the export saves with the model. A Hub dataset is read
-    at `revision` (the chain's pinned one, or --dataset_revision)."""
-    mc, dc = config.model, config.data
-    revision = revision or dc.dataset_revision
+    at `revision` (the chain's pinned one, or --dataset_revision), from the chain's index of it where `pin` has one.
+
+    Rank 0 reads the rows (only the slice's and the held-out ones, for data stored as parquet) and hands them to the
+    other ranks: one download per run, whatever the nodes share."""
+    dc = config.data
     template = all_ranks_ok(lambda: read_template(dc.chat_template, tokenizer))
     if template is not None:
         tokenizer.chat_template = template
+    src = DataSource.of(dc, revision)
+    box: list[Table] = []
 
-    def read_data() -> tuple[RowSpec, str, Rows, Rows | None, int]:
-        ds = load_rows(dc.dataset, revision)
-        spec, train_on = data_spec(dc, ds.column_names)
-        rows = select_rows(ds, spec, dc.start_idx, dc.end_idx)
+    def read_data() -> tuple[RowSpec, str, Rows, Rows | None, int, dict[str, Any]]:
+        table = open_source(src, pin)
+        box.append(table)
+        spec, train_on = data_spec(dc, table.column_names)
+        rows = select_rows(table, spec, dc.start_idx, dc.end_idx)
         held_out = None
-        if dc.eval_rows and dc.range_size is not None and rows.end_idx >= len(ds):
+        if dc.eval_rows and dc.eval_split:
+            held = open_source(src.with_split(dc.eval_split))
+            missing = [c for c in spec.columns if c not in held.column_names]
+            if missing:
+                raise DataError(f"--eval_split {dc.eval_split}: it has no column {missing[0]} (its columns: "
+                                f"{', '.join(held.column_names)})")  # fmt: skip
+            held_out = held_out_split(held, spec, dc.eval_rows, dc.eval_split)
+        elif dc.eval_rows and dc.range_size is not None and rows.end_idx >= len(table):
             print0(f"note: no rows after [{dc.start_idx}, {rows.end_idx}), the end of the data, to evaluate on: this "
-                   "range trains without --eval_rows")  # fmt: skip
+                   "range trains without --eval_rows (--eval_split names a held-out split)")  # fmt: skip
         elif dc.eval_rows:
-            held_out = held_out_rows(ds, spec, rows.end_idx, dc.eval_rows)
-        return spec, train_on, rows, held_out, len(ds)
+            held_out = held_out_rows(table, spec, rows.end_idx, dc.eval_rows)
+        return spec, train_on, rows, held_out, len(table), table.identity
 
-    spec, train_on, rows, eval_rows, total = rank0_first(read_data)
+    read = all_ranks_ok(lambda: read_data() if env_rank() == 0 else None)
+    spec, train_on, rows, eval_rows, total, identity = broadcast_object(read)
     attention = model_config._attn_implementation
     pattern = all_ranks_ok(lambda: mask_pattern(model_config) if dc.packing == "docs" else None)
 
@@ -116,30 +135,38 @@ def read_slice(config: Config, tokenizer: PreTrainedTokenizerBase, model_config:
         eval_blocks = all_ranks_ok(lambda: blocks_of(eval_rows, eval_packing))
     describe_rows(spec, train_on, rows, blocks)
     return SliceData(blocks, rows.end_idx, eval_blocks, total, spec, train_on, eval_rows,
-                     rows_digest(rows.rows, rows.indices), tokens_digest(blocks))  # fmt: skip
+                     rows_digest(rows.rows, rows.indices), tokens_digest(blocks), identity,
+                     box[0] if box else None, held_label(eval_rows, dc.eval_split, rows.end_idx))  # fmt: skip
+
+
+def held_label(held: Rows | None, split: str | None, after: int) -> str:
+    """The held-out rows as the eval line and eval.jsonl name them."""
+    if held is None:
+        return ""
+    return f"[0, {held.end_idx}) of split {split}" if split else f"[{after}, {held.end_idx})"
 
 
 def check_pin(config: Config, pin: dict[str, Any] | None, data: SliceData, tokenizer: PreTrainedTokenizerBase,
-              model_config: PretrainedConfig, revision: str | None, resumed: tuple[int, int] | None) -> dict[str, Any]:  # fmt: skip
+              model_config: PretrainedConfig, resumed: tuple[int, int] | None) -> dict[str, Any]:  # fmt: skip
     """Rank 0: the chain's data pin against the data as read now; returns the source as read now.
 
     The source as recorded: nothing more to read. Another one (a file edited or grown, another revision): every
-    trained range is read again, and one whose rows changed stops the run in one line. The range the checkpoint
-    trained (`resumed`) is tokenized again when it is not this session's: other token ids mean another tokenizer."""
+    trained range is read again (those rows only), and one whose rows changed stops the run in one line. The range
+    the checkpoint trained (`resumed`) is tokenized again when it is not this session's: other token ids mean another
+    tokenizer."""
     dc = config.data
-    source = source_identity(dc.dataset, revision)
+    source, table = data.source or {}, data.table
     if not pin:
         return source
     trained = pin.get("ranges", [])
     if source != pin.get("source"):
-        ds = load_rows(dc.dataset, revision)
-        spec, _ = data_spec(dc, ds.column_names)
+        spec, _ = data_spec(dc, table.column_names)
         for r in trained:
-            if r["end"] > len(ds):
+            if r["end"] > len(table):
                 raise DataError(f"--dataset {dc.dataset}: rows [{r['start']}, {r['end']}), trained by this chain, are "
-                                f"gone: it has {len(ds):,} rows now (it was {described(pin.get('source'))}, now "
+                                f"gone: it has {len(table):,} rows now (it was {described(pin.get('source'))}, now "
                                 f"{described(source)}). Restore the data the chain trained on, or start a new chain")  # fmt: skip
-            rows = select_rows(ds, spec, r["start"], r["end"])
+            rows = select_rows(table, spec, r["start"], r["end"])
             if rows_digest(rows.rows, rows.indices) != r["rows"]:
                 raise DataError(f"--dataset {dc.dataset}: rows [{r['start']}, {r['end']}), trained by this chain, "
                                 f"changed since (it was {described(pin.get('source'))}, now {described(source)}): the "
@@ -154,8 +181,7 @@ def check_pin(config: Config, pin: dict[str, Any] | None, data: SliceData, token
         if (dc.start_idx, data.end_idx) == resumed:
             tokens = data.tokens_digest
         else:
-            ds = load_rows(dc.dataset, revision)
-            rows = select_rows(ds, data.spec, last["start"], last["end"])
+            rows = select_rows(table, data.spec, last["start"], last["end"])
             pattern = mask_pattern(model_config) if dc.packing == "docs" else None
             tokens = tokens_digest(rows_to_blocks(rows, data.spec, tokenizer, train_on=data.train_on,
                                                   max_length=dc.max_length, packing=dc.packing,

@@ -25,6 +25,7 @@ from fsdp_opt.checkpoint.save import BackgroundWriter
 from fsdp_opt.config.choices import AUTO, DTYPES, shard_count
 from fsdp_opt.config.parse import Config
 from fsdp_opt.data.pin import PIN_KEY, packed_as, pinned_revision, with_range
+from fsdp_opt.data.resolve import DataSource
 from fsdp_opt.engine.fp16watch import Fp16Overflow, overflow_probe
 from fsdp_opt.engine.loss import ChunkedLoss
 from fsdp_opt.engine.optim import LossScaler, LRSchedule, build_optimizer
@@ -134,11 +135,11 @@ def setup(config: Config, env: DistEnv, checked: Checked | None = None, lease: L
     changes = all_ranks_ok(lambda: settings_drift(config, payload) if env.is_main else None)
     pin = payload.get(PIN_KEY) if payload else None
     # a Hub dataset is read at the revision the chain recorded, unless --dataset_revision names one
-    revision = broadcast_object(config.data.dataset_revision or pinned_revision(pin, config.data.dataset))
-    inputs = read_inputs(config, checked.source, revision)
+    revision = broadcast_object(config.data.dataset_revision or pinned_revision(pin, DataSource.of(config.data)))
+    inputs = read_inputs(config, checked.source, revision, pin)
     resumed = (payload["slice"]["start_idx"], payload["slice"]["end_idx"]) if pin and payload.get("slice") else None
     data_source = all_ranks_ok(lambda: check_pin(config, pin, inputs.data, inputs.tokenizer, inputs.model_config,
-                                                 revision, resumed) if env.is_main else None)  # fmt: skip
+                                                 resumed) if env.is_main else None)  # fmt: skip
     built = build_model(config, env, checked, inputs, payload)
     session = make_session(config, env, checked, inputs, built)
     session.lease = lease
@@ -279,7 +280,7 @@ def make_session(config: Config, env: DistEnv, checked: Checked, inputs: Loaded,
         flops_per_token=built.flops_per_token,
         peak_flops=peak_flops(env.device), out_dir=out_dir, model_config=inputs.model_config,
         tokenizer=inputs.tokenizer, n_params=built.n_params, params=[p for p in model.parameters() if p.requires_grad],
-        eval_blocks=inputs.data.eval_blocks, chunked_loss=built.chunked_loss,
+        eval_blocks=inputs.data.eval_blocks, eval_label=inputs.data.eval_label, chunked_loss=built.chunked_loss,
         rows=inputs.data.spec.key(inputs.data.train_on),
         lora=built.adapters.identity() if built.adapters else None,
         ckpt_writer=BackgroundWriter() if uses_async_save(config, env.device.type) else None,

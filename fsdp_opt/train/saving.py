@@ -38,11 +38,10 @@ def save_estimate(s: Session) -> float:
 
 def run_eval(s: Session) -> dict[str, float]:
     """--eval_rows on every rank; rank 0 prints, appends eval.jsonl and logs to W&B."""
-    dc = s.config.data
     started = time.perf_counter()
     result = evaluate_loss(s.model, s.eval_blocks, s.layout.batch_size, s.env)
     result["seconds"] = round(time.perf_counter() - started, 3)
-    rows = f"[{s.end_idx}, {s.end_idx + dc.eval_rows})"
+    rows = s.eval_label
     print0(f"eval at step {s.state.global_step}: loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f} "
            f"on rows {rows} ({result['tokens']:,} tokens, {result['seconds']:.1f} s)")  # fmt: skip
     if s.env.is_main:

@@ -63,6 +63,7 @@ class Session:
     wandb: WandbRun | None = None  # inactive off rank 0 or when disabled
     prune_lock: threading.Lock = field(default_factory=threading.Lock)
     eval_blocks: Blocks | None = None  # --eval_rows
+    eval_label: str = ""  # which rows they are: [a, b), or [0, n) of split S
     step_seconds: list[float] = field(default_factory=list)  # of this session's optimizer steps
     chunked_loss: ChunkedLoss | None = None  # --loss_chunk_tokens
     lora: dict[str, Any] | None = None  # adapters.identity() of a LoRA run: what its checkpoints record

@@ -1,0 +1,228 @@
+"""Datasets named as the Hub names them, read a range at a time, against the loopback Hub serving repos laid out as
+the Hub lays them (tests/hubdata.py: a card's `configs:` YAML, parquet shards of many row groups, LFS objects, HTTP
+Range answered with 206), with the real huggingface_hub and datasets clients.
+
+The large repo is UltraChat-like: splits train_sft (300,000 rows in 6 shards of 50 row groups) and test_sft, no
+train split."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import (
+    DEAD_ENDPOINT,
+    ROOT,
+    assert_clean_failure,
+    built_once,
+    hub_env,
+    launch,
+    read_jsonl,
+    run_cli,
+    run_cli_concurrently,
+    saved_names,
+)
+from hubdata import chat_row, jsonl_bytes, make_chat_repo, make_two_config_repo, repo_files, text_row
+from hubserver import HubServer
+
+TRAIN_ROWS, SHARDS, ROW_GROUP = 300_000, 6, 1_000
+PER_SHARD = TRAIN_ROWS // SHARDS
+WORKER = str(ROOT / "tests" / "workers" / "hub_rows.py")
+TRAIN = ["--chat_template", "chatml", "--max_length", "128", "--batch_size", "2", "--lr", "3e-3", "--precision",
+         "fp32", "--num_epochs", "1", "--wandb_mode", "disabled", "--seed", "3"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def repos(tmp_path_factory) -> Path:
+    """The repos' folders, made once for both test workers."""
+
+    def build(root: Path) -> None:
+        make_chat_repo(root / "chat", TRAIN_ROWS, 400, SHARDS, ROW_GROUP)
+        make_two_config_repo(root / "configs", 120)
+        rows = [text_row(i) for i in range(300)]
+        (root / "json").mkdir()
+        (root / "json" / "train.jsonl").write_bytes(jsonl_bytes(rows))
+        # the Hub's export of it: the same rows in order, in two files of the export's layout
+        (root / "export" / "default" / "train").mkdir(parents=True)
+        for k, part in enumerate((rows[:180], rows[180:])):
+            pq.write_table(pa.Table.from_pylist(part), root / "export" / "default" / "train" / f"{k:04d}.parquet",
+                           row_group_size=50)  # fmt: skip
+        (root / "partial" / "default" / "partial-train").mkdir(parents=True)
+        pq.write_table(pa.Table.from_pylist(rows[:100]), root / "partial" / "default" / "partial-train" / "0000.parquet")
+
+    return built_once(tmp_path_factory, "hub_ranges_repos", build)
+
+
+@pytest.fixture(scope="module")
+def hub(repos):
+    with HubServer() as server:
+        server.commit_dataset("me/chat", repo_files(repos / "chat"))
+        server.commit_dataset("me/configs", repo_files(repos / "configs"))
+        for name, export in (("me/json", "export"), ("me/json-partial", "partial")):
+            server.commit_dataset(name, {"data/train.jsonl": (repos / "json" / "train.jsonl").read_bytes()})
+            server.commit_dataset(name, repo_files(repos / export), branch="refs/convert/parquet")
+        yield server
+
+
+def env_for(tmp: Path, hub: HubServer, name: str) -> dict[str, str]:
+    env = hub_env(tmp, hub, name)  # an empty Hugging Face cache for each
+    env["WANDB_MODE"] = "disabled"
+    return env
+
+
+def rows_of(tmp: Path, hub: HubServer, name: str, dataset: str, config: str, split: str, *ranges: str,
+            reference: bool = True) -> dict:  # fmt: skip
+    env = env_for(tmp, hub, name)
+    if not reference:
+        env["FSDP_OPT_NO_REFERENCE"] = "1"
+    out = tmp / f"{name}.json"
+    proc = launch([WORKER], [str(out), dataset, config, split, *ranges], tmp, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text()) | {"stdout": proc.stdout, "stderr": proc.stderr}
+
+
+def test_rows_read_by_range_are_load_datasets_rows(tmp_path, hub):
+    """Inside a file, across a file boundary, and at the end of the split: row for row what datasets.load_dataset
+    gives for the whole split. The index has every file's row groups, and each file's LFS sha256 from the listing."""
+    got = rows_of(tmp_path, hub, "rows", "me/chat", "-", "train_sft", "10000:10040", f"{PER_SHARD - 20}:{PER_SHARD + 20}",
+                  f"{TRAIN_ROWS - 30}:{TRAIN_ROWS}")  # fmt: skip
+    assert got["rows"] == TRAIN_ROWS and got["columns"] == ["prompt_id", "messages"]
+    for spec, entry in got["ranges"].items():
+        a, b = (int(x) for x in spec.split(":"))
+        assert entry["ours"] == entry["theirs"], spec
+        assert [r["prompt_id"] for r in entry["ours"]] == [f"train_sft-{i}" for i in range(a, b)]  # the rows made
+    identity = got["identity"]
+    files = identity["index"]["files"]
+    assert [f["name"] for f in files] == [f"data/train_sft-{k:05d}-of-{SHARDS:05d}.parquet" for k in range(SHARDS)]
+    assert all(f["row_groups"] == [ROW_GROUP] * (PER_SHARD // ROW_GROUP) for f in files)
+    lfs = hub.datasets["me/chat"].lfs_paths()
+    assert {f["name"]: f["key"] for f in files} == {f["name"]: lfs[f["name"]] for f in files}
+    assert identity["kind"] == "hub" and identity["revision"] == hub.datasets["me/chat"].sha and identity["split"] == "train_sft"
+
+
+def test_a_short_range_far_into_the_split_trains_fetching_a_tenth_and_equals_the_same_rows_from_a_file(tmp_path, hub,
+                                                                                                       det_model):  # fmt: skip
+    """An empty cache, rows [250,000, 250,040) of train_sft: the session fetches a small share of the dataset's
+    bytes (all of them before this), and trains exactly as the same rows written to a local file do."""
+    start, end = 250_000, 250_040
+    before = dict(hub.sent)
+    args = ["--model", str(det_model), "--dataset", "me/chat", "--dataset_split", "train_sft", "--start_idx", str(start),
+            "--end_idx", str(end), "--eval_rows", "16", "--eval_split", "test_sft", *TRAIN]  # fmt: skip
+    far = tmp_path / "far"
+    far.mkdir()
+    proc = run_cli(args + ["--output_dir", str(far / "out")], far, nproc=2, env=env_for(tmp_path, hub, "far"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    fetched = sum(hub.sent.get(k, 0) - before.get(k, 0) for k in hub.sent if k.startswith("dataset"))
+    total = hub.dataset_bytes("me/chat")
+    print(f"fetched {fetched:,} of {total:,} bytes ({fetched / total:.1%})")
+    assert fetched <= 0.10 * total, (fetched, total)
+    assert f"data: rows [{start:,}, {end:,}) of me/chat (split train_sft): 40 rows in " in proc.stdout
+    assert "eval at step" in proc.stdout and "on rows [0, 16) of split test_sft" in proc.stdout
+
+    # The same rows, made again here and written to a file: the same losses, step for step.
+    local = tmp_path / "local"
+    local.mkdir()
+    (local / "rows.jsonl").write_bytes(jsonl_bytes([chat_row(i) for i in range(start, end)]))
+    ref = run_cli(["--model", str(det_model), "--dataset", str(local / "rows.jsonl"), "--start_idx", "0", "--end_idx",
+                   str(end - start), *TRAIN, "--output_dir", str(local / "out")], local, nproc=2)  # fmt: skip
+    assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-3000:]
+    ours = [(r["step"], r["loss"], r["tokens"]) for r in read_jsonl(far / "out" / "metrics.jsonl")]
+    theirs = [(r["step"], r["loss"], r["tokens"]) for r in read_jsonl(local / "out" / "metrics.jsonl")]
+    assert ours == theirs and len(ours) >= 3
+
+
+def test_a_dataset_with_two_configs_and_no_default_names_them_and_trains_with_one(tmp_path, hub):
+    base = ["--model", "tiny-opt", "--dataset", "me/configs", "--max_length", "64", "--end_idx", "24", "--precision",
+            "fp32", "--wandb_mode", "disabled"]  # fmt: skip
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    missing, chosen = run_cli_concurrently([
+        (base + ["--output_dir", str(tmp_path / "a" / "out")], tmp_path / "a", env_for(tmp_path, hub, "a")),
+        (base + ["--dataset_config", "beta", "--output_dir", str(tmp_path / "b" / "out")], tmp_path / "b",
+         env_for(tmp_path, hub, "b")),
+    ])  # fmt: skip
+    assert_clean_failure(missing, "--dataset me/configs", "2 configs and no default", "--dataset_config (alpha, beta)")
+    assert not (tmp_path / "a" / "out").exists()
+    assert chosen.returncode == 0, chosen.stdout[-2000:] + chosen.stderr[-3000:]
+    assert saved_names(chosen.stdout) == ["tiny_opt_0-24-epoch-1.pt"]
+
+
+BAD = [
+    (["--dataset", "me/configs", "--dataset_config", "gamma"], ["--dataset_config gamma", "no such config",
+                                                                "alpha, beta"]),
+    (["--dataset", "me/chat"], ["--dataset_split train", "no such split", "test_sft, train_sft"]),
+    (["--dataset", "me/chat", "--dataset_split", "train_sft", "--start_idx", str(TRAIN_ROWS), "--end_idx",
+      str(TRAIN_ROWS + 10)], [f"--start_idx {TRAIN_ROWS}", "past the end", f"{TRAIN_ROWS} rows"]),
+    (["--dataset", "me/nope"], ["--dataset me/nope", "no such dataset"]),
+    (["--dataset", "me/chat", "--dataset_split", "train_sft", "--eval_rows", "4", "--eval_split", "valid"],
+     ["--dataset_split valid", "no such split"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("unreachable", [False, True], ids=["loopback", "unreachable"])
+def test_bad_names_and_ranges_are_one_line_and_write_nothing(tmp_path, hub, unreachable):
+    """Each bad name or range is one line naming the flag and what there is; a Hub that cannot be reached (an empty
+    cache) is one line too. Nothing is written."""
+    cases = BAD if not unreachable else [(["--dataset", "me/chat", "--dataset_split", "train_sft"],
+                                          ["--dataset me/chat", "cannot load it from the Hugging Face Hub"])]  # fmt: skip
+    runs = []
+    for i, (extra, _) in enumerate(cases):
+        folder = tmp_path / f"case{i}"
+        folder.mkdir()
+        env = env_for(tmp_path, hub, f"case{i}")
+        if unreachable:
+            env["HF_ENDPOINT"] = DEAD_ENDPOINT
+        runs.append((["--model", "tiny-opt", "--output_dir", str(folder / "out"), "--chat_template", "chatml", *extra],
+                     folder, env))  # fmt: skip
+    for (extra, needles), proc, (_, folder, _) in zip(cases, run_cli_concurrently(runs, timeout=180), runs):
+        line = assert_clean_failure(proc, *needles)
+        assert proc.returncode == 2, line
+        assert not (folder / "out").exists(), extra
+
+
+def test_a_json_dataset_is_read_from_its_parquet_export_and_a_partial_export_downloads_it_whole(tmp_path, hub):
+    exported = rows_of(tmp_path, hub, "export", "me/json", "-", "train", "170:190", "290:300")
+    assert exported["identity"]["export"] is True
+    assert "reading its split train from the Hub's parquet export" in exported["stdout"]
+    for spec, entry in exported["ranges"].items():
+        assert entry["ours"] == entry["theirs"], spec  # the JSON file's rows, as load_dataset reads it
+    whole = rows_of(tmp_path, hub, "partial", "me/json-partial", "-", "train", "170:190", reference=False)
+    size = len(hub.datasets["me/json-partial"].tree["data/train.jsonl"].content)
+    assert (f"data: me/json-partial is stored as json, with no complete parquet export on the Hub to read ranges from: "
+            f"its split train is downloaded whole (1 file(s), {size / 2**20:.1f} MiB)") in whole["stdout"]
+    assert whole["ranges"]["170:190"]["ours"] == [text_row(i) for i in range(170, 190)]
+
+
+def test_three_fresh_sessions_of_an_auto_chain_equal_one_straight_run_and_read_the_chains_index(tmp_path, hub):
+    """--start_idx auto over train_sft, three sessions on empty caches through a Hub repo: the names and the losses
+    of one session that trains the three ranges, bit for bit. Sessions 2 and 3 take the split's index from the chain
+    and read neither the card nor the footers of files their rows are not in."""
+    auto = ["--model", "tiny-opt", "--dataset", "me/chat", "--dataset_split", "train_sft", "--start_idx", "auto",
+            "--range_size", "12", *TRAIN]  # fmt: skip
+    saved, requests = [], []
+    for i in range(3):
+        machine = tmp_path / f"m{i}"
+        machine.mkdir()
+        mark = len(hub.requests)
+        proc = run_cli(auto + ["--hf_repo", "me/chain", "--output_dir", str(machine / "out")], machine, nproc=2,
+                       env=env_for(tmp_path, hub, f"m{i}"))  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        saved += saved_names(proc.stdout)
+        requests.append([r for r in hub.requests[mark:] if r.route.startswith("dataset")])
+    one = tmp_path / "one"
+    one.mkdir()
+    straight = run_cli(auto + ["--session_ranges", "3", "--output_dir", str(one / "out")], one, nproc=2,
+                       env=env_for(tmp_path, hub, "one"))  # fmt: skip
+    assert straight.returncode == 0, straight.stdout[-2000:] + straight.stderr[-3000:]
+    assert saved == saved_names(straight.stdout) == [f"tiny_opt_{a}-{a + 12}-epoch-1.pt" for a in (0, 12, 24)]
+    got = [(r["step"], r["loss"], r["slice"]) for r in read_jsonl(tmp_path / "m2" / "out" / "metrics.jsonl")]
+    want = [(r["step"], r["loss"], r["slice"]) for r in read_jsonl(one / "out" / "metrics.jsonl")]
+    assert got == want
+    first = f"data/train_sft-00000-of-{SHARDS:05d}.parquet"
+    assert any(r.path.endswith("/README.md") for r in requests[0])  # the first session resolved the split
+    for later in requests[1:]:
+        files = {r.path.split("/resolve/", 1)[1].split("/", 1)[1] for r in later if "/resolve/" in r.path}
+        assert files == {first}, files
