@@ -27,7 +27,9 @@ output_dir = "/kaggle/working/outputs"
 nproc = "gpu"
 repo_dir = None
 checkpoints = None  # names or paths; None: the newest ("latest")
-eval_rows = 200  # held-out rows right after the newest checkpoint's range
+eval_rows = 200  # held-out rows: right after the newest checkpoint's range, or the first ones of eval_split
+eval_split = None  # a held-out split (e.g. "test_sft"; the built-ins have "test"). None: the training run's, else the
+# rows after the range, and a "test" or "validation" split when the range reached the end of the data
 prompts = None  # None: from the first held-out rows (a text row's opening words; a chat row's question, in its template)
 max_new_tokens = 40
 do_sample = False  # False: greedy; True: sampled with temperature 0.8, top-p 0.95
@@ -37,7 +39,8 @@ extra_flags = ""
 # # Judge the fine-tuned model
 #
 # Compares the base model with one or more checkpoints of the training notebook on rows none of them was
-# trained on: by default the `eval_rows` rows right after the newest checkpoint's range. It shows eval loss and
+# trained on: by default the `eval_rows` rows right after the newest checkpoint's range (a held-out split such as
+# `test` when the chain has trained every row, or the one `eval_split` names). It shows eval loss and
 # perplexity side by side, the training loss curve, and text each model writes from the same prompts.
 # `python -m fsdp_opt.evaluate` does the work, under torchrun with FSDP, so a model that does not fit on one
 # GPU is still evaluated.
@@ -72,7 +75,7 @@ print(nb.gpu_summary())
 # %%
 results_json = str(Path(output_dir) / "eval_results.json")
 args = nb.flags(
-    model=model, dataset=dataset, checkpoints=checkpoints or ["latest"], eval_rows=eval_rows,
+    model=model, dataset=dataset, checkpoints=checkpoints or ["latest"], eval_rows=eval_rows, eval_split=eval_split,
     batch_size=batch_size, output_dir=output_dir, hf_repo=hf_repo, prompts=prompts,
     max_new_tokens=max_new_tokens, do_sample=do_sample, json=results_json,
 ) + shlex.split(extra_flags)  # fmt: skip

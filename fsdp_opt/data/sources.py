@@ -95,13 +95,9 @@ def builtin_split(name: str, split: str):  # noqa: ANN201
     return datasets.Dataset.from_dict({"messages": python_docs_chat_rows(low, high)})
 
 
-def load_rows(spec: str, revision: str | None = None, split: str = DEFAULT_SPLIT):
-    """A built-in or local dataset's split as a `datasets.Dataset` (for scripts and tests; the trainer opens
-    sources with open_source)."""
-    table = open_source(DataSource(spec, split=split, revision=revision))
-    if not isinstance(table, MemoryTable):
-        raise DataError(f"--dataset {spec}: read by range (open_source), not as a whole")
-    return table.ds
+def load_rows(spec: str, revision: str | None = None, split: str = DEFAULT_SPLIT) -> Table:
+    """A dataset's split, as --dataset (and --dataset_split) name it: open_source without the other flags."""
+    return open_source(DataSource(spec, split=split, revision=revision))
 
 
 def open_source(src: DataSource, pin: dict[str, Any] | None = None) -> Table:

@@ -118,3 +118,20 @@ def test_session_benchmark_reports_every_stage_against_its_floor(tmp_path):
     assert k["stages_s"]["resume: read and load the checkpoint"] == pytest.approx(want)
     assert 0 <= resumed["resume_read_s"] <= resumed["resume_load_s"]
     assert "| push to the Hub stand-in (checkpoint + weights file) |" in proc.stdout and "Kaggle 2xT4, opt-1.3b (prediction)" in proc.stdout
+
+
+def test_data_benchmark_reports_a_range_against_the_whole_split(tmp_path):
+    """benchmarks/data.py: three sessions (start, middle, end) and load_dataset of the whole split, each on an empty
+    cache; a range fetches a small part of what the whole split costs, and keeps none of it on disk."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "data.py"), "--rows", "20000", "--shards", "2", "--row_group",
+           "500", "--range", "16", "--nproc", "0", "--json", str(tmp_path / "data.json")]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "data.json").read_text())
+    assert [r["where"] for r in report["ranges"]] == ["start", "middle", "end"]
+    whole = report["whole"]
+    assert whole["fetched_bytes"] >= report["dataset_bytes"] and whole["disk_bytes"] >= report["dataset_bytes"]
+    for r in report["ranges"]:
+        assert 0 < r["fetched_bytes"] < 0.2 * whole["fetched_bytes"], r
+        assert r["disk_bytes"] < 0.05 * whole["disk_bytes"] and r["to_first_step_s"] > 0, r
+    assert "| `load_dataset` of the whole split |" in proc.stdout

@@ -98,6 +98,16 @@ def test_notebooks_run_end_to_end(tmp_path, monkeypatch):
     assert f"**Prompt:** {report['samples'][0]['prompt']}" in shown
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+    # The notebooks' own range size (5000) takes the rest of the built-in data in one session; the evaluation's
+    # default then has no rows after the range and takes the built-in's held-out split instead.
+    rest = {k: v for k, v in common.items() if k != "range_size"} | {"batch_size": 8}
+    last = cell_text(run_notebook("01_train", tmp_path, rest, monkeypatch))
+    assert "going on with rows [80, 754)" in last
+    run_notebook("02_evaluate", tmp_path, {k: v for k, v in rest.items() if k != "extra_flags"}, monkeypatch)
+    report = json.loads((tmp_path / "out" / "eval_results.json").read_text())
+    assert report["split"] == "split test" and report["rows"] == "[0, 200)"
+    assert report["models"][-1]["name"] == "tiny_opt_80-754-epoch-1.pt"
+
 
 SLURM = ROOT / "scripts" / "slurm_submit.sh"
 

@@ -41,7 +41,7 @@ def test_local_files_load_in_every_format(tmp_path):
     for name in ("d.jsonl", "d.csv", "d.txt", "d.parquet"):
         ds = load_rows(str(tmp_path / name))
         assert len(ds) == 7, name
-        assert ds["text"][3].strip() == rows[3]["text"].strip(), name
+        assert ds.rows(3, 4, ["text"])[0]["text"].strip() == rows[3]["text"].strip(), name
 
 
 def test_slice_selects_raw_rows_then_drops_empty(tmp_path):

@@ -220,7 +220,7 @@ def test_trl_trains_the_same_tokens(fmt, opt_tok, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
     from trl import SFTConfig, SFTTrainer
 
-    rows = rows_of(fmt) + [{"messages": m} for m in load_rows("python-docs-chat")["messages"][:6]] if fmt == "messages" \
+    rows = rows_of(fmt) + [{"messages": m} for m in [r["messages"] for r in load_rows("python-docs-chat").rows(0, 6, ["messages"])]] if fmt == "messages" \
         else rows_of(fmt)  # fmt: skip
     model = LlamaForCausalLM(LlamaConfig(vocab_size=4096, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1))  # fmt: skip
