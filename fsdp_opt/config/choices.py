@@ -13,7 +13,8 @@ DEVICES = ("auto", "cuda", "cpu")
 STATE_DICT_TYPES = ("full", "sharded")
 PACKING_MODES = ("docs", "concat", "pad")
 # Row formats (--data_format) and which tokens carry loss (--train_on); data/formats.py reads the rows.
-DATA_FORMATS = ("auto", "text", "prompt_completion", "messages")
+DATA_FORMATS = ("auto", "text", "prompt_completion", "messages", "preference")
+METHODS = ("sft", "dpo")  # --method: what a step computes (engine/loss.py)
 TRAIN_ON = ("auto", "completion", "all")
 AUTO = "auto"  # --start_idx auto: the chain of sessions picks its own next range
 

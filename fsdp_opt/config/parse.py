@@ -12,12 +12,13 @@ from fsdp_opt.base import VERSION, ConfigError
 from fsdp_opt.config.choices import AUTO
 from fsdp_opt.config.flags import OneLineParser, parse_bool
 from fsdp_opt.config.storage import CheckpointConfig, HubConfig, WandbConfig
-from fsdp_opt.config.training import DataConfig, LoraConfig, ModelConfig, ParallelConfig, TrainConfig
+from fsdp_opt.config.training import DataConfig, LoraConfig, MethodConfig, ModelConfig, ParallelConfig, TrainConfig
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "data": DataConfig,
     "train": TrainConfig,
+    "method": MethodConfig,
     "lora": LoraConfig,
     "parallel": ParallelConfig,
     "checkpoint": CheckpointConfig,
@@ -31,6 +32,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    method: MethodConfig = field(default_factory=MethodConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -91,6 +93,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     namespace = build_parser().parse_args(argv)
     config = Config.from_flat(vars(namespace))
     check_chain_flags(config)
+    check_method_flags(config)
     check_auto_flags(config)
     return config
 
@@ -103,6 +106,22 @@ def check_auto_flags(config: Config) -> None:
                               "without it; give --batch_size N to set it yourself)")  # fmt: skip
     elif config.parallel.reduce_dtype == AUTO:
         raise ConfigError("--reduce_dtype auto: only with --batch_size auto (give fp32 or fp16)")
+
+
+def check_method_flags(config: Config) -> None:
+    """--method against the data flags, as typed (the format found from the columns is checked with the data)."""
+    dc = config.data
+    if config.method.dpo:
+        if dc.data_format not in ("auto", "preference"):
+            raise ConfigError(f"--method dpo: trains on preference rows (prompt, chosen, rejected), not --data_format "
+                              f"{dc.data_format}")  # fmt: skip
+        if dc.train_on == "all":
+            raise ConfigError("--train_on all: not with --method dpo (a pair is compared on its answers' tokens)")
+        if dc.packing == "concat":
+            raise ConfigError("--packing concat: not with --method dpo (each answer must stay one document; use docs "
+                              "or pad)")  # fmt: skip
+    elif dc.data_format == "preference":
+        raise ConfigError("--data_format preference: preference rows train with --method dpo")
 
 
 def check_chain_flags(config: Config) -> None:

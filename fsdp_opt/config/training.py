@@ -12,6 +12,7 @@ from fsdp_opt.config.choices import (
     AUTO,
     DATA_FORMATS,
     DEVICES,
+    METHODS,
     LR_SCHEDULES,
     PACKING_MODES,
     PRECISIONS,
@@ -62,13 +63,17 @@ class DataConfig:
     data_format: str = flag(
         "auto",
         "What a row is. text: one string; prompt_completion: a prompt and a completion, each a string or a list of "
-        "messages (conversational); messages: a list of {role, content} (system, user, assistant). auto: from the "
-        "columns (an error names this flag when more than one format fits).",
+        "messages (conversational); messages: a list of {role, content} (system, user, assistant); preference: a "
+        "prompt, a chosen and a rejected answer (strings, or lists of messages; without a prompt column, two "
+        "conversations whose shared first turns are the prompt), for --method dpo. auto: from the columns (an error "
+        "names this flag when more than one format fits).",
         choices=DATA_FORMATS,
     )
     prompt_column: str = flag("prompt", "Column holding the prompt (--data_format prompt_completion).")
     completion_column: str = flag("completion", "Column holding the completion (--data_format prompt_completion).")
     messages_column: str = flag("messages", "Column holding the conversation (--data_format messages).")
+    chosen_column: str = flag("chosen", "Column holding the chosen answer (--data_format preference).")
+    rejected_column: str = flag("rejected", "Column holding the rejected answer (--data_format preference).")
     train_on: str = flag(
         "auto",
         "Which tokens carry loss. completion: only the answers (a prompt_completion row's completion, each "
@@ -151,7 +156,8 @@ class DataConfig:
         for name in ("dataset_split", "dataset_config", "dataset_files", "eval_split"):
             if getattr(self, name) is not None and not getattr(self, name).strip():
                 raise ConfigError(f"--{name}: must not be empty")
-        for name in ("text_column", "prompt_column", "completion_column", "messages_column"):
+        for name in ("text_column", "prompt_column", "completion_column", "messages_column", "chosen_column",
+                     "rejected_column"):  # fmt: skip
             if not getattr(self, name):
                 raise ConfigError(f"--{name}: must not be empty")
         if self.data_format == "text" and self.train_on == "completion":
@@ -162,6 +168,34 @@ class DataConfig:
                 raise ConfigError("--pad_to_max_length: contradicts --packing concat (it means --packing pad)")
             self.packing = "pad"
         self.pad_to_max_length = self.packing == "pad"
+
+
+@dataclass
+class MethodConfig:
+    method: str = flag(
+        "sft",
+        "What a step trains. sft: next-token loss on the targets of --train_on. dpo: Direct Preference Optimization on "
+        "preference rows: -log sigmoid(beta x the chosen answer's log-probability ratio to the reference model minus "
+        "the rejected one's), summed log-probabilities of the answer tokens, averaged over the step's pairs.",
+        choices=METHODS,
+    )
+    beta: float = flag(0.1, "--method dpo: the strength of the pull toward the reference model (beta of DPO's loss).")
+    ref_model: str | None = flag(
+        None,
+        "--method dpo: the reference model (a Hub id or local folder, as --model). Default: the model the chain "
+        "started from, which the chain records (a resumed session never takes it from its checkpoint); a LoRA run "
+        "without it uses its base with the adapters switched off.",
+    )
+
+    def __post_init__(self) -> None:
+        if not self.beta > 0:
+            raise ConfigError(f"--beta {self.beta}: must be greater than 0")
+        if self.method != "dpo" and self.ref_model is not None:
+            raise ConfigError(f"--ref_model {self.ref_model}: only with --method dpo")
+
+    @property
+    def dpo(self) -> bool:
+        return self.method == "dpo"
 
 
 @dataclass

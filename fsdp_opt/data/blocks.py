@@ -230,6 +230,11 @@ class StepBatch:
     target_tokens: int  # predicted tokens in the whole step, all ranks: the loss denominator
     seen_tokens: int  # real (non-pad) tokens the step runs through the model, all ranks
     end_offset: int  # samples of this epoch consumed once the step is done
+    units: int | None = None  # what the step's loss is a mean over, when not its target tokens (--method dpo: pairs)
+
+    @property
+    def loss_units(self) -> int:
+        return self.target_tokens if self.units is None else self.units
 
 
 class StepPlan:

@@ -3,9 +3,13 @@
 The formats are the ones the ecosystem's trainers read:
 - text: one string column;
 - prompt_completion: a prompt and a completion, both strings (standard) or both lists of messages (conversational);
-- messages: a list of {"role", "content"} messages (system, user, assistant).
+- messages: a list of {"role", "content"} messages (system, user, assistant);
+- preference: a prompt, a chosen answer and a rejected one (TRL's formats): strings; or conversational, the prompt a
+  list of messages and each answer a list of assistant messages; or implicit, no prompt column and two whole
+  conversations that share their first turns (the shared turns are the prompt).
 
-A row is handed on as a plain dict: {"text"}, {"prompt", "completion"} or {"messages"}. Every error names the row's
+A row is handed on as a plain dict: {"text"}, {"prompt", "completion"}, {"messages"} or {"prompt", "chosen",
+"rejected"}. Every error names the row's
 index in the dataset and its column, so a bad row is found without reading the whole file.
 """
 
@@ -24,11 +28,14 @@ ROLES = ("system", "user", "assistant")
 class RowSpec:
     """The format of the rows and the columns that hold them."""
 
-    format: str  # text | prompt_completion | messages
+    format: str  # text | prompt_completion | messages | preference
     text_column: str = "text"
     prompt_column: str = "prompt"
     completion_column: str = "completion"
     messages_column: str = "messages"
+    chosen_column: str = "chosen"
+    rejected_column: str = "rejected"
+    implicit: bool = False  # preference rows without a prompt column: the answers' shared first turns are the prompt
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -36,6 +43,9 @@ class RowSpec:
             return (self.text_column,)
         if self.format == "prompt_completion":
             return (self.prompt_column, self.completion_column)
+        if self.format == "preference":
+            pair = (self.chosen_column, self.rejected_column)
+            return pair if self.implicit else (self.prompt_column, *pair)
         return (self.messages_column,)
 
     def key(self, train_on: str) -> dict[str, Any]:
@@ -56,26 +66,31 @@ class Rows:
     end_idx: int  # the slice's end, resolved
     indices: list[int]  # each row's index in the dataset (for errors)
     empty: int = 0  # rows dropped: empty text, an empty completion, or only empty assistant turns
-    conversational: bool = False  # prompt_completion rows of messages
+    conversational: bool = False  # prompt_completion (or preference) rows of messages
+    identical: int = 0  # preference pairs dropped because the chosen answer is the rejected one
 
 
 def resolve_spec(column_names: Sequence[str], data_format: str, *, text_column: str = "text",
                  prompt_column: str = "prompt", completion_column: str = "completion",
-                 messages_column: str = "messages") -> RowSpec:  # fmt: skip
+                 messages_column: str = "messages", chosen_column: str = "chosen",
+                 rejected_column: str = "rejected") -> RowSpec:  # fmt: skip
     """--data_format, or (auto) the one format whose columns the dataset has."""
-    kw = {"text_column": text_column, "prompt_column": prompt_column, "completion_column": completion_column,
-          "messages_column": messages_column}  # fmt: skip
     have = set(column_names)
+    kw = {"text_column": text_column, "prompt_column": prompt_column, "completion_column": completion_column,
+          "messages_column": messages_column, "chosen_column": chosen_column, "rejected_column": rejected_column,
+          "implicit": prompt_column not in have}  # fmt: skip
     listed = ", ".join(column_names)
     if data_format != "auto":
         spec = RowSpec(data_format, **kw)
         missing = [c for c in spec.columns if c not in have]
         if missing:
             flag = {text_column: "--text_column", prompt_column: "--prompt_column",
-                    completion_column: "--completion_column", messages_column: "--messages_column"}[missing[0]]  # fmt: skip
+                    completion_column: "--completion_column", messages_column: "--messages_column",
+                    chosen_column: "--chosen_column", rejected_column: "--rejected_column"}[missing[0]]  # fmt: skip
             raise DataError(f"{flag} {missing[0]}: no such column for --data_format {data_format} (the dataset has: {listed})")
         return spec
-    fits = [f for f in ("messages", "prompt_completion", "text") if all(c in have for c in RowSpec(f, **kw).columns)]
+    formats = ("preference", "messages", "prompt_completion", "text")
+    fits = [f for f in formats if all(c in have for c in RowSpec(f, **kw).columns)]
     if not fits:
         raise DataError(f"--text_column {text_column}: no such column, and no {prompt_column}/{completion_column} or "
                         f"{messages_column} column either (the dataset has: {listed}); name the columns with "
@@ -103,8 +118,48 @@ def _messages(value: Any, index: int, column: str, what: str = "a list of messag
     return out
 
 
+def _preference(spec: RowSpec, raw: dict[str, Any], index: int) -> dict[str, Any] | None:
+    """A preference row as {"prompt", "chosen", "rejected"} (strings, or lists of messages); None when an answer is
+    empty. The implicit form's prompt is the two conversations' shared first turns."""
+    chosen, rejected = raw[spec.chosen_column], raw[spec.rejected_column]
+    if spec.implicit:
+        where = f"columns {spec.chosen_column}, {spec.rejected_column}"
+        if isinstance(chosen, str) or isinstance(rejected, str):
+            raise DataError(f"row {index}, {where}: strings with no prompt column; name the prompt's column with "
+                            "--prompt_column (the form without a prompt is for conversations)")  # fmt: skip
+        chosen = _messages(chosen, index, spec.chosen_column)
+        rejected = _messages(rejected, index, spec.rejected_column)
+        shared = 0
+        while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+            shared += 1
+        if shared == len(chosen) == len(rejected):
+            return {"prompt": chosen, "chosen": [], "rejected": []}
+        if shared == 0:
+            raise DataError(f"row {index}, {where}: the two conversations share no first turn to be the prompt")
+        prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+    else:
+        prompt = raw[spec.prompt_column]
+        if isinstance(prompt, str) or prompt is None:
+            for column, value in ((spec.prompt_column, prompt), (spec.chosen_column, chosen),
+                                  (spec.rejected_column, rejected)):  # fmt: skip
+                if not isinstance(value, str):
+                    raise DataError(f"row {index}, column {column}: expected a string like the prompt, got "
+                                    f"{type(value).__name__}")  # fmt: skip
+            return {"prompt": prompt, "chosen": chosen, "rejected": rejected} if chosen and rejected else None
+        prompt = _messages(prompt, index, spec.prompt_column, "a string or a list of messages")
+        chosen = _messages(chosen, index, spec.chosen_column, "a list of messages, like the prompt")
+        rejected = _messages(rejected, index, spec.rejected_column, "a list of messages, like the prompt")
+    for column, answer in ((spec.chosen_column, chosen), (spec.rejected_column, rejected)):
+        if answer and not any(m["role"] == "assistant" for m in answer):
+            raise DataError(f"row {index}, column {column}: the answer has no assistant turn")
+    has = lambda answer: any(m["content"] for m in answer if m["role"] == "assistant")  # noqa: E731
+    return {"prompt": prompt, "chosen": chosen, "rejected": rejected} if has(chosen) and has(rejected) else None
+
+
 def check_row(spec: RowSpec, raw: dict[str, Any], index: int) -> dict[str, Any] | None:
     """One row as the trainer takes it; None for a row with nothing to train on (dropped and counted)."""
+    if spec.format == "preference":
+        return _preference(spec, raw, index)
     if spec.format == "text":
         text = raw[spec.text_column]
         if text is not None and not isinstance(text, str):
@@ -145,22 +200,26 @@ def select_rows(data, spec: RowSpec, start_idx: int, end_idx: int | None) -> Row
     if end > total:
         raise DataError(f"--end_idx {end}: past the end of the dataset ({total} rows)")
     part = table.rows(start_idx, end, spec.columns)
-    rows, indices, empty = [], [], 0
+    rows, indices, empty, identical = [], [], 0, 0
     for offset, raw in enumerate(part):
         row = check_row(spec, raw, start_idx + offset)
         if row is None:
             empty += 1
+        elif spec.format == "preference" and row["chosen"] == row["rejected"]:
+            identical += 1  # nothing to compare
         else:
             rows.append(row)
             indices.append(start_idx + offset)
     if not rows:
-        raise DataError(f"--start_idx {start_idx} --end_idx {end}: every row of this slice is empty")
-    conversational = spec.format == "prompt_completion" and not isinstance(rows[0]["prompt"], str)
-    if spec.format == "prompt_completion" and any(isinstance(r["prompt"], str) == conversational for r in rows):
+        what = "empty" if not identical else "empty, or a pair whose chosen answer is the rejected one"
+        raise DataError(f"--start_idx {start_idx} --end_idx {end}: every row of this slice is {what}")
+    paired = spec.format in ("prompt_completion", "preference")
+    conversational = paired and not isinstance(rows[0]["prompt"], str)
+    if paired and any(isinstance(r["prompt"], str) == conversational for r in rows):
         index = next(indices[i] for i, r in enumerate(rows) if isinstance(r["prompt"], str) == conversational)
         raise DataError(f"row {index}, column {spec.prompt_column}: mixes string prompts and lists of messages in one "
                         "slice")  # fmt: skip
-    return Rows(rows, end, indices, empty, conversational)
+    return Rows(rows, end, indices, empty, conversational, identical)
 
 
 def held_out_rows(data, spec: RowSpec, end_idx: int, rows: int) -> Rows:

@@ -45,6 +45,8 @@ def rows_digest(rows: list[dict[str, Any]], indices: list[int]) -> str:
 
 
 def tokens_digest(blocks: Blocks) -> str:
+    if hasattr(blocks, "digest"):  # preference pairs (data/pairs.py)
+        return blocks.digest()
     digest = hashlib.sha256()
     digest.update(blocks.input_ids.numpy().tobytes())
     digest.update(blocks.lengths.numpy().tobytes())

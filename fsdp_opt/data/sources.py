@@ -29,7 +29,8 @@ from fsdp_opt.runtime.distributed import print0
 
 BUILTIN_DATASET = "python-docs"
 BUILTIN_CHAT_DATASET = "python-docs-chat"
-BUILTIN_DATASETS = (BUILTIN_DATASET, BUILTIN_CHAT_DATASET)
+BUILTIN_PREFERENCE_DATASET = "python-docs-prefs"
+BUILTIN_DATASETS = (BUILTIN_DATASET, BUILTIN_CHAT_DATASET, BUILTIN_PREFERENCE_DATASET)
 
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
@@ -83,8 +84,28 @@ def python_docs_chat_rows(min_chars: int = 200, max_chars: int | None = None) ->
     return rows
 
 
+def python_docs_preference_rows(min_chars: int = 200, max_chars: int | None = None) -> list[dict[str, list]]:
+    """Preference pairs made from python-docs-chat's first question: the prompt is the question (with the system
+    message where the conversation has one), the chosen answer the right title, the rejected one a wrong title: that
+    of a documentation topic with no paragraph long enough to be a training row (paragraphs of 200 characters or
+    more), so the preference is one a small model can learn in a minute (which titles are never the answer) and hold
+    on the held-out rows."""
+    trained = {t for t, _ in _python_docs_paragraphs(BUILTIN_SPLITS["train"][0])}
+    titles = sorted({t for t, _ in _python_docs_paragraphs(1)})
+    wrong = [t for t in titles if t not in trained]
+    rows = []
+    for k, conversation in enumerate(python_docs_chat_rows(min_chars, max_chars)):
+        first = next(i for i, m in enumerate(conversation) if m["role"] == "assistant")
+        title = conversation[first]["content"]
+        rejected = next(w for j in range(len(wrong)) if (w := wrong[(k + j) % len(wrong)]) != title)
+        rows.append({"prompt": conversation[:first], "chosen": [{"role": "assistant", "content": title}],
+                     "rejected": [{"role": "assistant", "content": rejected}]})  # fmt: skip
+    return rows
+
+
 def builtin_split(name: str, split: str):  # noqa: ANN201
-    """A built-in dataset's split as a `datasets.Dataset`."""
+    """A built-in dataset's split as a `datasets.Dataset` (python-docs: text; python-docs-chat: conversations;
+    python-docs-prefs: preference pairs)."""
     import datasets
 
     if split not in BUILTIN_SPLITS:
@@ -92,6 +113,8 @@ def builtin_split(name: str, split: str):  # noqa: ANN201
     low, high = BUILTIN_SPLITS[split]
     if name == BUILTIN_DATASET:
         return datasets.Dataset.from_dict({"text": python_docs_texts(low, high)})
+    if name == BUILTIN_PREFERENCE_DATASET:
+        return datasets.Dataset.from_list(python_docs_preference_rows(low, high))
     return datasets.Dataset.from_dict({"messages": python_docs_chat_rows(low, high)})
 
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from fsdp_opt.config.parse import Config
 from fsdp_opt.data.blocks import Blocks, StepBatch, StepPlan, model_inputs
+from fsdp_opt.engine.dpo import STATS, dpo_terms, micro_logps
 from fsdp_opt.engine.loss import ChunkedLoss, causal_lm_loss_sum
 from fsdp_opt.engine.optim import LossScaler, LRSchedule, global_grad_norm, unscale_and_clip_
 from fsdp_opt.runtime.distributed import (
@@ -44,14 +45,18 @@ class StepRun(Protocol):
     flops_per_token: float
     peak_flops: float | None
     last_loss: float
+    reference: torch.Tensor | None  # --method dpo: the reference's summed log-probabilities of each sequence
 
 
-def accumulate(s: StepRun, step: StepBatch, scale: float = 1.0) -> torch.Tensor:
-    """Forward and backward over this rank's micro-batches of `step`; returns this rank's summed token loss.
+def accumulate(s: StepRun, step: StepBatch, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Forward and backward over this rank's micro-batches of `step`; returns this rank's summed loss (and for
+    --method dpo its sums of STATS).
 
-    The gradients add up to `scale` times the token mean over the whole step (all ranks): each micro-batch's loss
-    sum is divided by the step's global target count.
+    The gradients add up to `scale` times the mean over the whole step (all ranks): each micro-batch's loss sum is
+    divided by the step's global count of what the loss is a mean over (target tokens; pairs for DPO).
     """
+    if s.reference is not None:
+        return accumulate_pairs(s, step, scale)
     model, env = s.model, s.env
     weight = scale / max(1, step.target_tokens)
     loss_sum = torch.zeros((), device=env.device, dtype=torch.float32)
@@ -67,7 +72,28 @@ def accumulate(s: StepRun, step: StepBatch, scale: float = 1.0) -> torch.Tensor:
         loss = chunked.loss_sum(out, batch["labels"]) if chunked else causal_lm_loss_sum(out, batch["labels"])
         (loss * weight).backward()
         loss_sum += loss.detach()
-    return loss_sum
+    return loss_sum, None
+
+
+def accumulate_pairs(s: StepRun, step: StepBatch, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """--method dpo: each micro-batch's pairs, their summed answer log-probabilities against the reference's."""
+    model, env, beta = s.model, s.env, s.config.method.beta
+    weight = scale / max(1, step.loss_units)
+    stats = torch.zeros(len(STATS), device=env.device, dtype=torch.float32)
+    n_micro = len(step.micro_batches)
+    for i, members in enumerate(step.micro_batches):
+        if not s.reduce_each_microbatch:
+            model.set_requires_gradient_sync(i == n_micro - 1)
+        pi, out = micro_logps(model, s.blocks, members, env.device, s.chunked_loss)
+        if members:
+            seqs = torch.tensor([2 * p + k for p in members for k in (0, 1)])
+            terms = dpo_terms(pi, s.reference[seqs].to(env.device), beta)
+            loss = terms[0].sum()
+            stats += terms.sum(1).detach()
+        else:  # a filler micro-batch: no pair, but the same backward (and collectives) as every rank's
+            loss = out.float().sum() * 0.0
+        (loss * weight).backward()
+    return stats[0].clone(), stats
 
 
 def first_batch_loss(s: StepRun) -> torch.Tensor:
@@ -75,7 +101,19 @@ def first_batch_loss(s: StepRun) -> torch.Tensor:
     training that follows is the same with or without this forward. Every rank calls it."""
     first = next(iter(s.plan.steps(s.state.epoch, s.state.offset)), None)
     total = torch.zeros(2, device=s.env.device, dtype=torch.float32)
-    if first is not None and first.micro_batches:
+    if s.reference is not None:  # --method dpo: the first micro-batch's mean pair loss
+        members = first.micro_batches[0] if first is not None else []
+        s.model.eval()
+        try:
+            with torch.no_grad():
+                pi, _ = micro_logps(s.model, s.blocks, members, s.env.device, s.chunked_loss)
+        finally:
+            s.model.train()
+        if members:
+            seqs = torch.tensor([2 * p + k for p in members for k in (0, 1)])
+            total[0] = dpo_terms(pi, s.reference[seqs].to(s.env.device), s.config.method.beta)[0].sum()
+            total[1] = len(members)
+    elif first is not None and first.micro_batches:
         batch = s.blocks.batch(first.micro_batches[0], s.env.device)
         s.model.eval()
         try:
@@ -99,12 +137,14 @@ def train_step(s: StepRun, step: StepBatch) -> dict[str, Any]:
     for group in s.optimizer.param_groups:
         group["lr"] = lr
     scale = s.scaler.scale
-    loss_sum = accumulate(s, step, scale)
+    loss_sum, stats = accumulate(s, step, scale)
     scaled_norm = global_grad_norm(s.params)
+    reduced = loss_sum.reshape(1) if stats is None else stats
     if env.world_size > 1:
-        dist.all_reduce(loss_sum)
+        dist.all_reduce(reduced)
     # The one host sync of the step: loss for the log, norm for the skip decision (same on all ranks).
-    loss_total, norm_scaled = torch.stack([loss_sum, scaled_norm.float().to(loss_sum.device)]).tolist()
+    values = torch.cat([reduced, scaled_norm.float().to(reduced.device).reshape(1)]).tolist()
+    loss_total, norm_scaled, sums = values[0], values[-1], values[:-1]
     finite = math.isfinite(loss_total) and math.isfinite(norm_scaled)
     if finite:
         unscale_and_clip_(s.params, scaled_norm, scale, s.config.train.max_grad_norm)
@@ -115,7 +155,7 @@ def train_step(s: StepRun, step: StepBatch) -> dict[str, Any]:
     seconds = time.perf_counter() - started
     tokens_per_second = step.target_tokens / seconds if seconds > 0 else 0.0
     seen_per_second = step.seen_tokens / seconds if seconds > 0 else 0.0
-    loss_mean = loss_total / max(1, step.target_tokens)
+    loss_mean = loss_total / max(1, step.loss_units)
     s.last_loss = loss_mean
     record: dict[str, Any] = {
         "step": s.state.global_step,
@@ -133,6 +173,11 @@ def train_step(s: StepRun, step: StepBatch) -> dict[str, Any]:
         "slice": f"{s.config.data.start_idx}-{s.end_idx}",
         "skipped_rate": 0.0,  # set by the loop's SkipWatch
     }
+    if stats is not None:  # --method dpo: the step's means over its pairs
+        pairs = max(1, step.loss_units)
+        chosen, rejected, accuracy = (v / pairs for v in sums[1:])
+        record.update(pairs=step.loss_units, rewards_chosen=chosen, rewards_rejected=rejected, margin=chosen - rejected,
+                      accuracy=accuracy)  # fmt: skip
     if s.peak_flops:
         # The model computes every real token, answers or not: utilisation counts the tokens seen.
         record["mfu"] = seen_per_second * s.flops_per_token / (s.peak_flops * env.world_size)

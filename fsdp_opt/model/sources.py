@@ -105,6 +105,18 @@ def load_model_config(source: ModelSource, attn_implementation: str = "auto") ->
     return config
 
 
+def without_dropout(config: PretrainedConfig) -> list[str]:
+    """Every dropout rate the config sets (dropout, attention_dropout, resid_pdrop, ...) to 0; the names changed.
+    --method dpo trains so (as TRL's DPO does by default): the policy's log-probabilities are compared with the
+    reference's, which are taken without dropout."""
+    changed = []
+    for name, value in list(vars(config).items()):
+        if ("dropout" in name or name.endswith("pdrop")) and isinstance(value, float) and value > 0:
+            setattr(config, name, 0.0)
+            changed.append(name)
+    return changed
+
+
 def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
     try:
         with quiet_hub_logs():

@@ -29,6 +29,15 @@ METRICS_FIELDS = (
     "slice",  # the rows this session trains, "start-end"
     "skipped_rate",  # share of the last 20 steps (fewer at the start) skipped for a non-finite gradient (fp16 overflow)
 )
+# --method dpo appends these (means over the step's pairs, all ranks); its `loss` is the mean pair loss and `tokens`
+# the answers' tokens.
+DPO_FIELDS = (
+    "pairs",  # preference pairs in the step
+    "rewards_chosen",  # beta x (policy - reference) summed log-probability of the chosen answer
+    "rewards_rejected",  # the same of the rejected answer
+    "margin",  # rewards_chosen - rewards_rejected
+    "accuracy",  # share of pairs whose chosen reward is the higher (a tie counts half)
+)
 
 
 class MetricsWriter:

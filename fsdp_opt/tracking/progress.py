@@ -21,9 +21,11 @@ class Progress:
 
             self.bar = tqdm(total=total, desc=desc, dynamic_ncols=True, mininterval=1.0)
 
-    def update(self, loss: float, tokens_per_second: float) -> None:
+    def update(self, loss: float, tokens_per_second: float, **more: float) -> None:
+        """`more`: further values of the step to show (--method dpo: its reward margin and accuracy)."""
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{loss:.4f}", trained_tok_s=f"{tokens_per_second:,.0f}", refresh=False)
+            shown = {k: f"{v:.3f}" for k, v in more.items()}
+            self.bar.set_postfix(loss=f"{loss:.4f}", **shown, trained_tok_s=f"{tokens_per_second:,.0f}", refresh=False)
             self.bar.update(1)
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ from fsdp_opt.base import ConfigError, DataError
 from fsdp_opt.config.parse import Config
 from fsdp_opt.config.training import DataConfig
 from fsdp_opt.data.blocks import Blocks, rows_to_blocks
+from fsdp_opt.data.pairs import Pairs, pairs_from_rows
 from fsdp_opt.data.formats import RowSpec, Rows, held_out_rows, held_out_split, resolve_spec, select_rows
 from fsdp_opt.data.pin import described, rows_digest, tokens_digest
 from fsdp_opt.data.resolve import DataSource
@@ -20,7 +21,7 @@ from fsdp_opt.data.table import Table
 from fsdp_opt.data.tokens import read_template
 from fsdp_opt.engine.fp16watch import trained_in_bf16
 from fsdp_opt.model.families import bos_note, mask_pattern, untested_note
-from fsdp_opt.model.sources import ModelSource, load_model_config, load_tokenizer, max_positions
+from fsdp_opt.model.sources import ModelSource, load_model_config, load_tokenizer, max_positions, without_dropout
 from fsdp_opt.runtime.distributed import all_ranks_ok, broadcast_object, env_rank, print0, rank0_first
 
 
@@ -66,16 +67,27 @@ def read_inputs(config: Config, source: ModelSource, revision: str | None = None
         if line:
             print0(line)
     bf16_pretrained = trained_in_bf16(model_config)
+    if config.method.dpo:
+        off = without_dropout(model_config)
+        if off:
+            print0(f"dpo: dropout off ({', '.join(off)}): the policy is compared with its reference on the same forward")
     positions = max_positions(model_config)
     if positions is not None and dc.max_length > positions:
         raise ConfigError(f"--max_length {dc.max_length}: {mc.model} has only {positions} positions")
     return Loaded(model_config, tokenizer, read_slice(config, tokenizer, model_config, revision, pin), bf16_pretrained)
 
 
-def data_spec(dc: DataConfig, column_names) -> tuple[RowSpec, str]:
+def data_spec(dc: DataConfig, column_names, method: str = "sft") -> tuple[RowSpec, str]:
     """The row format (--data_format, or the one the columns fit) and --train_on resolved for it."""
     spec = resolve_spec(column_names, dc.data_format, text_column=dc.text_column, prompt_column=dc.prompt_column,
-                        completion_column=dc.completion_column, messages_column=dc.messages_column)  # fmt: skip
+                        completion_column=dc.completion_column, messages_column=dc.messages_column,
+                        chosen_column=dc.chosen_column, rejected_column=dc.rejected_column)  # fmt: skip
+    if method == "dpo" and spec.format != "preference":
+        raise ConfigError(f"--method dpo: the rows are {spec.format} (column {', '.join(spec.columns)}), not preference "
+                          f"pairs; name the answers' columns with --chosen_column and --rejected_column")  # fmt: skip
+    if method != "dpo" and spec.format == "preference":
+        raise ConfigError(f"--method {method}: the rows are preference pairs (columns {', '.join(spec.columns)}): "
+                          "train them with --method dpo")  # fmt: skip
     if dc.train_on == "completion" and not spec.has_answers:
         raise ConfigError(f"--train_on completion: the rows are text (column {spec.text_column}), with no completion; "
                           "use --train_on all, or name the prompt and completion or messages columns")  # fmt: skip
@@ -102,7 +114,7 @@ def read_slice(config: Config, tokenizer: PreTrainedTokenizerBase, model_config:
     def read_data() -> tuple[RowSpec, str, Rows, Rows | None, int, dict[str, Any]]:
         table = open_source(src, pin)
         box.append(table)
-        spec, train_on = data_spec(dc, table.column_names)
+        spec, train_on = data_spec(dc, table.column_names, config.method.method)
         rows = select_rows(table, spec, dc.start_idx, dc.end_idx)
         held_out = None
         if dc.eval_rows and dc.eval_split:
@@ -124,14 +136,17 @@ def read_slice(config: Config, tokenizer: PreTrainedTokenizerBase, model_config:
     attention = model_config._attn_implementation
     pattern = all_ranks_ok(lambda: mask_pattern(model_config) if dc.packing == "docs" else None)
 
-    def blocks_of(part: Rows, packing: str) -> Blocks:
+    def blocks_of(part: Rows, packing: str) -> Blocks | Pairs:
+        if spec.format == "preference":
+            return pairs_from_rows(part, spec, tokenizer, max_length=dc.max_length, packing=packing, attention=attention,
+                                   pattern=pattern)  # fmt: skip
         return rows_to_blocks(part, spec, tokenizer, train_on=train_on, max_length=dc.max_length, packing=packing,
                               attention=attention, pattern=pattern)  # fmt: skip
 
     blocks = all_ranks_ok(lambda: blocks_of(rows, dc.packing))
     eval_blocks = None
     if eval_rows is not None:  # docs and pad give the same per-row losses; docs in fewer blocks
-        eval_packing = "concat" if dc.packing == "concat" else "docs"
+        eval_packing = "concat" if dc.packing == "concat" else dc.packing if spec.format == "preference" else "docs"
         eval_blocks = all_ranks_ok(lambda: blocks_of(eval_rows, eval_packing))
     describe_rows(spec, train_on, rows, blocks)
     return SliceData(blocks, rows.end_idx, eval_blocks, total, spec, train_on, eval_rows,
@@ -195,11 +210,14 @@ def check_pin(config: Config, pin: dict[str, Any] | None, data: SliceData, token
 
 def describe_rows(spec: RowSpec, train_on: str, rows: Rows, blocks: Blocks) -> None:
     """One line on what the rows are and which tokens train, and one on what --max_length cut."""
-    kind = {"text": "text", "messages": "conversations", "prompt_completion": "prompt/completion pairs"}[spec.format]
+    kind = {"text": "text", "messages": "conversations", "prompt_completion": "prompt/completion pairs",
+            "preference": "preference pairs"}[spec.format]  # fmt: skip
     if rows.conversational:
         kind += " of messages"
     loss = "every token" if train_on == "all" else "the answers only"
     empty = f"; {rows.empty} with nothing to train on dropped" if rows.empty else ""
+    if rows.identical:
+        empty += f"; {rows.identical} whose chosen answer is the rejected one dropped"
     print0(f"data: {len(rows.rows):,} rows of {kind} (column {', '.join(spec.columns)}), loss on {loss}{empty}")
     if blocks.fit is not None and (blocks.fit.cut or blocks.fit.dropped):
         print0(f"data: {blocks.fit.describe()}")

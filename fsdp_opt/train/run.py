@@ -7,6 +7,7 @@ train():  for each step: micro-batches forward/backward -> global norm -> unscal
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +64,7 @@ from fsdp_opt.tracking.wandb_run import WandbRun
 from fsdp_opt.train.publish import export_final, finish_outside, log_pushed, release_lease, start_uploader
 from fsdp_opt.train.saving import raise_if_write_failed, save, save_estimate, uses_async_save, wait_for_writes
 from fsdp_opt.train.chain import claim, next_in_session, start_status
+from fsdp_opt.train import reference
 from fsdp_opt.train.inputs import Loaded, check_pin, read_inputs
 from fsdp_opt.train.session import Session, seed_dropout, step_plan
 from fsdp_opt.train.summary import print_summary
@@ -140,8 +142,16 @@ def setup(config: Config, env: DistEnv, checked: Checked | None = None, lease: L
     resumed = (payload["slice"]["start_idx"], payload["slice"]["end_idx"]) if pin and payload.get("slice") else None
     data_source = all_ranks_ok(lambda: check_pin(config, pin, inputs.data, inputs.tokenizer, inputs.model_config,
                                                  resumed) if env.is_main else None)  # fmt: skip
+    pairs, held = inputs.data.blocks, inputs.data.eval_blocks
+    if config.method.dpo:  # the reference pass: before the trainable model exists, unless it is that model
+        ref_name, found = reference.prepare(config, env, payload, pairs, held, checked.precision, inputs.tokenizer)
     built = build_model(config, env, checked, inputs, payload)
     session = make_session(config, env, checked, inputs, built)
+    if config.method.dpo:
+        found = reference.finish(ref_name, found, built.model, env, built.layout.batch_size, pairs, held)
+        session.reference = found[0].for_pairs(pairs)
+        session.eval_reference = found[1].for_pairs(held) if held is not None else None
+        session.dpo = reference.record(ref_name, config.method.beta, found)
     session.lease = lease
     session.data_revision = revision
     if env.is_main:
@@ -226,6 +236,8 @@ def build_model(config: Config, env: DistEnv, checked: Checked, inputs: Loaded, 
     fpt = flops_per_token(model, config.data.max_length, frozen_base=lc.enabled)
     layout = all_ranks_ok(lambda: choose_layout(config, env, inputs.model_config, checked.precision, checked.accum_steps,
                                                 gpu=cap_gpu_memory(config, env)))  # fmt: skip
+    if config.method.dpo and lc.enabled and lc.lora_dropout is None:  # no dropout in a DPO run (inputs.read_inputs)
+        lc = dataclasses.replace(lc, lora_dropout=0.0)
     adapters = Adapters(lc, mc.model, DTYPES[checked.precision], tc.seed) if lc.enabled else None
     if adapters is not None:
         shards = shard_count(layout.strategy, env.world_size, env.local_world_size)
@@ -366,7 +378,8 @@ def run_epoch(s: Session, epoch: int, stop: StopControl, progress: Progress) -> 
         s.wandb.log_step(record)
         if s.uploader is not None:
             log_pushed(s)
-        progress.update(record["loss"], record["tokens_per_second"])
+        progress.update(record["loss"], record["tokens_per_second"],
+                        **({k: record[k] for k in ("margin", "accuracy")} if "accuracy" in record else {}))
         if warning:
             print0(warning)
         if overflow:

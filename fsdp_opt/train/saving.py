@@ -12,6 +12,8 @@ from typing import Any
 
 from fsdp_opt.checkpoint.drift import CHANGES_KEY
 from fsdp_opt.data.pin import PIN_KEY
+from fsdp_opt.engine.dpo import evaluate_pairs
+from fsdp_opt.train.reference import KEY as DPO_KEY
 from fsdp_opt.hub.lease import FileLease
 from fsdp_opt.base import VERSION, CheckpointError
 from fsdp_opt.checkpoint.atomic import save_or_explain
@@ -39,15 +41,24 @@ def save_estimate(s: Session) -> float:
 def run_eval(s: Session) -> dict[str, float]:
     """--eval_rows on every rank; rank 0 prints, appends eval.jsonl and logs to W&B."""
     started = time.perf_counter()
-    result = evaluate_loss(s.model, s.eval_blocks, s.layout.batch_size, s.env)
-    result["seconds"] = round(time.perf_counter() - started, 3)
     rows = s.eval_label
-    print0(f"eval at step {s.state.global_step}: loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f} "
-           f"on rows {rows} ({result['tokens']:,} tokens, {result['seconds']:.1f} s)")  # fmt: skip
+    if s.eval_reference is not None:  # --method dpo: the pairs' loss, rewards and accuracy against the reference
+        result = evaluate_pairs(s.model, s.eval_blocks, s.eval_reference, s.config.method.beta, s.layout.batch_size,
+                                s.env)  # fmt: skip
+        result["seconds"] = round(time.perf_counter() - started, 3)
+        print0(f"eval at step {s.state.global_step}: loss {result['loss']:.4f}, accuracy {result['accuracy']:.1%}, "
+               f"margin {result['margin']:.4f} on rows {rows} ({result['pairs']:,} pairs, {result['seconds']:.1f} s)")  # fmt: skip
+        logged = ("loss", "rewards_chosen", "rewards_rejected", "margin", "accuracy")
+    else:
+        result = evaluate_loss(s.model, s.eval_blocks, s.layout.batch_size, s.env)
+        result["seconds"] = round(time.perf_counter() - started, 3)
+        print0(f"eval at step {s.state.global_step}: loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f} "
+               f"on rows {rows} ({result['tokens']:,} tokens, {result['seconds']:.1f} s)")  # fmt: skip
+        logged = ("loss", "perplexity")
     if s.env.is_main:
         with (s.out_dir / EVAL_FILE).open("a") as f:
             f.write(json.dumps({"step": s.state.global_step, "epoch": s.state.epoch, "rows": rows, **result}) + "\n")
-    s.wandb.log_eval(s.state.global_step, {k: result[k] for k in ("loss", "perplexity")})
+    s.wandb.log_eval(s.state.global_step, {k: result[k] for k in logged})
     return result
 
 
@@ -91,6 +102,7 @@ def save(s: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
         CHAIN_KEY: s.chain_record(),
         CHANGES_KEY: s.settings_changes,
         PIN_KEY: s.data_pin,
+        DPO_KEY: s.dpo,
         "fsdp_opt_version": VERSION,
     }
     entry = {

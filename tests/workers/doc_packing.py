@@ -36,7 +36,7 @@ def gradients(s, blocks, batch_size: int) -> tuple[dict[str, torch.Tensor], floa
     s.blocks = blocks
     step = one_step(blocks, s, batch_size)
     s.optimizer.zero_grad(set_to_none=True)
-    loss_sum = accumulate(s, step)
+    loss_sum, _ = accumulate(s, step)
     torch.distributed.all_reduce(loss_sum)
     grads = {n: p.grad.full_tensor().clone() for n, p in s.model.named_parameters() if p.grad is not None}
     return grads, loss_sum.item() / step.target_tokens, step.target_tokens

@@ -1,0 +1,158 @@
+"""Direct Preference Optimization (--method dpo): a pair's loss from the summed log-probabilities of its answers.
+
+A sequence's log-probability is the sum of its answer tokens' log-probabilities, in fp32 from the logits (a chunk of
+tokens at a time with --loss_chunk_tokens). With the policy's (pi) and the reference's (ref):
+
+    loss = -log sigmoid(beta * ((pi_chosen - ref_chosen) - (pi_rejected - ref_rejected)))
+
+and a step's loss is the mean over its pairs, all ranks and micro-batches. The rewards are beta * (pi - ref) of each
+answer, their margin the chosen's less the rejected's, and the accuracy the share of pairs whose chosen reward is the
+higher (a tie counts half: a policy that is still its reference scores 50%).
+
+The reference's log-probabilities are computed before training (reference_logps: the reference model, or a LoRA run's
+base with its adapters switched off) and kept with the checkpoint; a step reads them.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from fsdp_opt.data.blocks import IGNORE_INDEX, model_inputs
+from fsdp_opt.data.pairs import Pairs
+from fsdp_opt.engine.loss import ChunkedLoss, next_token_targets
+from fsdp_opt.runtime.distributed import DistEnv
+
+STATS = ("loss", "rewards_chosen", "rewards_rejected", "accuracy")  # sums over pairs, in this order
+
+
+def token_logps(out: torch.Tensor, labels: torch.Tensor, chunked: ChunkedLoss | None) -> torch.Tensor:
+    """Each position's log-probability of its next token (0 where there is no target), fp32, [batch, length]."""
+    targets = next_token_targets(labels)
+    if chunked is None:
+        flat = -F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX,
+                                reduction="none")  # fmt: skip
+        return flat.view(targets.shape)
+    return chunked.token_logps(out, labels).view(targets.shape)
+
+
+def sequence_logps(logps: torch.Tensor, slot: torch.Tensor, sequences: int) -> torch.Tensor:
+    """[sequences] sums of the token log-probabilities of each sequence (slot: each position's sequence, -1 none)."""
+    # the log-probability at position t is of the token at t + 1: it belongs to that token's sequence
+    owner = F.pad(slot[:, 1:], (0, 1), value=-1)
+    keep = owner >= 0
+    return torch.zeros(sequences, dtype=torch.float32, device=logps.device).index_add_(0, owner[keep], logps[keep])
+
+
+def dpo_terms(pi: torch.Tensor, ref: torch.Tensor, beta: float) -> torch.Tensor:
+    """[len(STATS), pairs] per pair: loss, chosen reward, rejected reward, correct (1, a tie 0.5, else 0).
+    `pi`, `ref`: [2 x pairs] summed log-probabilities, chosen then rejected of each pair."""
+    chosen = beta * (pi[0::2] - ref[0::2])
+    rejected = beta * (pi[1::2] - ref[1::2])
+    loss = -F.logsigmoid(chosen - rejected)
+    correct = (chosen > rejected).float() + 0.5 * (chosen == rejected).float()
+    return torch.stack([loss, chosen.detach(), rejected.detach(), correct.detach()])
+
+
+def micro_logps(model: nn.Module, pairs: Pairs, members: list[int], device: torch.device,
+                chunked: ChunkedLoss | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The summed answer log-probabilities of these pairs' sequences (chosen, rejected of each), one forward, and
+    the forward's output (the logits, or with `chunked` the final hidden states)."""
+    batch, slot = pairs.micro(members, device)
+    with chunked.hidden_states() if chunked else nullcontext():
+        out = model(**model_inputs(batch)).logits
+    return sequence_logps(token_logps(out, batch["labels"], chunked), slot, 2 * len(members)), out
+
+
+@dataclass
+class Reference:
+    """The reference model's summed answer log-probabilities of each sequence of a slice's pairs (and of its
+    held-out pairs), by dataset row: what a checkpoint keeps so that a resumed session does not run the reference
+    again."""
+
+    index: torch.Tensor  # [pairs] dataset row of each pair
+    logps: torch.Tensor  # [pairs, 2] chosen, rejected (fp32)
+
+    def for_pairs(self, pairs: Pairs) -> torch.Tensor:
+        """[2 x len(pairs)] in the pairs' order: chosen then rejected of each."""
+        at = {int(i): k for k, i in enumerate(self.index)}
+        rows = [at[int(i)] for i in pairs.index]
+        return self.logps[rows].reshape(-1)
+
+    def covers(self, pairs: Pairs) -> bool:
+        have = set(self.index.tolist())
+        return all(int(i) in have for i in pairs.index)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"index": self.index.clone(), "logps": self.logps.clone()}
+
+    @classmethod
+    def from_state(cls, state: dict | None) -> "Reference | None":
+        return None if not state else cls(state["index"], state["logps"])
+
+
+def _rank_micro(pairs: Pairs, batch_size: int, env: DistEnv) -> tuple[list[list[int]], int]:
+    """The pairs in their own order, laid into micro-batches; this rank's share, padded so every rank runs as many."""
+    micro: list[list[int]] = [[]]
+    for p in range(len(pairs)):
+        if micro[-1] and not pairs.fits(micro[-1] + [p], batch_size):
+            micro.append([])
+        micro[-1].append(p)
+    rounds = -(-len(micro) // env.world_size)
+    grid = micro + [[] for _ in range(rounds * env.world_size - len(micro))]
+    return [grid[r * env.world_size + env.rank] for r in range(rounds)], rounds
+
+
+@torch.no_grad()
+def pair_logps(model: nn.Module, pairs: Pairs, batch_size: int, env: DistEnv,
+               chunked: ChunkedLoss | None = None) -> torch.Tensor:  # fmt: skip
+    """[2 x pairs] summed answer log-probabilities of every pair (chosen, rejected), in eval mode; every rank runs the
+    same number of forwards and gets the whole result."""
+    was_training = model.training
+    model.eval()
+    found = torch.zeros(pairs.sequences, dtype=torch.float32, device=env.device)
+    try:
+        for members in _rank_micro(pairs, batch_size, env)[0]:
+            sums, _ = micro_logps(model, pairs, members, env.device, chunked)
+            if members:
+                seqs = torch.tensor([2 * p + k for p in members for k in (0, 1)], device=env.device)
+                found[seqs] = sums
+    finally:
+        model.train(was_training)
+    if env.world_size > 1:
+        dist.all_reduce(found)  # each sequence is one rank's
+    return found.cpu()
+
+
+def evaluate_pairs(model: nn.Module, pairs: Pairs, reference: torch.Tensor, beta: float, batch_size: int,
+                   env: DistEnv) -> dict[str, float]:  # fmt: skip
+    """The DPO metrics of the policy on these pairs against the reference's log-probabilities."""
+    pi = pair_logps(model, pairs, batch_size, env)
+    terms = dpo_terms(pi, reference, beta)
+    n = terms.shape[1]
+    loss, chosen, rejected, accuracy = (terms[i].sum().item() / n for i in range(len(STATS)))
+    return {"loss": loss, "rewards_chosen": chosen, "rewards_rejected": rejected, "margin": chosen - rejected,
+            "accuracy": accuracy, "pairs": n}  # fmt: skip
+
+
+@contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """The base alone: every LoRA layer's adapters switched off (peft's flag), then back on."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    before = [m._disable_adapters for m in layers]
+    # NOTE: the flag itself, not enable_adapters(): that also flips requires_grad of the adapters FSDP holds.
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m, was in zip(layers, before):
+            m._disable_adapters = was

@@ -1,0 +1,142 @@
+"""--method dpo's reference pass, a step of setup like loading the weights: the reference model's summed answer
+log-probabilities of every pair of the session's range (and of its held-out pairs), computed once, before training.
+
+- The reference is --ref_model, else the model the chain started from (its checkpoints record it: a resumed session
+  never takes the reference from the checkpoint it resumes), else, for a LoRA run, the base with its adapters switched
+  off (no second model; computed with the run's own model).
+- A model to load is built sharded like the run's, its weights frozen and stored in the compute dtype (fp16 on a
+  T4), run once in eval mode, and freed before the trainable model is built: the two never share the GPUs.
+- The result, by dataset row, goes into every checkpoint; a session that resumes inside its range, with the same
+  reference, reads it from there and runs nothing.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+
+from fsdp_opt.base import ConfigError
+from fsdp_opt.config.choices import DTYPES
+from fsdp_opt.config.parse import Config
+from fsdp_opt.data.pairs import Pairs
+from fsdp_opt.engine.dpo import Reference, adapters_off, pair_logps
+from fsdp_opt.model.nf4 import store_base
+from fsdp_opt.model.parallelize import initialize, shard_model, tie_and_check
+from fsdp_opt.model.sources import build_meta_model, load_model_config, load_tokenizer, resolve_model
+from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, broadcast_object, print0, rank0_first
+from fsdp_opt.runtime.hostmem import release_host_memory
+
+KEY = "dpo"  # of a checkpoint's payload: {"ref_model", "beta", "reference", "eval_reference"} (Reference states)
+ADAPTERS_OFF = "the base, adapters off"
+
+
+def reference_name(config: Config, saved: dict[str, Any] | None) -> str:
+    """--ref_model; else the reference the chain recorded; else the model (a LoRA run: its base, adapters off)."""
+    if config.method.ref_model:
+        return config.method.ref_model
+    if saved and saved.get("ref_model"):
+        return saved["ref_model"]
+    return ADAPTERS_OFF if config.lora.enabled else config.model.model
+
+
+def saved_reference(payload: dict[str, Any] | None, env: DistEnv) -> dict[str, Any] | None:
+    """The checkpoint's DPO record (rank 0 reads it), on every rank."""
+    return broadcast_object((payload or {}).get(KEY) if env.is_main else None)
+
+
+def reusable(saved: dict[str, Any] | None, key: str, name: str, pairs: Pairs | None) -> Reference | None:
+    """The checkpoint's reference log-probabilities (`key`: of the training or the held-out pairs) when they are this
+    reference's and cover these pairs."""
+    ref = Reference.from_state((saved or {}).get(key))
+    if ref is None or pairs is None or saved.get("ref_model") != name:
+        return None
+    return ref if ref.covers(pairs) else None
+
+
+def _frozen(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    for p in model.parameters():
+        p.requires_grad_(False)
+    store_base(model, dtype)
+
+
+def with_model(config: Config, env: DistEnv, name: str, precision: str, tokenizer, batch_size: int,
+               *pairs: Pairs | None) -> list[Reference | None]:  # fmt: skip
+    """The reference model loaded (sharded, frozen, compute dtype), run over the pairs, and freed."""
+    source = all_ranks_ok(lambda: resolve_model(name))
+    ref_config, ref_tokenizer = rank0_first(lambda: (load_model_config(source, config.model.attn_implementation),
+                                                     load_tokenizer(source)))  # fmt: skip
+
+    def same_tokens() -> None:
+        if ref_tokenizer.get_vocab() != tokenizer.get_vocab() or ref_tokenizer.eos_token_id != tokenizer.eos_token_id:
+            raise ConfigError(f"--ref_model {name}: its tokenizer is not the policy's ({config.model.model}): their "
+                              "log-probabilities of the same answers would be of other tokens")  # fmt: skip
+
+    all_ranks_ok(same_tokens)
+    dtype = DTYPES[precision]
+    model = build_meta_model(ref_config)
+    _frozen(model, dtype)
+    strategy = config.parallel.sharding_strategy if config.parallel.sharding_strategy != "AUTO" else "FULL_SHARD"
+    shard_model(model, env, strategy=strategy, precision=precision, activation_checkpointing=False)
+    initialize(model, env, source, ref_config, config.train.seed, weights=True, dtype=dtype,
+               prepare=lambda m: _frozen(m, dtype))  # fmt: skip
+    tie_and_check(model)
+    print0(f"dpo: reference {name}: loaded sharded in {precision}, scoring the pairs")
+    ref = _score(model, env, batch_size, *pairs)
+    del model
+    gc.collect()
+    if env.device.type == "cuda":
+        torch.cuda.empty_cache()
+    release_host_memory()
+    return ref
+
+
+def with_adapters_off(model: torch.nn.Module, env: DistEnv, batch_size: int,
+                      *pairs: Pairs | None) -> list[Reference | None]:  # fmt: skip
+    """A LoRA run's reference: its own model with the adapters switched off."""
+    print0("dpo: reference: the base with the adapters switched off, scoring the pairs")
+    with adapters_off(model):
+        return _score(model, env, batch_size, *pairs)
+
+
+def _score(model: torch.nn.Module, env: DistEnv, batch_size: int, *pairs: Pairs | None) -> list[Reference | None]:
+    """Each set of pairs' reference (None for None: nothing to score)."""
+    return [None if p is None else Reference(p.index.clone(), pair_logps(model, p, batch_size, env).view(-1, 2))
+            for p in pairs]  # fmt: skip
+
+
+def prepare(config: Config, env: DistEnv, payload: dict[str, Any] | None, pairs: Pairs, held: Pairs | None,
+            precision: str, tokenizer) -> tuple[str, list[Reference | None]]:  # fmt: skip
+    """Before the model is built: the reference's name, and its log-probabilities of the training and held-out pairs
+    where the checkpoint has them or a model must be loaded for them (a LoRA run's adapters-off reference is scored
+    once the model is built: finish())."""
+    saved = saved_reference(payload, env)
+    name = reference_name(config, saved)
+    found = [reusable(saved, "reference", name, pairs), reusable(saved, "eval_reference", name, held)]
+    if found[0] is not None:
+        print0(f"dpo: reference {name}: its log-probabilities of rows [{config.data.start_idx}, ..) read from the "
+               "checkpoint")  # fmt: skip
+    missing = [p if f is None else None for p, f in zip((pairs, held), found)]
+    if name != ADAPTERS_OFF and any(m is not None for m in missing):
+        batch = config.train.batch_size if isinstance(config.train.batch_size, int) else 1
+        scored = with_model(config, env, name, precision, tokenizer, batch, *missing)
+        found = [f if f is not None else s for f, s in zip(found, scored)]
+    return name, found
+
+
+def finish(name: str, found: list[Reference | None], model: torch.nn.Module, env: DistEnv, batch_size: int,
+           pairs: Pairs, held: Pairs | None) -> list[Reference | None]:  # fmt: skip
+    """After the model is built: the adapters-off reference's missing log-probabilities."""
+    missing = [p if f is None else None for p, f in zip((pairs, held), found)]
+    if name == ADAPTERS_OFF and any(m is not None for m in missing):
+        scored = with_adapters_off(model, env, batch_size, *missing)
+        found = [f if f is not None else s for f, s in zip(found, scored)]
+    return found
+
+
+def record(name: str, beta: float, found: list[Reference | None]) -> dict[str, Any]:
+    """What checkpoints keep of the reference."""
+    train, held = found
+    return {"ref_model": name, "beta": beta, "reference": train.state_dict(),
+            "eval_reference": held.state_dict() if held is not None else None}  # fmt: skip
