@@ -1,0 +1,182 @@
+"""--method dpo against the pairs alone: the first step's loss and rewards are what plain transformers gives, pair by
+pair, for a Llama-architecture policy and a different reference model (2 ranks, fp32, docs packing, one step holding
+every pair), for string and conversational pairs, in full fine-tuning and with LoRA. TRL's DPOTrainer on the same
+pairs makes the same answer tokens and (on a well-conditioned model) the same loss. And the bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_clean_failure, make_chat_llama, read_jsonl, run_cli, run_cli_concurrently
+from hubdata import PARAGRAPHS
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+BETA = 0.2
+PAIRS = 8
+# 2 ranks x 2 micro-batches of 2 blocks of 64 tokens (a pair per block: string pairs) or 4 blocks of 128 (a
+# sequence per block: conversations in the Llama-style template): every pair in the first step
+STEP = ["--max_length", "64", "--batch_size", "2", "--accum_steps", "2", "--precision", "fp32", "--lr", "1e-3",
+        "--num_epochs", "1", "--wandb_mode", "disabled", "--seed", "7", "--beta", str(BETA)]  # fmt: skip
+LONGER = ["--max_length", "128", "--batch_size", "4"]
+
+
+def string_pairs(n: int = PAIRS) -> list[dict]:
+    # prompts end on a newline: the answer's tokens start on a boundary, as in TRL's and this project's tokenization
+    return [{"prompt": f"Question {k}: what follows \"{PARAGRAPHS[k][:30]}\"?\n",
+             "chosen": PARAGRAPHS[k][30:60].strip(), "rejected": PARAGRAPHS[k + 50][:20].strip()} for k in range(n)]  # fmt: skip
+
+
+def chat_pairs(n: int = PAIRS) -> list[dict]:
+    return [{"prompt": [{"role": "user", "content": f"Which words follow \"{PARAGRAPHS[k][:30]}\"?"}],
+             "chosen": [{"role": "assistant", "content": PARAGRAPHS[k][30:60].strip()}],
+             "rejected": [{"role": "assistant", "content": PARAGRAPHS[k + 50][:20].strip()}]} for k in range(n)]  # fmt: skip
+
+
+def write(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def sequences(tok, row: dict) -> list[tuple[list[int], int]]:
+    """(ids, first answer position) of prompt + chosen and prompt + rejected, made with the tokenizer directly."""
+    out = []
+    for answer in ("chosen", "rejected"):
+        if isinstance(row["prompt"], str):
+            ids = tok(row["prompt"] + row[answer])["input_ids"] + [tok.eos_token_id]
+            start = len(tok(row["prompt"])["input_ids"])
+        else:
+            ids = list(tok.apply_chat_template(row["prompt"] + row[answer], tokenize=True)["input_ids"])
+            start = len(tok.apply_chat_template(row["prompt"], tokenize=True, add_generation_prompt=True)["input_ids"])
+        out.append((ids, start))
+    return out
+
+
+@torch.no_grad()
+def summed_logp(model, ids: list[int], start: int) -> float:
+    logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    logp = torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    return float(logp[start - 1 :].sum())
+
+
+def dpo_reference(policy_dir: Path, ref_dir: Path, rows: list[dict]) -> dict[str, float]:
+    """The DPO loss and rewards of the pairs, each pair alone through plain transformers."""
+    tok = AutoTokenizer.from_pretrained(policy_dir)
+    policy = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
+    losses, chosen, rejected = [], [], []
+    for row in rows:
+        (c, cs), (r, rs) = sequences(tok, row)
+        rc = BETA * (summed_logp(policy, c, cs) - summed_logp(ref, c, cs))
+        rr = BETA * (summed_logp(policy, r, rs) - summed_logp(ref, r, rs))
+        losses.append(-F.logsigmoid(torch.tensor(rc - rr)).item())
+        chosen.append(rc)
+        rejected.append(rr)
+    n = len(rows)
+    return {"loss": sum(losses) / n, "rewards_chosen": sum(chosen) / n, "rewards_rejected": sum(rejected) / n,
+            "accuracy": sum((a > b) + 0.5 * (a == b) for a, b in zip(chosen, rejected)) / n}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("dpo_models")
+    return make_chat_llama(root / "policy", seed=0), make_chat_llama(root / "reference", seed=1)
+
+
+@pytest.mark.parametrize("form", ["strings", "conversational"])
+def test_the_first_step_is_the_dpo_loss_of_the_pairs_alone_full_and_lora(tmp_path, models, form):
+    policy, ref = models
+    rows = string_pairs() if form == "strings" else chat_pairs()
+    data = write(tmp_path / "pairs.jsonl", rows)
+    want = dpo_reference(policy, ref, rows)
+    base = ["--model", str(policy), "--ref_model", str(ref), "--method", "dpo", "--dataset", str(data), *STEP]
+    base += LONGER if form == "conversational" else []
+    runs = {"full": [], "lora": ["--lora_rank", "8"]}
+    procs = {}
+    for name, extra in runs.items():
+        (tmp_path / name).mkdir()
+        procs[name] = run_cli(base + extra + ["--output_dir", str(tmp_path / name / "out")], tmp_path / name, nproc=2)
+    for name, proc in procs.items():
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        assert f"dpo: reference {ref}: loaded sharded in fp32" in proc.stdout
+        first = read_jsonl(tmp_path / name / "out" / "metrics.jsonl")[0]
+        assert first["pairs"] == PAIRS, first  # one step holds every pair
+        for key in ("loss", "rewards_chosen", "rewards_rejected"):
+            assert abs(first[key] - want[key]) <= 1e-5, (name, key, first[key], want[key])
+        assert first["accuracy"] == want["accuracy"] and first["margin"] == pytest.approx(
+            want["rewards_chosen"] - want["rewards_rejected"], abs=1e-5)
+        assert abs(want["loss"] - math.log(2)) > 1e-3  # the reference is another model: the loss is not log 2
+
+
+def test_trl_makes_the_same_answer_tokens_and_the_same_loss(tmp_path):
+    """TRL's DPOTrainer: the answer tokens of string and conversational pairs are ours; on a well-conditioned model
+    (transformers' default init) its loss of a padded batch agrees with the pairs' loss here within 1e-3."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    from fsdp_opt.data.formats import resolve_spec, select_rows
+    from fsdp_opt.data.pairs import pairs_from_rows
+
+    policy = make_chat_llama(tmp_path / "policy", seed=0)
+    ref = make_chat_llama(tmp_path / "reference", seed=1)
+    tok = AutoTokenizer.from_pretrained(policy)
+    for rows in (string_pairs(), chat_pairs()):
+        ds = Dataset.from_list(rows)
+        spec = resolve_spec(ds.column_names, "preference")
+        ours = pairs_from_rows(select_rows(ds, spec, 0, None), spec, tok, max_length=256, packing="docs")
+        args = DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=PAIRS, beta=BETA, report_to=[],
+                         max_length=256, use_cpu=True, dataloader_drop_last=False, precompute_ref_log_probs=False)  # fmt: skip
+        trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(policy), ref_model=AutoModelForCausalLM.from_pretrained(ref),
+                             args=args, train_dataset=ds, processing_class=tok)  # fmt: skip
+        theirs = trainer.train_dataset
+        for k in range(PAIRS):
+            for j, answer in enumerate(("chosen", "rejected")):
+                seq = ours.ids[2 * k + j]
+                mask = ours.targets[2 * k + j]
+                assert [t for t, m in zip(seq, mask) if m] == theirs[k][f"{answer}_ids"], (k, answer)
+        batch = next(iter(trainer.get_train_dataloader()))
+        trainer.model.eval()
+        with torch.no_grad():
+            trl_loss = float(trainer.compute_loss(trainer.model, batch))
+        want = dpo_reference(policy, ref, rows)["loss"]
+        print(f"TRL's padded-batch loss {trl_loss:.6f}, pairs alone {want:.6f}: gap {abs(trl_loss - want):.2e}")
+        assert abs(trl_loss - want) <= 1e-3
+
+
+def test_bad_preference_input_is_one_line(tmp_path, models):
+    policy, _ = models
+    other = make_chat_llama(tmp_path / "other-vocab", seed=2)
+    tok = AutoTokenizer.from_pretrained(other)
+    tok.add_tokens(["<a-token-the-policy-lacks>"])
+    tok.save_pretrained(other)
+    rows = string_pairs(6)
+    ok = write(tmp_path / "ok.jsonl", rows)
+    no_rejected = write(tmp_path / "no_rejected.jsonl", [{k: v for k, v in r.items() if k != "rejected"} for r in rows])
+    same = write(tmp_path / "same.jsonl", rows[:4] + [dict(r, rejected=r["chosen"]) for r in rows[4:]])
+    base = ["--model", str(policy), *STEP]
+    cases = [
+        (["--method", "dpo", "--dataset", str(no_rejected), "--data_format", "preference"],
+         ["--rejected_column rejected", "no such column"]),
+        (["--method", "dpo", "--dataset", "python-docs"], ["--method dpo", "the rows are text", "--chosen_column"]),
+        (["--method", "dpo", "--dataset", str(ok), "--ref_model", str(other)], [f"--ref_model {other}",
+                                                                              "tokenizer is not the policy's"]),
+        (["--dataset", str(ok)], ["--method sft", "preference pairs", "--method dpo"]),
+        (["--method", "dpo", "--dataset", str(ok), "--packing", "concat"], ["--packing concat", "not with --method dpo"]),
+    ]  # fmt: skip
+    runs = []
+    for i, (extra, _) in enumerate(cases):
+        (tmp_path / f"c{i}").mkdir()
+        runs.append((base + extra + ["--output_dir", str(tmp_path / f"c{i}" / "out")], tmp_path / f"c{i}", None))
+    for (extra, needles), proc, (_, folder, _) in zip(cases, run_cli_concurrently(runs, timeout=180), runs):
+        assert_clean_failure(proc, *needles)
+        assert not (folder / "out").exists() or not list((folder / "out").glob("*.pt")), extra
+    # A pair whose chosen answer is the rejected one is dropped and counted; the rest train.
+    proc = run_cli(base + ["--method", "dpo", "--dataset", str(same), "--output_dir", str(tmp_path / "same")], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "4 rows of preference pairs (column prompt, chosen, rejected), loss on the answers only; 2 whose chosen " \
+           "answer is the rejected one dropped" in proc.stdout
+    assert sum(r["pairs"] for r in read_jsonl(tmp_path / "same" / "metrics.jsonl")) == 4
