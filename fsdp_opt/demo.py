@@ -1,9 +1,11 @@
 """The CPU demo: tiny-opt on python-docs, 2 processes, end to end, then a one-line verdict.
 
-python -m fsdp_opt.demo [--nproc 2] [--output_dir outputs/demo] [--chat] [extra fsdp_finetune.py flags]
+python -m fsdp_opt.demo [--nproc 2] [--output_dir outputs/demo] [--chat | --dpo] [extra fsdp_finetune.py flags]
 
 --chat trains on python-docs-chat instead (conversations in the built-in chatml template, loss on the answers
 only), then asks the trained model the held-out questions and shows its answers beside the rows' own.
+--dpo trains with DPO on python-docs-prefs (the right title chosen over a wrong one), then scores the held-out pairs
+(its test split) for the model before and after: the share of pairs whose chosen answer it prefers.
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ DEMO_ARGS = [
     "--num_epochs", "2", "--lr", "3e-3", "--warmup_steps", "20", "--seed", "0",
 ]  # fmt: skip
 CHAT_ROWS = 700  # of python-docs-chat's 754: the rest are held out, asked after training
+DPO_ARGS = [
+    "--model", "tiny-opt", "--dataset", "python-docs-prefs", "--method", "dpo", "--chat_template", "chatml",
+    "--max_length", "128", "--end_idx", "320", "--batch_size", "4", "--num_epochs", "1", "--lr", "3e-3",
+    "--warmup_steps", "10", "--seed", "0", "--eval_rows", "100", "--eval_split", "test", "--save_optimizer", "false",
+]  # fmt: skip
 CHAT_ARGS = [
     "--model", "tiny-opt", "--dataset", "python-docs-chat", "--chat_template", "chatml", "--max_length", "256",
     "--end_idx", str(CHAT_ROWS), "--batch_size", "2", "--num_epochs", "2", "--lr", "3e-3", "--warmup_steps", "20",
@@ -37,11 +44,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output_dir", default=None, help="where checkpoints and metrics go (replaced; default "
                         "outputs/demo, or outputs/demo-chat with --chat)")  # fmt: skip
     parser.add_argument("--chat", action="store_true", help="train on python-docs-chat, loss on the answers only")
+    parser.add_argument("--dpo", action="store_true", help="DPO on python-docs-prefs, scored on its held-out pairs")
     args, extra = parser.parse_known_args(argv)
-    out = Path(args.output_dir or ("outputs/demo-chat" if args.chat else "outputs/demo"))
+    out = Path(args.output_dir or ("outputs/demo-chat" if args.chat else "outputs/demo-dpo" if args.dpo else "outputs/demo"))
     shutil.rmtree(out, ignore_errors=True)
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
-    cmd = launch + [str(ENTRY)] + (CHAT_ARGS if args.chat else DEMO_ARGS) + ["--device", "cpu", "--output_dir", str(out)]
+    cmd = launch + [str(ENTRY)] + (CHAT_ARGS if args.chat else DPO_ARGS if args.dpo else DEMO_ARGS)
+    cmd += ["--device", "cpu", "--output_dir", str(out)]
     cmd += extra
     print("$ " + " ".join(cmd[1:]), flush=True)
     code = subprocess.call(cmd)
@@ -50,8 +59,21 @@ def main(argv: list[str] | None = None) -> int:
     rows = read_metrics(out)
     first = sum(r["loss"] for r in rows[:10]) / min(10, len(rows))
     last = sum(r["loss"] for r in rows[-10:]) / min(10, len(rows))
-    what = "answer-token loss" if args.chat else "loss"
+    what = "answer-token loss" if args.chat else "pair loss" if args.dpo else "loss"
     print(f"demo: {len(rows)} steps; mean {what} of the first 10 steps {first:.3f}, of the last 10 {last:.3f}")
+    if args.dpo:
+        report = out / "pairs.json"
+        ask = launch + ["-m", "fsdp_opt.evaluate", "--checkpoints", "latest", "--output_dir", str(out), "--eval_rows",
+                        "100", "--num_prompts", "0", "--device", "cpu", "--json", str(report)]  # fmt: skip
+        print("$ " + " ".join(ask[1:]), flush=True)
+        code = subprocess.call(ask)
+        if code != 0:
+            return code
+        base, tuned = json.loads(report.read_text())["models"]
+        print(f"demo: held-out accuracy {base['accuracy']:.0%} before training (the model is its own reference), "
+              f"{tuned['accuracy']:.0%} after; reward margin {tuned['margin']:.2f}")  # fmt: skip
+        print(f"demo: checkpoints and metrics.jsonl are in {out}/")
+        return 0 if tuned["accuracy"] > base["accuracy"] else 1
     if args.chat:
         report = out / "answers.json"
         ask = launch + ["-m", "fsdp_opt.evaluate", "--checkpoints", "latest", "--output_dir", str(out),

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 
 from fsdp_opt.base import ConfigError
-from fsdp_opt.config.choices import DATA_FORMATS, STRATEGIES, TRAIN_ON
+from fsdp_opt.config.choices import DATA_FORMATS, METHODS, STRATEGIES, TRAIN_ON
 from fsdp_opt.config.flags import OneLineParser
 from fsdp_opt.runtime.distributed import (
     end_process,
@@ -44,6 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval_split", default=None,
                    help="take the held-out rows from this split's first --eval_rows (default: the first checkpoint's; "
                         "without one, the rows after its range, or when none are left, a test or validation split)")
+    p.add_argument("--method", default=None, choices=METHODS,
+                   help="dpo: score preference pairs (DPO loss, rewards, accuracy) against the reference (default: the "
+                        "first checkpoint's method)")
+    p.add_argument("--beta", type=float, default=None, help="--method dpo: beta (default: the first checkpoint's)")
+    p.add_argument("--ref_model", default=None,
+                   help="--method dpo: the reference (default: the one the first checkpoint recorded; a LoRA run's "
+                        "adapters-off reference is its base)")
+    p.add_argument("--chosen_column", default=None)
+    p.add_argument("--rejected_column", default=None)
     p.add_argument("--text_column", default=None, help="default: the first checkpoint's, like every data flag here")
     p.add_argument("--data_format", default=None, choices=DATA_FORMATS)
     p.add_argument("--prompt_column", default=None)
@@ -63,12 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", nargs="*", default=None,
                    help="default: from the first held-out rows: a text row's first words; a row's prompt or its "
                         "conversation up to the first answer, through the chat template")  # fmt: skip
-    p.add_argument("--num_prompts", type=int, default=3)
+    p.add_argument("--num_prompts", type=int, default=3, help="held-out rows whose prompts the models answer (0: none)")
     p.add_argument("--max_new_tokens", type=int, default=40)
     p.add_argument("--do_sample", action="store_true", help="sample (default: greedy)")
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top_p", type=float, default=0.95)
-    p.add_argument("--seed", type=int, default=42, help="initialisation of the built-in tiny-opt base, and sampling")
+    p.add_argument("--seed", type=int, default=None,
+                   help="initialisation of the built-in tiny-opt (or a random: model) base, and sampling (default: the "
+                        "first checkpoint's, else 42)")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "fp16", "bf16"])
     p.add_argument("--sharding_strategy", default="FULL_SHARD", choices=[s for s in STRATEGIES if s != "HYBRID_SHARD"])
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
@@ -79,9 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _checked(args: argparse.Namespace) -> argparse.Namespace:
-    for flag in ("eval_rows", "batch_size", "max_new_tokens", "num_prompts"):
+    for flag in ("eval_rows", "batch_size", "max_new_tokens"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag} {getattr(args, flag)}: must be at least 1")
+    if args.num_prompts < 0:
+        raise ConfigError(f"--num_prompts {args.num_prompts}: must be 0 (no generation) or more")
     if args.no_base and not args.checkpoints:
         raise ConfigError("--no_base: with no --checkpoints there is nothing to evaluate")
     return args

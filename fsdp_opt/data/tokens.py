@@ -177,14 +177,16 @@ def _with_targets(ids: list[list[int]], spans: list[list[tuple[int, int]]], all_
 def generation_prompt(row: dict[str, Any], spec: RowSpec, tokenizer, words: int = 12) -> tuple[str, bool, str]:
     """What a held-out row asks, for generation: (prompt, rendered by the chat template, the row's own answer).
 
-    text: the row's opening words. prompt_completion: the prompt (through the template when it is messages).
-    messages: the conversation up to its first assistant turn, through the template."""
+    text: the row's opening words. prompt_completion (and preference, whose own answer is the chosen one): the prompt
+    (through the template when it is messages). messages: the conversation up to its first assistant turn, through
+    the template."""
     if spec.format == "text":
         return " ".join(row["text"].split()[:words]), False, ""
-    if spec.format == "prompt_completion":
+    if spec.format in ("prompt_completion", "preference"):
+        completion = row["completion"] if spec.format == "prompt_completion" else row["chosen"]
         if isinstance(row["prompt"], str):
-            return row["prompt"], False, row["completion"]
-        answer = next(m["content"] for m in row["completion"] if m["role"] == "assistant")
+            return row["prompt"], False, completion
+        answer = next(m["content"] for m in completion if m["role"] == "assistant")
         return render_prompt(tokenizer, row["prompt"]), True, answer
     messages = row["messages"]
     first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")

@@ -137,11 +137,7 @@ def read_slice(config: Config, tokenizer: PreTrainedTokenizerBase, model_config:
     pattern = all_ranks_ok(lambda: mask_pattern(model_config) if dc.packing == "docs" else None)
 
     def blocks_of(part: Rows, packing: str) -> Blocks | Pairs:
-        if spec.format == "preference":
-            return pairs_from_rows(part, spec, tokenizer, max_length=dc.max_length, packing=packing, attention=attention,
-                                   pattern=pattern)  # fmt: skip
-        return rows_to_blocks(part, spec, tokenizer, train_on=train_on, max_length=dc.max_length, packing=packing,
-                              attention=attention, pattern=pattern)  # fmt: skip
+        return tokens_of(part, spec, tokenizer, train_on, dc.max_length, packing, attention, pattern)
 
     blocks = all_ranks_ok(lambda: blocks_of(rows, dc.packing))
     eval_blocks = None
@@ -161,6 +157,16 @@ def held_label(held: Rows | None, split: str | None, after: int) -> str:
     return f"[0, {held.end_idx}) of split {split}" if split else f"[{after}, {held.end_idx})"
 
 
+def tokens_of(rows: Rows, spec: RowSpec, tokenizer: PreTrainedTokenizerBase, train_on: str, max_length: int,
+              packing: str, attention: str, pattern) -> Blocks | Pairs:  # noqa: ANN001  # fmt: skip
+    """Checked rows as what a step reads: blocks, or preference pairs."""
+    if spec.format == "preference":
+        return pairs_from_rows(rows, spec, tokenizer, max_length=max_length, packing=packing, attention=attention,
+                               pattern=pattern)  # fmt: skip
+    return rows_to_blocks(rows, spec, tokenizer, train_on=train_on, max_length=max_length, packing=packing,
+                          attention=attention, pattern=pattern)  # fmt: skip
+
+
 def check_pin(config: Config, pin: dict[str, Any] | None, data: SliceData, tokenizer: PreTrainedTokenizerBase,
               model_config: PretrainedConfig, resumed: tuple[int, int] | None) -> dict[str, Any]:  # fmt: skip
     """Rank 0: the chain's data pin against the data as read now; returns the source as read now.
@@ -175,7 +181,7 @@ def check_pin(config: Config, pin: dict[str, Any] | None, data: SliceData, token
         return source
     trained = pin.get("ranges", [])
     if source != pin.get("source"):
-        spec, _ = data_spec(dc, table.column_names)
+        spec, _ = data_spec(dc, table.column_names, config.method.method)
         for r in trained:
             if r["end"] > len(table):
                 raise DataError(f"--dataset {dc.dataset}: rows [{r['start']}, {r['end']}), trained by this chain, are "
@@ -198,9 +204,8 @@ def check_pin(config: Config, pin: dict[str, Any] | None, data: SliceData, token
         else:
             rows = select_rows(table, data.spec, last["start"], last["end"])
             pattern = mask_pattern(model_config) if dc.packing == "docs" else None
-            tokens = tokens_digest(rows_to_blocks(rows, data.spec, tokenizer, train_on=data.train_on,
-                                                  max_length=dc.max_length, packing=dc.packing,
-                                                  attention=model_config._attn_implementation, pattern=pattern))  # fmt: skip
+            tokens = tokens_digest(tokens_of(rows, data.spec, tokenizer, data.train_on, dc.max_length, dc.packing,
+                                             model_config._attn_implementation, pattern))  # fmt: skip
         if tokens != last["tokens"]:
             raise DataError(f"--model {config.model.model}: its tokenizer makes other token ids of rows [{last['start']}, "
                             f"{last['end']}) than the chain trained on (another tokenizer or its settings): use the "

@@ -24,7 +24,7 @@ from fsdp_opt.data.pairs import Pairs
 from fsdp_opt.engine.dpo import Reference, adapters_off, pair_logps
 from fsdp_opt.model.nf4 import store_base
 from fsdp_opt.model.parallelize import initialize, shard_model, tie_and_check
-from fsdp_opt.model.sources import build_meta_model, load_model_config, load_tokenizer, resolve_model
+from fsdp_opt.model.sources import build_meta_model, load_model_config, load_tokenizer, resolve_model, without_dropout
 from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, broadcast_object, print0, rank0_first
 from fsdp_opt.runtime.hostmem import release_host_memory
 
@@ -64,23 +64,31 @@ def _frozen(model: torch.nn.Module, dtype: torch.dtype) -> None:
 def with_model(config: Config, env: DistEnv, name: str, precision: str, tokenizer, batch_size: int,
                *pairs: Pairs | None) -> list[Reference | None]:  # fmt: skip
     """The reference model loaded (sharded, frozen, compute dtype), run over the pairs, and freed."""
+    strategy = config.parallel.sharding_strategy if config.parallel.sharding_strategy != "AUTO" else "FULL_SHARD"
+    return score_model(name, env, precision, tokenizer, batch_size, *pairs, policy=config.model.model,
+                       attention=config.model.attn_implementation, strategy=strategy, seed=config.train.seed)  # fmt: skip
+
+
+def score_model(name: str, env: DistEnv, precision: str, tokenizer, batch_size: int, *pairs: Pairs | None,
+                policy: str, attention: str = "auto", strategy: str = "FULL_SHARD",
+                seed: int = 42) -> list[Reference | None]:  # fmt: skip
+    """A model by name, loaded sharded and frozen in the compute dtype, run over the pairs, and freed (the training
+    run's reference pass, and evaluate's)."""
     source = all_ranks_ok(lambda: resolve_model(name))
-    ref_config, ref_tokenizer = rank0_first(lambda: (load_model_config(source, config.model.attn_implementation),
-                                                     load_tokenizer(source)))  # fmt: skip
+    ref_config, ref_tokenizer = rank0_first(lambda: (load_model_config(source, attention), load_tokenizer(source)))
 
     def same_tokens() -> None:
         if ref_tokenizer.get_vocab() != tokenizer.get_vocab() or ref_tokenizer.eos_token_id != tokenizer.eos_token_id:
-            raise ConfigError(f"--ref_model {name}: its tokenizer is not the policy's ({config.model.model}): their "
+            raise ConfigError(f"--ref_model {name}: its tokenizer is not the policy's ({policy}): their "
                               "log-probabilities of the same answers would be of other tokens")  # fmt: skip
 
     all_ranks_ok(same_tokens)
+    without_dropout(ref_config)
     dtype = DTYPES[precision]
     model = build_meta_model(ref_config)
     _frozen(model, dtype)
-    strategy = config.parallel.sharding_strategy if config.parallel.sharding_strategy != "AUTO" else "FULL_SHARD"
     shard_model(model, env, strategy=strategy, precision=precision, activation_checkpointing=False)
-    initialize(model, env, source, ref_config, config.train.seed, weights=True, dtype=dtype,
-               prepare=lambda m: _frozen(m, dtype))  # fmt: skip
+    initialize(model, env, source, ref_config, seed, weights=True, dtype=dtype, prepare=lambda m: _frozen(m, dtype))
     tie_and_check(model)
     print0(f"dpo: reference {name}: loaded sharded in {precision}, scoring the pairs")
     ref = _score(model, env, batch_size, *pairs)

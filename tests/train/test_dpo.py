@@ -180,3 +180,80 @@ def test_bad_preference_input_is_one_line(tmp_path, models):
     assert "4 rows of preference pairs (column prompt, chosen, rejected), loss on the answers only; 2 whose chosen " \
            "answer is the rejected one dropped" in proc.stdout
     assert sum(r["pairs"] for r in read_jsonl(tmp_path / "same" / "metrics.jsonl")) == 4
+
+
+def test_a_resumed_session_is_scored_against_the_model_the_chain_started_from(tmp_path, models):
+    """Session 1 trains rows [0, 8) and exports its weights; session 2 resumes on [8, 16): its first step (every
+    pair of its range) is the DPO loss of the policy as session 1 left it against the original model, never against
+    the checkpoint it resumed (which would give log 2)."""
+    policy, _ = models
+    rows = string_pairs(16)
+    data = write(tmp_path / "pairs.jsonl", rows)
+    base = ["--model", str(policy), "--method", "dpo", "--dataset", str(data), *STEP, "--output_dir", str(tmp_path / "out")]
+    first = run_cli(base + ["--start_idx", "0", "--end_idx", "8", "--export_hf", str(tmp_path / "after1"),
+                            "--export_dtype", "fp32"], tmp_path, nproc=2)  # fmt: skip
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    assert f"dpo: reference {policy}: loaded sharded" in first.stdout
+    second = run_cli(base + ["--start_idx", "8", "--end_idx", "16", "--resume_file", "latest"], tmp_path, nproc=2)
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-3000:]
+    assert f"dpo: reference {policy}: loaded sharded" in second.stdout
+    step = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if r["slice"] == "8-16"][0]
+    want = dpo_reference(tmp_path / "after1", policy, rows[8:16])
+    assert step["pairs"] == 8 and abs(step["loss"] - want["loss"]) <= 1e-5, (step["loss"], want["loss"])
+    assert abs(want["loss"] - math.log(2)) > 1e-3
+    # The checkpoint keeps the reference's log-probabilities of its range: a session resuming inside it reads them.
+    payload = torch.load(next((tmp_path / "out").glob("*_8-16-epoch-1.pt")), weights_only=True)
+    assert payload["dpo"]["ref_model"] == str(policy) and payload["dpo"]["reference"]["logps"].shape == (8, 2)
+
+
+def test_three_auto_sessions_through_the_hub_equal_one_straight_run(tmp_path):
+    """LoRA DPO on the built-in preference pairs (its reference: the base, adapters off), --start_idx auto through
+    the loopback Hub on three empty machines: the names and the losses of one session that trains the three ranges,
+    bit for bit."""
+    from conftest import hub_env, saved_names
+    from hubserver import HubServer
+
+    auto = ["--model", "tiny-opt", "--dataset", "python-docs-prefs", "--method", "dpo", "--chat_template", "chatml",
+            "--lora_rank", "8", "--max_length", "128", "--batch_size", "4", "--lr", "3e-3", "--precision", "fp32",
+            "--start_idx", "auto", "--range_size", "8", "--wandb_mode", "disabled", "--seed", "5"]  # fmt: skip
+    with HubServer() as server:
+        saved = []
+        for i in range(3):
+            machine = tmp_path / f"m{i}"
+            machine.mkdir()
+            env = hub_env(tmp_path, server, f"m{i}")
+            env["WANDB_MODE"] = "disabled"
+            proc = run_cli(auto + ["--hf_repo", "me/dpo", "--output_dir", str(machine / "out")], machine, nproc=2, env=env)
+            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+            assert "dpo: reference: the base with the adapters switched off" in proc.stdout
+            saved += saved_names(proc.stdout)
+    one = run_cli(auto + ["--session_ranges", "3", "--output_dir", str(tmp_path / "one")], tmp_path, nproc=2)
+    assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-3000:]
+    assert saved == saved_names(one.stdout) == [f"tiny_opt_{a}-{a + 8}-epoch-1.pt" for a in (0, 8, 16)]
+    fields = ("step", "loss", "slice", "rewards_chosen", "rewards_rejected", "accuracy")
+    got = [tuple(r[k] for k in fields) for r in read_jsonl(tmp_path / "m2" / "out" / "metrics.jsonl")]
+    want = [tuple(r[k] for k in fields) for r in read_jsonl(tmp_path / "one" / "metrics.jsonl")]
+    assert got == want and len(want) >= 6
+
+
+def test_the_dpo_demo_learns_the_held_out_preferences(tmp_path):
+    """python -m fsdp_opt.demo --dpo: 80 steps of DPO on python-docs-prefs; python -m fsdp_opt.evaluate then scores
+    the held-out pairs (the test split) for the base (its own reference: 50%, every pair a tie) and the checkpoint."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, sandbox_env
+
+    out = tmp_path / "demo"
+    proc = subprocess.run([sys.executable, "-m", "fsdp_opt.demo", "--dpo", "--output_dir", str(out)], cwd=ROOT,
+                          env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    base, tuned = json.loads((out / "pairs.json").read_text())["models"]
+    assert base["accuracy"] == 0.5 and abs(base["loss"] - math.log(2)) < 1e-6 and base["pairs"] == 100
+    assert tuned["accuracy"] >= 0.9 and tuned["margin"] > 1.0, tuned
+    assert f"demo: held-out accuracy 50% before training (the model is its own reference), {tuned['accuracy']:.0%} " \
+           "after" in proc.stdout
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and rows[0]["accuracy"] == 0.5
+    evals = read_jsonl(out / "eval.jsonl")
+    assert evals[-1]["accuracy"] >= 0.9 and evals[-1]["rows"] == "[0, 100) of split test"
