@@ -14,7 +14,7 @@ import sys
 from dataclasses import replace
 
 from fsdp_opt.base import ConfigError, gib, parse_size
-from fsdp_opt.config.choices import PACKING_MODES, STRATEGIES, T4_MEMORY
+from fsdp_opt.config.choices import METHODS, PACKING_MODES, STRATEGIES, T4_MEMORY
 from fsdp_opt.config.flags import OneLineParser, parse_batch, parse_bool
 from fsdp_opt.config.training import TrainConfig
 from fsdp_opt.data.resolve import DataSource
@@ -29,6 +29,7 @@ from fsdp_opt.planner.report import make_plan, render
 from fsdp_opt.planner.simulate import compare
 from fsdp_opt.planner.simulate import render as sim_render
 from fsdp_opt.planner.simulate import simulate as sim_simulate
+from fsdp_opt.planner.simulate import simulate_reference
 from fsdp_opt.planner.search import Space, recommend, reduce_dtypes
 from fsdp_opt.planner.steptime import Rates
 from fsdp_opt.runtime.hostmem import total_memory_bytes
@@ -64,8 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss_chunk_tokens", type=int, default=0, help="the trainer's --loss_chunk_tokens")
     p.add_argument("--lora_rank", type=int, default=0, help="the trainer's --lora_rank (0: full fine-tuning)")
     p.add_argument("--lora_targets", default=None, help="the trainer's --lora_targets (default: every linear layer of the blocks)")
-    p.add_argument("--lora_dropout", type=float, default=0.05, help="the trainer's --lora_dropout")
+    p.add_argument("--lora_dropout", type=float, default=None,
+                   help="the trainer's --lora_dropout (default: 0.05; 0 with --method dpo, which trains without dropout)")
     p.add_argument("--base_bits", type=int, default=16, choices=[16, 4], help="the trainer's --base_bits")
+    p.add_argument("--method", default="sft", choices=METHODS,
+                   help="the trainer's --method: dpo adds its reference pass (memory, time) to the plan")
+    p.add_argument("--ref_model", default=None,
+                   help="the trainer's --ref_model: with LoRA, the reference is then a model of its own (of the same "
+                        "shape) instead of the base with the adapters off")
     p.add_argument("--disk", default="20GB", help="disk for checkpoints (Kaggle's /kaggle/working: 20GB)")
     p.add_argument("--data_on_disk", default="0",
                    help="what a session keeps of the dataset on that disk: 0 when its rows are read by range (a split "
@@ -158,8 +165,9 @@ def main(argv: list[str] | None = None) -> int:
             activation_checkpointing=a.activation_checkpointing, attn_implementation=a.attn_implementation,
             packing=a.packing, reduce_every_microbatch=a.reduce_every_microbatch, prefetch=a.prefetch,
             loss_chunk_tokens=a.loss_chunk_tokens, cuda=not a.cpu, lora_rank=a.lora_rank, lora_targets=a.lora_targets,
-            lora_dropout=a.lora_dropout, base_bits=a.base_bits, reduce_dtype="fp16" if a.reduce_dtype == "fp16" else "fp32",
-            cpu_offload=a.cpu_offload,
+            lora_dropout=a.lora_dropout if a.lora_dropout is not None else 0.0 if a.method == "dpo" else 0.05,
+            base_bits=a.base_bits, reduce_dtype="fp16" if a.reduce_dtype == "fp16" else "fp32",
+            cpu_offload=a.cpu_offload, method=a.method, ref_model=a.ref_model is not None,
         )  # fmt: skip
         if a.lora_rank < 0:
             raise ConfigError(f"--lora_rank {a.lora_rank}: must be 0 (full fine-tuning) or more")
@@ -213,6 +221,14 @@ def main(argv: list[str] | None = None) -> int:
                      + ("fits" if with_runtime <= inputs.gpu_memory and plan["strategies"][strategy]["fits"]
                         else "does NOT fit" if with_runtime > inputs.gpu_memory and not plan["strategies"][strategy]["fits"]
                         else "the two disagree")]  # fmt: skip
+    if simulate and plan.get("dpo") and not plan["dpo"]["own_model"]:
+        ref = plan["dpo"]
+        got = simulate_reference(a.model, inputs, ref["strategy"])
+        planned = ref["total_bytes"] - ref["components"].get("runtime", 0)
+        ref["simulated"] = {**got, "planned_less_runtime": planned, "ratio": planned / got["peak_total"]}
+        text += ["", f"dpo reference pass ({ref['strategy']}), simulated (fake tensors, rank 0 of {got['world_size']}): "
+                     f"{gib(got['peak_total'])} at its peak; planned {gib(planned)} (its total less runtime): plan / "
+                     f"simulated {planned / got['peak_total']:.2f}"]  # fmt: skip
     print(json.dumps(plan, indent=1) if a.json else "\n".join(text))
     return 0
 

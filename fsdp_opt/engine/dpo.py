@@ -46,8 +46,10 @@ def sequence_logps(logps: torch.Tensor, slot: torch.Tensor, sequences: int) -> t
     """[sequences] sums of the token log-probabilities of each sequence (slot: each position's sequence, -1 none)."""
     # the log-probability at position t is of the token at t + 1: it belongs to that token's sequence
     owner = F.pad(slot[:, 1:], (0, 1), value=-1)
-    keep = owner >= 0
-    return torch.zeros(sequences, dtype=torch.float32, device=logps.device).index_add_(0, owner[keep], logps[keep])
+    # positions of no sequence go to one more slot, dropped: no data-dependent indexing (a fake tensor has no data)
+    owner = torch.where(owner >= 0, owner, sequences).reshape(-1)
+    sums = torch.zeros(sequences + 1, dtype=torch.float32, device=logps.device).index_add(0, owner, logps.reshape(-1))
+    return sums[:sequences]
 
 
 def dpo_terms(pi: torch.Tensor, ref: torch.Tensor, beta: float) -> torch.Tensor:

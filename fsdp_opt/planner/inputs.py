@@ -40,6 +40,8 @@ class Inputs:
     base_bits: int = 16
     reduce_dtype: str = "fp32"  # the trainer's --reduce_dtype: gradients reduce-scattered in fp32 or fp16
     cpu_offload: bool = False  # the trainer's --cpu_offload: sharded state in host memory, AdamW on the host
+    method: str = "sft"  # the trainer's --method: dpo adds the reference pass (planner/dpo.py)
+    ref_model: bool = False  # --method dpo with --ref_model: a LoRA run's reference is a model of its own
 
 
 def shard_factor(strategy: str, inputs: Inputs) -> int:

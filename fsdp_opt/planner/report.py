@@ -14,6 +14,7 @@ from fsdp_opt.base import gib
 from fsdp_opt.config.choices import STRATEGIES
 from fsdp_opt.model.shapes import Shape, model_config
 from fsdp_opt.planner.disk import disk_and_hub, disk_line
+from fsdp_opt.planner.dpo import reference_line, reference_pass
 from fsdp_opt.planner.host import host_memory as host_phases
 from fsdp_opt.planner.host import render_host
 from fsdp_opt.planner.inputs import Inputs, state_bytes
@@ -93,6 +94,11 @@ def make_plan(model: str, inputs: Inputs, *, disk: int, host_memory: int, keep_l
             shape, host_memory, save_optimizer, saved,
         ),
     }
+    if inputs.method == "dpo":
+        strategy = next((s for s in ("FULL_SHARD", "HYBRID_SHARD", "SHARD_GRAD_OP", "NO_SHARD") if s in strategies))
+        own = bool(inputs.lora_rank) and not inputs.ref_model
+        plan["dpo"] = reference_pass(shape, strategy, inputs, strategies[strategy]["predicted_step_time_s"], own)
+        plan["dpo"]["strategy"] = strategy
     plan["recommended_line"] = recommended_line(recommended, given if samples == inputs.batch_size * inputs.accum_steps * inputs.gpus else None, samples)
     return plan
 
@@ -129,6 +135,8 @@ def render(plan: dict[str, Any]) -> str:
                      "reduce-scattered, so they are not added to them)")
 
     lines += ["", *render_configurations(plan), plan["recommended_line"], plan["gpu_count_line"]]
+    if plan.get("dpo"):
+        lines.append(reference_line(plan["dpo"], plan["dpo"]["strategy"], i["gpu_memory"]))
     if plan.get("fits_with_line"):
         lines.append(plan["fits_with_line"])
     a, c, d, r = plan["activations"], plan["checkpoints"], plan["disk"], plan["host_ram"]

@@ -29,13 +29,17 @@ import torch
 import torch.distributed as dist
 
 from fsdp_opt.base import GIB, MIB
-from fsdp_opt.config.choices import DTYPES
+from fsdp_opt.config.choices import DTYPES, shard_count
+from fsdp_opt.config.training import LoraConfig
 from fsdp_opt.data.packing import document_mask, segment_positions
+from fsdp_opt.engine.dpo import dpo_terms, sequence_logps, token_logps
 from fsdp_opt.engine.loss import ChunkedLoss, causal_lm_loss_sum
 from fsdp_opt.engine.optim import build_optimizer, create_state
+from fsdp_opt.model.adapters import Adapters
 from fsdp_opt.model.parallelize import shard_model
 from fsdp_opt.model.shapes import model_config
 from fsdp_opt.model.sources import build_meta_model
+from fsdp_opt.planner.inputs import Inputs
 from fsdp_opt.planner.memory import peak_bytes
 from fsdp_opt.runtime.distributed import DistEnv
 
@@ -142,6 +146,11 @@ def simulate(model_name: str, inputs, strategy: str, *, fake: bool = True, micro
     if inputs.attn_implementation:
         config._attn_implementation = inputs.attn_implementation
     model = build_meta_model(config)
+    if inputs.lora_rank:  # the adapters on a frozen base in the compute dtype, as the trainer adds them (16-bit base)
+        settings = LoraConfig(lora_rank=inputs.lora_rank, lora_targets=inputs.lora_targets,
+                              lora_dropout=inputs.lora_dropout)  # fmt: skip
+        Adapters(settings, model_name, DTYPES[inputs.precision], 0).add_to(
+            model, shard_count(strategy, world, max(1, world // inputs.nodes)))
     shard_model(model, env, strategy=strategy, precision=inputs.precision,
                     activation_checkpointing=inputs.activation_checkpointing, prefetch=inputs.prefetch)  # fmt: skip
     micro = min(micro_batches, inputs.accum_steps)
@@ -172,7 +181,10 @@ def simulate(model_name: str, inputs, strategy: str, *, fake: bool = True, micro
                 ids = batch["input_ids"]
                 with chunked.hidden_states() if chunked else nullcontext():
                     out = model(**batch).logits
-                loss = chunked.loss_sum(out, ids) if chunked else causal_lm_loss_sum(out, ids)
+                if inputs.method == "dpo":  # the pair loss over the row's two documents (chosen, rejected)
+                    loss = _dpo_loss(out, batch, chunked)
+                else:
+                    loss = chunked.loss_sum(out, ids) if chunked else causal_lm_loss_sum(out, ids)
                 loss.backward()
                 del out, loss, batch, ids
                 if i < micro - 1:
@@ -187,6 +199,52 @@ def simulate(model_name: str, inputs, strategy: str, *, fake: bool = True, micro
     peak_total = peak.pop("Total") + optimizer_bytes
     return {"groups": groups, "at_peak": peak, "group_moments": tracker.group_moments, "peak_total": peak_total, "micro_batches": micro, "world_size": world,
             "fake": fake}  # fmt: skip
+
+
+def _dpo_loss(out: torch.Tensor, batch: dict[str, torch.Tensor], chunked: ChunkedLoss | None) -> torch.Tensor:
+    """The engine's DPO loss of a micro-batch whose rows each hold one pair (two documents), against a reference of
+    zeros (its log-probabilities are numbers read from the checkpoint, not tensors of the step)."""
+    ids = batch["input_ids"]
+    segment = (batch["position_ids"] == 0).cumsum(1) - 1 if "position_ids" in batch else torch.zeros_like(ids)
+    slot = (torch.arange(ids.shape[0], device=ids.device)[:, None] * 2 + segment.clamp(max=1)).long()
+    sums = sequence_logps(token_logps(out, ids, chunked), slot, 2 * ids.shape[0])
+    return dpo_terms(sums, torch.zeros_like(sums), 0.1)[0].sum()
+
+
+def simulate_reference(model_name: str, inputs, strategy: str) -> dict[str, Any]:  # noqa: ANN001
+    """Peak bytes of rank 0 in the DPO reference pass: the model frozen in the compute dtype, one micro-batch forward
+    without gradients (one process of its own, as simulate)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if not dist.is_initialized():
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=inputs.gpus)
+    world = dist.get_world_size()
+    env = DistEnv(rank=0, world_size=world, local_rank=0, local_world_size=max(1, world // inputs.nodes),
+                  device=torch.device("cpu"))  # fmt: skip
+    config = model_config(model_name)
+    if inputs.attn_implementation:
+        config._attn_implementation = inputs.attn_implementation
+    model = build_meta_model(config)
+    dtype = DTYPES[inputs.precision]
+    for p in model.parameters():
+        p.requires_grad_(False)
+        p.data = p.data.to(dtype)
+    shard_model(model, env, strategy=strategy, precision=inputs.precision, activation_checkpointing=False,
+                prefetch=inputs.prefetch)  # fmt: skip
+    pad = inputs.packing == "pad"
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device=env.device)
+        model.eval()
+        tracker = _tracker_class()(model)
+        tracker.group_peaks, tracker.group_moments = {}, {}
+        with tracker, torch.no_grad():
+            sized = Inputs(**{**inputs.__dict__, "batch_size": inputs.batch_size * (2 if pad else 1)})
+            batch = micro_batch(config.vocab_size, sized, env.device)
+            _dpo_loss(model(**batch).logits, batch, None)
+        peak = {_label(k): v for k, v in next(iter(tracker.get_tracker_snapshot("peak").values())).items()}
+    return {"peak_total": peak.pop("Total"), "at_peak": peak, "world_size": world}
 
 
 def compare(simulated: dict[str, Any], planned: dict[str, int]) -> dict[str, Any]:

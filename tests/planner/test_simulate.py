@@ -72,3 +72,28 @@ def test_simulate_names_a_bad_strategy():
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "error: --simulate FULL_SHARD,ZERO3: ZERO3 is not one of FULL_SHARD, SHARD_GRAD_OP, NO_SHARD"
     ], proc.stderr
+
+
+def test_dpo_plans_for_opt_1_3b_on_two_t4s_and_the_simulation_agrees():
+    """--method dpo for opt-1.3b on 2x T4: full fine-tuning (with its reference pass: a model of its own, sharded in
+    fp16) and LoRA (the base with its adapters off). The reference pass's rows are the hand-computed bytes; the
+    simulated step and the simulated reference pass agree with the plan within 10% for full fine-tuning."""
+    full = json.loads(plan_cli(["--model", "facebook/opt-1.3b", "--method", "dpo", "--batch_size", "auto",
+                                "--global_batch", "128", "--simulate", "--json"]).stdout)  # fmt: skip
+    ref = full["dpo"]
+    assert ref["strategy"] == "FULL_SHARD" and not ref["own_model"] and ref["fits"]
+    n, vocab, s, b = full["shape"]["params"], full["shape"]["vocab"], 512, full["inputs"]["batch_size"]
+    parts = ref["components"]
+    assert parts["parameters"] == 2 * -(-n // 2)  # fp16, half on each GPU
+    assert parts["logits"] == s * b * vocab * (2 + 4 + 4)  # fp16 logits, their fp32 copy, its log-softmax
+    assert parts["root_at_loss"] == 2 * full["shape"]["root_params"]
+    assert ref["seconds_per_1000_pairs"] > 0
+    assert abs(ref["simulated"]["ratio"] - 1) <= 0.10, ref["simulated"]
+    step = full["simulated"]["FULL_SHARD"]["comparison"]["total"]
+    assert abs(step["ratio"] - 1) <= 0.10, step
+    assert full["recommended"] is not None  # something fits, and the plan names it
+    lora = json.loads(plan_cli(["--model", "facebook/opt-1.3b", "--method", "dpo", "--lora_rank", "16", "--json"]).stdout)
+    assert lora["dpo"]["own_model"] and "components" not in lora["dpo"] and lora["strategies"]["FULL_SHARD"]["fits"]
+    text = plan_cli(["--model", "facebook/opt-1.3b", "--method", "dpo", "--lora_rank", "16"]).stdout
+    assert "dpo reference pass: the run's own model with its adapters off, before training: no memory beyond " \
+           "training's" in text
