@@ -26,7 +26,7 @@ max_length = 512  # tokens per training sequence
 hf_repo = None  # "user/name": checkpoints are pushed there and the next session resumes from there
 output_dir = "/kaggle/working/outputs"
 nproc = "gpu"  # processes: "gpu" = one per GPU; a number on CPU
-install = None  # pip install this first: a wheel ("/kaggle/input/fsdp-opt/fsdp_opt-0.2.0-py3-none-any.whl") or a git URL
+install = None  # pip install this first: a wheel ("/kaggle/input/fsdp-opt/fsdp_opt-0.3.0-py3-none-any.whl") or a git URL
 repo_dir = None  # without `install`: the fsdp-opt checkout; None: this folder or a parent, else /kaggle/working/fsdp-opt
 session_hours = 12.0  # Kaggle ends a session after about 12 hours
 reserve_minutes = 30  # stop this long before the end: the last save and push fit in it
