@@ -195,7 +195,9 @@ def test_without_a_repo_the_lease_is_a_file_in_output_dir_for_runs_that_share_a_
     out = tmp_path / "shared" / "out"
     args = BASE + ["--end_idx", "120", "--output_dir", str(out)]
     first = _start(args, tmp_path, sandbox_env(tmp_path))
-    time.sleep(2)
+    deadline = time.time() + 120  # the second starts once the first holds the lease (its start takes seconds)
+    while not (out / LOCAL_LEASE).exists() and first.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
     second = run_cli(args, tmp_path)
     done = first.communicate(timeout=300)
     assert first.returncode == 0 and second.returncode == 0, (done, second.stderr[-2000:])
