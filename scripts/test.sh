@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
 # Quick start 2: install the test dependencies, then run the test suite (CPU, gloo, 2 processes).
+#   bash scripts/test.sh            the whole suite (what CI runs)
+#   bash scripts/test.sh --quick    the quick tier: unit tests and one end-to-end run per concern (about 5 minutes)
+#   bash scripts/test.sh ARGS       any pytest arguments (a folder, -k ...)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh "[test]"
+tier=()
+if [ "${1:-}" = "--quick" ]; then
+  shift
+  tier=(-m quick)
+fi
 # Two workers (pytest-xdist), one per core of a small machine (three measured slower: 33:41 against 30:42). The
-# expensive module fixtures are built once for both workers (conftest.built_once), not once per worker.
-python -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist worksteal "$@"
+# expensive module fixtures are built once for both workers (conftest.built_once), not once per worker; the ranks of
+# most runs are forked from a process that has imported the package (tests/launcher.py).
+python -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist worksteal "${tier[@]}" "$@"

@@ -229,6 +229,30 @@ LONGEST_FIRST = (
 )
 
 
+# The quick tier (`bash scripts/test.sh --quick`, `pytest -m quick`): the unit tests (whole files), and one end-to-end
+# run per concern. Matched against each test's id: a file, or file::test (every parameter of it).
+QUICK = (
+    # units: flags, layout, data, drift, chain, planner, model families, CUDA paths (no GPU), the docs' pages
+    "tests/test_units.py", "tests/test_layout.py", "tests/data/test_data.py", "tests/data/test_formats.py",
+    "tests/data/test_sources.py", "tests/checkpoint/test_drift.py", "tests/checkpoint/test_chain.py",
+    "tests/planner/test_plan.py", "tests/planner/test_catalog.py", "tests/model/test_families.py",
+    "tests/runtime/test_cuda_paths.py", "tests/runtime/test_torchao_gate.py::test_install_line",
+    "tests/commands/test_docs.py::test_the_flags_page", "tests/commands/test_docs.py::test_the_docs_check_fails",
+    "tests/commands/test_docs.py::test_the_version_is_one_number",
+    # one run each: the engine against a plain loop, sharded state, a resume, the Hub chain, W&B, Hub datasets by
+    # range, LoRA against peft, DPO against the pairs alone, chat targets, evaluate, the planner's collectives,
+    # bad input and the error line under torchrun's rule
+    "tests/engine/test_training_math.py::test_sharded_run_matches_unsharded_reference[2-2-2-FULL_SHARD-extra0]",
+    "tests/checkpoint/test_sharded_state.py", "tests/checkpoint/test_resume.py::test_one_epoch_plus_resume_equals_two_epochs[sharded]",
+    "tests/hub/test_hub.py::test_sessions_chain_through_the_hub", "tests/hub/test_hub.py::test_wandb_without_network",
+    "tests/data/test_hub_ranges.py::test_rows_read_by_range", "tests/model/test_lora.py::test_two_rank_lora_matches_one_process_peft[FULL_SHARD",
+    "tests/train/test_dpo.py::test_the_first_step_is_the_dpo_loss_of_the_pairs_alone_full_and_lora[strings]",
+    "tests/train/test_chat_data.py::test_first_step_loss_is_the_mean_over_exactly_the_answer_tokens",
+    "tests/train/test_evaluate.py::test_evaluate_bad_input", "tests/planner/test_steptime.py::test_collective_bytes",
+    "tests/commands/test_cli.py::test_bad_input_fails_fast", "tests/commands/test_cli.py::test_the_error_line",
+)  # fmt: skip
+
+
 def pytest_collection_modifyitems(config, items):  # noqa: ANN001
     def rank(item) -> int:  # noqa: ANN001
         for i, suffix in enumerate(LONGEST_FIRST):
@@ -236,6 +260,9 @@ def pytest_collection_modifyitems(config, items):  # noqa: ANN001
                 return i
         return len(LONGEST_FIRST)
 
+    for item in items:
+        if item.nodeid.startswith(QUICK):
+            item.add_marker(pytest.mark.quick)
     items.sort(key=rank)  # stable: the rest keep their order
 
 
