@@ -12,7 +12,8 @@ from fsdp_opt.base import VERSION, ConfigError
 from fsdp_opt.config.choices import AUTO
 from fsdp_opt.config.flags import OneLineParser, parse_bool
 from fsdp_opt.config.storage import CheckpointConfig, HubConfig, WandbConfig
-from fsdp_opt.config.training import DataConfig, LoraConfig, MethodConfig, ModelConfig, ParallelConfig, TrainConfig
+from fsdp_opt.config.method import MethodConfig
+from fsdp_opt.config.training import DataConfig, LoraConfig, ModelConfig, ParallelConfig, TrainConfig
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,

@@ -18,7 +18,7 @@ from fsdp_opt.checkpoint.loading import load_into
 from fsdp_opt.checkpoint.read import check_compatible, read_checkpoint
 from fsdp_opt.config.choices import DTYPES, shard_count
 from fsdp_opt.config.training import DataConfig, LoraConfig, ModelConfig
-from fsdp_opt.config.training import MethodConfig
+from fsdp_opt.config.method import MethodConfig
 from fsdp_opt.data.formats import held_out_rows, held_out_split
 from fsdp_opt.data.pin import PIN_KEY, pinned_revision
 from fsdp_opt.data.resolve import DataSource
