@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The requirement floors, tested: the lowest versions requirements.txt allows (torch aside: Kaggle brings its own)
 # go into .floors, ahead of the test environment on PYTHONPATH, and a subset of the tests runs on them: the engine
-# on 2 ranks, data loading, checkpoints through the Hub stand-in with retention, W&B, LoRA (peft) on GPT-2 and Llama blocks with the adapter folder peft loads.
+# on 2 ranks, data loading (local, and Hub datasets by range: datasets' resolution of configs and splits, parquet
+# row groups over HfFileSystem), checkpoints through the Hub stand-in with retention, W&B, LoRA (peft) on GPT-2 and
+# Llama blocks with the adapter folder peft loads, DPO (full and LoRA, peft's adapters switched off).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh "[test]"
@@ -19,4 +21,8 @@ python -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist worksteal -p no:cacheprovid
     "tests/engine/test_training_math.py::test_hybrid_shard_across_two_nodes_matches_reference" \
     "tests/hub/test_hub.py::test_sharded_checkpoints_through_the_hub" "tests/hub/test_hub.py::test_wandb_without_network_falls_back" \
     "tests/model/test_lora.py::test_lora_on_gpt2_and_llama_blocks" "tests/model/test_lora.py::test_bad_lora_flags_get_one_line" \
-    "tests/data/test_packing.py::test_each_row_in_a_packed_block_has_the_losses_it_has_alone"
+    "tests/data/test_packing.py::test_each_row_in_a_packed_block_has_the_losses_it_has_alone" \
+    tests/data/test_sources.py "tests/data/test_hub_ranges.py::test_rows_read_by_range_are_load_datasets_rows" \
+    "tests/data/test_hub_ranges.py::test_a_json_dataset_is_read_from_its_parquet_export_and_a_partial_export_downloads_it_whole" \
+    "tests/data/test_hub_ranges.py::test_a_dataset_with_two_configs_and_no_default_names_them_and_trains_with_one" \
+    "tests/train/test_dpo.py::test_the_first_step_is_the_dpo_loss_of_the_pairs_alone_full_and_lora[strings]"
