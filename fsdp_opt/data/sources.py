@@ -194,8 +194,8 @@ def _hub(src: DataSource, pin: dict[str, Any] | None) -> Table:
                             src.describe())  # fmt: skip
     resolved = split_files(src, src.revision)
     identity = {"kind": "hub", "id": src.dataset, **src.names()}
-    if resolved.module == "parquet":
-        return _parquet(src, resolved, src.dataset, identity)
+    if resolved.module == "parquet":  # its own files, or (a loading script's) the Hub's export
+        return _parquet(src, resolved, src.dataset, identity | ({"export": True} if resolved.export else {}))
     exported = export_files(src)
     if exported is not None:
         print0(f"data: {src.describe()} is stored as {resolved.module}: reading its split {src.split} from the Hub's "
