@@ -51,6 +51,7 @@ class Shape:
     # (dim 0, elements) of each parameter, per FSDP unit, the root first: FSDP2 pads dim 0 to the shard count
     units: tuple = ()
     linears: tuple = ()  # (leaf name, in, out) of each linear layer of one block: where LoRA adapters go
+    relu_mlp: bool = False  # the MLP's activation is ReLU, which keeps only its output for backward (OPT)
 
     @classmethod
     def of(cls, config) -> "Shape":
@@ -75,10 +76,11 @@ class Shape:
             layers=len(blocks), hidden=config.hidden_size, heads=config.num_attention_heads, vocab=config.vocab_size,
             largest_param=max(p.numel() for p in unique.values()), flop_params=int(flops_per_token(model, 0) / 6),
             units=units, linears=linears,
+            relu_mlp=str(getattr(config, "activation_function", getattr(config, "hidden_act", ""))) == "relu",
         )  # fmt: skip
 
     def summary(self) -> dict[str, int]:
-        return {k: v for k, v in self.__dict__.items() if k not in ("units", "linears")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("units", "linears", "relu_mlp")}
 
 
 def _unique_params(model: nn.Module) -> list[torch.Tensor]:

@@ -22,21 +22,20 @@ from typing import Any
 from fsdp_opt.base import gib
 from fsdp_opt.model.shapes import Shape
 from fsdp_opt.planner.inputs import CUDA_CONTEXT_BYTES, FRAGMENTATION, NCCL_BUFFER_BYTES, Inputs, shard_factor
-from fsdp_opt.planner.memory import mask_bytes
+from fsdp_opt.planner.memory import layer_bytes, mask_bytes
 
 
 def reference_memory(shape: Shape, strategy: str, inputs: Inputs) -> dict[str, int]:
     """Bytes per GPU of the reference pass by component (each at its own peak; reference_peak adds them up)."""
-    b, s, h = inputs.batch_size * (2 if inputs.packing == "pad" else 1), inputs.max_length, shape.hidden
+    b, s = inputs.batch_size * (2 if inputs.packing == "pad" else 1), inputs.max_length
     c = 4 if inputs.precision == "fp32" else 2
     f = shard_factor(strategy, inputs)
     held = shape.layers if strategy in ("SHARD_GRAD_OP", "NO_SHARD") else min(shape.layers, 1 + max(1, inputs.prefetch))
     gather_buffer = c * max(shape.root_params, shape.block_params) if f > 1 else 0
-    attention = 5 * shape.heads * s * s * b * c // 2 if inputs.attn_implementation == "eager" else 0
     out = {
         "parameters": c * math.ceil(shape.params / f),
         "gathered_weights": c * (shape.root_params + held * shape.block_params) + gather_buffer,
-        "activations": 34 * s * b * h * c // 2 + attention,  # one block's forward tensors, freed as the next runs
+        "activations": layer_bytes(shape, inputs, b, c),  # one block's forward tensors, freed as the next runs
         "attention_mask": mask_bytes(shape, Inputs(**{**inputs.__dict__, "activation_checkpointing": True}), b, c),
         # the logits in the compute dtype, their fp32 copy and its log-softmax
         "logits": s * b * shape.vocab * (c + 4 + 4 if c == 2 else 8),

@@ -40,8 +40,7 @@ def memory(shape: Shape, strategy: str, inputs: Inputs, batch_size: int | None =
     # Reduce-scatter of the largest unit (the root, with the embeddings): its unsharded gradient in the compute
     # dtype and FSDP2's fp32 copy of it that is reduce-scattered, alive together.
     out["reduce_scatter"] = (c + r) * max(shape.root_params, shape.block_params)
-    attention = 5 * shape.heads * s * s * b * c // 2 if inputs.attn_implementation == "eager" else 0
-    full_layer = 34 * s * b * h * c // 2 + attention  # every saved tensor of one block (Korthikanti et al.)
+    full_layer = layer_bytes(shape, inputs, b, c)
     if inputs.activation_checkpointing:
         out["activations"] = L * s * b * h * c + full_layer  # block inputs, plus one block being recomputed
     else:
@@ -61,6 +60,16 @@ def memory(shape: Shape, strategy: str, inputs: Inputs, batch_size: int | None =
         nccl = NCCL_BUFFER_BYTES if inputs.gpus > 1 else 0
         out["runtime"] = CUDA_CONTEXT_BYTES + nccl + int(FRAGMENTATION * peak_bytes(out))
     return out
+
+
+def layer_bytes(shape: Shape, inputs: Inputs, b: int, c: int) -> int:
+    """Every tensor one block keeps for backward: 34 bytes per token and hidden unit at 2-byte activations (Korthikanti
+    et al., a GeLU MLP of 4h), of which the MLP's are its input (2), the activation's input (8) and its output (8), and a
+    dropout mask (1). A ReLU MLP (OPT) keeps only the activation's output, which is also the next linear's input: 26.
+    Eager attention adds the scores, their softmax and its dropout: 5 bytes per head and pair of positions."""
+    s, h = inputs.max_length, shape.hidden
+    attention = 5 * shape.heads * s * s * b * c // 2 if inputs.attn_implementation == "eager" else 0
+    return (26 if shape.relu_mlp else 34) * s * b * h * c // 2 + attention
 
 
 def mask_bytes(shape: Shape, inputs: Inputs, b: int, c: int) -> int:

@@ -77,7 +77,7 @@ def test_simulate_names_a_bad_strategy():
 def test_dpo_plans_for_opt_1_3b_on_two_t4s_and_the_simulation_agrees():
     """--method dpo for opt-1.3b on 2x T4: full fine-tuning (with its reference pass: a model of its own, sharded in
     fp16) and LoRA (the base with its adapters off). The reference pass's rows are the hand-computed bytes; the
-    simulated step and the simulated reference pass agree with the plan within 10% for full fine-tuning."""
+    simulated step and the simulated reference pass agree with the plan within 10%, and so does LoRA's step."""
     full = json.loads(plan_cli(["--model", "facebook/opt-1.3b", "--method", "dpo", "--batch_size", "auto",
                                 "--global_batch", "128", "--simulate", "--json"]).stdout)  # fmt: skip
     ref = full["dpo"]
@@ -92,8 +92,12 @@ def test_dpo_plans_for_opt_1_3b_on_two_t4s_and_the_simulation_agrees():
     step = full["simulated"]["FULL_SHARD"]["comparison"]["total"]
     assert abs(step["ratio"] - 1) <= 0.10, step
     assert full["recommended"] is not None  # something fits, and the plan names it
-    lora = json.loads(plan_cli(["--model", "facebook/opt-1.3b", "--method", "dpo", "--lora_rank", "16", "--json"]).stdout)
+    lora = json.loads(plan_cli(["--model", "facebook/opt-1.3b", "--method", "dpo", "--lora_rank", "16", "--batch_size",
+                                "auto", "--global_batch", "128", "--simulate", "FULL_SHARD", "--json"]).stdout)  # fmt: skip
     assert lora["dpo"]["own_model"] and "components" not in lora["dpo"] and lora["strategies"]["FULL_SHARD"]["fits"]
+    step = lora["simulated"]["FULL_SHARD"]["comparison"]["total"]
+    print("LoRA DPO step, plan / simulated:", step["ratio"], "at batch", lora["inputs"]["batch_size"])
+    assert abs(step["ratio"] - 1) <= 0.10, step
     text = plan_cli(["--model", "facebook/opt-1.3b", "--method", "dpo", "--lora_rank", "16"]).stdout
     assert "dpo reference pass: the run's own model with its adapters off, before training: no memory beyond " \
            "training's" in text
