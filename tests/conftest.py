@@ -307,7 +307,10 @@ def hub_env(tmp: Path, server: HubServer, name: str) -> dict[str, str]:
         WANDB_CACHE_DIR=str(tmp / "wandb_cache"),
         WANDB_DATA_DIR=str(tmp / "wandb_data"),
     )
-    env.pop("WANDB_MODE")
+    # W&B for real, offline: with the key set, `--wandb_mode auto` would start online and wait out its init timeout
+    # (60 s) for a server this machine cannot reach, then log offline anyway. That fallback has its own test
+    # (tests/hub/test_hub.py::test_wandb_without_network_falls_back, an 8 s timeout).
+    env["WANDB_MODE"] = "offline"
     return env
 
 
