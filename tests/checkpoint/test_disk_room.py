@@ -51,7 +51,7 @@ def test_the_hubs_copies_go_first_then_older_ones_and_the_newest_only_once_on_th
     assert choose([a, b, c], 1 * GB, 50 * GB, None).remove == []
 
 
-RUN = ["--model", "tiny-opt", "--dataset", "python-docs", "--end_idx", "96", "--max_length", "32", "--batch_size", "2",
+RUN = ["--model", "tiny-opt", "--dataset", "python-docs", "--end_idx", "64", "--max_length", "32", "--batch_size", "2",
        "--accum_steps", "1", "--precision", "fp32", "--num_epochs", "1", "--seed", "5"]  # fmt: skip
 
 

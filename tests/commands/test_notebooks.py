@@ -67,7 +67,7 @@ def test_notebooks_run_end_to_end(tmp_path, monkeypatch):
         "batch_size": 2, "accum_steps": 1, "hf_repo": None, "output_dir": str(tmp_path / "out"), "nproc": 2,
         "repo_dir": str(ROOT), "max_length": 64, "extra_flags": "--lr 3e-3 --eval_rows 8",
     }  # fmt: skip
-    # Two sessions: the same notebook with the same parameters, run twice, trains two ranges.
+    # Session 1: the range of range_size rows the chain starts with.
     train = run_notebook("01_train", tmp_path, common, monkeypatch)
     text = cell_text(train)
     assert "{'HF_TOKEN': 'environment', 'WANDB_API_KEY': 'missing'}" in text
@@ -75,38 +75,31 @@ def test_notebooks_run_end_to_end(tmp_path, monkeypatch):
     assert "--time_limit" in text and "--start_idx auto --range_size 40" in text
     assert "tiny-opt: 1,383,424 parameters" in text and "| **total** |" in text  # the plan
     assert "the chain starts with rows [0, 40)" in text
-    again = cell_text(run_notebook("01_train", tmp_path, common, monkeypatch))
-    assert "going on with rows [40, 80)" in again and "ranges done 1; range now [40, 80)" in again
+    # The next session with the notebook's default range_size (5000): the rest of the data, [40, 754).
+    rest = {k: v for k, v in common.items() if k != "range_size"} | {"batch_size": 8}
+    again = cell_text(run_notebook("01_train", tmp_path, rest, monkeypatch))
+    assert "going on with rows [40, 754)" in again and "ranges done 1; range now [40, 754)" in again
     metrics = read_jsonl(tmp_path / "out" / "metrics.jsonl")
     slices = [m["slice"] for m in metrics]
     first = slices.count("0-40")
-    assert first > 0 and slices == ["0-40"] * first + ["40-80"] * (len(slices) - first) and len(slices) > first
+    assert first > 0 and slices == ["0-40"] * first + ["40-754"] * (len(slices) - first) and len(slices) > first
     assert [m["step"] for m in metrics] == list(range(1, len(metrics) + 1))
     png = tmp_path / "out" / "loss_curve.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     png.unlink()
 
+    # Notebook 02 after it, with its default rows: no rows follow the range, so it evaluates on the test split.
     evaluation = run_notebook(
-        "02_evaluate", tmp_path, {**common, "eval_rows": 10, "max_new_tokens": 5, "extra_flags": "--num_prompts 2 --max_length 64"}, monkeypatch
+        "02_evaluate", tmp_path, {**rest, "max_new_tokens": 5, "extra_flags": "--num_prompts 2 --max_length 64"}, monkeypatch
     )
     report = json.loads((tmp_path / "out" / "eval_results.json").read_text())
-    assert report["rows"] == "[80, 90)"
-    assert [m["name"] for m in report["models"]] == ["base (tiny-opt)", "tiny_opt_40-80-epoch-1.pt"]
+    assert report["split"] == "split test" and report["rows"] == "[0, 200)"
+    assert [m["name"] for m in report["models"]] == ["base (tiny-opt)", "tiny_opt_40-754-epoch-1.pt"]
     shown = cell_text(evaluation)
     for m in report["models"]:
         assert f"| {m['name']} | {m['loss']:.4f} | {m['perplexity']:.2f} |" in shown
     assert f"**Prompt:** {report['samples'][0]['prompt']}" in shown
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-    # The notebooks' own range size (5000) takes the rest of the built-in data in one session; the evaluation's
-    # default then has no rows after the range and takes the built-in's held-out split instead.
-    rest = {k: v for k, v in common.items() if k != "range_size"} | {"batch_size": 8}
-    last = cell_text(run_notebook("01_train", tmp_path, rest, monkeypatch))
-    assert "going on with rows [80, 754)" in last
-    run_notebook("02_evaluate", tmp_path, {k: v for k, v in rest.items() if k != "extra_flags"}, monkeypatch)
-    report = json.loads((tmp_path / "out" / "eval_results.json").read_text())
-    assert report["split"] == "split test" and report["rows"] == "[0, 200)"
-    assert report["models"][-1]["name"] == "tiny_opt_80-754-epoch-1.pt"
 
 
 SLURM = ROOT / "scripts" / "slurm_submit.sh"

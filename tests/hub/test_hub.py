@@ -305,6 +305,7 @@ def test_wandb_without_network_falls_back(tmp_path):
     """An API key but no reachable W&B server: online start fails, the run logs offline and trains on."""
     with HubServer(token=HF_TOK) as server:
         env = hub_env(tmp_path, server, "a")
+    env.pop("WANDB_MODE")  # --wandb_mode auto with a key: online
     env.update(WANDB_BASE_URL="http://127.0.0.1:9", WANDB_INIT_TIMEOUT="8")
     proc = run_cli(COMMON + ["--end_idx", "16", "--output_dir", "out"], tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -43,9 +43,10 @@ def test_memory_arithmetic_for_opt_1_3b_on_two_t4():
     assert full["accumulated_gradients"] == 4 * n
     assert memory(shape, "FULL_SHARD", Inputs(**{**t4.__dict__, "reduce_every_microbatch": True}))["accumulated_gradients"] == 0
     # Checkpointed activations: one 2-byte hidden state per block input, plus one block's saved tensors: 34*s*b*h
-    # bytes for a GeLU MLP, less the 8*s*b*h of the activation's input, which OPT's ReLU does not keep.
+    # bytes for a GeLU MLP, less the 8*s*b*h of the activation's input, which OPT's ReLU does not keep, plus the
+    # 2*s*b*h of SDPA's saved output.
     assert shape.relu_mlp and not Shape.of(model_config("Qwen/Qwen2.5-0.5B")).relu_mlp
-    assert full["activations"] == 24 * 512 * 4 * 2048 * 2 + (34 - 8) * 512 * 4 * 2048
+    assert full["activations"] == 24 * 512 * 4 * 2048 * 2 + (34 - 8 + 2) * 512 * 4 * 2048
     assert full["logits"] == 512 * 4 * 50272 * 14
     # --loss_chunk_tokens 256: one chunk's logits at a time, with its fp16 gradient as well.
     assert memory(shape, "FULL_SHARD", Inputs(**{**t4.__dict__, "loss_chunk_tokens": 256}))["logits"] == 256 * 50272 * 16
