@@ -63,13 +63,16 @@ def memory(shape: Shape, strategy: str, inputs: Inputs, batch_size: int | None =
 
 
 def layer_bytes(shape: Shape, inputs: Inputs, b: int, c: int) -> int:
-    """Every tensor one block keeps for backward: 34 bytes per token and hidden unit at 2-byte activations (Korthikanti
-    et al., a GeLU MLP of 4h), of which the MLP's are its input (2), the activation's input (8) and its output (8), and a
-    dropout mask (1). A ReLU MLP (OPT) keeps only the activation's output, which is also the next linear's input: 26.
-    Eager attention adds the scores, their softmax and its dropout: 5 bytes per head and pair of positions."""
+    """Every tensor one block keeps for backward, in bytes per token and hidden unit at 2-byte activations: 34
+    (Korthikanti et al.: a GeLU MLP of 4h keeps its input, 2, the activation's input, 8, and its output, 8; two
+    dropout masks, 1 each; under SDPA the kernel's saved output, 2, takes the place of the softmax terms, which models
+    without dropout pay for with their missing masks). A ReLU MLP (OPT) keeps only the activation's output, which
+    the next linear reads too: 8 fewer, 26 without dropout (a DPO run), 28 with it; the plan takes 28 (opt-1.3b's
+    simulated step holds 27.3). Eager attention adds the scores, their softmax and its dropout: 5 bytes per head
+    and pair of positions."""
     s, h = inputs.max_length, shape.hidden
     attention = 5 * shape.heads * s * s * b * c // 2 if inputs.attn_implementation == "eager" else 0
-    return (26 if shape.relu_mlp else 34) * s * b * h * c // 2 + attention
+    return (28 if shape.relu_mlp else 34) * s * b * h * c // 2 + attention
 
 
 def mask_bytes(shape: Shape, inputs: Inputs, b: int, c: int) -> int:
