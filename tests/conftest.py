@@ -250,6 +250,7 @@ QUICK = (
     # range, LoRA against peft, DPO against the pairs alone, chat targets, evaluate, the planner's collectives,
     # bad input and the error line under torchrun's rule
     "tests/engine/test_training_math.py::test_sharded_run_matches_unsharded_reference[2-2-2-FULL_SHARD-extra0]",
+    "tests/engine/test_training_math.py::test_the_optimizer_steps_the_shards",
     "tests/checkpoint/test_sharded_state.py", "tests/checkpoint/test_resume.py::test_one_epoch_plus_resume_equals_two_epochs[sharded]",
     "tests/hub/test_hub.py::test_sessions_chain_through_the_hub", "tests/hub/test_hub.py::test_wandb_without_network",
     "tests/data/test_hub_ranges.py::test_rows_read_by_range", "tests/model/test_lora.py::test_two_rank_lora_matches_one_process_peft[FULL_SHARD",

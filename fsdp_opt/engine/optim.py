@@ -12,8 +12,35 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 
+class ShardAdamW(torch.optim.AdamW):
+    """torch's AdamW, updating each rank's shards as plain tensors.
+
+    The update is elementwise, and FSDP2 gives a parameter, its gradient and its moments the same placements, so
+    updating the local shards is updating the whole, bit for bit. On DTensors each foreach op of the step first
+    propagates shardings in Python, uncached for lists of tensors: on 2 CPU ranks at tiny-opt's shape that was 85% of
+    the optimizer step and 11% of a training run. The state stays DTensors, so the state dict, checkpoints and a
+    resume see torch's AdamW unchanged.
+    """
+
+    def _init_group(self, group, *lists):  # noqa: ANN001, ANN202
+        has_complex = super()._init_group(group, *lists)
+        params = lists[0]
+        found = [f for f in lists if isinstance(f, list)]  # params, grads, moments, steps (0-dim, plain)
+        if all(t.dim() == 0 and not isinstance(t, DTensor) or _same_layout(p, t) for f in found[1:] for p, t in zip(params, f)):
+            for f in found:
+                f[:] = [_local(t) for t in f]
+        return has_complex
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a tensor's local part lines up with another's: both plain, or DTensors of one mesh and placements."""
+    if isinstance(a, DTensor) != isinstance(b, DTensor):
+        return False
+    return not isinstance(a, DTensor) or (a.device_mesh == b.device_mesh and a.placements == b.placements)
+
+
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float, device: torch.device) -> torch.optim.AdamW:
-    """AdamW; decay on matrices and embeddings only (not biases or norms)."""
+    """AdamW (on each rank's shards: ShardAdamW); decay on matrices and embeddings only (not biases or norms)."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
@@ -21,7 +48,7 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float, device: to
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # fused kernels on CUDA, foreach (multi-tensor) on CPU
     kind = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8, **kind)
+    return ShardAdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8, **kind)
 
 
 def create_state(optimizer: torch.optim.Optimizer) -> None:

@@ -162,6 +162,16 @@ def drop_pages(tensor, ranges: list[tuple[int, int]]) -> bool:
     return madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED) == 0
 
 
+def freeze_imported() -> None:
+    """Leave what exists now (the modules imported, their classes and tables) out of every later garbage collection.
+
+    Those objects live as long as the process. A full collection walks all of them: about 450,000 objects and 0.4 s
+    after torch, transformers, datasets and peft are imported, at every checkpoint (release_host_memory) and at
+    Python's own full collections. Frozen, a collection walks only what the run made since.
+    """
+    gc.freeze()
+
+
 def release_host_memory() -> None:
     """Collect garbage, then hand freed heap pages back to the system.
 

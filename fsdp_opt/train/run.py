@@ -55,7 +55,7 @@ from fsdp_opt.runtime.distributed import (
     teardown,
 )
 from fsdp_opt.runtime.gpus import peak_flops
-from fsdp_opt.runtime.hostmem import configure_allocator, release_host_memory
+from fsdp_opt.runtime.hostmem import configure_allocator, freeze_imported, release_host_memory
 from fsdp_opt.runtime.stopping import WRITE_FAILED, StopControl, resume_command
 from fsdp_opt.runtime.torchao_gate import check_for_nf4
 from fsdp_opt.tracking.metrics import MetricsWriter
@@ -72,6 +72,7 @@ from fsdp_opt.train.summary import print_summary
 
 def run(config: Config) -> None:
     configure_allocator()
+    freeze_imported()
     env = init_distributed(config.parallel.device)
     session, lease = None, None
     try:

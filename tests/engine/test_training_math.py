@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import built_once, read_jsonl, run_cli
+from conftest import ROOT, built_once, launch, read_jsonl, run_cli
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fsdp_opt.data.blocks import StepPlan, build_blocks
@@ -138,3 +138,15 @@ def test_hybrid_shard_across_two_nodes_matches_reference(tmp_path, det_model, re
     for r, (ref_loss, ref_norm) in zip(rows, reference):
         assert r["loss"] == pytest.approx(ref_loss, rel=1e-4)
         assert r["grad_norm"] == pytest.approx(ref_norm, rel=1e-4)
+
+
+def test_the_optimizer_steps_the_shards_as_torchs_adamw_steps_the_dtensors(tmp_path):
+    """The engine's AdamW updates each rank's local shards; torch's updates the DTensors. Same weights, moments and
+    state dicts bit for bit (foreach and fused; uneven shards, two decay groups, frozen and unused weights)."""
+
+    proc = launch([str(ROOT / "tests" / "workers" / "shard_adamw.py")], [], tmp_path, nproc=2)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    for kind in ("foreach", "fused"):
+        assert r[kind] and r[f"{kind}_state_dict"], r
+        assert r[f"{kind}_state_dtensor"] and r[f"{kind}_states"] == 5, r  # 2 linears and the norm bias; none frozen or unused
