@@ -200,12 +200,13 @@ def supervise(conn: socket.socket) -> None:
             conn.close()
             _rank(request, env, out, err)
         pids.append(pid)
-    code = _wait(pids, nproc)
+    code = _wait(pids, nproc, err)
     conn.sendall(json.dumps({"returncode": code}).encode() + b"\n")
 
 
-def _wait(pids: list[int], nproc: int) -> int:
-    """torchrun's rule: the first rank to fail stops the others; exit 1 when any failed (nproc 0: its own code)."""
+def _wait(pids: list[int], nproc: int, err: int | None = None) -> int:
+    """torchrun's rule: the first rank to fail stops the others; exit 1 when any failed (nproc 0: its own code).
+    With nproc > 0, how each rank ended is written to `err` when one failed, as torchrun's failure report has it."""
     left, failed, stopping_since = set(pids), None, None
     codes: dict[int, int] = {}
     while left:
@@ -228,6 +229,10 @@ def _wait(pids: list[int], nproc: int) -> int:
     if nproc == 0:
         code = codes[pids[0]]
         return code if code >= 0 else 128 - code
+    if failed is not None and err is not None:
+        ended = ", ".join(f"rank {r}: " + (f"signal {-codes[p]}" if codes[p] < 0 else f"exit {codes[p]}")
+                          for r, p in enumerate(pids))  # fmt: skip
+        os.write(err, f"fast-launch: rank {pids.index(failed)} failed first ({ended})\n".encode())
     return 0 if failed is None else 1
 
 
@@ -243,6 +248,9 @@ def _rank(request: dict, env: dict[str, str], out: int, err: int) -> None:
     try:
         os.dup2(out, 1)
         os.dup2(err, 2)
+        import faulthandler
+
+        faulthandler.enable()  # a rank that dies of a signal (SIGSEGV, SIGABRT) says where, in the command's stderr
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.chdir(request["cwd"])

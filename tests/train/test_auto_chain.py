@@ -16,7 +16,8 @@ from hubserver import HubServer
 
 from fsdp_opt.checkpoint.chain import CHAIN_KEY
 
-RANGE = 60  # rows per range: 38 steps of 2 blocks at 2 ranks x batch 1
+RANGE = 30  # rows per range: 19 steps of 2 blocks at 2 ranks x batch 1
+R1, R2, R3, R4 = RANGE, 2 * RANGE, 3 * RANGE, 4 * RANGE  # where the ranges end
 ARGS = COMMON + ["--batch_size", "1", "--save_every_steps", "10", "--precision", "fp32", "--seed", "5"]
 
 
@@ -54,14 +55,14 @@ def test_the_same_command_on_fresh_machines_walks_the_chain_and_equals_it_typed_
             return proc
 
         s1, s2 = session(1), session(2)
-        assert "chain: no checkpoint yet: the chain starts with rows [0, 60) (pass 1 of 1)" in s1.stdout
-        assert "ends its range: going on with rows [60, 120) (pass 1 of 1)" in s2.stdout
-        assert "ranges done 1; range now [60, 120) of 754 rows, pass 1 of 1, 0% trained; rows left 694" in s2.stdout
+        assert f"chain: no checkpoint yet: the chain starts with rows [0, {R1}) (pass 1 of 1)" in s1.stdout
+        assert f"ends its range: going on with rows [{R1}, {R2}) (pass 1 of 1)" in s2.stdout
+        assert f"ranges done 1; range now [{R1}, {R2}) of 754 rows, pass 1 of 1, 0% trained; rows left {754 - R1}" in s2.stdout
 
-        # Session 3 is stopped by SIGTERM inside its range [120, 180).
+        # Session 3 is stopped by SIGTERM inside its range [R2, R3).
         m3 = tmp_path / "m3"
         m3.mkdir()
-        before = sum(1 for _, s in want.values() if s in ("0-60", "60-120"))
+        before = sum(1 for _, s in want.values() if s in (f"0-{R1}", f"{R1}-{R2}"))
         proc = subprocess.Popen(torchrun_cmd(2) + auto_args(m3 / "out"), cwd=m3, env=hub_env(tmp_path, server, "m3"),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
         metrics = m3 / "out" / "metrics.jsonl"
@@ -73,18 +74,18 @@ def test_the_same_command_on_fresh_machines_walks_the_chain_and_equals_it_typed_
         runs.append(subprocess.CompletedProcess(proc.args, proc.returncode, out3, err3))
         assert "stopping: received SIGTERM" in out3, out3 + err3
         stop_name = saved_names(out3)[-1]
-        assert stop_name.startswith("tiny_opt_120-180-epoch-1-step-"), stop_name
+        assert stop_name.startswith(f"tiny_opt_{R2}-{R3}-epoch-1-step-"), stop_name
         lines = out3.splitlines()
-        assert "--start_idx auto --range_size 60" in lines[lines.index("resume with:") + 1]  # the same command
+        assert f"--start_idx auto --range_size {RANGE}" in lines[lines.index("resume with:") + 1]  # the same command
         assert "--resume_file" not in lines[lines.index("resume with:") + 1]
 
         # Session 4 finishes that range exactly where it stopped, then stops; session 5 moves on.
         s4 = session(4)
-        assert f"the newest checkpoint, {stop_name}" in s4.stdout and "finishing it with rows [120, 180)" in s4.stdout
-        assert saved_names(s4.stdout)[-1] == "tiny_opt_120-180-epoch-1.pt"
-        assert "the next session goes on with [180, 240)" in s4.stdout
+        assert f"the newest checkpoint, {stop_name}" in s4.stdout and f"finishing it with rows [{R2}, {R3})" in s4.stdout
+        assert saved_names(s4.stdout)[-1] == f"tiny_opt_{R2}-{R3}-epoch-1.pt"
+        assert f"the next session goes on with [{R3}, {R4})" in s4.stdout
         s5 = session(5)
-        assert "going on with rows [180, 240)" in s5.stdout and saved_names(s5.stdout)[-1] == "tiny_opt_180-240-epoch-1.pt"
+        assert f"going on with rows [{R3}, {R4})" in s5.stdout and saved_names(s5.stdout)[-1] == f"tiny_opt_{R3}-{R4}-epoch-1.pt"
 
         repo = server.repos["me/run"]
         index = json.loads(repo.files["fsdp_opt_index.json"])
@@ -95,7 +96,7 @@ def test_the_same_command_on_fresh_machines_walks_the_chain_and_equals_it_typed_
     # metrics.jsonl continues the Hub's copy, so it holds every step of every session.
     got = by_step(tmp_path / "m5" / "out" / "metrics.jsonl")
     assert got == want
-    assert sorted({s for _, s in got.values()}) == ["0-60", "120-180", "180-240", "60-120"]
+    assert sorted({s for _, s in got.values()}) == sorted([f"0-{R1}", f"{R1}-{R2}", f"{R2}-{R3}", f"{R3}-{R4}"])
     # Names: what the sessions saved is what the hand-typed chain saved, plus the save of the SIGTERM.
     auto_saved = [n for r in runs for n in saved_names(r.stdout)]
     assert [n for n in auto_saved if n != stop_name] == ref_saved
@@ -104,18 +105,18 @@ def test_the_same_command_on_fresh_machines_walks_the_chain_and_equals_it_typed_
     assert {f"checkpoints/{n}" for n in auto_saved} <= set(repo_files)
     # One W&B run across the five machines.
     run_ids = {torch.load(tmp_path / f"m{i}" / "out" / name, weights_only=True)["wandb_run_id"]
-               for i, name in ((1, "tiny_opt_0-60-epoch-1.pt"), (5, "tiny_opt_180-240-epoch-1.pt"))}  # fmt: skip
+               for i, name in ((1, f"tiny_opt_0-{R1}-epoch-1.pt"), (5, f"tiny_opt_{R3}-{R4}-epoch-1.pt"))}  # fmt: skip
     assert len(run_ids) == 1 and None not in run_ids
 
     # The card: where the chain stands as of the newest checkpoint, and the one command to run next.
-    last = index["checkpoints"]["tiny_opt_180-240-epoch-1.pt"]
-    assert last[CHAIN_KEY]["ranges_done"] == 4 and last[CHAIN_KEY]["position"] == 240
+    last = index["checkpoints"][f"tiny_opt_{R3}-{R4}-epoch-1.pt"]
+    assert last[CHAIN_KEY]["ranges_done"] == 4 and last[CHAIN_KEY]["position"] == R4
     assert "## Where the chain stands" in card
-    assert "- **ranges done**: 4, the last [180, 240) in pass 1 of 1" in card
-    assert "- **range now**: [240, 300) next, pass 1 of 1" in card
-    assert f"- **rows left**: {754 - 240:,}" in card
+    assert f"- **ranges done**: 4, the last [{R3}, {R4}) in pass 1 of 1" in card
+    assert f"- **range now**: [{R4}, {R4 + RANGE}) next, pass 1 of 1" in card
+    assert f"- **rows left**: {754 - R4:,}" in card
     assert "rows/h measured" in card
-    assert "--start_idx auto --range_size 60 --num_epochs 1 --hf_repo me/run" in card
+    assert f"--start_idx auto --range_size {RANGE} --num_epochs 1 --hf_repo me/run" in card
     for secret in (HF_TOK, WB_KEY):
         assert all(secret not in r.stdout + r.stderr for r in runs)
         assert all(secret.encode() not in content for content in repo_files.values())
