@@ -24,19 +24,22 @@ class ShardAdamW(torch.optim.AdamW):
 
     def _init_group(self, group, *lists):  # noqa: ANN001, ANN202
         has_complex = super()._init_group(group, *lists)
-        params = lists[0]
-        found = [f for f in lists if isinstance(f, list)]  # params, grads, moments, steps (0-dim, plain)
-        if all(t.dim() == 0 and not isinstance(t, DTensor) or _same_layout(p, t) for f in found[1:] for p, t in zip(params, f)):
+        found = [f for f in lists if isinstance(f, list)]  # params, grads, moments, steps (plain 0-dim tensors)
+        params = found[0]
+        if all(_lines_up(p, t) for f in found[1:] for p, t in zip(params, f)):
             for f in found:
                 f[:] = [_local(t) for t in f]
         return has_complex
 
 
-def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether a tensor's local part lines up with another's: both plain, or DTensors of one mesh and placements."""
-    if isinstance(a, DTensor) != isinstance(b, DTensor):
+def _lines_up(param: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether `t`'s local part is the part of the update that goes with `param`'s: a plain scalar (Adam's step
+    count), both plain, or DTensors of one mesh and placements. Otherwise the step stays on the DTensors."""
+    if t.dim() == 0 and not isinstance(t, DTensor):
+        return True
+    if isinstance(param, DTensor) != isinstance(t, DTensor):
         return False
-    return not isinstance(a, DTensor) or (a.device_mesh == b.device_mesh and a.placements == b.placements)
+    return not isinstance(t, DTensor) or (param.device_mesh == t.device_mesh and param.placements == t.placements)
 
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float, device: torch.device) -> torch.optim.AdamW:

@@ -148,5 +148,5 @@ def test_the_optimizer_steps_the_shards_as_torchs_adamw_steps_the_dtensors(tmp_p
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     for kind in ("foreach", "fused"):
-        assert r[kind] and r[f"{kind}_state_dict"], r
+        assert r[kind] and r[f"{kind}_state_dict"] and r[f"{kind}_local"], r
         assert r[f"{kind}_state_dtensor"] and r[f"{kind}_states"] == 5, r  # 2 linears and the norm bias; none frozen or unused

@@ -1,7 +1,7 @@
 """Run by the tests on 2 ranks: the engine's AdamW (ShardAdamW, stepping local shards) against torch's AdamW stepping
 the same FSDP2 model's DTensors, foreach and fused, with uneven shards, two weight-decay groups, a frozen weight and
 a weight without a gradient; and the state dicts a checkpoint takes of both. Rank 0 prints one JSON line: whether
-weights, moments and state dicts were bit-identical."""
+weights, moments and state dicts were bit-identical, and whether every update ran on plain tensors."""
 
 import json
 
@@ -55,6 +55,19 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+# Whether the update really ran on plain tensors (a fallback to the DTensors would give the same numbers).
+stepped_dtensors = []
+_init_group = ShardAdamW._init_group
+
+
+def _watched(self, group, *lists):  # noqa: ANN001, ANN202
+    out = _init_group(self, group, *lists)
+    stepped_dtensors.append(any(isinstance(t, DTensor) for f in lists if isinstance(f, list) for t in f))
+    return out
+
+
+ShardAdamW._init_group = _watched
+
 report = {}
 for kind in ("foreach", "fused"):
     ref_m, mine_m = model(), model()
@@ -65,6 +78,8 @@ for kind in ("foreach", "fused"):
     report[kind] = same(full(ref_m, ref), full(mine_m, mine))
     report[f"{kind}_state_dtensor"] = all(isinstance(s["exp_avg"], DTensor) for s in mine.state.values())
     report[f"{kind}_states"] = len(mine.state)
+    report[f"{kind}_local"] = bool(stepped_dtensors) and not any(stepped_dtensors)
+    stepped_dtensors.clear()
     # what a checkpoint holds of each: the same names, values and types
     a, b = get_optimizer_state_dict(ref_m, ref), get_optimizer_state_dict(mine_m, mine)
     flat = lambda sd: {(k, s): v for k, st in sd["state"].items() for s, v in st.items()}  # noqa: E731
