@@ -217,7 +217,7 @@ LONGEST_FIRST = (
     "test_auto_chain.py::test_the_same_command_on_fresh_machines_walks_the_chain_and_equals_it_typed_by_hand",
     "test_notebooks.py::test_notebooks_run_end_to_end",
     "test_chat_data.py::test_the_chat_demo_learns_to_answer_in_the_template",
-    "test_fp16_reduce.py::test_fp16_reduce_tracks_the_fp32_reduce_over_fifty_steps",
+    "test_fp16_reduce.py::test_fp16_reduce_tracks_the_fp32_reduce_over_thirty_steps",
     "test_retention.py::test_chain_of_four_slices_keeps_the_policy",
     "test_dpo.py::test_the_dpo_demo_learns_the_held_out_preferences",
     "test_cli.py::test_demo_trains_and_loss_falls",

@@ -165,8 +165,11 @@ def test_empty_dataset_is_refused(tmp_path):
     (["--batch_size", "auto", "--global_batch", "15"], ["--global_batch 15", "does not split over 2 rank(s)"]),
 ])  # fmt: skip
 def test_bad_input_under_torchrun_does_not_hang_the_other_rank(tmp_path, extra, needles):
+    # The first case under torchrun itself (its failure report, its stop of the other rank); the rest on ranks forked
+    # by the tests' launcher, which stops the other ranks as torchrun does: what they check is the package's own
+    # agreement between ranks (one line, no rank's traceback, nothing written).
     args = ["--model", "tiny-opt", "--dataset", "python-docs", "--output_dir", str(tmp_path / "out")]
-    proc = run_cli(args + extra, tmp_path, nproc=2, timeout=120, real=True)  # torchrun itself
+    proc = run_cli(args + extra, tmp_path, nproc=2, timeout=120, real=extra == ["--end_idx", "100000"])
     assert_clean_failure(proc, *needles)
     _no_outputs(tmp_path)
 

@@ -76,7 +76,7 @@ def test_notebooks_run_end_to_end(tmp_path, monkeypatch):
     assert "tiny-opt: 1,383,424 parameters" in text and "| **total** |" in text  # the plan
     assert "the chain starts with rows [0, 40)" in text
     # The next session with the notebook's default range_size (5000): the rest of the data, [40, 754).
-    rest = {k: v for k, v in common.items() if k != "range_size"} | {"batch_size": 8}
+    rest = {k: v for k, v in common.items() if k != "range_size"} | {"batch_size": 16}
     again = cell_text(run_notebook("01_train", tmp_path, rest, monkeypatch))
     assert "going on with rows [40, 754)" in again and "ranges done 1; range now [40, 754)" in again
     metrics = read_jsonl(tmp_path / "out" / "metrics.jsonl")

@@ -1,5 +1,5 @@
 """--reduce_dtype fp16: the gradients reduce-scattered in fp16 (half the bytes on the link). Its math against the fp32
-reduce over 50+ steps of tiny-opt at 2 ranks, and its overflows: skipped, never applied."""
+reduce over 30+ steps of tiny-opt at 2 ranks, and its overflows: skipped, never applied."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from conftest import ROOT, launch, read_jsonl, run_cli_concurrently
 
 ARGS = ["--model", "tiny-opt", "--dataset", "python-docs", "--max_length", "32", "--packing", "concat", "--batch_size",
-        "2", "--accum_steps", "2", "--end_idx", "170", "--lr", "3e-3", "--precision", "fp16", "--save_every_steps", "0",
+        "1", "--accum_steps", "2", "--end_idx", "56", "--lr", "3e-3", "--precision", "fp16", "--save_every_steps", "0",
         "--wandb_mode", "disabled"]  # fmt: skip
 # Each step's loss with the fp16 reduce within this of the fp32 reduce's, and within this on average.
 STEP_TOLERANCE = 0.03  # about 0.5% of the losses here (6.5 to 8.3)
@@ -32,10 +32,10 @@ def train_pairs(tmp_path: Path, extra: list[str]) -> dict[str, list[dict]]:
     return rows
 
 
-def test_fp16_reduce_tracks_the_fp32_reduce_over_fifty_steps(tmp_path):
+def test_fp16_reduce_tracks_the_fp32_reduce_over_thirty_steps(tmp_path):
     rows = train_pairs(tmp_path, [])
     a, b = rows["fp32"], rows["fp16"]
-    assert len(a) == len(b) >= 50
+    assert len(a) == len(b) >= 30
     assert not any(r["skipped"] for r in a + b)
     diffs = [abs(x["loss"] - y["loss"]) for x, y in zip(a, b)]
     assert max(diffs) <= STEP_TOLERANCE, diffs

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from conftest import read_jsonl, run_cli
 
-ARGS = ["--model", "tiny-opt", "--dataset", "python-docs", "--max_length", "64", "--end_idx", "200", "--lr", "3e-3",
+ARGS = ["--model", "tiny-opt", "--dataset", "python-docs", "--max_length", "64", "--end_idx", "120", "--lr", "3e-3",
         "--precision", "fp32", "--save_every_steps", "0", "--wandb_mode", "disabled", "--seed", "3"]  # fmt: skip
 DECIDED = ("batch_size", "accum_steps", "sharding_strategy", "reduce_every_microbatch", "activation_checkpointing",
            "loss_chunk_tokens", "reduce_dtype")  # fmt: skip
