@@ -3,12 +3,16 @@ once), the full state gathered on rank 0, and the copy handed to a background wr
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+from fsdp_opt.model.parallelize import REPLICATED, shard_group
 
 
 def rng_state() -> dict[str, Any]:
@@ -48,16 +52,103 @@ def model_state(model: nn.Module, **kwargs: Any) -> dict[str, Any]:
 
 
 def gather_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict | None]:
-    """Full fp32 model (and optimizer) state on rank 0's CPU; empty elsewhere. Every rank must call it."""
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_sd = model_state(model, full_state_dict=True, cpu_offload=True)
-    optim_sd = get_optimizer_state_dict(model, optimizer, options=opts) if optimizer is not None else None
+    """Full fp32 model (and optimizer) state on rank 0's CPU; empty elsewhere. Every rank must call it.
+
+    torch's state dicts give the names and the layout (the sharded ones: DTensors, no communication); the shards are
+    then gathered in buckets (`gather_to_rank0`), a few collectives for the whole state instead of one per tensor."""
+    model_sd = gather_to_rank0(model_state(model))
+    optim_sd = None
+    if optimizer is not None:
+        optim_sd = gather_to_rank0(get_optimizer_state_dict(model, optimizer))
     # Tied weights (OPT's lm_head and embed_tokens) arrive as two copies: alias them so a save stores one.
     for names in tied_names(model):
         present = [n for n in names if n in model_sd]
         for n in present[1:]:
             model_sd[n] = model_sd[present[0]]
     return model_sd, optim_sd
+
+
+# Shards gathered per collective: at most this many bytes from each rank (the gathered bucket is world_size times it).
+BUCKET_BYTES = 64 * 2**20
+
+
+def gather_to_rank0(tree: dict, bucket_bytes: int = BUCKET_BYTES) -> dict:
+    """A state dict with DTensor leaves -> the same dict with whole tensors on rank 0's CPU; {} on the other ranks.
+    Every rank must call it with the same structure (the state dicts of one model are). FSDP2's layouts (Shard(0) on
+    one mesh dimension, Replicate on any other) are gathered in buckets, one all-gather each; any other layout takes
+    DTensor's own full_tensor(). Plain tensors (AdamW's steps) are moved to the CPU as they are."""
+    from torch.distributed.tensor import DTensor
+
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    buckets: dict[tuple, list[list[tuple[Any, Any, Any]]]] = {}  # (group, dtype, device) -> runs of leaves
+    filled: dict[tuple, int] = {}
+
+    def walk(obj: Any) -> None:
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+        for key, value in list(items):
+            if isinstance(value, (dict, list)):
+                walk(value)
+            elif isinstance(value, DTensor):
+                group = shard_group(value)
+                if group is None or group == REPLICATED:  # REPLICATED: whole on every rank, nothing to gather
+                    full = value.full_tensor()
+                    obj[key] = full.cpu() if main else None
+                    continue
+                local = value.to_local()
+                where = (group, local.dtype, local.device)
+                size = _piece_numel(value.shape, dist.get_world_size(group)) * local.element_size()
+                runs = buckets.setdefault(where, [[]])
+                if runs[-1] and filled[where] + size > bucket_bytes:
+                    runs.append([])
+                    filled[where] = 0
+                runs[-1].append((obj, key, value))
+                filled[where] = filled.get(where, 0) + size
+            elif isinstance(value, torch.Tensor) and main:
+                obj[key] = value.cpu()
+
+    tree = _copy_containers(tree)  # torch's state dicts can hold the optimizer's own dicts: never write into those
+    walk(tree)
+    for (group, _, _), runs in buckets.items():
+        world = dist.get_world_size(group)
+        for run in runs:
+            _gather_run(run, group, world, main)
+    return tree if main else {}
+
+
+def _copy_containers(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _copy_containers(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_copy_containers(v) for v in obj]
+    return obj
+
+
+def _gather_run(run: list[tuple[Any, Any, Any]], group: Any, world: int, main: bool) -> None:
+    """One all-gather of the leaves' shards, each padded to ceil(rows / world) rows; rank 0 puts the whole tensors
+    (the valid rows of every rank's piece, in rank order) in their places."""
+    pieces = []
+    for _, _, t in run:
+        local = t.to_local().reshape(-1)
+        pad = _piece_numel(t.shape, world) - local.numel()
+        pieces.append(torch.cat([local, local.new_zeros(pad)]) if pad else local)
+    send = torch.cat(pieces) if len(pieces) > 1 else pieces[0].contiguous()
+    out = send.new_empty(world * send.numel())
+    dist.all_gather_into_tensor(out, send, group=group)
+    if not main:
+        return
+    out = out.view(world, -1).cpu()
+    offset = 0
+    for container, key, t in run:
+        rows, row = t.shape[0], math.prod(t.shape[1:])
+        chunk = -(-rows // world)
+        parts = [out[r, offset : offset + max(0, min(rows, (r + 1) * chunk) - r * chunk) * row] for r in range(world)]
+        container[key] = torch.cat(parts).view(t.shape)
+        offset += chunk * row
+
+
+def _piece_numel(shape: torch.Size, world: int) -> int:
+    """Elements of each rank's padded piece of a tensor sharded on dim 0: ceil(rows / world) rows."""
+    return -(-shape[0] // world) * math.prod(shape[1:])
 
 
 def tied_names(model: nn.Module) -> list[list[str]]:

@@ -8,8 +8,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from fsdp_opt.model.parallelize import REPLICATED, shard_group
 
 
 class ShardAdamW(torch.optim.AdamW):
@@ -155,6 +158,17 @@ def global_grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
+    groups = {shard_group(g) if isinstance(g, DTensor) else None for g in grads}
+    if len(groups) == 1 and None not in groups:
+        # One FSDP2 layout for every gradient: the norm of the local shards, then their squares summed over the
+        # shard group; DTensor's own path does the same (a partial norm reduced as squares), without its dispatch.
+        local = torch.nn.utils.get_total_norm([g.to_local() for g in grads], norm_type=2.0, foreach=True)
+        (group,) = groups
+        if group == REPLICATED:
+            return local
+        squares = local**2
+        dist.all_reduce(squares, group=group)
+        return squares**0.5
     norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 

@@ -263,3 +263,21 @@ def block_linear_names(model: nn.Module) -> list[str]:
         if isinstance(module, (nn.Linear, Conv1D)) and any(name.startswith(p + ".") for p in prefix_of_block):
             names.append(name)
     return names
+
+
+# What shard_group answers for a DTensor that FSDP2 keeps whole on every rank (NO_SHARD's Replicate).
+REPLICATED = "replicated"
+
+
+def shard_group(t: Any) -> Any:
+    """For a DTensor in one of FSDP2's layouts: the process group it is sharded over on dim 0 (Shard(0) on one mesh
+    dimension, Replicate on any other), or REPLICATED when no mesh dimension shards it. None for any other layout
+    (strided, partial, sharded on another dim) or a 0-dim tensor: callers then take DTensor's own ops."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if not all(type(p) is Replicate or (type(p) is Shard and p.dim == 0) for p in t.placements) or len(t.shape) == 0:
+        return None
+    shard_dims = [i for i, p in enumerate(t.placements) if type(p) is Shard]
+    if not shard_dims:
+        return REPLICATED
+    return t.device_mesh.get_group(shard_dims[0]) if len(shard_dims) == 1 else None
