@@ -133,7 +133,8 @@ def _gather_run(run: list[tuple[Any, Any, Any]], group: Any, world: int, main: b
         pieces.append(torch.cat([local, local.new_zeros(pad)]) if pad else local)
     send = torch.cat(pieces) if len(pieces) > 1 else pieces[0].contiguous()
     out = send.new_empty(world * send.numel())
-    dist.all_gather_into_tensor(out, send, group=group)
+    # torch 2.13 names all_gather_into_tensor all_gather_single (the old name warns); older releases have the old one
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, send, group=group)
     if not main:
         return
     out = out.view(world, -1).cpu()

@@ -39,3 +39,23 @@ def test_full_shard_halves_per_rank_state(tmp_path):
         for rep in ranks:
             assert rep[strategy]["grads"] == rep[strategy]["params"]
             assert abs(rep[strategy]["total"] - predicted) <= 0.10 * predicted, (strategy, rep[strategy], predicted)
+
+
+def test_a_full_checkpoint_gathers_torchs_full_state_in_buckets_and_the_clip_norm_is_the_whole_gradients(tmp_path):
+    """3 ranks (uneven shards; one rank holds no row of a 2-row weight), FULL_SHARD's and NO_SHARD's meshes: the
+    bucketed gather equals torch's own full state dicts (model and AdamW) key for key and tensor for tensor, in one
+    all-gather per state dict (and with a bucket per tensor); the other ranks keep nothing; the optimizer's state stays
+    DTensors. The clipping norm takes one all-reduce and equals the norm of the whole gradients (float64)."""
+    proc = launch([str(ROOT / "tests" / "workers" / "full_state.py")], [], tmp_path, nproc=3)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [r["world"] for r in ranks] == [3, 3, 3]
+    assert [r["FULL_SHARD_rows_on_this_rank"] for r in ranks] == [1, 1, 0]  # 2 rows over 3 ranks
+    assert [r["kept_here"] for r in ranks] == [8, 0, 0]
+    for kind in ("FULL_SHARD", "NO_SHARD"):
+        assert ranks[0][f"{kind}_entries"] == [8, 8]  # 4 layers' weights and biases; their AdamW states
+        for r in ranks:
+            assert r[f"{kind}_equal"] and r[f"{kind}_state_kept"] and r[f"{kind}_gathers"] == 2, r
+            assert r[f"{kind}_norm_reduces"] == 1 and r[f"{kind}_norm_plain"], r
+            assert r[f"{kind}_norm_rel_error"] < 1e-6 and r[f"{kind}_norm_vs_dtensor"] < 1e-6, r
+    assert all(r["other_layouts_equal"] for r in ranks)
