@@ -6,8 +6,8 @@ Phases (the engine's order):
            across machines rank 0 reads it all and broadcasts it, one tensor at a time
   step     a training step (on CPU the device memory of plan.memory() lives in host RAM too)
   save     rank 0 gathers the full state (12 bytes per parameter with AdamW, 4 without) and writes it, with
-           --async_save while the next steps run; the others hold one gathered tensor at a time. A sharded save
-           writes each rank's own shard instead.
+           --async_save while the next steps run; every rank holds one bucket of the gather at a time. A sharded
+           save writes each rank's own shard instead.
 
 Between phases the engine hands freed memory back (hostmem.configure_allocator and release_host_memory), so
 the phases do not stack. The figures were checked against measured per-phase peaks (VmHWM) at opt-125m's and
@@ -20,6 +20,7 @@ import math
 from typing import Any
 
 from fsdp_opt.base import GIB, gib
+from fsdp_opt.checkpoint.state import BUCKET_BYTES
 from fsdp_opt.model.shapes import Shape
 from fsdp_opt.planner.inputs import Inputs, shard_factor
 from fsdp_opt.planner.lora import adapter_params
@@ -71,14 +72,23 @@ def host_memory(
         saved = adapter_params(shape, inputs)
         per = math.ceil(saved / shard_factor(strategy, inputs))  # the trainable state: the adapters'
     full = (12 if save_optimizer else 4) * (saved if lora else n)
-    # One full tensor gathered or received at a time: host memory on CPU; on a GPU it is device memory (only rank 0
-    # copies what it gathers to the host, and that is `full`).
+    # One full tensor received at a time (a fresh start's weights, a resume across machines): host memory on CPU; on
+    # a GPU it is device memory.
     largest = 0 if inputs.cuda else 4 * shape.largest_param
-    # Each rank's part of a sharded checkpoint, or, for a full one, the tensors a non-zero rank holds at once
-    # while saving: one parameter and (with the optimizer) its two AdamW moments, gathered whole.
-    own = math.ceil(full / max(1, inputs.gpus)) if sharded else (3 if save_optimizer else 1) * largest
+    # Each rank's part of a sharded checkpoint.
+    own = math.ceil(full / max(1, inputs.gpus))
+    # A full one is gathered bucket by bucket (checkpoint.state.gather_to_rank0), the model's state, then AdamW's
+    # (twice the model's): each rank holds its piece of a bucket (BUCKET_BYTES at most, or one tensor's piece when that
+    # is larger) and the bucket gathered from every rank of its shard group. On CPU that is host memory on every rank,
+    # and gloo stages the gathered bucket once more; on a GPU it is device memory, and rank 0 copies each gathered
+    # bucket to the host.
+    group = shard_factor(strategy, inputs)
+    biggest = (8 if save_optimizer else 4) * (saved if lora else n)
+    one_tensor = 0 if lora else math.ceil(4 * shape.largest_param / group)
+    piece = max(min(BUCKET_BYTES, math.ceil(biggest / group)), one_tensor)
+    gather0, gather_other = (group * piece, 0) if inputs.cuda else ((2 * group + 1) * piece,) * 2
     background = (inputs.cuda if async_save is None else async_save) and not sharded
-    saving = between_steps + (own if sharded else full + largest)
+    saving = between_steps + (own if sharded else full + gather0)
     # Resuming a full checkpoint on one machine: every rank maps the file and copies only its slices of it, each
     # tensor's pages leaving RSS once copied (hostmem.drop_pages): one slice of the largest tensor is resident at a
     # time. Across machines (no shared filesystem assumed) rank 0 reads it all and the others receive one tensor
@@ -105,7 +115,7 @@ def host_memory(
         "start": base_other + params_held + largest,  # receives each full tensor in turn
         "resume": base_other + between_steps + read_other,
         "step": base_other + step,
-        "save": base_other + between_steps + own,
+        "save": base_other + between_steps + (own if sharded else gather_other),
     }
     local = max(1, inputs.gpus // max(1, inputs.nodes))
     machine = {phase: rank0[phase] + (local - 1) * other[phase] for phase in rank0}
