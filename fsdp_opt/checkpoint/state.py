@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.tensor import DTensor
 
 from fsdp_opt.model.parallelize import REPLICATED, shard_group
 
@@ -79,8 +80,6 @@ def gather_to_rank0(tree: dict, bucket_bytes: int = BUCKET_BYTES) -> dict:
     Every rank must call it with the same structure (the state dicts of one model are). FSDP2's layouts (Shard(0) on
     one mesh dimension, Replicate on any other) are gathered in buckets, one all-gather each; any other layout takes
     DTensor's own full_tensor(). Plain tensors (AdamW's steps) are moved to the CPU as they are."""
-    from torch.distributed.tensor import DTensor
-
     main = not dist.is_initialized() or dist.get_rank() == 0
     buckets: dict[tuple, list[list[tuple[Any, Any, Any]]]] = {}  # (group, dtype, device) -> runs of leaves
     filled: dict[tuple, int] = {}
@@ -146,7 +145,7 @@ def _gather_run(run: list[tuple[Any, Any, Any]], group: Any, world: int, main: b
         chunk = -(-rows // world)
         parts = [out[r, offset : offset + max(0, min(rows, (r + 1) * chunk) - r * chunk) * row] for r in range(world)]
         container[key] = torch.cat(parts).view(t.shape)
-        offset += chunk * row
+        offset += _piece_numel(t.shape, world)
 
 
 def _piece_numel(shape: torch.Size, world: int) -> int:
@@ -174,8 +173,6 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
 
 
 def _storage(t: torch.Tensor) -> int:
-    from torch.distributed.tensor import DTensor
-
     return (t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr()
 
 

@@ -17,6 +17,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
 
 from fsdp_opt.base import ConfigError, ModelError
 from fsdp_opt.config.choices import DTYPES, shard_count
@@ -273,8 +274,6 @@ def shard_group(t: Any) -> Any:
     """For a DTensor in one of FSDP2's layouts: the process group it is sharded over on dim 0 (Shard(0) on one mesh
     dimension, Replicate on any other), or REPLICATED when no mesh dimension shards it. None for any other layout
     (strided, partial, sharded on another dim) or a 0-dim tensor: callers then take DTensor's own ops."""
-    from torch.distributed.tensor import Replicate, Shard
-
     if not all(type(p) is Replicate or (type(p) is Shard and p.dim == 0) for p in t.placements) or len(t.shape) == 0:
         return None
     shard_dims = [i for i, p in enumerate(t.placements) if type(p) is Shard]
