@@ -43,6 +43,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -275,6 +276,30 @@ def launch(args: argparse.Namespace, name: str, argv: list[str]) -> dict:
         return {"error": f"exit {proc.returncode}: {tail}"}
 
 
+def rounds(names: list[str], repeat: int, run: Callable[[str], dict]) -> dict[str, dict]:
+    """Each configuration `repeat` times, round robin (`run(name)` launches one), and per configuration its median run
+    (the lower middle by useful tokens/s) with every run's tokens/s beside it; a configuration that never ran keeps
+    its first error."""
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for round_ in range(max(1, repeat)):
+        for name in names:
+            if name == "HYBRID_SHARD":
+                runs[name] = [{"error": "needs 2 or more nodes (it is NO_SHARD across nodes of one rank here)"}]
+                continue
+            print(f"running {name} ..." + (f" (round {round_ + 1} of {repeat})" if repeat > 1 else ""), flush=True)
+            runs[name].append(run(name))
+    picked = {}
+    for name, results in runs.items():
+        ok_runs = sorted((r for r in results if "error" not in r), key=lambda r: r["useful_tokens_per_s"])
+        if not ok_runs:
+            picked[name] = results[0]
+            continue
+        picked[name] = dict(ok_runs[(len(ok_runs) - 1) // 2])
+        if len(results) > 1:
+            picked[name]["runs_useful_tokens_per_s"] = [r.get("useful_tokens_per_s") for r in results]
+    return picked
+
+
 def table(report: dict) -> str:
     def mib(n):
         return "-" if n is None else f"{n / 2**20:,.1f} MiB"
@@ -305,23 +330,8 @@ def main(argv: list[str] | None = None) -> int:
                    "--batch_size", str(args.batch_size), "--accum_steps", str(args.accum_steps), "--precision",
                    args.precision, "--warmup", str(args.warmup), "--steps", str(args.steps)]  # fmt: skip
     passthrough += ["--memory-only"] if args.memory_only else []
-    report = {"configs": {}, "machine": machine(), "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "out", "json")}}
-    runs: dict[str, list[dict]] = {name: [] for name in names}
-    for round_ in range(max(1, args.repeat)):
-        for name in names:
-            if name == "HYBRID_SHARD":
-                runs[name] = [{"error": "needs 2 or more nodes (it is NO_SHARD across nodes of one rank here)"}]
-                continue
-            print(f"running {name} ..." + (f" (round {round_ + 1} of {args.repeat})" if args.repeat > 1 else ""), flush=True)
-            runs[name].append(launch(args, name, passthrough))
-    for name, results in runs.items():
-        ok_runs = sorted((r for r in results if "error" not in r), key=lambda r: r["useful_tokens_per_s"])
-        if not ok_runs:
-            report["configs"][name] = results[0]
-            continue
-        report["configs"][name] = dict(ok_runs[(len(ok_runs) - 1) // 2])  # the median run (lower middle)
-        if len(results) > 1:
-            report["configs"][name]["runs_useful_tokens_per_s"] = [r.get("useful_tokens_per_s") for r in results]
+    report = {"configs": rounds(names, args.repeat, lambda name: launch(args, name, passthrough)), "machine": machine(),
+              "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "out", "json")}}  # fmt: skip
     ratios = {}
     c = report["configs"]
     ok = {k: v for k, v in c.items() if "error" not in v}

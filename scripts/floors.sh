@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh "[test]"
 rm -rf .floors
-python -m pip install -q --no-deps --target .floors -r requirements-floors.txt
+install --no-deps --target .floors -r requirements-floors.txt
 export PYTHONPATH="$PWD/.floors"
 python - <<'PY'
 import datasets, huggingface_hub, matplotlib, peft, transformers, wandb

@@ -54,7 +54,31 @@ def _timed(fn: Callable[[], Any], device: torch.device, seconds: float = 0.3, le
     return (time.perf_counter() - started) / n
 
 
-def matmul_tflops(device: torch.device, dtype: torch.dtype, n: int) -> float:
+def matmul_size(device: torch.device, dtype: torch.dtype, largest: int, enough: float = 0.1) -> int:
+    """The square size to time `dtype`'s matmul at: doubled from 128 while one product takes under `enough` seconds,
+    up to `largest`; the smallest any rank reached, so every rank times the same product. fp32 and GPUs reach
+    `largest`. A CPU without fp16 or bf16 units takes seconds for one 1024 x 1024 product in those dtypes (2.6 and 2.3 s
+    on one core of this project's CI machine) and stops at 512 (0.2 s), where its rate per flop is higher (1.29
+    against 0.84 GFLOP/s in fp16), nearer the small products of a model that trains on CPU."""
+    n = 128
+    while n < largest:
+        a = torch.randn(n, n, device=device).to(dtype)
+        torch.mm(a, a)  # the first call of a size can carry a one-time cost
+        _sync(device)
+        started = time.perf_counter()
+        torch.mm(a, a)
+        _sync(device)
+        if time.perf_counter() - started >= enough:
+            break
+        n *= 2
+    agreed = torch.tensor([n], dtype=torch.int64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    return int(agreed.item())
+
+
+def matmul_tflops(device: torch.device, dtype: torch.dtype, largest: int) -> float:
+    n = matmul_size(device, dtype, largest)
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     return 2 * n**3 / _timed(lambda: torch.mm(a, b), device) / 1e12

@@ -121,7 +121,7 @@ def searched_layout(config: Config, env: DistEnv, model_config: Any, precision: 
         raise ConfigError(f"--global_batch {samples}: does not split over {env.world_size} rank(s); use a multiple "
                           f"of {env.world_size}")  # fmt: skip
     if gpu is None:
-        measured = measure(env)
+        measured = measure(env, (precision,))  # the run's dtype: CPU fp16 and bf16 products take seconds each
         rates = Rates.measured(measured, precision)
         where = f"rates measured now on {env.world_size} CPU rank(s)"
     else:
