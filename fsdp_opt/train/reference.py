@@ -23,7 +23,7 @@ from fsdp_opt.config.parse import Config
 from fsdp_opt.data.pairs import Pairs
 from fsdp_opt.engine.dpo import Reference, adapters_off, pair_logps
 from fsdp_opt.model.nf4 import store_base
-from fsdp_opt.model.parallelize import initialize, shard_model, tie_and_check
+from fsdp_opt.model.parallelize import fp32_products_on_cpu, initialize, shard_model, tie_and_check
 from fsdp_opt.model.sources import build_meta_model, load_model_config, load_tokenizer, resolve_model, without_dropout
 from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, broadcast_object, print0, rank0_first
 from fsdp_opt.runtime.hostmem import release_host_memory
@@ -88,6 +88,8 @@ def score_model(name: str, env: DistEnv, precision: str, tokenizer, batch_size: 
     model = build_meta_model(ref_config)
     _frozen(model, dtype)
     shard_model(model, env, strategy=strategy, precision=precision, activation_checkpointing=False)
+    if env.device.type == "cpu" and precision in ("fp16", "bf16"):
+        fp32_products_on_cpu(model)
     initialize(model, env, source, ref_config, seed, weights=True, dtype=dtype, prepare=lambda m: _frozen(m, dtype))
     tie_and_check(model)
     print0(f"dpo: reference {name}: loaded sharded in {precision}, scoring the pairs")

@@ -34,7 +34,7 @@ from fsdp_opt.engine.step import TrainState, first_batch_loss, train_step
 from fsdp_opt.hub.lease import Lease
 from fsdp_opt.hub.store import read_resume
 from fsdp_opt.model.adapters import KEY, Adapters, check_resume
-from fsdp_opt.model.parallelize import initialize, resolve_precision, shard_model, tie_and_check
+from fsdp_opt.model.parallelize import fp32_products_on_cpu, initialize, resolve_precision, shard_model, tie_and_check
 from fsdp_opt.model.shapes import count_params, flops_per_token
 from fsdp_opt.model.sources import (
     ModelSource,
@@ -257,6 +257,8 @@ def build_model(config: Config, env: DistEnv, checked: Checked, inputs: Loaded, 
         activation_checkpointing=layout.activation_checkpointing, offload=layout.cpu_offload, compile_blocks=pc.compile,
         prefetch=pc.prefetch, ignored=adapters.unsharded(model) if adapters else None,
     )  # fmt: skip
+    if env.device.type == "cpu" and checked.precision in ("fp16", "bf16"):
+        fp32_products_on_cpu(model)
     # A LoRA run always loads its base from --model; a checkpoint holds only the adapters.
     initialize(model, env, checked.source, inputs.model_config, tc.seed, weights=not resuming or adapters is not None,
                loader=adapters.load_weights if adapters else None,

@@ -60,15 +60,15 @@ def bf16_model_at_real_width(dest: Path, name: str) -> Path:
 def test_the_trainer_in_fp16_at_real_width_probes_then_trains_without_overflow(tmp_path, name):
     """The trainer's own fp16 path at real width: FSDP2 with fp16 compute, dynamic loss scaling, the overflow probe on
     the first batch (the config says bfloat16) and the skip watch. Gemma 2 is the hardest case (embedding scaled by
-    sqrt(2304), attention and final soft-caps); Qwen2.5 has biased q/k/v projections. (fp16 matrix products on this
-    CPU are slow: one layer, 16-token blocks, four steps.)"""
+    sqrt(2304), attention and final soft-caps); Qwen2.5 has biased q/k/v projections. (One layer, 16-token blocks,
+    four steps; on CPU the linear layers' products run in fp32 and round to fp16, as torch's half kernel rounds.)"""
     model = bf16_model_at_real_width(tmp_path / "model", name)
     texts = [t.split(".")[0][:60] for t in python_docs_texts()[:4]]
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     proc = run_cli(["--model", str(model), "--dataset", str(data), "--max_length", "16", "--packing", "pad",
                     "--batch_size", "1", "--num_epochs", "1", "--lr", "1e-5", "--precision", "fp16", "--device", "cpu",
-                    "--output_dir", str(tmp_path / "out")], tmp_path, timeout=900)  # fmt: skip
+                    "--save_optimizer", "false", "--output_dir", str(tmp_path / "out")], tmp_path, timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     probe = [l for l in proc.stdout.splitlines() if l.startswith("fp16 probe: ")]
     assert len(probe) == 1 and "pretrained in bfloat16; its first batch is finite in fp16" in probe[0], proc.stdout
@@ -80,3 +80,38 @@ def test_the_trainer_in_fp16_at_real_width_probes_then_trains_without_overflow(t
     skipped = [s["skipped"] for s in steps]
     calibration = skipped.index(False)
     assert calibration <= 2 and not any(skipped[calibration:]), steps
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cpu_half_linears_round_as_torchs_half_kernel_at_fp32_speed(dtype):
+    """model.parallelize.fp32_products_on_cpu: a CPU half run's nn.Linear layers compute in fp32 and round once, as
+    torch's own CPU half kernel does (it accumulates in fp32 too): outputs and gradients agree with that kernel to its
+    rounding, and are as close to a float64 reference as its are. fp32 inputs keep nn.Linear's own path."""
+    from fsdp_opt.model.parallelize import fp32_products_on_cpu
+
+    torch.manual_seed(0)
+    ours = torch.nn.Sequential(torch.nn.Linear(96, 40), torch.nn.Linear(40, 24, bias=False))
+    theirs = torch.nn.Sequential(torch.nn.Linear(96, 40), torch.nn.Linear(40, 24, bias=False))
+    theirs.load_state_dict(ours.state_dict())
+    exact = torch.nn.Sequential(torch.nn.Linear(96, 40), torch.nn.Linear(40, 24, bias=False)).double()
+    ours, theirs = ours.to(dtype), theirs.to(dtype)
+    exact.load_state_dict({k: v.double() for k, v in theirs.state_dict().items()})  # the half values, exactly
+    assert fp32_products_on_cpu(ours) == 2
+    x = torch.randn(3, 7, 96).to(dtype)
+    grads = {}
+    for name, model in (("ours", ours), ("theirs", theirs), ("exact", exact)):
+        inp = x.to(torch.float64 if name == "exact" else dtype).detach().clone().requires_grad_()
+        out = model(inp)
+        assert (type(out.grad_fn).__name__ == "_HalfLinearBackward") == (name == "ours")  # ours: the fp32 products
+        out.float().square().sum().backward()
+        grads[name] = [out.double(), inp.grad.double()] + [p.grad.double() for p in model.parameters()]
+        assert out.dtype == inp.dtype and all(p.grad.dtype == p.dtype for p in model.parameters())
+    ulp = 2.0**-10 if dtype == torch.float16 else 2.0**-7
+    for o, t, e in zip(grads["ours"], grads["theirs"], grads["exact"]):
+        scale = e.abs().max().item()
+        assert (o - t).abs().max().item() <= 4 * ulp * scale  # the same rounding, up to summation order
+        assert (o - e).abs().max().item() <= 1.5 * (t - e).abs().max().item() + ulp * scale
+    plain = torch.nn.Linear(8, 4)
+    fp32_products_on_cpu(plain)
+    y = torch.randn(2, 8)
+    assert torch.equal(plain(y), torch.nn.functional.linear(y, plain.weight, plain.bias))
