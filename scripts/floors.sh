@@ -16,7 +16,9 @@ for m in (transformers, datasets, huggingface_hub, wandb, matplotlib, peft):
     assert m.__file__.startswith(__import__("os").path.abspath(".floors")), m.__file__
 print("floors:", ", ".join(f"{m.__name__} {m.__version__}" for m in (transformers, datasets, huggingface_hub, wandb, matplotlib, peft)))
 PY
+# (test_units' fused-AdamW check is torch's and the package's alone: torch is not floored, the suite makes it.)
 python -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist worksteal -p no:cacheprovider tests/test_units.py tests/data/test_data.py \
+    --deselect "tests/test_units.py::test_fused_adamw_of_cuda_runs_steps_dtensor_parameters_like_foreach" \
     "tests/hub/test_retention.py::test_a_purge_the_hub_refused_is_finished_by_the_next_session" \
     "tests/engine/test_training_math.py::test_hybrid_shard_across_two_nodes_matches_reference" \
     "tests/hub/test_hub.py::test_sharded_checkpoints_through_the_hub" "tests/hub/test_hub.py::test_wandb_without_network_falls_back" \
