@@ -88,8 +88,7 @@ def score_model(name: str, env: DistEnv, precision: str, tokenizer, batch_size: 
     model = build_meta_model(ref_config)
     _frozen(model, dtype)
     shard_model(model, env, strategy=strategy, precision=precision, activation_checkpointing=False)
-    if env.device.type == "cpu" and precision in ("fp16", "bf16"):
-        fp32_products_on_cpu(model)
+    fp32_products_on_cpu(model, env.device, precision)
     initialize(model, env, source, ref_config, seed, weights=True, dtype=dtype, prepare=lambda m: _frozen(m, dtype))
     tie_and_check(model)
     print0(f"dpo: reference {name}: loaded sharded in {precision}, scoring the pairs")

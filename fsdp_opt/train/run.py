@@ -36,12 +36,7 @@ from fsdp_opt.hub.store import read_resume
 from fsdp_opt.model.adapters import KEY, Adapters, check_resume
 from fsdp_opt.model.parallelize import fp32_products_on_cpu, initialize, resolve_precision, shard_model, tie_and_check
 from fsdp_opt.model.shapes import count_params, flops_per_token
-from fsdp_opt.model.sources import (
-    ModelSource,
-    build_meta_model,
-    model_tag,
-    resolve_model,
-)
+from fsdp_opt.model.sources import ModelSource, build_meta_model, model_tag, resolve_model
 from fsdp_opt.planner.layout import Layout, choose_layout
 from fsdp_opt.planner.steptime import step_time_line
 from fsdp_opt.runtime.distributed import (
@@ -257,8 +252,7 @@ def build_model(config: Config, env: DistEnv, checked: Checked, inputs: Loaded, 
         activation_checkpointing=layout.activation_checkpointing, offload=layout.cpu_offload, compile_blocks=pc.compile,
         prefetch=pc.prefetch, ignored=adapters.unsharded(model) if adapters else None,
     )  # fmt: skip
-    if env.device.type == "cpu" and checked.precision in ("fp16", "bf16"):
-        fp32_products_on_cpu(model)
+    fp32_products_on_cpu(model, env.device, checked.precision)
     # A LoRA run always loads its base from --model; a checkpoint holds only the adapters.
     initialize(model, env, checked.source, inputs.model_config, tc.seed, weights=not resuming or adapters is not None,
                loader=adapters.load_weights if adapters else None,

@@ -96,7 +96,8 @@ def test_cpu_half_linears_round_as_torchs_half_kernel_at_fp32_speed(dtype):
     exact = torch.nn.Sequential(torch.nn.Linear(96, 40), torch.nn.Linear(40, 24, bias=False)).double()
     ours, theirs = ours.to(dtype), theirs.to(dtype)
     exact.load_state_dict({k: v.double() for k, v in theirs.state_dict().items()})  # the half values, exactly
-    assert fp32_products_on_cpu(ours) == 2
+    assert fp32_products_on_cpu(ours, torch.device("cpu"), "fp32") == 0  # fp32 runs keep nn.Linear's path
+    assert fp32_products_on_cpu(ours, torch.device("cpu"), "fp16" if dtype == torch.float16 else "bf16") == 2
     x = torch.randn(3, 7, 96).to(dtype)
     grads = {}
     for name, model in (("ours", ours), ("theirs", theirs), ("exact", exact)):
@@ -112,6 +113,6 @@ def test_cpu_half_linears_round_as_torchs_half_kernel_at_fp32_speed(dtype):
         assert (o - t).abs().max().item() <= 4 * ulp * scale  # the same rounding, up to summation order
         assert (o - e).abs().max().item() <= 1.5 * (t - e).abs().max().item() + ulp * scale
     plain = torch.nn.Linear(8, 4)
-    fp32_products_on_cpu(plain)
+    fp32_products_on_cpu(plain, torch.device("cpu"), "fp16")
     y = torch.randn(2, 8)
     assert torch.equal(plain(y), torch.nn.functional.linear(y, plain.weight, plain.bias))
