@@ -16,7 +16,7 @@ from hubserver import HubServer
 
 from fsdp_opt.checkpoint.chain import CHAIN_KEY
 
-RANGE = 30  # rows per range: 19 steps of 2 blocks at 2 ranks x batch 1
+RANGE = 20  # rows per range: about 13 steps of 2 blocks at 2 ranks x batch 1
 R1, R2, R3, R4 = RANGE, 2 * RANGE, 3 * RANGE, 4 * RANGE  # where the ranges end
 ARGS = COMMON + ["--batch_size", "1", "--save_every_steps", "10", "--precision", "fp32", "--seed", "5"]
 
