@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from fsdp_opt.data.sources import python_docs_texts
 from fsdp_opt.model.catalog import SHAPES, catalog_config
+from fsdp_opt.model.parallelize import fp32_products_on_cpu
 
 
 @pytest.mark.parametrize("name", ["google/gemma-2-2b", "google/gemma-3-1b-pt", "Qwen/Qwen2.5-1.5B"])
@@ -87,8 +88,6 @@ def test_cpu_half_linears_round_as_torchs_half_kernel_at_fp32_speed(dtype):
     """model.parallelize.fp32_products_on_cpu: a CPU half run's nn.Linear layers compute in fp32 and round once, as
     torch's own CPU half kernel does (it accumulates in fp32 too): outputs and gradients agree with that kernel to its
     rounding, and are as close to a float64 reference as its are. fp32 inputs keep nn.Linear's own path."""
-    from fsdp_opt.model.parallelize import fp32_products_on_cpu
-
     torch.manual_seed(0)
     ours = torch.nn.Sequential(torch.nn.Linear(96, 40), torch.nn.Linear(40, 24, bias=False))
     theirs = torch.nn.Sequential(torch.nn.Linear(96, 40), torch.nn.Linear(40, 24, bias=False))
