@@ -22,7 +22,9 @@ HTTP Range (`bytes=a-b`, `bytes=a-`) is answered with 206 and the part asked for
 every response by route (e.g. sent["dataset-resolve"]: what the dataset downloads cost).
 Storage is counted as the Hub counts it: an LFS object keeps counting after the file that used it is deleted or
 replaced, until it is permanently deleted. Use it with HF_HUB_DISABLE_XET=1, so the client takes the LFS path.
-`fail(route, times, status)` makes the next matching requests fail, to test retries.
+`fail(route, times, status)` makes the next matching requests fail, to test retries. A 503 or 429 says
+`Retry-After: 0`, as a Hub that asks for an immediate retry would: huggingface_hub's own backoff then waits 1 s a try
+(without it, 1 + 2 + 4 + 8 + 8 s for every call it retries).
 """
 
 from __future__ import annotations
@@ -230,7 +232,8 @@ class HubServer:
         streamed = route == "lfs-upload" and injected is None and handler is not None
         body = b"" if streamed else _read_body(h)
         if injected is not None:
-            status, headers, payload = injected, {}, json.dumps({"error": "injected failure"}).encode()
+            status, payload = injected, json.dumps({"error": "injected failure"}).encode()
+            headers = {"Retry-After": "0"} if status in (429, 503) else {}
         elif handler is None:
             status, headers, payload = 404, {}, json.dumps({"error": f"no route {method} {path}"}).encode()
         else:

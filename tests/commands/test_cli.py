@@ -175,15 +175,22 @@ def test_bad_input_under_torchrun_does_not_hang_the_other_rank(tmp_path, extra, 
 
 
 def test_unreachable_hub_ids_say_so_and_point_to_builtins(tmp_path):
-    # The Hub endpoint is a closed local port: the real download path fails (after its retries).
-    model, dataset = run_cli_concurrently([
+    # The Hub endpoint is a closed local port: the real download path fails (after huggingface_hub's retries, about
+    # 23 s, which the three runs spend side by side). A dataset with a config and split, from an empty cache, is one
+    # line too, and writes nothing.
+    model, dataset, split = run_cli_concurrently([
         (["--model", "facebook/opt-125m", "--dataset", "python-docs", "--output_dir", str(tmp_path / "out1")],
          tmp_path, sandbox_env(tmp_path, HF_ENDPOINT=DEAD_ENDPOINT)),
         (["--model", "tiny-opt", "--dataset", "someone/abstracts", "--output_dir", str(tmp_path / "out2")],
          tmp_path, sandbox_env(tmp_path, HF_HUB_OFFLINE="1")),
+        (["--model", "tiny-opt", "--dataset", "me/chat", "--dataset_split", "train_sft", "--chat_template", "chatml",
+          "--output_dir", str(tmp_path / "out3")], tmp_path, sandbox_env(tmp_path, HF_ENDPOINT=DEAD_ENDPOINT)),
     ], timeout=180)  # fmt: skip
     assert_clean_failure(model, "--model facebook/opt-125m", "Hugging Face Hub", "tiny-opt")
     assert_clean_failure(dataset, "--dataset someone/abstracts", "python-docs")
+    assert_clean_failure(split, "--dataset me/chat", "cannot load it from the Hugging Face Hub")
+    assert split.returncode == 2
+    assert not any((tmp_path / name).exists() for name in ("out1", "out2", "out3"))
     _no_outputs(tmp_path)
 
 

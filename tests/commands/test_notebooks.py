@@ -88,10 +88,12 @@ def test_notebooks_run_end_to_end(tmp_path, monkeypatch):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     png.unlink()
 
-    # Notebook 02 after it, with its default rows: no rows follow the range, so it evaluates on the test split.
+    # Notebook 02 after it, with its default rows: no rows follow the range, so it evaluates on the test split. One
+    # process (the evaluation on two ranks has its own tests in tests/train/test_evaluate.py).
     evaluation = run_notebook(
-        "02_evaluate", tmp_path, {**rest, "max_new_tokens": 5, "extra_flags": "--num_prompts 2 --max_length 64"}, monkeypatch
-    )
+        "02_evaluate", tmp_path, {**rest, "nproc": 1, "max_new_tokens": 5, "extra_flags": "--num_prompts 2 --max_length 64"},
+        monkeypatch,
+    )  # fmt: skip
     report = json.loads((tmp_path / "out" / "eval_results.json").read_text())
     assert report["split"] == "split test" and report["rows"] == "[0, 200)"
     assert [m["name"] for m in report["models"]] == ["base (tiny-opt)", "tiny_opt_40-754-epoch-1.pt"]
