@@ -17,14 +17,18 @@ for m in (transformers, datasets, huggingface_hub, wandb, matplotlib, peft):
 print("floors:", ", ".join(f"{m.__name__} {m.__version__}" for m in (transformers, datasets, huggingface_hub, wandb, matplotlib, peft)))
 PY
 # (test_units' fused-AdamW check is torch's and the package's alone: torch is not floored, the suite makes it.)
-python -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist worksteal -p no:cacheprovider tests/test_units.py tests/data/test_data.py \
-    --deselect "tests/test_units.py::test_fused_adamw_of_cuda_runs_steps_dtensor_parameters_like_foreach" \
-    "tests/hub/test_retention.py::test_a_purge_the_hub_refused_is_finished_by_the_next_session" \
+# The order splits the work in two even halves: pytest-xdist hands each worker half of the list as given, the two
+# longest tests (the HYBRID_SHARD launch, the W&B fallback) open the first half and the Hub's sharded chain the second.
+python -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist worksteal -p no:cacheprovider \
     "tests/engine/test_training_math.py::test_hybrid_shard_across_two_nodes_matches_reference" \
-    "tests/hub/test_hub.py::test_sharded_checkpoints_through_the_hub" "tests/hub/test_hub.py::test_wandb_without_network_falls_back" \
+    "tests/hub/test_hub.py::test_wandb_without_network_falls_back" tests/test_units.py \
+    --deselect "tests/test_units.py::test_fused_adamw_of_cuda_runs_steps_dtensor_parameters_like_foreach" \
+    "tests/hub/test_hub.py::test_sharded_checkpoints_through_the_hub" \
     "tests/model/test_lora.py::test_lora_on_gpt2_and_llama_blocks" "tests/model/test_lora.py::test_bad_lora_flags_get_one_line" \
-    "tests/data/test_packing.py::test_each_row_in_a_packed_block_has_the_losses_it_has_alone" \
-    tests/data/test_sources.py "tests/data/test_hub_ranges.py::test_rows_read_by_range_are_load_datasets_rows" \
+    "tests/data/test_hub_ranges.py::test_rows_read_by_range_are_load_datasets_rows" \
     "tests/data/test_hub_ranges.py::test_a_json_dataset_is_read_from_its_parquet_export_and_a_partial_export_downloads_it_whole" \
     "tests/data/test_hub_ranges.py::test_a_dataset_with_two_configs_and_no_default_names_them_and_trains_with_one" \
-    "tests/train/test_dpo.py::test_the_first_step_is_the_dpo_loss_of_the_pairs_alone_full_and_lora[strings]"
+    "tests/train/test_dpo.py::test_the_first_step_is_the_dpo_loss_of_the_pairs_alone_full_and_lora[strings]" \
+    "tests/hub/test_retention.py::test_a_purge_the_hub_refused_is_finished_by_the_next_session" \
+    "tests/data/test_packing.py::test_each_row_in_a_packed_block_has_the_losses_it_has_alone" \
+    tests/data/test_data.py tests/data/test_sources.py
