@@ -114,10 +114,14 @@ def end_process(main: Callable[[], int | None]) -> None:
     `main` returns once its work is done: files written, W&B closed, uploads finished. What the teardown would
     add is the destruction of gloo's worker threads, which can happen out of order and abort (SIGABRT) a rank
     that has finished; torchrun then kills the other ranks, e.g. rank 0 while it waits for its last push. A user
-    error (`fail`, argparse) ends the same way, with its own code. An unexpected exception keeps its traceback.
+    error (`fail`, argparse) ends the same way, with its own code. Running out of GPU memory is one line (the run does
+    not fit: that is the user's choice of sizes, not a bug), exit 1. An unexpected exception keeps its traceback.
     """
     try:
         code = main()
+    except torch.OutOfMemoryError as exc:
+        print(oom_line(str(exc)), file=sys.stderr)
+        code = 1
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
             code = exc.code
@@ -127,6 +131,15 @@ def end_process(main: Callable[[], int | None]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code or 0)
+
+
+def oom_line(message: str) -> str:
+    """The one line for a rank that ran out of GPU memory: what torch says of the device (without its advice on the
+    allocator), and what makes a run fit."""
+    said = message.split(" Of the allocated memory")[0].split(" If reserved")[0].strip().rstrip(";.")
+    return (f"error: rank {env_rank()}: out of GPU memory ({said[:300]}). The run does not fit its GPUs: "
+            "--batch_size auto picks a layout that fits (python -m fsdp_opt.plan with the same flags shows the peak), "
+            "or train LoRA adapters (--lora_rank 16), on more GPUs, or with --cpu_offload")
 
 
 def print0(*args: Any, sep: str = " ", end: str = "\n", file: Any = None) -> None:

@@ -17,6 +17,14 @@ CASES = {
     "fail('--end_idx: must be above --start_idx')": (2, "", "error: --end_idx: must be above --start_idx\n"),
     "sys.exit('stopped: a message')": (1, "", "stopped: a message\n"),
     "sys.stderr.write('partial line'); sys.exit(0)": (0, "", "partial line"),
+    # torch's own exception and message, as a rank that ran out of GPU memory raised it (the first GPU run did)
+    "import torch; raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 16.00 MiB. GPU 0 has a total "
+    "capacity of 79.18 GiB of which 63.33 GiB is free. 14.56 GiB allowed; Of the allocated memory 14.46 GiB is "
+    "allocated by PyTorch. If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF')": (
+        1, "", "error: rank 0: out of GPU memory (CUDA out of memory. Tried to allocate 16.00 MiB. GPU 0 has a total "
+        "capacity of 79.18 GiB of which 63.33 GiB is free. 14.56 GiB allowed). The run does not fit its GPUs: "
+        "--batch_size auto picks a layout that fits (python -m fsdp_opt.plan with the same flags shows the peak), "
+        "or train LoRA adapters (--lora_rank 16), on more GPUs, or with --cpu_offload\n"),
 }
 
 
