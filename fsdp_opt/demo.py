@@ -42,6 +42,12 @@ CHAT_ARGS = [
 ]  # fmt: skip
 
 
+def echo_and_call(cmd: list[str]) -> int:
+    """Show a command as the user would type it (`python ...`), run it, return its exit code."""
+    print("$ python " + " ".join(cmd[1:]), flush=True)
+    return subprocess.call(cmd)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2, help="worker processes (CPU ranks)")
@@ -56,8 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd = launch + [str(ENTRY)] + (CHAT_ARGS if args.chat else DPO_ARGS if args.dpo else DEMO_ARGS)
     cmd += ["--device", "cpu", "--output_dir", str(out)]
     cmd += extra
-    print("$ python " + " ".join(cmd[1:]), flush=True)
-    code = subprocess.call(cmd)
+    code = echo_and_call(cmd)
     if code != 0:
         return code
     rows = read_metrics(out)
@@ -72,8 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dpo:
         report = out / "pairs.json"
         ask = evaluate + ["--eval_rows", "100", "--num_prompts", "0", "--json", str(report)]
-        print("$ python " + " ".join(ask[1:]), flush=True)
-        code = subprocess.call(ask)
+        code = echo_and_call(ask)
         if code != 0:
             return code
         base, tuned = json.loads(report.read_text())["models"]
@@ -84,8 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.chat:
         report = out / "answers.json"
         ask = evaluate + ["--eval_rows", "20", "--num_prompts", "4", "--json", str(report)]
-        print("$ python " + " ".join(ask[1:]), flush=True)
-        code = subprocess.call(ask)
+        code = echo_and_call(ask)
         if code != 0:
             return code
         samples = json.loads(report.read_text())["samples"]

@@ -82,10 +82,11 @@ def _linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 def fp32_products_on_cpu(model: nn.Module, device: torch.device, precision: str) -> int:
     """A CPU run in fp16 or bf16 (nothing otherwise): every nn.Linear (LoRA's adapters included) computes through
-    `_HalfLinear`, the same rounding as torch's half kernel at fp32's speed. A CPU without half-precision units (AVX2 only, as this project's
-    CI machine) runs torch's fp16 matrix product at about 1.3 GFLOP/s against about 75 in fp32: a real-width layer's
-    step took 11 s. Other inputs (fp32, GPU tensors, NF4 weights) take nn.Linear's own path. Returns the layer count."""
-    if device.type != "cpu" or DTYPES[precision] not in HALF:
+    `_HalfLinear`, the same rounding as torch's half kernel at fp32's speed. A CPU without half-precision units (AVX2
+    only, as this project's CI machine) runs torch's fp16 matrix product at about 1.3 GFLOP/s against about 75 in fp32:
+    a real-width layer's step took 11 s. Other inputs (fp32, GPU tensors, NF4 weights) take nn.Linear's own path.
+    Returns the layer count."""
+    if device.type != "cpu" or DTYPES.get(precision) not in HALF:
         return 0
     layers = [m for m in model.modules() if type(m) is nn.Linear]
     for m in layers:
