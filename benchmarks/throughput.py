@@ -23,7 +23,8 @@ Configurations (throughput mode):
   chat_padded the same rows, one per block, padded (--packing pad)
   chat_all    the same rows and blocks as chat_docs with --train_on all: text rows of exactly the same lengths, every
               token a target; its step time against chat_docs' is what the answer mask costs
-Each runs under torchrun in its own processes: warm-up steps, then timed steps. Reported per configuration:
+Each runs under torchrun in its own processes (--one_launch: all but hf_trainer in one launch, one after another):
+warm-up steps, then timed steps. Reported per configuration:
 useful (non-pad target) tokens/s, the median step time, MFU (PaLM's 6N + 12·L·H·Q·T FLOPs per token against the
 GPU's datasheet peak, or on CPU against a large-matmul peak measured in the same processes), the training state
 each rank holds (summed from its local shards) next to the planner's prediction, and peak memory per rank
@@ -70,6 +71,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=1,
                    help="run the configurations this many times, round robin, and report each one's median run: "
                         "on a shared or throttling machine every configuration then sees the same conditions")  # fmt: skip
+    p.add_argument("--one_launch", action="store_true",
+                   help="run the configurations one after another in one torchrun launch (hf_trainer keeps its own): "
+                        "the imports and process group are paid once; each peak memory restarts at its configuration "
+                        "but includes what the ones before left resident")  # fmt: skip
     p.add_argument("--memory-only", dest="memory_only", action="store_true", help="compare sharding strategies instead")
     p.add_argument("--configs", nargs="*", default=None, help="a subset of the configurations")
     p.add_argument("--json", default=None, help="write the report here")
@@ -190,6 +195,39 @@ def run_engine(args: argparse.Namespace, name: str, env, out_dir: str) -> dict:
     }
 
 
+def measure(args: argparse.Namespace, name: str, env, peak_per_rank: float) -> dict:
+    """One configuration in this launch's processes; an error is its result (the others still run)."""
+    import torch
+
+    from fsdp_opt.runtime.hostmem import reset_peak
+
+    out_dir = tempfile.mkdtemp(prefix="bench-")
+    gc.collect()  # what a configuration before this one left
+    if env.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(env.device)
+    else:
+        reset_peak()
+    try:
+        if name == "hf_trainer":
+            from hf_trainer import run_hf_trainer  # benchmarks/, the script's own folder
+
+            result = run_hf_trainer(args, env, out_dir)
+        else:
+            result = run_engine(args, name, env, out_dir)
+    except Exception as exc:  # noqa: BLE001 - reported in the table, the other configurations still run
+        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+    result["peak_flops_per_rank"] = peak_per_rank
+    if env.device.type == "cuda":
+        result["peak_source"] = f"datasheet, {torch.cuda.get_device_name()}"
+    else:
+        result["peak_source"] = "measured fp32 1024x1024 matmul, all ranks at once"
+    peak_total = peak_per_rank * env.world_size
+    # The model computes every real token, trained on or not (a prompt's): utilisation counts the tokens seen.
+    per_s = result.get("seen_tokens_per_s", result["useful_tokens_per_s"])
+    result["mfu"] = per_s * result["flops_per_token"] / peak_total if peak_total else None
+    return result
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -198,32 +236,17 @@ def worker(args: argparse.Namespace) -> None:
     from fsdp_opt.runtime.gpus import peak_flops
 
     env = init_distributed("auto")
-    out_dir = tempfile.mkdtemp(prefix="bench-")
     try:
-        if args.worker == "hf_trainer":
-            from hf_trainer import run_hf_trainer  # benchmarks/, the script's own folder
-
-            result = run_hf_trainer(args, env, out_dir)
-        else:
-            result = run_engine(args, args.worker, env, out_dir)
         if env.device.type == "cuda":
             peak = peak_flops(env.device) or 0.0
-            result["peak_flops_per_rank"], result["peak_source"] = peak, f"datasheet, {torch.cuda.get_device_name()}"
         else:
             measured = torch.tensor(cpu_matmul_peak())
             if env.world_size > 1:  # the ranks share the CPU: measure at the same time, add up
                 dist.all_reduce(measured)
-            result["peak_flops_per_rank"] = float(measured) / env.world_size
-            result["peak_source"] = "measured fp32 1024x1024 matmul, all ranks at once"
-        peak_total = result["peak_flops_per_rank"] * env.world_size
-        # The model computes every real token, trained on or not (a prompt's): utilisation counts the tokens seen.
-        per_s = result.get("seen_tokens_per_s", result["useful_tokens_per_s"])
-        result["mfu"] = per_s * result["flops_per_token"] / peak_total if peak_total else None
+            peak = float(measured) / env.world_size
+        results = {name: measure(args, name, env, peak) for name in args.worker.split(",")}
         if env.rank == 0:
-            Path(args.out).write_text(json.dumps(result))
-    except Exception as exc:  # noqa: BLE001 - reported in the table, the other configurations still run
-        if env.rank == 0:
-            Path(args.out).write_text(json.dumps({"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}))
+            Path(args.out).write_text(json.dumps(results))
     finally:
         teardown()
 
@@ -263,17 +286,36 @@ def widened_model(model: str, vocab: int, folder: str) -> str:
     return folder
 
 
-def launch(args: argparse.Namespace, name: str, argv: list[str]) -> dict:
+def launch(args: argparse.Namespace, names: list[str], argv: list[str]) -> dict[str, dict]:
+    """The configurations `names`, one after another, in one torchrun launch: each one's result."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-               __file__, *argv, "--worker", name, "--out", str(out)]  # fmt: skip
+               __file__, *argv, "--worker", ",".join(names), "--out", str(out)]  # fmt: skip
         env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if out.exists():
             return json.loads(out.read_text())
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"error": f"exit {proc.returncode}: {tail}"}
+        return {name: {"error": f"exit {proc.returncode}: {tail}"} for name in names}
+
+
+def launcher(args: argparse.Namespace, names: list[str], argv: list[str]) -> Callable[[str], dict]:
+    """`run(name)` for rounds(): a launch per configuration, or with --one_launch the first configuration a round asks
+    for launches all of that round's but hf_trainer (transformers' Trainer sets up its own state: a launch of its own)."""
+    if not args.one_launch:
+        return lambda name: launch(args, [name], argv)[name]
+    together = [n for n in names if n not in ("hf_trainer", "HYBRID_SHARD")]
+    done: dict[str, dict] = {}
+
+    def run(name: str) -> dict:
+        if name not in together:
+            return launch(args, [name], argv)[name]
+        if name not in done:
+            done.update(launch(args, together, argv))
+        return done.pop(name)
+
+    return run
 
 
 def rounds(names: list[str], repeat: int, run: Callable[[str], dict]) -> dict[str, dict]:
@@ -330,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
                    "--batch_size", str(args.batch_size), "--accum_steps", str(args.accum_steps), "--precision",
                    args.precision, "--warmup", str(args.warmup), "--steps", str(args.steps)]  # fmt: skip
     passthrough += ["--memory-only"] if args.memory_only else []
-    report = {"configs": rounds(names, args.repeat, lambda name: launch(args, name, passthrough)), "machine": machine(),
+    report = {"configs": rounds(names, args.repeat, launcher(args, names, passthrough)), "machine": machine(),
               "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "out", "json")}}  # fmt: skip
     ratios = {}
     c = report["configs"]

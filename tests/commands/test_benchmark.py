@@ -31,10 +31,11 @@ def test_memory_only_report(tmp_path):
 
 
 def test_throughput_report_runs_the_trainer_under_fsdp2(tmp_path):
-    """hf_trainer really is transformers' Trainer with FSDP2 shards (the worker refuses a DDP-wrapped model)."""
+    """hf_trainer really is transformers' Trainer with FSDP2 shards (the worker refuses a DDP-wrapped model); the
+    engine's configurations one after another in one launch (--one_launch), hf_trainer in its own."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--configs", "packed", "hf_trainer", "packed_lora",
            "chat_docs", "chat_all", "--nproc", "2", "--warmup", "1", "--steps", "1", "--max_length", "128", "--json",
-           str(tmp_path / "bench.json")]  # fmt: skip
+           str(tmp_path / "bench.json"), "--one_launch"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=tmp_path, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     configs = json.loads((tmp_path / "bench.json").read_text())["configs"]
@@ -92,6 +93,28 @@ def test_repeat_runs_round_robin_and_keeps_each_configurations_median_run(capsys
     launched.clear()
     rates = {"A": [None]}
     assert _throughput_module().rounds(["A"], 1, run) == {"A": {"error": "exit 1: boom"}}
+
+
+def test_one_launch_runs_a_rounds_configurations_together_and_hf_trainer_alone(monkeypatch):
+    """--one_launch: the first configuration a round asks for launches all of that round's but hf_trainer; each is
+    answered from that launch; the next round launches again. Without it, a launch per configuration."""
+    throughput = _throughput_module()
+    launched = []
+
+    def launch(args, names, argv):
+        launched.append(list(names))
+        return {name: {"useful_tokens_per_s": float(len(launched)), "name": name} for name in names}
+
+    monkeypatch.setattr(throughput, "launch", launch)
+    names = ["packed", "hf_trainer", "chat_docs", "HYBRID_SHARD"]
+    picked = throughput.rounds(names, 2, throughput.launcher(throughput.parse(["--one_launch"]), names, []))
+    assert launched == [["packed", "chat_docs"], ["hf_trainer"], ["packed", "chat_docs"], ["hf_trainer"]]
+    assert picked["packed"]["runs_useful_tokens_per_s"] == [1.0, 3.0] and picked["packed"]["name"] == "packed"
+    assert picked["chat_docs"]["runs_useful_tokens_per_s"] == [1.0, 3.0]
+    assert picked["hf_trainer"]["runs_useful_tokens_per_s"] == [2.0, 4.0]
+    launched.clear()
+    throughput.rounds(names, 1, throughput.launcher(throughput.parse([]), names, []))
+    assert launched == [["packed"], ["hf_trainer"], ["chat_docs"]]
 
 
 def test_gc_clock_counts_collections_only_while_started():
