@@ -50,6 +50,7 @@ def from_nvidia_smi() -> list[dict[str, Any]]:
 # whatever other processes hold.
 CHILD_QUERY = """
 import json, torch
+GIB = 2**30
 out = []
 for i in range(torch.cuda.device_count()):
     p = torch.cuda.get_device_properties(i)

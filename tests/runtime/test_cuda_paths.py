@@ -116,3 +116,24 @@ def test_the_notebooks_gpu_line_makes_no_cuda_context_in_the_kernel(tmp_path, mo
     assert lines == [f"cuda:{i} Tesla T4, 15.00 GiB, compute 7.5, no bf16 (fp16 with loss scaling)" for i in (0, 1)]
     fake.write_text("#!/bin/sh\nprintf '0, NVIDIA A100-SXM4-40GB, 40960, 8.0\\n'\n")
     assert gpu_summary() == "cuda:0 NVIDIA A100-SXM4-40GB, 40.00 GiB, compute 8.0, bf16"
+
+
+def test_the_child_process_reads_each_gpu_and_its_free_memory(tmp_path, monkeypatch):
+    """from_a_child_process: the child's own query, run by a real interpreter against a stand-in torch.cuda (a T4 with
+    0.3 GiB taken by the context); before, its NameError made every GPU machine fall back to nvidia-smi, which has no
+    free memory: gpu_check's usable-memory row stayed empty."""
+    from fsdp_opt.runtime.gpus import from_a_child_process
+
+    stand_in = tmp_path / "torch"
+    stand_in.mkdir()
+    (stand_in / "__init__.py").write_text(
+        "from types import SimpleNamespace as N\n"
+        "cuda = N(device_count=lambda: 1,\n"
+        "         get_device_properties=lambda i: N(name='Tesla T4', total_memory=15828320256, major=7, minor=5),\n"
+        "         mem_get_info=lambda i: (15828320256 - 3 * 2**30 // 10, 15828320256))\n"
+    )  # fmt: skip
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    (gpu,) = from_a_child_process()
+    assert gpu["name"] == "Tesla T4" and gpu["capability"] == "7.5" and gpu["index"] == 0
+    assert gpu["memory_gib"] == 15828320256 / 2**30
+    assert abs(gpu["free_after_context_gib"] - (15828320256 / 2**30 - 0.3)) < 1e-9
