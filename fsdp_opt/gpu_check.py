@@ -24,6 +24,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,8 @@ from fsdp_opt.config.choices import T4_MEMORY
 from fsdp_opt.model.shapes import Shape, model_config
 from fsdp_opt.planner.inputs import NCCL_BUFFER_BYTES, Inputs
 from fsdp_opt.planner.memory import memory, peak_bytes
+from fsdp_opt.planner.search import Space, cheapest_change, change_line
+from fsdp_opt.planner.steptime import Rates, candidates
 from fsdp_opt.runtime.gpus import describe, from_a_child_process, from_nvidia_smi, precision_for
 
 BLOCKS_PER_ROW_512 = 0.15  # python-docs rows packed into 512-token blocks by the built-in tokenizer (about)
@@ -54,6 +57,36 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workdir", default=None, help="where the runs write (default: a temporary folder)")
     p.add_argument("--json", default=None, help="also write the figures here")
     return p.parse_args(argv)
+
+
+def fitted(model: str, nproc: int, a: argparse.Namespace, cuda: bool) -> tuple[Inputs, list[str], str | None]:
+    """What gpu_check trains: the flags given where the memory plan fits them on `nproc` GPUs of --gpu_memory, else
+    the plan's first change that fits (LoRA before a 4-bit base before shorter rows: opt-1.3b's full fine-tuning needs
+    23.8 GiB on one rank), at the same sequences per step. Returns the plan's inputs for that run, the flags added, and
+    the line that says why (None when the flags given fit, and always on CPU)."""
+    if not cuda:  # CPU ranks: fp32, a share of the host's memory; nothing to fit
+        return Inputs(gpus=nproc, gpu_memory=31 * GIB, batch_size=a.batch_size, max_length=a.max_length,
+                      accum_steps=a.accum_steps, precision="fp32", cuda=False), [], None  # fmt: skip
+    given = Inputs(gpus=nproc, gpu_memory=parse_size(a.gpu_memory, "--gpu_memory"), batch_size=a.batch_size,
+                   max_length=a.max_length, accum_steps=a.accum_steps, precision=a.precision)  # fmt: skip
+    shape = Shape.of(model_config(model))
+    if any(c["fits"] for c in candidates(shape, given, ["FULL_SHARD"], Rates())):
+        return given, [], None
+    samples = a.batch_size * a.accum_steps * nproc
+    # The layout of the trainer's own flags: FULL_SHARD, no offload (the check is of the GPU, not the host).
+    found = cheapest_change(shape, given, samples, Rates(), Space(strategies=("FULL_SHARD",), offload=False))
+    if found is None:
+        return given, [], change_line(True, given, None) + ": the check runs the flags given"
+    lora = "--lora_rank" in found["change"]
+    inputs = Inputs(gpus=nproc, gpu_memory=given.gpu_memory, batch_size=found["batch_size"],
+                    max_length=found["max_length"], accum_steps=found["accum_steps"], precision=a.precision,
+                    activation_checkpointing=found["activation_checkpointing"],
+                    loss_chunk_tokens=found["loss_chunk_tokens"] or 0,
+                    lora_rank=int(found["change"].split("--lora_rank ")[1].split()[0]) if lora else 0,
+                    base_bits=4 if "--base_bits 4" in found["change"] else 16)  # fmt: skip
+    flags = found["change"].split() + ["--loss_chunk_tokens", str(inputs.loss_chunk_tokens),
+                                       "--activation_checkpointing", str(inputs.activation_checkpointing).lower()]  # fmt: skip
+    return inputs, flags, change_line(True, given, found) + ": gpu_check runs that"
 
 
 def _launch(nproc: int, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -83,14 +116,17 @@ def main(argv: list[str] | None = None) -> int:
     for g, line in zip(gpus, describe(gpus)):
         print(f"gpu_check: {line}; --precision auto trains in {precision_for(g['capability'])}")
     spec = model if model == "tiny-opt" else f"random:{model}"
-    blocks = a.steps * a.batch_size * nproc * a.accum_steps
+    blocks = a.steps * a.batch_size * nproc * a.accum_steps  # the same sequences per step in a run that fits
     rows = min(DOC_ROWS // 2, math.ceil(blocks / BLOCKS_PER_ROW_512 * a.max_length / 512) + 8)
     work = Path(a.workdir or tempfile.mkdtemp(prefix="gpu_check_"))
     work.mkdir(parents=True, exist_ok=True)
     out = work / "out"
-    common = ["--model", spec, "--dataset", "python-docs", "--max_length", str(a.max_length), "--batch_size",
-              str(a.batch_size), "--accum_steps", str(a.accum_steps), "--output_dir", str(out), "--num_epochs", "1",
-              "--device", "cuda" if cuda else "cpu"]  # fmt: skip
+    inputs, fit_flags, fit_line = fitted(model, nproc, a, cuda)
+    if fit_line:
+        print(f"gpu_check: {fit_line}", flush=True)
+    common = ["--model", spec, "--dataset", "python-docs", "--max_length", str(inputs.max_length), "--batch_size",
+              str(inputs.batch_size), "--accum_steps", str(inputs.accum_steps), "--output_dir", str(out),
+              "--num_epochs", "1", "--device", "cuda" if cuda else "cpu", *fit_flags]  # fmt: skip
     if cuda:
         common += ["--precision", a.precision, "--max_gpu_memory", a.gpu_memory]
     print(f"gpu_check: {model} on {nproc} x {device}; first launch trains rows [0, {rows}), the second (--start_idx "
@@ -105,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         print(second.stdout[-3000:] + second.stderr[-3000:], file=sys.stderr)
         print(f"error: the resumed launch failed (exit {second.returncode}); its output is above", file=sys.stderr)
         return 1
-    figures = collect(model, nproc, device, cuda, a, out, first.stdout, second.stdout)
+    figures = collect(model, nproc, device, inputs, out, first.stdout, second.stdout)
+    figures["changed_to_fit"] = fit_line
     figures["gpus"] = gpus
     free = [g["free_after_context_gib"] for g in gpus if "free_after_context_gib" in g]
     figures["usable_gib"] = min(free) - NCCL_BUFFER_BYTES / GIB if free and nproc > 1 else min(free) if free else None
@@ -135,7 +172,7 @@ def link_speeds(nproc: int, cuda: bool, work: Path) -> list[dict[str, Any]]:
     return results
 
 
-def collect(model: str, nproc: int, device: str, cuda: bool, a: argparse.Namespace, out: Path, first: str, second: str) -> dict[str, Any]:  # fmt: skip
+def collect(model: str, nproc: int, device: str, inputs: Inputs, out: Path, first: str, second: str) -> dict[str, Any]:  # fmt: skip
 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     slice1 = rows[0]["slice"]
@@ -143,13 +180,11 @@ def collect(model: str, nproc: int, device: str, cuda: bool, a: argparse.Namespa
     later = one[1:] or one  # the first step allocates and warms up
     strategy = _grab(r"strategy\s+: (\w+)", first, str)
     every = "every micro-batch" in (_grab(r"gradient sync\s+: ([^\n]+)", first, str) or "")
-    inputs = Inputs(gpus=nproc, gpu_memory=parse_size(a.gpu_memory, "--gpu_memory") if cuda else 31 * GIB,
-                    batch_size=a.batch_size, max_length=a.max_length, accum_steps=a.accum_steps,
-                    precision=a.precision if cuda else "fp32", reduce_every_microbatch=every, cuda=cuda)  # fmt: skip
-    planned = memory(Shape.of(model_config(model)), strategy, inputs)
+    planned = memory(Shape.of(model_config(model)), strategy, replace(inputs, reduce_every_microbatch=every))
     median = lambda xs: sorted(xs)[(len(xs) - 1) // 2] if xs else None  # noqa: E731
     return {
         "device": device, "model": model, "ranks": nproc, "strategy": strategy, "reduce_every_microbatch": every,
+        "lora_rank": inputs.lora_rank, "batch_size": inputs.batch_size, "accum_steps": inputs.accum_steps,
         "steps": len(one), "plan_peak_bytes": peak_bytes(planned),
         "plan_peak_without_runtime_bytes": peak_bytes({k: v for k, v in planned.items() if k != "runtime"}),
         "max_memory_allocated_gib": _grab(r"GPU memory peak on rank 0: ([\d.]+) GiB allocated", first),
@@ -175,7 +210,8 @@ def render(f: dict[str, Any]) -> list[str]:
     ratio = (f["step_time_measured_s"] / f["step_time_predicted_s"]
              if f["step_time_measured_s"] and f["step_time_predicted_s"] else None)  # fmt: skip
     lines = [
-        f"gpu_check: {f['model']}, {f['ranks']} x {f['device']}, {f['strategy']}"
+        f"gpu_check: {f['model']}" + (f" with LoRA rank {f['lora_rank']}" if f.get("lora_rank") else "")
+        + f", {f['ranks']} x {f['device']}, {f['strategy']}, micro-batch {f['batch_size']} x accum {f['accum_steps']}"
         + (", reduce every micro-batch" if f["reduce_every_microbatch"] else ""),
         "| figure | value |",
         "| --- | --- |",

@@ -13,7 +13,7 @@ from fsdp_opt.config.parse import Config
 from fsdp_opt.model.shapes import Shape
 from fsdp_opt.planner.calibrate import measure
 from fsdp_opt.planner.inputs import Inputs
-from fsdp_opt.planner.search import Space, describe, recommend, reduce_dtypes
+from fsdp_opt.planner.search import Space, change_line, cheapest_change, describe, recommend, reduce_dtypes
 from fsdp_opt.planner.steptime import Rates, candidates, rates_for
 from fsdp_opt.runtime.distributed import DistEnv, print0
 from fsdp_opt.runtime.hostmem import total_memory_bytes
@@ -88,6 +88,7 @@ def choose_layout(config: Config, env: DistEnv, model_config: Any, precision: st
                if choice == "auto" or accum_steps == 1 or c["reduce_every_microbatch"] == (choice == "true")]  # fmt: skip
     if not options[0]["fits"]:  # nothing fits: the least memory, so the failure (if any) is the smallest
         options.sort(key=lambda c: c["peak_bytes"])
+        warn_unfit(config, env, shape, inputs, rates, precision, options[0])
     best = options[0]
     if pc.sharding_strategy == "AUTO":
         print0(f"note: --sharding_strategy AUTO chose {best['strategy']} (fits the memory plan with the shortest "
@@ -97,6 +98,22 @@ def choose_layout(config: Config, env: DistEnv, model_config: Any, precision: st
                "reduce-scattered after every micro-batch (--reduce_every_microbatch false to override)")  # fmt: skip
     return Layout(best["strategy"], best["reduce_every_microbatch"],
                   {**best, "tflops": rates.tflops, "link_gbps": rates.link_gbps}, **fixed)  # fmt: skip
+
+
+def warn_unfit(config: Config, env: DistEnv, shape: Shape, inputs: Inputs, rates: Rates, precision: str,
+               least: dict[str, Any]) -> None:  # fmt: skip
+    """Before the model is built: the flags' run does not fit the memory plan on this GPU, and what does."""
+    samples = inputs.batch_size * inputs.accum_steps * env.world_size
+    found = cheapest_change(shape, inputs, samples, rates, search_space(config, env, precision, True),
+                            total_memory_bytes(), config.checkpoint.state_dict_type == "sharded")  # fmt: skip
+    auto = recommend(shape, inputs, samples, rates, search_space(config, env, precision, True), total_memory_bytes(),
+                     config.checkpoint.state_dict_type == "sharded")  # fmt: skip
+    fix = ("--batch_size auto fits it (" + describe(auto) + ")" if auto is not None
+           else change_line(not inputs.lora_rank, inputs, found))  # fmt: skip
+    print0(f"warning: the memory plan's peak for these flags is {gib(least['peak_bytes'])} per GPU (the least of the "
+           f"layouts they allow), over the {gib(inputs.gpu_memory)} this GPU has: the run will likely run out of GPU "
+           f"memory in its first step; {fix} "
+           "(python -m fsdp_opt.plan with the same flags shows each row)")  # fmt: skip
 
 
 def allowed(env: DistEnv) -> list[str]:

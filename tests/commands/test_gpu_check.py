@@ -37,3 +37,33 @@ def test_random_shapes_and_the_gpu_cap_flag_refuse_bad_input(tmp_path):
     assert second.returncode != 0 and "--max_gpu_memory 'lots'" in second.stderr
     for proc in (first, second):
         assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_on_one_t4_sized_gpu_the_check_trains_what_the_plan_says_fits(capsys):
+    """gpu_check's default on a machine with one GPU (held to a T4's 14.56 GiB): opt-1.3b's full fine-tuning needs
+    23.8 GiB on one rank, so it runs the plan's first change that fits, LoRA rank 16, at the same sequences per step,
+    with flags the trainer's own layout choice agrees fit (no warning). Two GPUs fit the flags given, unchanged."""
+    import torch
+
+    from fsdp_opt.base import GIB
+    from fsdp_opt.config.parse import parse_args
+    from fsdp_opt.gpu_check import fitted, parse
+    from fsdp_opt.model.shapes import Shape, model_config
+    from fsdp_opt.planner.layout import choose_layout
+    from fsdp_opt.planner.memory import memory, peak_bytes
+    from fsdp_opt.runtime.distributed import DistEnv
+
+    a, opt = parse([]), model_config("facebook/opt-1.3b")
+    inputs, flags, line = fitted("facebook/opt-1.3b", 1, a, cuda=True)
+    assert line.startswith("full fine-tuning does not fit 1 x 14.56 GiB; --lora_rank 16 fits") and "gpu_check runs that" in line
+    assert flags[:2] == ["--lora_rank", "16"] and inputs.lora_rank == 16
+    assert inputs.batch_size * inputs.accum_steps == a.batch_size * a.accum_steps
+    assert peak_bytes(memory(Shape.of(opt), "FULL_SHARD", inputs)) <= int(14.56 * GIB)
+    env = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
+    config = parse_args(["--max_length", str(inputs.max_length), "--batch_size", str(inputs.batch_size), "--accum_steps",
+                         str(inputs.accum_steps), *flags])  # fmt: skip
+    capsys.readouterr()
+    layout = choose_layout(config, env, opt, "fp16", inputs.accum_steps, gpu=(int(14.56 * GIB), "Tesla T4"))
+    assert layout.prediction["fits"] and "warning" not in capsys.readouterr().out
+    two, flags, line = fitted("facebook/opt-1.3b", 2, a, cuda=True)
+    assert (flags, line, two.lora_rank, two.batch_size, two.accum_steps) == ([], None, 0, a.batch_size, a.accum_steps)

@@ -102,3 +102,33 @@ def test_trainer_resolves_auto_as_on_a_t4():
     layout = choose_layout(config, env, model_config("tiny-opt"), "fp32", 16)
     assert (layout.reduce_each_microbatch, layout.prediction) == (False, None)
     assert layout.strategy == "FULL_SHARD"
+
+
+def test_the_trainer_warns_before_the_first_step_when_the_plan_says_the_flags_do_not_fit(capsys):
+    """Flags whose every layout the memory plan puts over the GPU's memory: one warning before the model is built,
+    naming the plan's peak and what fits (LoRA on one T4; --batch_size auto where it finds a layout); none for the
+    README's Kaggle command on two T4s."""
+    import torch
+
+    from fsdp_opt.config.parse import parse_args
+    from fsdp_opt.planner.memory import memory, peak_bytes
+    from fsdp_opt.runtime.distributed import DistEnv
+
+    t4, opt = (int(14.56 * GIB), "Tesla T4"), model_config("facebook/opt-1.3b")
+
+    def warnings(world: int, *flags: str) -> list[str]:
+        env = DistEnv(rank=0, world_size=world, local_rank=0, local_world_size=world, device=torch.device("cpu"))
+        config = parse_args([*flags, "--max_length", "512"])
+        choose_layout(config, env, opt, "fp16", config.train.accum_for(world), gpu=t4)
+        return [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
+
+    (line,) = warnings(1, "--batch_size", "4", "--accum_steps", "2")
+    # The peak the plan gives FULL_SHARD on one rank, reducing every micro-batch (the smaller of the two modes).
+    one = Inputs(gpus=1, gpu_memory=t4[0], batch_size=4, accum_steps=2, max_length=512, precision="fp16",
+                 reduce_every_microbatch=True)  # fmt: skip
+    want = peak_bytes(memory(Shape.of(opt), "FULL_SHARD", one)) / GIB
+    assert f"peak for these flags is {want:.2f} GiB per GPU" in line and "over the 14.56 GiB this GPU has" in line
+    assert "full fine-tuning does not fit 1 x 14.56 GiB; --lora_rank 16 fits" in line
+    assert warnings(2, "--batch_size", "4", "--accum_steps", "16") == []
+    (line,) = warnings(2, "--batch_size", "8", "--accum_steps", "8")
+    assert "--batch_size auto fits it (micro-batch" in line
