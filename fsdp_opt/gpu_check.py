@@ -5,7 +5,9 @@
 
 On the GPUs present it launches the training command under torchrun, one process per GPU, with `random:` weights of
 the shape (no download), fp16 with loss scaling as on a T4, and each GPU's allocator held to `--gpu_memory` (14.56 GiB:
-a T4's total_memory) with `--max_gpu_memory`. A second launch resumes from the first one's checkpoint on the next rows.
+a T4's total_memory) with `--max_gpu_memory`; where the memory plan says those flags do not fit (opt-1.3b's full
+fine-tuning on one GPU), it trains the plan's first change that fits instead (`fitted`). A second launch resumes from
+the first one's checkpoint on the next rows.
 Before them it reads each GPU (name, compute capability, the precision --precision auto picks, the memory free once a
 context exists) from nvidia-smi or a short-lived process, never creating a CUDA context in its own process; after them
 it times NCCL's all-gather and reduce-scatter with peer-to-peer on and off (NCCL_P2P_DISABLE=1). The table shows the
