@@ -115,12 +115,19 @@ def end_process(main: Callable[[], int | None]) -> None:
     add is the destruction of gloo's worker threads, which can happen out of order and abort (SIGABRT) a rank
     that has finished; torchrun then kills the other ranks, e.g. rank 0 while it waits for its last push. A user
     error (`fail`, argparse) ends the same way, with its own code. Running out of GPU memory is one line (the run does
-    not fit: that is the user's choice of sizes, not a bug), exit 1. An unexpected exception keeps its traceback.
+    not fit: that is the user's choice of sizes, not a bug), exit 1; so is a package this Python lacks (a lent GPU
+    image without datasets ended in a traceback). An unexpected exception keeps its traceback.
     """
     try:
         code = main()
     except torch.OutOfMemoryError as exc:
         print(oom_line(str(exc)), file=sys.stderr)
+        code = 1
+    except ModuleNotFoundError as exc:
+        if not exc.name or exc.name.split(".")[0] == "fsdp_opt":
+            raise  # the package itself incomplete: a bug, with its traceback
+        print(f"error: rank {env_rank()}: the package {exc.name.split('.')[0]!r} is not installed in this Python "
+              f"({sys.executable}): pip install -r requirements.txt installs what fsdp-opt needs", file=sys.stderr)  # fmt: skip
         code = 1
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):

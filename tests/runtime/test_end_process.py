@@ -25,6 +25,10 @@ CASES = {
         "capacity of 79.18 GiB of which 63.33 GiB is free. 14.56 GiB allowed). The run does not fit its GPUs: "
         "--batch_size auto picks a layout that fits (python -m fsdp_opt.plan with the same flags shows the peak), "
         "or train LoRA adapters (--lora_rank 16), on more GPUs, or with --cpu_offload\n"),
+    # a package this Python lacks (a lent GPU image had no datasets): one line naming it and the install
+    "import sys; sys.modules['datasets'] = None; import datasets": (
+        1, "", f"error: rank 0: the package 'datasets' is not installed in this Python ({sys.executable}): pip install "
+        "-r requirements.txt installs what fsdp-opt needs\n"),
 }
 
 
@@ -46,11 +50,13 @@ def test_exit_code_and_output_survive(tmp_path, body):
     assert (proc.returncode, proc.stdout, proc.stderr) == (code, out, err)
 
 
-def test_an_unexpected_error_keeps_its_traceback(tmp_path):
+@pytest.mark.parametrize("raised", ["RuntimeError('a bug')", "ModuleNotFoundError('gone', name='fsdp_opt.missing')"])
+def test_an_unexpected_error_keeps_its_traceback(tmp_path, raised):
+    """A bug, and a module of the package itself missing (an incomplete install of it, not a package to add)."""
     script = tmp_path / "command.py"
     script.write_text("from fsdp_opt.runtime.distributed import end_process\n"
-                      "def main():\n    raise RuntimeError('a bug')\n"
+                      f"def main():\n    raise {raised}\n"
                       "end_process(main)\n")  # fmt: skip
     proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
-    assert "Traceback" in proc.stderr and "RuntimeError: a bug" in proc.stderr
+    assert "Traceback" in proc.stderr and raised.split("(")[0] in proc.stderr.splitlines()[-1]
