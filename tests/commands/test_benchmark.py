@@ -11,9 +11,10 @@ from conftest import ROOT, sandbox_env
 
 
 def test_memory_only_report(tmp_path):
+    """--memory-only: a row per sharding strategy (here in one launch: --one_launch), HYBRID_SHARD not launched."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--memory-only", "--configs", "FULL_SHARD",
            "NO_SHARD", "HYBRID_SHARD", "--nproc", "2", "--warmup", "0", "--steps", "1", "--max_length", "64", "--json",
-           str(tmp_path / "bench.json")]  # fmt: skip
+           str(tmp_path / "bench.json"), "--one_launch"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=tmp_path, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "bench.json").read_text())

@@ -119,7 +119,9 @@ def test_two_identical_auto_chain_commands_two_seconds_apart_one_trains_one_stop
         out = outs[loser][0]
         line = [l for l in out.splitlines() if l.startswith("chain: another session holds the lease")]
         assert len(line) == 1 and f"on {REPO}: session " in line[0] and "training rows [0, 120)" in line[0]
-        assert finished[loser] < 30 + 2 * (loser == 0), finished  # within 30 s of its own start
+        # It stopped while the winner was still training: it did not wait for the lease (a bound in seconds failed
+        # on a machine running other tests beside the suite: 35 s for the loser, 64 for the winner).
+        assert finished[loser] < finished[winner], finished
         assert "Traceback" not in outs[loser][1] and "fsdp-opt run" not in out  # stopped before building anything
         name = "a" if loser == 0 else "b"
         assert not (tmp_path / name / "out" / "wandb").exists() and not list((tmp_path / name).glob("**/*.pt"))
