@@ -239,13 +239,16 @@ LONGEST_FIRST = (
 # The quick tier (`bash scripts/test.sh --quick`, `pytest -m quick`): the unit tests (whole files), and one end-to-end
 # run per concern. Matched against each test's id: a file, or file::test (every parameter of it).
 QUICK = (
-    # units: flags, layout, data, drift, chain, planner, model families, CUDA paths (no GPU), the docs' pages
+    # units: flags, layout, data, drift, chain, planner, model families, CUDA paths (no GPU), the docs' pages, the
+    # warning before a run that does not fit, gpu_check's choice of a run that fits, the benchmark's launches
     "tests/test_units.py", "tests/test_layout.py", "tests/data/test_data.py", "tests/data/test_formats.py",
     "tests/data/test_sources.py", "tests/checkpoint/test_drift.py", "tests/checkpoint/test_chain.py",
     "tests/planner/test_plan.py", "tests/planner/test_catalog.py", "tests/model/test_families.py",
     "tests/runtime/test_cuda_paths.py", "tests/runtime/test_torchao_gate.py::test_install_line",
     "tests/commands/test_docs.py::test_the_flags_page", "tests/commands/test_docs.py::test_the_docs_check_fails",
     "tests/commands/test_docs.py::test_the_version_is_one_number",
+    "tests/planner/test_steptime.py::test_the_trainer_warns_before_the_first_step",
+    "tests/commands/test_gpu_check.py::test_on_one_t4_sized_gpu", "tests/commands/test_benchmark.py::test_one_launch",
     # one run each: the engine against a plain loop, sharded state, a resume, the Hub chain, W&B, Hub datasets by
     # range, LoRA against peft, DPO against the pairs alone, chat targets, evaluate, the planner's collectives,
     # bad input and the error line under torchrun's rule
