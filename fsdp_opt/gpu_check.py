@@ -35,7 +35,7 @@ from fsdp_opt.config.choices import T4_MEMORY
 from fsdp_opt.model.shapes import Shape, model_config
 from fsdp_opt.planner.inputs import NCCL_BUFFER_BYTES, Inputs
 from fsdp_opt.planner.memory import memory, peak_bytes
-from fsdp_opt.planner.search import SUGGESTED_RANK, Space, cheapest_change, change_line
+from fsdp_opt.planner.search import Space, cheapest_change, change_line
 from fsdp_opt.planner.steptime import Rates, candidates
 from fsdp_opt.runtime.gpus import describe, from_a_child_process, from_nvidia_smi, precision_for
 
@@ -79,13 +79,9 @@ def fitted(model: str, nproc: int, a: argparse.Namespace, cuda: bool) -> tuple[I
     found = cheapest_change(shape, given, samples, Rates(), Space(strategies=("FULL_SHARD",), offload=False))
     if found is None:
         return given, [], change_line(True, given, None) + ": the check runs the flags given"
-    lora = "--lora_rank" in found["change"]
-    inputs = Inputs(gpus=nproc, gpu_memory=given.gpu_memory, batch_size=found["batch_size"],
-                    max_length=found["max_length"], accum_steps=found["accum_steps"], precision=a.precision,
-                    activation_checkpointing=found["activation_checkpointing"],
-                    loss_chunk_tokens=found["loss_chunk_tokens"] or 0,
-                    lora_rank=SUGGESTED_RANK if lora else 0,
-                    base_bits=4 if "--base_bits 4" in found["change"] else 16)  # fmt: skip
+    inputs = replace(found["inputs"], batch_size=found["batch_size"], accum_steps=found["accum_steps"],
+                     activation_checkpointing=found["activation_checkpointing"],
+                     loss_chunk_tokens=found["loss_chunk_tokens"] or 0)  # fmt: skip
     flags = found["change"].split() + ["--loss_chunk_tokens", str(inputs.loss_chunk_tokens),
                                        "--activation_checkpointing", str(inputs.activation_checkpointing).lower()]  # fmt: skip
     return inputs, flags, change_line(True, given, found) + ": gpu_check runs that"

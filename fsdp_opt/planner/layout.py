@@ -103,13 +103,12 @@ def choose_layout(config: Config, env: DistEnv, model_config: Any, precision: st
 def warn_unfit(config: Config, env: DistEnv, shape: Shape, inputs: Inputs, rates: Rates, precision: str,
                least: dict[str, Any]) -> None:  # fmt: skip
     """Before the model is built: the flags' run does not fit the memory plan on this GPU, and what does."""
-    samples = inputs.batch_size * inputs.accum_steps * env.world_size
-    found = cheapest_change(shape, inputs, samples, rates, search_space(config, env, precision, True),
-                            total_memory_bytes(), config.checkpoint.state_dict_type == "sharded")  # fmt: skip
-    auto = recommend(shape, inputs, samples, rates, search_space(config, env, precision, True), total_memory_bytes(),
-                     config.checkpoint.state_dict_type == "sharded")  # fmt: skip
-    fix = ("--batch_size auto fits it (" + describe(auto) + ")" if auto is not None
-           else change_line(not inputs.lora_rank, inputs, found))  # fmt: skip
+    samples = config.train.samples_per_step(env.world_size)
+    sharded = config.checkpoint.state_dict_type == "sharded"
+    search = (search_space(config, env, precision, True), total_memory_bytes(), sharded)
+    auto = recommend(shape, inputs, samples, rates, *search)
+    fix = (f"--batch_size auto fits it ({describe(auto)})" if auto is not None
+           else change_line(not inputs.lora_rank, inputs, cheapest_change(shape, inputs, samples, rates, *search)))  # fmt: skip
     print0(f"warning: the memory plan's peak for these flags is {gib(least['peak_bytes'])} per GPU (the least of the "
            f"layouts they allow), over the {gib(inputs.gpu_memory)} this GPU has: the run will likely run out of GPU "
            f"memory in its first step; {fix} "

@@ -128,7 +128,8 @@ def cheapest_change(shape: Shape, inputs: Inputs, samples: int, rates: Rates | N
                     host_memory: int | None = None, sharded: bool = False) -> dict[str, Any] | None:  # fmt: skip
     """When nothing fits: the first change that does, in order of what it gives up: LoRA (rank 16) instead of
     full fine-tuning, then a 4-bit base, then a shorter --max_length (halved, down to 128). Returns the fastest
-    configuration with that change, with "change" (the flags) and "max_length" in it; None when none fits."""
+    configuration with that change, with "change" (the flags), "max_length" and "inputs" (the plan's inputs with the
+    change made) in it; None when none fits."""
     tries: list[tuple[list[str], Inputs]] = []
     lora = inputs
     if not inputs.lora_rank:
@@ -147,7 +148,7 @@ def cheapest_change(shape: Shape, inputs: Inputs, samples: int, rates: Rates | N
     for change, this in tries:
         best = recommend(shape, this, samples, rates, space, host_memory, sharded)
         if best is not None:
-            return {**best, "change": " ".join(change), "max_length": this.max_length}
+            return {**best, "change": " ".join(change), "max_length": this.max_length, "inputs": this}
     return None
 
 
