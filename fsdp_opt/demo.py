@@ -1,11 +1,13 @@
 """The CPU demo: tiny-opt on python-docs, 2 processes, end to end, then a one-line verdict.
 
-python -m fsdp_opt.demo [--nproc 2] [--output_dir outputs/demo] [--chat | --dpo] [extra fsdp_finetune.py flags]
+python -m fsdp_opt.demo [--nproc 2] [--output_dir DIR] [--chat | --dpo] [extra training flags]
 
+Without a choice it trains on python-docs (plain text) into outputs/demo.
 --chat trains on python-docs-chat instead (conversations in the built-in chatml template, loss on the answers
-only), then asks the trained model the held-out questions and shows its answers beside the rows' own.
+only), then asks the trained model held-out questions and shows its answers beside the rows' own (outputs/demo-chat).
 --dpo trains with DPO on python-docs-prefs (the right title chosen over a wrong one), then scores the held-out pairs
-(its test split) for the model before and after: the share of pairs whose chosen answer it prefers.
+(its test split) for the model before and after: the share of pairs whose chosen answer it prefers (outputs/demo-dpo).
+Extra flags go to the training command after the demo's own, so they win (--seed 3, say).
 """
 
 from __future__ import annotations
@@ -18,8 +20,6 @@ import sys
 from pathlib import Path
 
 from fsdp_opt.tracking.metrics import read_metrics
-
-ENTRY = Path(__file__).resolve().parents[1] / "fsdp_finetune.py"
 
 # tiny-opt's activations are a few MB: the demos keep them instead of recomputing each layer in backward (the
 # default for real models), which takes a sixth off a CPU step and changes no loss.
@@ -40,6 +40,8 @@ CHAT_ARGS = [
     "--end_idx", str(CHAT_ROWS), "--batch_size", "2", "--num_epochs", "2", "--lr", "3e-3", "--warmup_steps", "20",
     "--seed", "0", *NO_RECOMPUTE,
 ]  # fmt: skip
+CHAT_PROMPTS = 4  # held-out questions the chat demo asks
+DPO_PAIRS = 100  # held-out pairs the DPO demo scores
 
 
 def echo_and_call(cmd: list[str]) -> int:
@@ -48,54 +50,77 @@ def echo_and_call(cmd: list[str]) -> int:
     return subprocess.call(cmd)
 
 
+def ask(out: Path, flags: list[str], report: str) -> dict | None:
+    """`python -m fsdp_opt.evaluate` on the demo's last checkpoint and the base, in one plain process (tiny-opt fits
+    one; two CPU ranks would pass each layer's shards back and forth for every generated token): its JSON report, or
+    None when it failed."""
+    path = out / report
+    cmd = [sys.executable, "-m", "fsdp_opt.evaluate", "--checkpoints", "latest", "--output_dir", str(out),
+           "--device", "cpu", *flags, "--json", str(path)]  # fmt: skip
+    return json.loads(path.read_text()) if echo_and_call(cmd) == 0 else None
+
+
+def chat_verdict(out: Path) -> tuple[str, bool] | None:
+    report = ask(out, ["--eval_rows", "20", "--num_prompts", str(CHAT_PROMPTS)], "answers.json")
+    if report is None:
+        return None
+    answers = [next(reversed(s["outputs"].values())) for s in report["samples"]]
+    ended = sum(1 for a in answers if a.endswith("<|im_end|>") and "<|im_start|>" not in a)
+    return f"the trained model ended {ended} of {len(answers)} answers with the template's <|im_end|>", ended == len(answers)
+
+
+def dpo_verdict(out: Path) -> tuple[str, bool] | None:
+    report = ask(out, ["--eval_rows", str(DPO_PAIRS), "--num_prompts", "0"], "pairs.json")
+    if report is None:
+        return None
+    base, tuned = report["models"]
+    return (f"held-out accuracy {base['accuracy']:.0%} before training (the model is its own reference), "
+            f"{tuned['accuracy']:.0%} after; reward margin {tuned['margin']:.2f}",
+            tuned["accuracy"] > base["accuracy"])  # fmt: skip
+
+
+# name -> (the training flags, the default output folder, what the loss is of, the evaluation after training)
+DEMOS = {
+    "plain": (DEMO_ARGS, "outputs/demo", "loss", None),
+    "chat": (CHAT_ARGS, "outputs/demo-chat", "answer-token loss", chat_verdict),
+    "dpo": (DPO_ARGS, "outputs/demo-dpo", "pair loss", dpo_verdict),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m fsdp_opt.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2, help="worker processes (CPU ranks)")
-    parser.add_argument("--output_dir", default=None, help="where checkpoints and metrics go (replaced; default "
-                        "outputs/demo, or outputs/demo-chat with --chat)")  # fmt: skip
-    parser.add_argument("--chat", action="store_true", help="train on python-docs-chat, loss on the answers only")
-    parser.add_argument("--dpo", action="store_true", help="DPO on python-docs-prefs, scored on its held-out pairs")
+    parser.add_argument("--output_dir", default=None,
+                        help="where checkpoints and metrics go, replaced (default: outputs/demo, outputs/demo-chat with "
+                             "--chat, outputs/demo-dpo with --dpo)")  # fmt: skip
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--chat", action="store_true", help="train on python-docs-chat, loss on the answers only")
+    which.add_argument("--dpo", action="store_true", help="DPO on python-docs-prefs, scored on its held-out pairs")
     args, extra = parser.parse_known_args(argv)
-    out = Path(args.output_dir or ("outputs/demo-chat" if args.chat else "outputs/demo-dpo" if args.dpo else "outputs/demo"))
+    name = "chat" if args.chat else "dpo" if args.dpo else "plain"
+    flags, default_out, what, verdict = DEMOS[name]
+    out = Path(args.output_dir or default_out)
     shutil.rmtree(out, ignore_errors=True)
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
-    cmd = launch + [str(ENTRY)] + (CHAT_ARGS if args.chat else DPO_ARGS if args.dpo else DEMO_ARGS)
-    cmd += ["--device", "cpu", "--output_dir", str(out)]
-    cmd += extra
+    # The installed package's own training command (`-m fsdp_opt`): the same from a checkout, a wheel or git.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+           "-m", "fsdp_opt", *flags, "--device", "cpu", "--output_dir", str(out), *extra]  # fmt: skip
     code = echo_and_call(cmd)
     if code != 0:
         return code
     rows = read_metrics(out)
     first = sum(r["loss"] for r in rows[:10]) / min(10, len(rows))
     last = sum(r["loss"] for r in rows[-10:]) / min(10, len(rows))
-    what = "answer-token loss" if args.chat else "pair loss" if args.dpo else "loss"
-    # The evaluation after --chat or --dpo: one plain process (tiny-opt fits one; two CPU ranks would spend most of
-    # their time passing each layer's shards back and forth for every generated token).
-    evaluate = [sys.executable, "-m", "fsdp_opt.evaluate", "--checkpoints", "latest", "--output_dir", str(out),
-                "--device", "cpu"]  # fmt: skip
     print(f"demo: {len(rows)} steps; mean {what} of the first 10 steps {first:.3f}, of the last 10 {last:.3f}")
-    if args.dpo:
-        report = out / "pairs.json"
-        ask = evaluate + ["--eval_rows", "100", "--num_prompts", "0", "--json", str(report)]
-        code = echo_and_call(ask)
-        if code != 0:
-            return code
-        base, tuned = json.loads(report.read_text())["models"]
-        print(f"demo: held-out accuracy {base['accuracy']:.0%} before training (the model is its own reference), "
-              f"{tuned['accuracy']:.0%} after; reward margin {tuned['margin']:.2f}")  # fmt: skip
-        print(f"demo: checkpoints and metrics.jsonl are in {out}/")
-        return 0 if tuned["accuracy"] > base["accuracy"] else 1
-    if args.chat:
-        report = out / "answers.json"
-        ask = evaluate + ["--eval_rows", "20", "--num_prompts", "4", "--json", str(report)]
-        code = echo_and_call(ask)
-        if code != 0:
-            return code
-        samples = json.loads(report.read_text())["samples"]
-        ended = sum(1 for s in samples if next(reversed(s["outputs"].values())).endswith("<|im_end|>"))
-        print(f"demo: the trained model ended {ended} of {len(samples)} answers with the template's <|im_end|>")
+    ok = last < first
+    if verdict is not None:
+        found = verdict(out)
+        if found is None:
+            return 1
+        line, learned = found
+        print(f"demo: {line}")
+        ok = ok and learned
     print(f"demo: checkpoints and metrics.jsonl are in {out}/")
-    return 0 if last < first else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = model if model == "tiny-opt" else f"random:{model}"
     blocks = a.steps * a.batch_size * nproc * a.accum_steps  # the same sequences per step in a run that fits
     rows = min(DOC_ROWS // 2, math.ceil(blocks / BLOCKS_PER_ROW_512 * a.max_length / 512) + 8)
-    work = Path(a.workdir or tempfile.mkdtemp(prefix="gpu_check_"))
+    # absolute: the launches run in this folder, and name their output folder inside it
+    work = Path(a.workdir or tempfile.mkdtemp(prefix="gpu_check_")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     out = work / "out"
     inputs, fit_flags, fit_line = fitted(model, nproc, a, cuda)

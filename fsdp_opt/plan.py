@@ -52,8 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--global_batch", "--total_batch_size", dest="global_batch", type=int, default=None,
                    help="sequences per optimizer step, all GPUs (default: batch_size x accum_steps x gpus)")
     p.add_argument("--max_length", type=int, default=512)
-    p.add_argument("--accum_steps", type=int, default=None, help="micro-batches per step (default 16, or what --global_batch implies)")
-    p.add_argument("--precision", default="fp16", choices=["fp16", "bf16", "fp32"])
+    p.add_argument("--accum_steps", type=int, default=None,
+                   help="micro-batches per step (default: the trainer's 1, or what --global_batch implies)")
+    p.add_argument("--precision", default=None, choices=["fp16", "bf16", "fp32"],
+                   help="default: fp16 (a T4 has no bf16), fp32 with --cpu (the trainer's --precision auto)")
     p.add_argument("--activation_checkpointing", type=parse_bool, nargs="?", const=True, default=True)
     p.add_argument("--attn_implementation", default="sdpa", choices=["sdpa", "eager"])
     p.add_argument("--packing", default="docs", choices=PACKING_MODES,
@@ -111,12 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def batch_of(a: argparse.Namespace) -> tuple[int, int]:
-    """Sequences per optimizer step and the accumulation of the flags given, by the trainer's rules (plan's
-    --accum_steps defaults to the seed's 16 where --global_batch does not set it)."""
+    """Sequences per optimizer step and the accumulation of the flags given, by the trainer's rules (and its
+    defaults)."""
     if a.global_batch is not None and a.accum_steps is not None:
         raise ConfigError(f"--global_batch and --accum_steps {a.accum_steps}: give one of them (accum_steps is derived)")
-    tc = TrainConfig(batch_size=a.batch_size, accum_steps=a.accum_steps or (1 if a.global_batch else 16),
-                     global_batch=a.global_batch)  # fmt: skip
+    tc = TrainConfig(batch_size=a.batch_size, accum_steps=a.accum_steps or 1, global_batch=a.global_batch)
     samples = tc.samples_per_step(a.gpus)
     if samples % a.gpus:
         raise ConfigError(f"--global_batch {samples}: does not split over --gpus {a.gpus}")
@@ -144,6 +145,7 @@ def applied(inputs: Inputs, c: dict) -> Inputs:
 def main(argv: list[str] | None = None) -> int:
     try:
         a = build_parser().parse_args(argv)
+        a.precision = a.precision or ("fp32" if a.cpu else "fp16")
         auto = a.batch_size == "auto"
         for flag in ("gpus", "nodes", "max_length", "accum_steps", "slices") + (() if auto else ("batch_size",)):
             if getattr(a, flag) is not None and getattr(a, flag) < 1:

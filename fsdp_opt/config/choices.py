@@ -16,6 +16,8 @@ PACKING_MODES = ("docs", "concat", "pad")
 DATA_FORMATS = ("auto", "text", "prompt_completion", "messages", "preference")
 METHODS = ("sft", "dpo")  # --method: what a step computes (engine/loss.py)
 TRAIN_ON = ("auto", "completion", "all")
+# --dataset's built-ins (data/sources.py builds them offline): text, conversations, preference pairs
+BUILTIN_DATASETS = ("python-docs", "python-docs-chat", "python-docs-prefs")
 AUTO = "auto"  # --start_idx auto: the chain of sessions picks its own next range
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from fsdp_opt.base import ConfigError, parse_size
 from fsdp_opt.config.choices import (
     AUTO,
+    BUILTIN_DATASETS,
     DATA_FORMATS,
     DEVICES,
     LR_SCHEDULES,
@@ -24,7 +25,11 @@ from fsdp_opt.config.flags import flag, parse_batch, parse_start, tri_state
 
 @dataclass
 class ModelConfig:
-    model: str = flag("facebook/opt-1.3b", "Hugging Face hub id, local model folder, or the built-in 'tiny-opt'.")
+    model: str = flag(
+        "facebook/opt-1.3b",
+        "Hugging Face hub id, local model folder, the built-in 'tiny-opt', or 'random:<id>': a shape the planner knows "
+        "(random:facebook/opt-1.3b, say) with random weights, built here without a download (for checks).",
+    )
     attn_implementation: str = flag(
         "auto",
         "Attention kernel: 'sdpa' (PyTorch scaled-dot-product) or 'eager'; auto: SDPA where the model has it, else "
@@ -37,7 +42,8 @@ class ModelConfig:
 class DataConfig:
     dataset: str = flag(
         "ash001/arxiv-abstract",
-        "Hub dataset id, a local .jsonl/.json/.csv/.parquet/.txt file or folder, or the built-in 'python-docs'.",
+        "Hub dataset id, a local .jsonl/.json/.csv/.parquet/.txt file or folder, or a built-in: "
+        f"{', '.join(repr(d) for d in BUILTIN_DATASETS)} (text, conversations, preference pairs).",
     )
     dataset_config: str | None = flag(
         None,

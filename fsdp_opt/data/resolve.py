@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_opt.base import DataError, first_line, quiet_hub_logs, size_text
+from fsdp_opt.config.choices import BUILTIN_DATASETS
 from fsdp_opt.config.training import DataConfig
 from fsdp_opt.data.parquet import ParquetReader, SplitIndex
 
@@ -103,7 +104,7 @@ def builder(src: DataSource, revision: str | None = None, data_files: Any = None
         raise
     except Exception as exc:  # noqa: BLE001 - the network, a damaged card: one line
         raise DataError(f"--dataset {where}: cannot load it from the Hugging Face Hub ({first_line(exc)}). Check the id "
-                        "and the network, or use --dataset python-docs (python-docs-chat) or a local file") from None  # fmt: skip
+                        f"and the network, or use a local file or a built-in ({', '.join(BUILTIN_DATASETS)})") from None  # fmt: skip
 
 
 class ScriptDataset(Exception):

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_opt.base import DataError, first_line, looks_like_path, quiet_hub_logs
+from fsdp_opt.config.choices import BUILTIN_DATASETS
 from fsdp_opt.data.parquet import ParquetReader, SplitIndex
 from fsdp_opt.data.resolve import (
     DEFAULT_SPLIT,
@@ -24,13 +25,10 @@ from fsdp_opt.data.resolve import (
     listing,
     split_files,
 )
-from fsdp_opt.data.table import MemoryTable, ParquetTable, Table
+from fsdp_opt.data.table import MemoryTable, ParquetTable, RowsTable, Table
 from fsdp_opt.runtime.distributed import print0
 
-BUILTIN_DATASET = "python-docs"
-BUILTIN_CHAT_DATASET = "python-docs-chat"
-BUILTIN_PREFERENCE_DATASET = "python-docs-prefs"
-BUILTIN_DATASETS = (BUILTIN_DATASET, BUILTIN_CHAT_DATASET, BUILTIN_PREFERENCE_DATASET)
+BUILTIN_DATASET, BUILTIN_CHAT_DATASET, BUILTIN_PREFERENCE_DATASET = BUILTIN_DATASETS
 
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
@@ -103,19 +101,43 @@ def python_docs_preference_rows(min_chars: int = 200, max_chars: int | None = No
     return rows
 
 
-def builtin_split(name: str, split: str):  # noqa: ANN201
-    """A built-in dataset's split as a `datasets.Dataset` (python-docs: text; python-docs-chat: conversations;
-    python-docs-prefs: preference pairs)."""
-    import datasets
-
+def builtin_split(name: str, split: str) -> RowsTable:
+    """A built-in dataset's split (python-docs: text; python-docs-chat: conversations; python-docs-prefs: preference
+    pairs), built here from Python's own documentation."""
     if split not in BUILTIN_SPLITS:
         raise DataError(f"--dataset_split {split}: {name} has no such split (its splits: {', '.join(BUILTIN_SPLITS)})")
     low, high = BUILTIN_SPLITS[split]
     if name == BUILTIN_DATASET:
-        return datasets.Dataset.from_dict({"text": python_docs_texts(low, high)})
-    if name == BUILTIN_PREFERENCE_DATASET:
-        return datasets.Dataset.from_list(python_docs_preference_rows(low, high))
-    return datasets.Dataset.from_dict({"messages": python_docs_chat_rows(low, high)})
+        rows = [{"text": t} for t in python_docs_texts(low, high)]
+    elif name == BUILTIN_PREFERENCE_DATASET:
+        rows = python_docs_preference_rows(low, high)
+    else:
+        rows = [{"messages": m} for m in python_docs_chat_rows(low, high)]
+    return RowsTable(rows, {"kind": "builtin", "name": name, **({"split": split} if split != DEFAULT_SPLIT else {})})
+
+
+def check_exists(src: DataSource) -> None:
+    """That the dataset the flags name is there: a built-in, a local file or folder, or a Hub dataset (one metadata
+    request, no card or file read). Run before anything is taken or built: the chain's lease, the model."""
+    if src.dataset in BUILTIN_DATASETS or Path(src.dataset).expanduser().exists():
+        return
+    if looks_like_path(src.dataset, tuple(LOCAL_FORMATS)):
+        raise DataError(f"--dataset {src.dataset}: no such file or folder")
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+
+    where = src.dataset + (f" at revision {src.revision}" if src.revision else "")
+    try:
+        with quiet_hub_logs():
+            HfApi().dataset_info(src.dataset, revision=src.revision)
+    except RevisionNotFoundError:
+        raise DataError(f"--dataset_revision {src.revision}: {src.dataset} has no such revision") from None
+    except RepositoryNotFoundError:
+        raise DataError(f"--dataset {where}: no such dataset on the Hugging Face Hub (or it is private or gated: log "
+                        "in with HF_TOKEN); the built-ins are " + ", ".join(BUILTIN_DATASETS)) from None  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - the network: one line
+        raise DataError(f"--dataset {where}: cannot load it from the Hugging Face Hub ({first_line(exc)}). Check the id "
+                        f"and the network, or use a local file or a built-in ({', '.join(BUILTIN_DATASETS)})") from None  # fmt: skip
 
 
 def load_rows(spec: str, revision: str | None = None, split: str = DEFAULT_SPLIT) -> Table:
@@ -129,13 +151,12 @@ def open_source(src: DataSource, pin: dict[str, Any] | None = None) -> Table:
     import datasets
 
     datasets.disable_progress_bars()
-    names = src.names()
     if src.revision and (src.dataset in BUILTIN_DATASETS or Path(src.dataset).expanduser().exists()):
         raise DataError(f"--dataset_revision {src.revision}: only for a Hub dataset id (--dataset {src.dataset} is not one)")
     if src.dataset in BUILTIN_DATASETS:
         if src.config or src.files:
             raise DataError(f"--dataset_{'config' if src.config else 'files'}: not for the built-in {src.dataset}")
-        return MemoryTable(builtin_split(src.dataset, src.split), {"kind": "builtin", "name": src.dataset, **names})
+        return builtin_split(src.dataset, src.split)
     path = Path(src.dataset).expanduser()
     if path.is_file():
         return _local_file(src, path)

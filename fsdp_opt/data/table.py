@@ -1,6 +1,7 @@
 """A dataset split as the trainer reads it: its length, its columns, and rows [start, end) of some columns, read when
-asked. An in-memory table wraps a `datasets.Dataset` (the built-ins, local JSON/CSV/text, a split that had to be
-downloaded whole); a parquet table reads only the row groups that hold the rows asked for.
+asked. A rows table holds rows built here (the built-ins); an in-memory table wraps a `datasets.Dataset` (local
+JSON/CSV/text, a split that had to be downloaded whole); a parquet table reads only the row groups that hold the rows
+asked for.
 """
 
 from __future__ import annotations
@@ -41,6 +42,30 @@ class MemoryTable:
 
     def rows(self, start: int, end: int, columns: Sequence[str]) -> list[dict[str, Any]]:
         return list(self.ds.select(range(start, end)).select_columns(list(columns)))
+
+
+class RowsTable:
+    """Rows built by this package (the built-in datasets), kept as they are. Not a `datasets.Dataset`: building one
+    from Python objects hashes them for its fingerprint, which fails on some platforms' package sets (a pandas 3
+    image: "Can't pickle <class 'MonthDayNano'>"), and nothing here needs its cache."""
+
+    def __init__(self, rows: list[dict[str, Any]], identity: dict[str, Any] | None = None) -> None:
+        self._rows = rows
+        self._columns = list(rows[0]) if rows else []
+        self.identity = identity or {}
+
+    @property
+    def column_names(self) -> list[str]:
+        return list(self._columns)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def rows(self, start: int, end: int, columns: Sequence[str]) -> list[dict[str, Any]]:
+        missing = [c for c in columns if c not in self._columns]
+        if missing:
+            raise KeyError(f"no column {missing[0]!r} (the columns: {', '.join(self._columns)})")
+        return [{c: row[c] for c in columns} for row in self._rows[start:end]]
 
 
 def as_table(data: Any) -> Table:

@@ -29,7 +29,8 @@ class Fp16Overflow(ConfigError):
 
 
 def trained_in_bf16(model_config: Any) -> bool:
-    dtype = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
+    # `dtype`, not `torch_dtype`: transformers 5 reads the old name with a deprecation warning on every run
+    dtype = getattr(model_config, "dtype", None)
     return str(dtype).replace("torch.", "") == "bfloat16"
 
 

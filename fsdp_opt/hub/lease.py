@@ -98,7 +98,7 @@ class Holder:
         return None
 
     def describe(self, now: float) -> str:
-        rows = f"rows [{self.start}, {self.end})" if self.start is not None else "its range"
+        rows = rows_text(self.start, self.end) or "its range"
         return (f"session {self.session[:8]} on {self.host}, started {_iso(self.started)} "
                 f"({_ago(now - self.started)} ago), training {rows}")  # fmt: skip
 
@@ -118,6 +118,13 @@ class Outcome:
     won: bool
     line: str  # what to print: the lease taken (or taken over), or why this session stops
     conflict: bool = False  # the head moved since the caller read it: decide again
+
+
+def rows_text(start: int | None, end: int | None) -> str | None:
+    """A lease's rows as a line names them: [start, end), or from start to the end of the data (no --end_idx)."""
+    if start is None:
+        return None
+    return f"rows [{start}, {end})" if end is not None else f"rows from {start} to the end of the data"
 
 
 class Lease:
@@ -145,7 +152,7 @@ class Lease:
     def _taken(self, note: str | None) -> Outcome:
         self.held = True
         h = self.holder
-        rows = f"rows [{h.start}, {h.end})" if h.start is not None else "this session"
+        rows = rows_text(h.start, h.end) or "this session"
         return Outcome(True, note or f"chain: lease on {self.where} taken for {rows} until {_iso(h.expires)}")
 
     def renew(self) -> None:

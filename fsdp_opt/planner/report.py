@@ -115,15 +115,17 @@ def render(plan: dict[str, Any]) -> str:
     lines = [
         f"{plan['model']}: {shape['params']:,} parameters ({shape['layers']} blocks of {shape['block_params']:,}, "
         f"root {shape['root_params']:,})",
-        f"{i['gpus']} GPU(s) on {i['nodes']} node(s), {gib(i['gpu_memory'])} each; micro-batch {i['batch_size']} x "
-        f"{i['max_length']} tokens, {i['precision']}, accum {i['accum_steps']}, activation checkpointing "
+        (f"{i['gpus']} GPU(s) on {i['nodes']} node(s), {gib(i['gpu_memory'])} each" if i["cuda"] else
+         f"{i['gpus']} CPU process(es) on {i['nodes']} machine(s), in host memory")
+        + f"; micro-batch {i['batch_size']} x {i['max_length']} tokens, {i['precision']}, accum {i['accum_steps']}, "
+        "activation checkpointing "
         f"{'on' if i['activation_checkpointing'] else 'off'}",
         *([plan["lora"]] if plan.get("lora") else []),
         "",
     ]
     names = list(plan["strategies"])
     comps = list(next(iter(plan["strategies"].values()))["components"])
-    lines.append("| per GPU | " + " | ".join(names) + " |")
+    lines.append(f"| per {'GPU' if i['cuda'] else 'process'} | " + " | ".join(names) + " |")
     lines.append("| --- |" + " --- |" * len(names))
     for comp in comps:
         lines.append(f"| {comp} | " + " | ".join(gib(plan["strategies"][n]["components"][comp]) for n in names) + " |")

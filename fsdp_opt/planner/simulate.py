@@ -23,6 +23,7 @@ What the tracker is not given:
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import torch
@@ -32,14 +33,14 @@ from fsdp_opt.base import GIB, MIB
 from fsdp_opt.config.choices import DTYPES, shard_count
 from fsdp_opt.config.training import LoraConfig
 from fsdp_opt.data.packing import document_mask, segment_positions
-from fsdp_opt.engine.dpo import dpo_terms, sequence_logps, token_logps
+from fsdp_opt.data.pairs import Pairs
+from fsdp_opt.engine.dpo import dpo_terms, micro_logps
 from fsdp_opt.engine.loss import ChunkedLoss, causal_lm_loss_sum
 from fsdp_opt.engine.optim import build_optimizer, create_state
 from fsdp_opt.model.adapters import Adapters
 from fsdp_opt.model.parallelize import shard_model
 from fsdp_opt.model.shapes import model_config
 from fsdp_opt.model.sources import build_meta_model
-from fsdp_opt.planner.inputs import Inputs
 from fsdp_opt.planner.memory import peak_bytes
 from fsdp_opt.runtime.distributed import DistEnv
 
@@ -159,6 +160,7 @@ def simulate(model_name: str, inputs, strategy: str, *, fake: bool = True, micro
     shard_model(model, env, strategy=strategy, precision=inputs.precision,
                     activation_checkpointing=inputs.activation_checkpointing, prefetch=inputs.prefetch)  # fmt: skip
     micro = min(micro_batches, inputs.accum_steps)
+    pairs = DpoMicroBatch(config.vocab_size, inputs, env.device) if inputs.method == "dpo" else None
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext()
     with mode:
         model.to_empty(device=env.device)
@@ -182,16 +184,17 @@ def simulate(model_name: str, inputs, strategy: str, *, fake: bool = True, micro
                 if not inputs.reduce_every_microbatch:
                     model.set_requires_gradient_sync(i == micro - 1)
                 tracker.reset_mod_stats()  # the tracker follows one forward per module between resets
-                batch = micro_batch(config.vocab_size, inputs, env.device)
-                ids = batch["input_ids"]
-                with chunked.hidden_states() if chunked else nullcontext():
-                    out = model(**batch).logits
-                if inputs.method == "dpo":  # the pair loss over the row's two documents (chosen, rejected)
-                    loss = _dpo_loss(out, batch, chunked)
+                if inputs.method == "dpo":  # the engine's pair loss, from the engine's packed pairs
+                    batch, loss = None, pairs.loss(model, chunked)
                 else:
+                    batch = micro_batch(config.vocab_size, inputs, env.device)
+                    ids = batch["input_ids"]
+                    with chunked.hidden_states() if chunked else nullcontext():
+                        out = model(**batch).logits
                     loss = chunked.loss_sum(out, ids) if chunked else causal_lm_loss_sum(out, ids)
-                loss.backward()
-                del out, loss, batch, ids
+                    del out, ids
+                loss.backward()  # with the micro-batch's inputs alive, as in the engine's step
+                del loss, batch
                 if i < micro - 1:
                     accumulated = max(accumulated, accumulated_gradient_bytes(model))
         peak = {_label(k): v for k, v in next(iter(tracker.get_tracker_snapshot("peak").values())).items()}
@@ -206,14 +209,35 @@ def simulate(model_name: str, inputs, strategy: str, *, fake: bool = True, micro
             "fake": fake}  # fmt: skip
 
 
-def _dpo_loss(out: torch.Tensor, batch: dict[str, torch.Tensor], chunked: ChunkedLoss | None) -> torch.Tensor:
-    """The engine's DPO loss of a micro-batch whose rows each hold one pair (two documents), against a reference of
-    zeros (its log-probabilities are numbers read from the checkpoint, not tensors of the step)."""
-    ids = batch["input_ids"]
-    segment = (batch["position_ids"] == 0).cumsum(1) - 1 if "position_ids" in batch else torch.zeros_like(ids)
-    slot = (torch.arange(ids.shape[0], device=ids.device)[:, None] * 2 + segment.clamp(max=1)).long()
-    sums = sequence_logps(token_logps(out, ids, chunked), slot, 2 * ids.shape[0])
-    return dpo_terms(sums, torch.zeros_like(sums), 0.1)[0].sum()
+class DpoMicroBatch:
+    """One micro-batch of preference pairs, made by the engine's own Pairs (data/pairs.py) and built once, on real
+    tensors (its mask is built from the documents' positions, which fake tensors do not hold): --batch_size pairs
+    whose sequences fill it as the engine packs them (docs: each block one pair, chosen and rejected of half a block
+    each; pad: a row per sequence). The second half of each sequence is its answer."""
+
+    def __init__(self, vocab_size: int, inputs, device: torch.device) -> None:  # noqa: ANN001
+        n = inputs.max_length // 2 if inputs.packing == "docs" else inputs.max_length
+        draw = random.Random(0)
+        ids = [[draw.randrange(vocab_size) for _ in range(n)] for _ in range(2 * inputs.batch_size)]
+        targets = [[k >= n // 2 for k in range(n)] for _ in ids]
+        self.pairs = Pairs(ids, targets, list(range(inputs.batch_size)), 0, inputs.max_length, inputs.packing,
+                           inputs.attn_implementation or "sdpa")  # fmt: skip
+        self.members = list(range(inputs.batch_size))
+        self.built = self.pairs.micro(self.members, device)
+
+    def micro(self, members: list[int], device: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Pairs.micro's answer, as built."""
+        return self.built
+
+    def logps(self, model, chunked: ChunkedLoss | None) -> torch.Tensor:  # noqa: ANN001
+        """The engine's summed answer log-probabilities of the pairs (engine/dpo.py micro_logps)."""
+        return micro_logps(model, self, self.members, self.built[1].device, chunked)[0]  # type: ignore[arg-type]
+
+    def loss(self, model, chunked: ChunkedLoss | None) -> torch.Tensor:  # noqa: ANN001
+        """The step's pair loss as accumulate_pairs computes it (dpo_terms), against a reference of zeros: its
+        log-probabilities are numbers read from the checkpoint, not tensors of the step."""
+        pi = self.logps(model, chunked)
+        return dpo_terms(pi, torch.zeros_like(pi), 0.1)[0].sum()
 
 
 def simulate_reference(model_name: str, inputs, strategy: str) -> dict[str, Any]:  # noqa: ANN001
@@ -238,16 +262,14 @@ def simulate_reference(model_name: str, inputs, strategy: str) -> dict[str, Any]
         p.data = p.data.to(dtype)
     shard_model(model, env, strategy=strategy, precision=inputs.precision, activation_checkpointing=False,
                 prefetch=inputs.prefetch)  # fmt: skip
-    pad = inputs.packing == "pad"
+    pairs = DpoMicroBatch(config.vocab_size, inputs, env.device)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device=env.device)
         model.eval()
         tracker = _tracker_class()(model)
         tracker.group_peaks, tracker.group_moments = {}, {}
-        with tracker, torch.no_grad():
-            sized = Inputs(**{**inputs.__dict__, "batch_size": inputs.batch_size * (2 if pad else 1)})
-            batch = micro_batch(config.vocab_size, sized, env.device)
-            _dpo_loss(model(**batch).logits, batch, None)
+        with tracker, torch.no_grad():  # the reference pass's forward (engine/dpo.py pair_logps)
+            pairs.logps(model, None)
         peak = {_label(k): v for k, v in next(iter(tracker.get_tracker_snapshot("peak").values())).items()}
     return {"peak_total": peak.pop("Total"), "at_peak": peak, "world_size": world}
 

@@ -27,6 +27,7 @@ from fsdp_opt.config.choices import AUTO, DTYPES, shard_count
 from fsdp_opt.config.parse import Config
 from fsdp_opt.data.pin import PIN_KEY, packed_as, pinned_revision, with_range
 from fsdp_opt.data.resolve import DataSource
+from fsdp_opt.data.sources import check_exists
 from fsdp_opt.engine.fp16watch import Fp16Overflow, overflow_probe
 from fsdp_opt.engine.loss import ChunkedLoss
 from fsdp_opt.engine.optim import LossScaler, LRSchedule, build_optimizer
@@ -218,6 +219,8 @@ def check_flags(config: Config, env: DistEnv) -> Checked:
                           "--precision fp16)")  # fmt: skip
     if cc.export_merge and not (lc.enabled and cc.export_hf):
         raise ConfigError("--export_merge: only for a LoRA run (--lora_rank) with --export_hf DIR")
+    # the dataset is there: before the chain's lease is taken or anything is built
+    all_ranks_ok(lambda: check_exists(DataSource.of(config.data)) if env.is_main else None)
     auto = config.train.batch_size == AUTO
     return Checked(source, precision, None if auto else config.train.accum_for(env.world_size))
 

@@ -221,18 +221,21 @@ def test_help_lists_every_flag():
         assert flag in proc.stdout, flag
 
 
-@pytest.mark.parametrize("late", [0.0, 1.0])
+@pytest.mark.parametrize("late", [0.0, 1.0, None], ids=["forked", "forked-rank0-late", "torchrun"])
 def test_the_error_line_reaches_the_user_when_another_rank_exits_first(tmp_path, late):
     """Every rank meets the bad flag; the launcher stops the others as soon as one exits (torchrun's rule, which the
     test launcher keeps). On a loaded machine rank 0 can be the slow one: here it starts `late` seconds after rank 1
     (and 20 launches run side by side). The line must still come, from rank 0, in every run. (With real torchrun on
-    this 2-core machine, 20 launches at once lost the line in 4 of 20 before rank 1 waited for it, in none after.)"""
+    this 2-core machine, 20 launches at once lost the line in 4 of 20 before rank 1 waited for it, in none after.)
+    None: 6 launches of the real torchrun side by side (its own supervision; no rank can be started late there)."""
     from concurrent.futures import ThreadPoolExecutor
 
+    n = 6 if late is None else 20
     args = ["--start_idx", "100", "--end_idx", "50", "--output_dir"]
-    with ThreadPoolExecutor(20) as pool:
+    with ThreadPoolExecutor(n) as pool:
         procs = list(pool.map(lambda i: launch([str(ENTRY)], args + [str(tmp_path / f"out{i}")], tmp_path, nproc=2,
-                                               timeout=120, late={0: late}), range(20)))  # fmt: skip
+                                               timeout=180, real=late is None, late=None if late is None else {0: late}),
+                              range(n)))  # fmt: skip
     got = [assert_clean_failure(p, "--end_idx 50: must be greater than --start_idx 100") for p in procs]
-    assert got == ["error: --end_idx 50: must be greater than --start_idx 100"] * 20
-    assert not any((tmp_path / f"out{i}").exists() for i in range(20))
+    assert got == ["error: --end_idx 50: must be greater than --start_idx 100"] * n
+    assert not any((tmp_path / f"out{i}").exists() for i in range(n))

@@ -6,13 +6,14 @@ import json
 import subprocess
 import sys
 
-from conftest import ROOT, sandbox_env
+from conftest import sandbox_env
 
 
 def test_gpu_check_trains_saves_resumes_and_reports(tmp_path):
+    # --workdir relative to where the command runs, as a user types it
     cmd = [sys.executable, "-m", "fsdp_opt.gpu_check", "--device", "cpu", "--max_length", "32", "--batch_size", "2",
-           "--steps", "3", "--workdir", str(tmp_path / "work"), "--json", str(tmp_path / "check.json")]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=600)
+           "--steps", "3", "--workdir", "work", "--json", str(tmp_path / "check.json")]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     f = json.loads((tmp_path / "check.json").read_text())
     assert f["model"] == "tiny-opt" and f["ranks"] == 2 and f["strategy"] == "FULL_SHARD"
@@ -25,6 +26,7 @@ def test_gpu_check_trains_saves_resumes_and_reports(tmp_path):
     [link] = f["links"]  # gloo on CPU: one measurement (NCCL: P2P on and off)
     assert link["backend"] == "gloo" and link["world_size"] == 2 and link["all_gather_gbps"] > 0
     assert link["reduce_scatter_gbps"] > 0 and "| link (gloo) | all-gather" in proc.stdout
+    assert (tmp_path / "work" / "out" / "metrics.jsonl").is_file()
 
 
 def test_random_shapes_and_the_gpu_cap_flag_refuse_bad_input(tmp_path):

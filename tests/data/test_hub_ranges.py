@@ -8,6 +8,9 @@ train split."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -134,19 +137,28 @@ def test_a_short_range_far_into_the_split_trains_fetching_a_tenth_and_equals_the
 
 
 def test_a_dataset_with_two_configs_and_no_default_names_them_and_trains_with_one(tmp_path, hub):
-    base = ["--model", "tiny-opt", "--dataset", "me/configs", "--max_length", "64", "--end_idx", "24", "--precision",
-            "fp32", "--wandb_mode", "disabled"]  # fmt: skip
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    missing, chosen = run_cli_concurrently([
+    """The config named is the one trained: its steps are those of a run on its own rows written to a file (beta's
+    rows are not alpha's: a run that read another config would not match)."""
+    common = ["--model", "tiny-opt", "--max_length", "64", "--end_idx", "24", "--precision", "fp32", "--batch_size",
+              "2", "--wandb_mode", "disabled"]  # fmt: skip
+    base = ["--dataset", "me/configs", *common]
+    for name in ("a", "b", "c"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "c" / "beta.jsonl").write_bytes(jsonl_bytes([text_row(i + 100_000) for i in range(24)]))
+    missing, chosen, alone = run_cli_concurrently([
         (base + ["--output_dir", str(tmp_path / "a" / "out")], tmp_path / "a", env_for(tmp_path, hub, "a")),
         (base + ["--dataset_config", "beta", "--output_dir", str(tmp_path / "b" / "out")], tmp_path / "b",
          env_for(tmp_path, hub, "b")),
+        (["--dataset", str(tmp_path / "c" / "beta.jsonl"), *common, "--output_dir", str(tmp_path / "c" / "out")],
+         tmp_path / "c", None),
     ])  # fmt: skip
     assert_clean_failure(missing, "--dataset me/configs", "2 configs and no default", "--dataset_config (alpha, beta)")
     assert not (tmp_path / "a" / "out").exists()
     assert chosen.returncode == 0, chosen.stdout[-2000:] + chosen.stderr[-3000:]
+    assert alone.returncode == 0, alone.stdout[-2000:] + alone.stderr[-3000:]
     assert saved_names(chosen.stdout) == ["tiny_opt_0-24-epoch-1.pt"]
+    steps = [[(r["step"], r["loss"], r["tokens"]) for r in read_jsonl(tmp_path / d / "out" / "metrics.jsonl")] for d in "bc"]
+    assert steps[0] == steps[1] and len(steps[0]) >= 3
 
 
 BAD = [
@@ -219,3 +231,50 @@ def test_three_fresh_sessions_of_an_auto_chain_equal_one_straight_run_and_read_t
     for later in requests[1:]:
         files = {r.path.split("/resolve/", 1)[1].split("/", 1)[1] for r in later if "/resolve/" in r.path}
         assert files == {first}, files
+
+
+# datasets' fingerprint of an in-memory table hashes its Python objects; on one platform's package set (Python 3.12.3,
+# pandas 3.0.6, datasets 5.2.0) that raised for every table built with Dataset.from_dict. A shim on PYTHONPATH makes
+# it raise here the same way, in every process of a run.
+UNHASHABLE = '''
+import pickle
+
+import datasets.arrow_dataset
+import datasets.fingerprint
+
+
+def _cannot(*args, **kwargs):
+    raise pickle.PicklingError("Can't pickle <class 'MonthDayNano'>: it's not found as pyarrow.lib.MonthDayNano")
+
+
+datasets.fingerprint.generate_fingerprint = _cannot
+datasets.arrow_dataset.generate_fingerprint = _cannot
+'''
+
+
+def test_runs_train_where_datasets_cannot_fingerprint_a_table(tmp_path, hub):
+    """The built-in rows (built here, never a datasets table), a local JSON file (datasets' loader, fingerprinted from
+    its files) and a Hub split read by range (parquet, no datasets table) all train with the fingerprint raising."""
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(UNHASHABLE)
+    local = tmp_path / "rows.jsonl"
+    local.write_bytes(jsonl_bytes([text_row(i) for i in range(24)]))
+    common = ["--model", "tiny-opt", "--max_length", "64", "--end_idx", "16", "--batch_size", "2", "--wandb_mode",
+              "disabled"]  # fmt: skip
+    cases = {"builtin": ["--dataset", "python-docs-chat", "--chat_template", "chatml"],
+             "prefs": ["--dataset", "python-docs-prefs", "--method", "dpo", "--chat_template", "chatml"],
+             "file": ["--dataset", str(local)],
+             "hub": ["--dataset", "me/configs", "--dataset_config", "beta"]}  # fmt: skip
+    runs = []
+    for name, extra in cases.items():
+        (tmp_path / name).mkdir()
+        env = env_for(tmp_path, hub, name)
+        env["PYTHONPATH"] = f"{shim}{os.pathsep}{env['PYTHONPATH']}"
+        runs.append(([*extra, *common, "--output_dir", str(tmp_path / name / "out")], tmp_path / name, env))
+    probe = subprocess.run([sys.executable, "-c", "import datasets; datasets.Dataset.from_dict({'a': [1]})"],
+                           env=runs[0][2], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert probe.returncode != 0 and "MonthDayNano" in probe.stderr  # the shim is in force
+    for name, proc in zip(cases, run_cli_concurrently(runs, timeout=300)):
+        assert proc.returncode == 0, (name, proc.stdout[-2000:] + proc.stderr[-3000:])
+        assert (tmp_path / name / "out" / "metrics.jsonl").is_file(), name

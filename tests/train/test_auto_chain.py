@@ -5,6 +5,7 @@ name for name and loss for loss; the end of the data and of the passes; several 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import time
@@ -69,7 +70,18 @@ def test_the_same_command_on_fresh_machines_walks_the_chain_and_equals_it_typed_
         deadline = time.time() + 240
         while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= before + 4):
             time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)  # torchrun forwards it to the workers, which save and exit
+        # The workers are held still while the signal is sent, so the range (about 13 steps) cannot end before it
+        # lands, however loaded the machine: SIGTERM to torchrun, which forwards it to the workers; they take it as
+        # they go on, save and exit.
+        workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                                  text=True).stdout.split()]  # fmt: skip
+        assert len(workers) == 2, workers
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)  # torchrun's agent has forwarded it by now
+        for pid in workers:
+            os.kill(pid, signal.SIGCONT)
         out3, err3 = proc.communicate(timeout=240)
         runs.append(subprocess.CompletedProcess(proc.args, proc.returncode, out3, err3))
         assert "stopping: received SIGTERM" in out3, out3 + err3
