@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_clean_failure, make_chat_llama, read_jsonl, run_cli, run_cli_concurrently
+from conftest import assert_clean_failure, launch, make_chat_llama, read_jsonl, run_cli, run_cli_concurrently
 from hubdata import PARAGRAPHS
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -81,6 +81,27 @@ def dpo_reference(policy_dir: Path, ref_dir: Path, rows: list[dict]) -> dict[str
             "accuracy": sum((a > b) + 0.5 * (a == b) for a, b in zip(chosen, rejected)) / n}  # fmt: skip
 
 
+def dpo_grad_norm(policy_dir: Path, ref_dir: Path, rows: list[dict]) -> float:
+    """The norm of the gradient of the pairs' mean DPO loss with respect to every weight of the policy, each pair's
+    sequences alone through plain transformers, autograd in float64."""
+    tok = AutoTokenizer.from_pretrained(policy_dir)
+    policy = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float64).eval()
+    ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float64).eval()
+
+    def logp(model, ids: list[int], start: int) -> torch.Tensor:
+        logits = model(input_ids=torch.tensor([ids])).logits[0]
+        return torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None])[start - 1 :, 0].sum()
+
+    total = torch.zeros((), dtype=torch.float64)
+    for row in rows:
+        (c, cs), (r, rs) = sequences(tok, row)
+        with torch.no_grad():
+            ref_margin = logp(ref, c, cs) - logp(ref, r, rs)
+        total = total - F.logsigmoid(BETA * (logp(policy, c, cs) - logp(policy, r, rs) - ref_margin))
+    (total / len(rows)).backward()
+    return float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in policy.parameters() if p.grad is not None)))
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("dpo_models")
@@ -110,6 +131,11 @@ def test_the_first_step_is_the_dpo_loss_of_the_pairs_alone_full_and_lora(tmp_pat
         assert first["accuracy"] == want["accuracy"] and first["margin"] == pytest.approx(
             want["rewards_chosen"] - want["rewards_rejected"], abs=1e-5)
         assert abs(want["loss"] - math.log(2)) > 1e-3  # the reference is another model: the loss is not log 2
+    # The gradient of full fine-tuning's step (2 ranks x 2 micro-batches), divided over its pairs as the loss is: its
+    # norm is autograd's on the pairs alone (a gradient scaled by the micro-batches or the ranks would not be).
+    first = read_jsonl(tmp_path / "full" / "out" / "metrics.jsonl")[0]
+    norm = dpo_grad_norm(policy, ref, rows)
+    assert first["grad_norm"] == pytest.approx(norm, rel=1e-4), (first["grad_norm"], norm)
 
 
 def test_trl_makes_the_same_answer_tokens_and_the_same_loss(tmp_path):
@@ -182,28 +208,62 @@ def test_bad_preference_input_is_one_line(tmp_path, models):
     assert sum(r["pairs"] for r in read_jsonl(tmp_path / "same" / "metrics.jsonl")) == 4
 
 
-def test_a_resumed_session_is_scored_against_the_model_the_chain_started_from(tmp_path, models):
-    """Session 1 trains rows [0, 8) and exports its weights; session 2 resumes on [8, 16): its first step (every
-    pair of its range) is the DPO loss of the policy as session 1 left it against the original model, never against
-    the checkpoint it resumed (which would give log 2)."""
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_a_resumed_session_is_scored_against_the_model_the_chain_started_from(tmp_path, models, kind):
+    """Session 1 trains rows [0, 16) and exports its weights (LoRA: merged into the base); session 2 resumes on
+    [16, 24): its first step (every pair of its range) is the DPO loss, through plain transformers, of the policy as
+    session 1 left it against the original model (full: the model the chain started from; LoRA: the base with the
+    trained adapters switched off), never against the checkpoint it resumed (which would give log 2)."""
+    policy, _ = models
+    rows = string_pairs(32)
+    rows = rows[:16] + rows[24:]  # each of session 2's pairs fits a block: its first step holds them all
+    data = write(tmp_path / "pairs.jsonl", rows)
+    lora = ["--lora_rank", "8", "--lr", "5e-2"] if kind == "lora" else []
+    base = ["--model", str(policy), "--method", "dpo", "--dataset", str(data), *STEP, *lora, "--output_dir",
+            str(tmp_path / "out")]  # fmt: skip
+    merge = ["--export_merge"] if kind == "lora" else []
+    first = run_cli(base + ["--start_idx", "0", "--end_idx", "16", "--export_hf", str(tmp_path / "after1"),
+                            "--export_dtype", "fp32", *merge], tmp_path, nproc=2)  # fmt: skip
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    second = run_cli(base + ["--start_idx", "16", "--end_idx", "24", "--resume_file", "latest"], tmp_path, nproc=2)
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-3000:]
+    said = ("dpo: reference: the base with the adapters switched off" if kind == "lora"
+            else f"dpo: reference {policy}: loaded sharded")  # fmt: skip
+    assert said in first.stdout and said in second.stdout
+    step = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if r["slice"] == "16-24"][0]
+    want = dpo_reference(tmp_path / "after1", policy, rows[16:24])
+    assert step["pairs"] == 8 and abs(step["loss"] - want["loss"]) <= 1e-5, (step["loss"], want["loss"])
+    assert abs(want["loss"] - math.log(2)) > 1e-2, want  # session 1 moved the policy away from the reference
+    # The checkpoint keeps the reference's log-probabilities of its range: a session resuming inside it reads them.
+    payload = torch.load(next((tmp_path / "out").glob("*_16-24-epoch-1.pt")), weights_only=True)
+    assert payload["dpo"]["reference"]["logps"].shape == (8, 2)
+    if kind == "full":
+        assert payload["dpo"]["ref_model"] == str(policy)
+
+
+def test_a_lora_session_scores_its_next_range_against_the_base_with_the_trained_adapters_off(tmp_path, models):
+    """--session_ranges 2: after range [0, 8) the same process scores range [8, 16) against the base with the adapters
+    it has just trained switched off. Its first step (every pair of the range) is the DPO loss, through plain
+    transformers, of range 1's checkpoint merged into the base against the base itself: adapters that stayed on
+    would make the reference the policy (loss log 2)."""
     policy, _ = models
     rows = string_pairs(16)
     data = write(tmp_path / "pairs.jsonl", rows)
-    base = ["--model", str(policy), "--method", "dpo", "--dataset", str(data), *STEP, "--output_dir", str(tmp_path / "out")]
-    first = run_cli(base + ["--start_idx", "0", "--end_idx", "8", "--export_hf", str(tmp_path / "after1"),
-                            "--export_dtype", "fp32"], tmp_path, nproc=2)  # fmt: skip
-    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
-    assert f"dpo: reference {policy}: loaded sharded" in first.stdout
-    second = run_cli(base + ["--start_idx", "8", "--end_idx", "16", "--resume_file", "latest"], tmp_path, nproc=2)
-    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-3000:]
-    assert f"dpo: reference {policy}: loaded sharded" in second.stdout
-    step = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if r["slice"] == "8-16"][0]
-    want = dpo_reference(tmp_path / "after1", policy, rows[8:16])
+    out = tmp_path / "out"
+    args = ["--model", str(policy), "--method", "dpo", "--dataset", str(data), *STEP, "--lora_rank", "8", "--lr", "5e-2",
+            "--start_idx", "auto", "--range_size", "8", "--session_ranges", "2", "--output_dir", str(out)]  # fmt: skip
+    proc = run_cli(args, tmp_path, nproc=2)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "next range in this session: rows [8, 16)" in proc.stdout
+    merged = tmp_path / "after1"
+    export = launch(["-m", "fsdp_opt.export"], [str(out / "policy_0-8-epoch-1.pt"), str(merged), "--dtype", "fp32",
+                                                "--merge", "--model", str(policy)], tmp_path)  # fmt: skip
+    assert export.returncode == 0, export.stdout[-2000:] + export.stderr[-3000:]
+    step = [r for r in read_jsonl(out / "metrics.jsonl") if r["slice"] == "8-16"][0]
+    want = dpo_reference(merged, policy, rows[8:16])
+    print(f"range 2's first loss {step['loss']:.6f}; plain transformers {want['loss']:.6f}; log 2 {math.log(2):.6f}")
     assert step["pairs"] == 8 and abs(step["loss"] - want["loss"]) <= 1e-5, (step["loss"], want["loss"])
-    assert abs(want["loss"] - math.log(2)) > 1e-3
-    # The checkpoint keeps the reference's log-probabilities of its range: a session resuming inside it reads them.
-    payload = torch.load(next((tmp_path / "out").glob("*_8-16-epoch-1.pt")), weights_only=True)
-    assert payload["dpo"]["ref_model"] == str(policy) and payload["dpo"]["reference"]["logps"].shape == (8, 2)
+    assert abs(want["loss"] - math.log(2)) > 1e-2, want  # range 1 moved the adapters
 
 
 def test_three_auto_sessions_through_the_hub_equal_one_straight_run(tmp_path):
