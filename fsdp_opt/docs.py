@@ -6,11 +6,20 @@ commands the README and docs/ show still run.
 - `--run`: every ```bash and ```python block of README.md and docs/*.md runs on this machine (CPU), from the
   checkout, and must exit 0, unless the line before it says why not: `<!-- not run here: needs a GPU -->` (or the
   network, a Kaggle notebook, ...), or `<!-- run by tests/<file> ... -->` naming the test that runs it.
+- `--run` also checks every figure the pages quote from a deterministic command against what it prints now:
+  - `<!-- run as NAME -->` before a block runs it as usual and keeps its output as NAME;
+  - `<!-- command NAME: python -m ... -->` anywhere names a command whose figures the prose quotes without showing
+    it (a table's row, say); it is run once;
+  - a ```text block after `<!-- printed by NAME -->`: each of its lines is a line NAME prints (or a part of one),
+    in order, spaces aside;
+  - a figure in prose followed by `<!-- from NAME -->` (`16.54 GiB<!-- from kaggle-plan -->`): NAME prints that
+    number. A drifted figure fails the check, as a failing block does.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import subprocess
 import sys
@@ -63,8 +72,13 @@ def stale(root: Path) -> list[str]:
     return [] if page.is_file() and page.read_text() == flags_markdown() else [str(FLAGS_PAGE)]
 
 
-MARKER = re.compile(r"<!-- (not run here: .+|run by (tests/\S+).*) -->")
+MARKER = re.compile(r"<!-- (not run here: .+|run by (tests/\S+).*|run as ([\w.-]+)) -->")
 FENCE = re.compile(r"^```(bash|python)\n(.*?)^```", re.S | re.M)
+COMMAND = re.compile(r"<!-- command ([\w.-]+): (.+?) -->")
+# a ```text block, or a table (the plan prints markdown tables), right after the marker
+PRINTED = re.compile(r"^<!-- printed by ([\w.-]+) -->\n(?:```text\n(.*?)^```|((?:\|[^\n]*\n)+))", re.S | re.M)
+NUMBER = r"\d[\d,]*(?:\.\d+)?"
+FIGURE = re.compile(rf"({NUMBER})[^\d<>]{{0,12}}?<!-- from ([\w.-]+) -->")
 
 
 @dataclass
@@ -75,25 +89,151 @@ class Block:
     code: str
     marker: str | None  # why it is not run here, or the test that runs it
     test: str | None  # the test file a `run by` marker names
+    name: str | None = None  # `run as NAME`: its output is kept for the figures quoted from it
+
+
+@dataclass
+class Quote:
+    """What a page quotes of a named command's output: lines (a `printed by` block) or one number (`from`)."""
+
+    page: str
+    line: int
+    name: str
+    lines: list[str]  # each must be (a part of) one line of the output, in order
+    number: str | None = None  # or: this number must be printed
+
+
+def _pages(root: Path) -> list[Path]:
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
 
 
 def command_blocks(root: Path) -> list[Block]:
     """The runnable fenced blocks of README.md and docs/*.md, each with the marker on the line before it."""
     blocks = []
-    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+    for page in _pages(root):
         text = page.read_text()
         for m in FENCE.finditer(text):
             before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1].strip()
             marker = MARKER.fullmatch(before)
+            name = marker.group(3) if marker else None
             blocks.append(Block(str(page.relative_to(root)), text.count("\n", 0, m.start()) + 1, m.group(1),
-                                m.group(2), marker.group(1) if marker else None,
-                                marker.group(2) if marker else None))  # fmt: skip
+                                m.group(2), None if name or not marker else marker.group(1),
+                                marker.group(2) if marker else None, name))  # fmt: skip
     return blocks
 
 
+def named_commands(root: Path) -> dict[str, tuple[str, int, str]]:
+    """`<!-- command NAME: ... -->` of every page: NAME -> (page, line, the command)."""
+    found = {}
+    for page in _pages(root):
+        text = page.read_text()
+        for m in COMMAND.finditer(text):
+            found[m.group(1)] = (str(page.relative_to(root)), text.count("\n", 0, m.start()) + 1, m.group(2))
+    return found
+
+
+def quotes(root: Path) -> list[Quote]:
+    """Every `printed by` block and `from` figure of the pages."""
+    found = []
+    for page in _pages(root):
+        text, where = page.read_text(), str(page.relative_to(root))
+        line = lambda m: text.count("\n", 0, m.start()) + 1  # noqa: E731
+        here = [Quote(where, line(m), m.group(1), [l for l in (m.group(2) or m.group(3)).splitlines() if l.strip()])
+                for m in PRINTED.finditer(text)]  # fmt: skip
+        here += [Quote(where, line(m), m.group(2), [], m.group(1)) for m in FIGURE.finditer(text)]
+        found += sorted(here, key=lambda q: q.line)
+    return found
+
+
+def _flat(line: str) -> str:
+    return " ".join(line.split())
+
+
+def quote_failures(quote: Quote, output: str) -> str | None:
+    """Why the output does not hold what the page quotes of it (None: it does)."""
+    if quote.number is not None:
+        printed = {n.replace(",", "") for n in re.findall(NUMBER, output)}
+        if quote.number.replace(",", "") not in printed:
+            return f"{quote.number} is not a number {quote.name} prints"
+        return None
+    out, at = [_flat(l) for l in output.splitlines()], 0
+    for want in quote.lines:
+        w = _flat(want)
+        while at < len(out) and w not in out[at]:
+            at += 1
+        if at == len(out):
+            return f"{quote.name} no longer prints {w[:120]!r} (or not in this order)"
+        at += 1
+    return None
+
+
+def _run(where: str, kind: str, code: str, root: Path, timeout: float, env: dict[str, str] | None,
+         failures: list[str]) -> str | None:  # fmt: skip
+    """A block's or a named command's output; None (and a failure line) when it did not exit 0."""
+    cmd = ["bash", "-e", "-c", code] if kind == "bash" else [sys.executable, "-c", code]
+    started = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        failures.append(f"{where}: did not finish in {timeout:.0f} s")
+        return None
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [""]
+        failures.append(f"{where}: exit {proc.returncode} ({tail[0][:200]})")
+        return None
+    print(f"ran {where} in {time.monotonic() - started:.0f} s")
+    return proc.stdout
+
+
+PLAN = "python -m fsdp_opt.plan "
+# What `python -m fsdp_opt.plan ARGS` prints, for each ARGS of a JSON list on stdin, in one process: the plans
+# themselves take a fraction of a second each, the imports several seconds per process.
+PLAN_RUNNER = """
+import contextlib, io, json, sys
+from fsdp_opt.plan import main
+out = []
+for args in json.load(sys.stdin):
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        code = main(args)
+    out.append([code, text.getvalue()])
+print(json.dumps(out))
+"""
+
+
+def _plan_args(command: str) -> list[str] | None:
+    """The arguments of a plain `python -m fsdp_opt.plan ...` command (no shell syntax, no simulation), else None."""
+    if not command.startswith(PLAN) or "--simulate" in command or re.search(r"[|;&<>$`'\"\\]", command):
+        return None
+    return command[len(PLAN) :].split()
+
+
+def _run_plans(commands: dict[str, str], root: Path, timeout: float, env: dict[str, str] | None,
+               failures: list[str]) -> dict[str, str | None]:  # fmt: skip
+    """Named plan commands, run by the plan's own main in one process: their outputs (None where one failed)."""
+    if not commands:
+        return {}
+    started = time.monotonic()
+    args = [_plan_args(c) for c in commands.values()]
+    proc = subprocess.run([sys.executable, "-c", PLAN_RUNNER], input=json.dumps(args), cwd=root, capture_output=True,
+                          text=True, timeout=timeout, env=env)  # fmt: skip
+    if proc.returncode != 0:
+        failures.append(f"the named plan commands: exit {proc.returncode} ({proc.stderr.strip()[-200:]})")
+        return dict.fromkeys(commands)
+    outputs: dict[str, str | None] = {}
+    for (name, command), (code, text) in zip(commands.items(), json.loads(proc.stdout.strip().splitlines()[-1])):
+        if code:
+            failures.append(f"{name} ({command}): exit {code}")
+        outputs[name] = None if code else text
+    print(f"ran {len(commands)} named plan commands in {time.monotonic() - started:.0f} s")
+    return outputs
+
+
 def run_blocks(root: Path, blocks: list[Block], timeout: float = 600, env: dict[str, str] | None = None) -> list[str]:
-    """Run each unmarked block from `root`; the failures, one line each (a `run by` marker must name a test file)."""
-    failures = []
+    """Run each unmarked block from `root`, and each named command; hold every quoted figure against the output
+    it quotes. The failures, one line each (a `run by` marker must name a test file)."""
+    failures: list[str] = []
+    outputs: dict[str, str | None] = {}
     for b in blocks:
         where = f"{b.page}:{b.line}"
         if b.test is not None:
@@ -102,19 +242,26 @@ def run_blocks(root: Path, blocks: list[Block], timeout: float = 600, env: dict[
             continue
         if b.marker is not None:
             continue
-        cmd = ["bash", "-e", "-c", b.code] if b.kind == "bash" else [sys.executable, "-c", b.code]
-        started = time.monotonic()
-        try:
-            proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=timeout, env=env)
-        except subprocess.TimeoutExpired:
-            failures.append(f"{where}: did not finish in {timeout:.0f} s")
-            continue
-        took = time.monotonic() - started
-        if proc.returncode != 0:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [""]
-            failures.append(f"{where}: exit {proc.returncode} ({tail[0][:200]})")
-        else:
-            print(f"ran {where} in {took:.0f} s")
+        out = _run(where, b.kind, b.code, root, timeout, env, failures)
+        if b.name is not None:
+            outputs[b.name] = out
+    named = named_commands(root)
+    for name, (page, line, _) in named.items():
+        if name in outputs:
+            failures.append(f"{page}:{line}: the name {name} is given twice")
+    plans = {n: c for n, (_, _, c) in named.items() if n not in outputs and _plan_args(c) is not None}
+    outputs.update(_run_plans(plans, root, timeout, env, failures))
+    for name, (page, line, command) in named.items():
+        if name not in outputs:
+            outputs[name] = _run(f"{page}:{line} ({name})", "bash", command, root, timeout, env, failures)
+    for q in quotes(root):
+        where = f"{q.page}:{q.line}"
+        if q.name not in outputs:
+            failures.append(f"{where}: quotes {q.name}, which no block or command of the pages is named")
+        elif outputs[q.name] is not None:  # a command that failed is reported already
+            why = quote_failures(q, outputs[q.name])
+            if why:
+                failures.append(f"{where}: {why}")
     return failures
 
 

@@ -23,6 +23,7 @@ from fsdp_opt.base import gib
 from fsdp_opt.model.shapes import Shape
 from fsdp_opt.planner.inputs import CUDA_CONTEXT_BYTES, FRAGMENTATION, NCCL_BUFFER_BYTES, Inputs, shard_factor
 from fsdp_opt.planner.memory import layer_bytes, mask_bytes
+from fsdp_opt.planner.steptime import Rates, forward_time
 
 
 def reference_memory(shape: Shape, strategy: str, inputs: Inputs) -> dict[str, int]:
@@ -54,12 +55,12 @@ def reference_peak(parts: dict[str, int], runtime: bool = True) -> int:
     return parts["parameters"] + max(blocks, loss) + (parts.get("runtime", 0) if runtime else 0)
 
 
-def reference_pass(shape: Shape, strategy: str, inputs: Inputs, step_s: float, own_model: bool) -> dict[str, Any]:
-    """The reference pass's memory (a model of its own) and its seconds per 1,000 pairs, from the predicted step."""
-    sequences_per_step = inputs.batch_size * inputs.gpus * inputs.accum_steps * (2 if inputs.packing == "pad" else 1)
-    forward_share = 1 / (4 if inputs.activation_checkpointing else 3)
-    # a docs block holds about one sequence of max_length tokens at most: the bound is two blocks per pair
-    seconds = step_s * forward_share * 2000 / max(1, sequences_per_step)
+def reference_pass(shape: Shape, strategy: str, inputs: Inputs, rates: Rates | None, own_model: bool) -> dict[str, Any]:
+    """The reference pass's memory (a model of its own) and its seconds per 1,000 pairs: forward passes over two rows
+    of --max_length tokens per pair (a bound: a docs block holds one sequence of max_length tokens at most)."""
+    rows_per_micro = inputs.batch_size * (2 if inputs.packing == "pad" else 1)
+    seconds = forward_time(shape, strategy, Inputs(**{**inputs.__dict__, "batch_size": rows_per_micro}), 2000,
+                           rates)["seconds"]  # fmt: skip
     out: dict[str, Any] = {"own_model": own_model, "seconds_per_1000_pairs": seconds}
     if not own_model:
         parts = reference_memory(shape, strategy, inputs)

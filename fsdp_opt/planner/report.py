@@ -97,7 +97,7 @@ def make_plan(model: str, inputs: Inputs, *, disk: int, host_memory: int, keep_l
     if inputs.method == "dpo":
         strategy = next((s for s in ("FULL_SHARD", "HYBRID_SHARD", "SHARD_GRAD_OP", "NO_SHARD") if s in strategies))
         own = bool(inputs.lora_rank) and not inputs.ref_model
-        plan["dpo"] = reference_pass(shape, strategy, inputs, strategies[strategy]["predicted_step_time_s"], own)
+        plan["dpo"] = reference_pass(shape, strategy, inputs, rates, own)
         plan["dpo"]["strategy"] = strategy
     plan["recommended_line"] = recommended_line(recommended, given if samples == inputs.batch_size * inputs.accum_steps * inputs.gpus else None, samples)
     return plan

@@ -185,16 +185,16 @@ def simulate(model_name: str, inputs, strategy: str, *, fake: bool = True, micro
                     model.set_requires_gradient_sync(i == micro - 1)
                 tracker.reset_mod_stats()  # the tracker follows one forward per module between resets
                 if inputs.method == "dpo":  # the engine's pair loss, from the engine's packed pairs
-                    batch, loss = None, pairs.loss(model, chunked)
+                    batch, (loss, out) = None, pairs.loss(model, chunked)
                 else:
                     batch = micro_batch(config.vocab_size, inputs, env.device)
-                    ids = batch["input_ids"]
                     with chunked.hidden_states() if chunked else nullcontext():
                         out = model(**batch).logits
+                    ids = batch["input_ids"]
                     loss = chunked.loss_sum(out, ids) if chunked else causal_lm_loss_sum(out, ids)
-                    del out, ids
-                loss.backward()  # with the micro-batch's inputs alive, as in the engine's step
-                del loss, batch
+                # with the micro-batch and its output alive through backward, as in the engine's step
+                loss.backward()
+                del out, loss, batch
                 if i < micro - 1:
                     accumulated = max(accumulated, accumulated_gradient_bytes(model))
         peak = {_label(k): v for k, v in next(iter(tracker.get_tracker_snapshot("peak").values())).items()}
@@ -229,15 +229,17 @@ class DpoMicroBatch:
         """Pairs.micro's answer, as built."""
         return self.built
 
-    def logps(self, model, chunked: ChunkedLoss | None) -> torch.Tensor:  # noqa: ANN001
-        """The engine's summed answer log-probabilities of the pairs (engine/dpo.py micro_logps)."""
-        return micro_logps(model, self, self.members, self.built[1].device, chunked)[0]  # type: ignore[arg-type]
+    def logps(self, model, chunked: ChunkedLoss | None) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+        """The engine's summed answer log-probabilities of the pairs, and the forward's output (engine/dpo.py
+        micro_logps)."""
+        return micro_logps(model, self, self.members, self.built[1].device, chunked)  # type: ignore[arg-type]
 
-    def loss(self, model, chunked: ChunkedLoss | None) -> torch.Tensor:  # noqa: ANN001
-        """The step's pair loss as accumulate_pairs computes it (dpo_terms), against a reference of zeros: its
-        log-probabilities are numbers read from the checkpoint, not tensors of the step."""
-        pi = self.logps(model, chunked)
-        return dpo_terms(pi, torch.zeros_like(pi), 0.1)[0].sum()
+    def loss(self, model, chunked: ChunkedLoss | None) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+        """The step's pair loss as accumulate_pairs computes it (dpo_terms), against a reference of zeros (its
+        log-probabilities are numbers read from the checkpoint, not tensors of the step), and the forward's output,
+        which the step holds through backward."""
+        pi, out = self.logps(model, chunked)
+        return dpo_terms(pi, torch.zeros_like(pi), 0.1)[0].sum(), out
 
 
 def simulate_reference(model_name: str, inputs, strategy: str) -> dict[str, Any]:  # noqa: ANN001

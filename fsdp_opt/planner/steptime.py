@@ -190,6 +190,32 @@ def step_time(shape, strategy: str, inputs, rates: Rates | None = None) -> dict[
             "hardware_flops_per_token": flops / (inputs.batch_size * inputs.max_length * inputs.accum_steps)}  # fmt: skip
 
 
+def forward_time(shape, strategy: str, inputs, rows: int, rates: Rates | None = None) -> dict[str, float]:  # noqa: ANN001
+    """Predicted seconds for forward passes without gradients over `rows` rows of --max_length tokens, spread over the
+    ranks in micro-batches of --batch_size rows (the DPO reference pass, GRPO's prefill and log-probabilities): the
+    forward's matmuls, one gather of every unit per micro-batch (a frozen model's weights are stored in the compute
+    dtype: no cast), the logits written and read once, and the root's gather that nothing overlaps."""
+    rates = rates or Rates()
+    f = shard_factor(strategy, inputs)
+    c = 4 if inputs.precision == "fp32" else 2
+    s, L, h = inputs.max_length, shape.layers, shape.hidden
+    per_rank = math.ceil(rows / max(1, inputs.gpus))
+    micro = math.ceil(per_rank / max(1, inputs.batch_size))
+    compute = per_rank * s * (2.0 * shape.flop_params + 4.0 * L * h * s) / (rates.tflops * 1e12)
+    root, blocks = shape.units[0], shape.units[1:]
+    root_padded, blocks_padded = _padded(root, f), sum(_padded(b, f) for b in blocks)
+    sharded = f > 1
+    gathered = c * (root_padded + blocks_padded)
+    traffic = micro * (gathered * (1 / f + 1) if sharded else 0) + per_rank * s * shape.vocab * (c + 4) * 2
+    memory_bound = traffic / (rates.memory_gbps * 1e9)
+    link = rates.link_gbps * 1e9
+    comm = micro * (f - 1) / f * gathered / link if sharded else 0.0
+    exposed = micro * (f - 1) / f * c * root_padded / link if sharded else 0.0
+    busy = compute + memory_bound
+    total = max(busy, comm - exposed) + exposed if rates.overlap else busy + comm
+    return {"compute_s": compute, "memory_bound_s": memory_bound, "communication_s": comm, "seconds": total}
+
+
 def candidates(shape, inputs, strategies: list[str], rates: Rates | None = None) -> list[dict[str, Any]]:  # noqa: ANN001
     """Every strategy and accumulation mode with its peak memory and predicted step time, fastest first."""
 

@@ -149,6 +149,17 @@ def test_bad_input_fails_fast_with_one_line(bad_input_runs, extra, needles):
     _no_outputs(folder)
 
 
+def test_a_missing_dataset_stops_before_the_chains_lease_and_the_model(tmp_path):
+    """Validate before building: the dataset's line comes before the chain's lease is taken (a file in the output
+    folder, or a commit on the Hub) and before the model is read, for an explicit range and for --start_idx auto."""
+    runs = [(["--model", "tiny-opt", "--dataset", "no/such/rows.jsonl", "--output_dir", str(tmp_path / f"out{i}"), *extra],
+             tmp_path, None) for i, extra in enumerate([[], ["--start_idx", "auto", "--range_size", "8"]])]  # fmt: skip
+    for proc in run_cli_concurrently(runs, timeout=120):
+        assert_clean_failure(proc, "--dataset no/such/rows.jsonl: no such file or folder")
+        assert proc.returncode == 2 and "lease" not in proc.stdout and "model" not in proc.stdout, proc.stdout
+    assert not any(tmp_path.glob("out*"))
+
+
 def test_empty_dataset_is_refused(tmp_path):
     data = tmp_path / "empty.jsonl"
     data.write_text("\n".join(json.dumps({"text": t}) for t in ["", "  ", ""]))

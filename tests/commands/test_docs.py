@@ -71,3 +71,24 @@ def test_the_version_is_one_number_everywhere():
     assert f"with fsdp-opt {VERSION}, one session per row range" in render_card("me/run", {"run": run, "checkpoints": {}})
     changelog = (ROOT / "CHANGELOG.md").read_text()
     assert f"## {VERSION} (" in changelog
+
+
+def test_a_figure_the_pages_quote_is_held_against_the_command_that_prints_it(tmp_path):
+    """`run as` / `command` name an output; `printed by` blocks and tables, and `from` figures, must be in it. A drifted
+    figure, a line no longer printed, and a quote of a name nothing defines each fail the check, one line each."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text(
+        "# x\n\n<!-- run as plan -->\n```bash\nprintf 'peak 16.54 GiB\\n| a | 1.00 |\\n| b | 2.00 |\\nstep 25.84 s\\n'\n```\n\n"
+        "<!-- printed by plan -->\n```text\npeak 16.54 GiB\nstep 25.84 s\n```\n\n"
+        "<!-- printed by plan -->\n| a | 1.00 |\n| b | 2.00 |\n\n"
+        "It needs 16.54 GiB<!-- from plan --> per GPU, a step of 25.84 s<!-- from plan -->.\n")
+    (tmp_path / "docs" / "page.md").write_text(
+        "<!-- command other: echo 'host RAM 18,330 MB' -->\n"
+        "Host RAM 18,330 MB<!-- from other -->; a step of 25.8 s<!-- from plan -->, 9.9 GiB<!-- from nothing -->.\n\n"
+        "<!-- printed by plan -->\n| b | 2.00 |\n| a | 1.00 |\n")
+    failures = run_blocks(tmp_path, command_blocks(tmp_path))
+    assert failures == [
+        "docs/page.md:2: 25.8 is not a number plan prints",
+        "docs/page.md:2: quotes nothing, which no block or command of the pages is named",
+        "docs/page.md:4: plan no longer prints '| a | 1.00 |' (or not in this order)",
+    ], failures

@@ -92,15 +92,15 @@ def _plan(*args: str) -> str:
 
 
 def test_the_plan_answers_offline_for_every_model_and_the_readme_table_is_its_output():
-    text = _plan("--model", "Qwen/Qwen2.5-1.5B", "--gpu_memory", "14.5GiB", "--host_memory", "31GB")
+    text = _plan("--model", "Qwen/Qwen2.5-1.5B", "--gpu_memory", "14.5GiB", "--host_memory", "31GB", "--global_batch", "128")
     assert "full fine-tuning does not fit 2 x 14.50 GiB; --lora_rank 16 fits" in text
-    table = _plan("--catalog", "--gpu_memory", "14.5GiB", "--host_memory", "31GB").strip()
+    table = _plan("--catalog", "--gpu_memory", "14.5GiB", "--host_memory", "31GB", "--global_batch", "128").strip()
     assert all(f"| {name} |" in table for name in SHAPES)
     page = (ROOT / "docs" / "models.md").read_text()
     block = re.search(r"<!-- models-table -->\n(.*?)\n<!-- /models-table -->", page, re.S)
     assert block, "docs/models.md has no models table"
     assert block.group(1).strip() == table, "docs/models.md's models table is stale: run python -m fsdp_opt.plan --catalog " \
-                                            "--gpu_memory 14.5GiB --host_memory 31GB"
+                                            "--gpu_memory 14.5GiB --host_memory 31GB --global_batch 128"
 
 
 def test_when_nothing_fits_even_the_changes_the_line_says_so():
