@@ -16,7 +16,8 @@ from __future__ import annotations
 import argparse
 
 from fsdp_opt.base import ConfigError
-from fsdp_opt.config.choices import DATA_FORMATS, METHODS, STRATEGIES, TRAIN_ON
+from fsdp_opt.config.choices import DATA_FORMATS, STRATEGIES, TRAIN_ON
+from fsdp_opt.config.method import METHODS
 from fsdp_opt.config.flags import OneLineParser
 from fsdp_opt.runtime.distributed import (
     end_process,

@@ -14,7 +14,8 @@ import sys
 from dataclasses import replace
 
 from fsdp_opt.base import ConfigError, gib, parse_size
-from fsdp_opt.config.choices import METHODS, PACKING_MODES, STRATEGIES, T4_MEMORY
+from fsdp_opt.config.choices import PACKING_MODES, STRATEGIES, T4_MEMORY
+from fsdp_opt.config.method import METHODS, traits
 from fsdp_opt.config.flags import OneLineParser, parse_batch, parse_bool
 from fsdp_opt.config.training import TrainConfig
 from fsdp_opt.data.resolve import DataSource
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             activation_checkpointing=a.activation_checkpointing, attn_implementation=a.attn_implementation,
             packing=a.packing, reduce_every_microbatch=a.reduce_every_microbatch, prefetch=a.prefetch,
             loss_chunk_tokens=a.loss_chunk_tokens, cuda=not a.cpu, lora_rank=a.lora_rank, lora_targets=a.lora_targets,
-            lora_dropout=a.lora_dropout if a.lora_dropout is not None else 0.0 if a.method == "dpo" else 0.05,
+            lora_dropout=a.lora_dropout if a.lora_dropout is not None else 0.05 if traits(a.method).dropout else 0.0,
             base_bits=a.base_bits, reduce_dtype="fp16" if a.reduce_dtype == "fp16" else "fp32",
             cpu_offload=a.cpu_offload, method=a.method, ref_model=a.ref_model is not None,
         )  # fmt: skip
@@ -223,8 +224,8 @@ def main(argv: list[str] | None = None) -> int:
                      + ("fits" if with_runtime <= inputs.gpu_memory and plan["strategies"][strategy]["fits"]
                         else "does NOT fit" if with_runtime > inputs.gpu_memory and not plan["strategies"][strategy]["fits"]
                         else "the two disagree")]  # fmt: skip
-    if simulate and plan.get("dpo") and not plan["dpo"]["own_model"]:
-        ref = plan["dpo"]
+    ref = plan.get(a.method) if traits(a.method).reference == "always" else None
+    if simulate and ref and not ref["own_model"]:
         got = simulate_reference(a.model, inputs, ref["strategy"])
         planned = ref["total_bytes"] - ref["components"].get("runtime", 0)
         ref["simulated"] = {**got, "planned_less_runtime": planned, "ratio": planned / got["peak_total"]}

@@ -264,6 +264,23 @@ QUICK = (
 )  # fmt: skip
 
 
+# What a training run learned (a loss drop, an accuracy, a format, an answer): these must hold under any CPU kernel.
+# CI runs them a second time under ATEN_CPU_CAPABILITY=default (`pytest -m learns`); docs/testing.md has each margin.
+LEARNS = (
+    "tests/commands/test_cli.py::test_demo_trains_and_loss_falls",
+    "tests/train/test_chat_data.py::test_the_chat_demo_learns_to_answer_in_the_template",
+    "tests/train/test_dpo.py::test_the_dpo_demo_learns_the_held_out_preferences",
+    "tests/commands/test_cli.py::test_fp16_with_loss_scaling_trains_and_counts_skipped_steps",
+    "tests/engine/test_fp16_reduce.py::test_fp16_reduce_tracks_the_fp32_reduce_over_thirty_steps",
+    "tests/engine/test_fp16_reduce.py::test_overflows_are_skipped_and_halve_the_scale_not_applied",
+    "tests/train/test_model_families.py::test_trains_learns_and_resumes_exactly",
+    "tests/train/test_model_families.py::test_first_step_is_the_rows_alone_bos_included_and_lora_trains",
+    "tests/train/test_evaluate.py::test_base_vs_checkpoints_match_reference",
+    "tests/train/test_evaluate.py::test_lora_checkpoint",
+    "tests/train/test_chat_data.py::test_lora_and_a_4bit_base_train_on_the_answers",
+)
+
+
 def pytest_collection_modifyitems(config, items):  # noqa: ANN001
     def rank(item) -> int:  # noqa: ANN001
         for i, suffix in enumerate(LONGEST_FIRST):
@@ -274,6 +291,8 @@ def pytest_collection_modifyitems(config, items):  # noqa: ANN001
     for item in items:
         if item.nodeid.startswith(QUICK):
             item.add_marker(pytest.mark.quick)
+        if item.nodeid.startswith(LEARNS):
+            item.add_marker(pytest.mark.learns)
     items.sort(key=rank)  # stable: the rest keep their order
 
 

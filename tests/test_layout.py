@@ -120,3 +120,63 @@ def test_the_checks_see_a_circle_and_an_upward_import(tmp_path, monkeypatch):
         except AssertionError:
             continue
         raise AssertionError(f"{check.__name__} missed model.sources -> train.run")
+
+
+# The method registry: the only modules that may ask which method a run trains (config/method.py names the methods
+# and their traits; train/methods/ holds their objects). Everywhere else asks a method's traits or calls its object.
+REGISTRY = ("fsdp_opt/config/method.py", "fsdp_opt/train/methods/")
+# isinstance/hasattr on these would ask which method's sequences a module holds
+METHOD_SEQUENCES = {"Pairs", "PairPlan", "Prompts", "PromptPlan"}
+
+
+def method_names() -> set[str]:
+    from fsdp_opt.config.method import METHODS
+
+    return set(METHODS)
+
+
+def naming_a_method(path: Path, names: set[str]) -> list[str]:
+    """Where a module asks which method it runs: a comparison with a method's name, an attribute named for a method
+    (`config.method.dpo`), an isinstance of a method's sequences, or hasattr for a method's part."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare):
+            for side in (node.left, *node.comparators):
+                values = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+                if any(isinstance(v, ast.Constant) and v.value in names for v in values):
+                    found.append(f"{node.lineno}: compares with a method's name")
+        elif isinstance(node, ast.Attribute) and node.attr in names:
+            if not (isinstance(node.value, ast.Name) and node.value.id == "args"):  # a command's own --dpo flag
+                found.append(f"{node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("isinstance", "hasattr"):
+            arg = node.args[1] if len(node.args) > 1 else None
+            if isinstance(arg, ast.Name) and arg.id in METHOD_SEQUENCES:
+                found.append(f"{node.lineno}: isinstance(..., {arg.id})")
+            if node.func.id == "hasattr" and isinstance(arg, ast.Constant) and arg.value in ("digest", "reference"):
+                found.append(f"{node.lineno}: hasattr(..., {arg.value!r})")
+    return found
+
+
+def test_no_module_outside_the_method_registry_names_a_method():
+    names = method_names()
+    bad = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith(REGISTRY):
+            continue
+        found = naming_a_method(path, names)
+        if found:
+            bad[rel] = found
+    assert not bad, f"modules that ask which method they run (use its traits or its object): {bad}"
+
+
+def test_the_registry_check_finds_each_way_of_naming_a_method(tmp_path):
+    code = tmp_path / "m.py"
+    code.write_text('if config.method.method == "dpo":\n    pass\n'
+                    'x = s.method in ("sft", "grpo")\n'
+                    'y = config.method.dpo\n'
+                    'z = isinstance(blocks, Pairs) or hasattr(blocks, "digest")\n'
+                    'ok = args.dpo and ["--method", "dpo"]\n')  # fmt: skip
+    assert sorted(naming_a_method(code, method_names())) == [
+        "1: compares with a method's name", "3: compares with a method's name", "4: .dpo",
+        "5: hasattr(..., 'digest')", "5: isinstance(..., Pairs)"]  # fmt: skip

@@ -14,7 +14,6 @@ STATE_DICT_TYPES = ("full", "sharded")
 PACKING_MODES = ("docs", "concat", "pad")
 # Row formats (--data_format) and which tokens carry loss (--train_on); data/formats.py reads the rows.
 DATA_FORMATS = ("auto", "text", "prompt_completion", "messages", "preference")
-METHODS = ("sft", "dpo")  # --method: what a step computes (engine/loss.py)
 TRAIN_ON = ("auto", "completion", "all")
 # --dataset's built-ins (data/sources.py builds them offline): text, conversations, preference pairs
 BUILTIN_DATASETS = ("python-docs", "python-docs-chat", "python-docs-prefs")

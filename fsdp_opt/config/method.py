@@ -1,37 +1,158 @@
-"""Flags of the training method: what a step computes (--method), and DPO's settings."""
+"""Flags of the training method (--method and each method's settings), and the methods' registry as the layers below
+the run read it: what each method asks of the data, the model and the plan (`Traits`), by method name.
+
+The run's method objects (train/methods/) are the only other place a method is named: everything else asks a
+method's traits or its object, never its name (tests/test_layout.py holds the code to that).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from fsdp_opt.base import ConfigError
-from fsdp_opt.config.choices import METHODS
 from fsdp_opt.config.flags import flag
+
+
+@dataclass(frozen=True)
+class Traits:
+    """What a method asks of the run, for the code that must not ask its name."""
+
+    rows: tuple[str, ...]  # the row formats (--data_format) it trains on
+    what: str  # the rows, in words ("preference pairs (prompt, chosen, rejected)")
+    sequences_per_row: int  # a row's sequences in a micro-batch: 1, or 2 for a preference pair
+    reference: str  # a reference model: "never", "always", or "beta" (only when --beta > 0)
+    beta: float  # --beta's default for this method
+    beta_means: str  # what --beta is
+    dropout: bool  # whether training keeps the model's dropout (off: the loss compares forwards of one model)
+    concat: bool  # whether --packing concat suits (rows joined into one document each)
+    answers_only: bool  # the loss reads the answers' tokens only (--train_on all does not suit)
+    generates: bool  # a step samples completions from the policy before its forward
+
+
+SFT = Traits(rows=("text", "prompt_completion", "messages"), what="text, prompt/completion or chat rows",
+             sequences_per_row=1, reference="never", beta=0.0, beta_means="unused", dropout=True, concat=True,
+             answers_only=False, generates=False)  # fmt: skip
+DPO = Traits(rows=("preference",), what="preference rows (prompt, chosen, rejected)", sequences_per_row=2,
+             reference="always", beta=0.1, beta_means="the strength of the pull toward the reference (DPO's beta)",
+             dropout=False, concat=False, answers_only=True, generates=False)  # fmt: skip
+GRPO = Traits(rows=("prompt",), what="prompt rows (a prompt column; the other columns go to the rewards)",
+              sequences_per_row=1, reference="beta", beta=0.0,
+              beta_means="the weight of the KL term against the reference (0: no reference model, TRL's default)",
+              dropout=False, concat=False, answers_only=True, generates=True)  # fmt: skip
+
+# --method: the registry's names, with their traits
+METHOD_TRAITS: dict[str, Traits] = {"sft": SFT, "dpo": DPO, "grpo": GRPO}
+METHODS = ("sft", "dpo")  # grpo: not yet behind --method
+DEFAULT_METHOD = METHODS[0]
+LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")  # --loss_type: what a GRPO step's loss is divided by
+SCALE_REWARDS = ("group", "batch", "none")  # --scale_rewards: the std an advantage is divided by
+
+
+def traits(method: str) -> Traits:
+    return METHOD_TRAITS[method]
 
 
 @dataclass
 class MethodConfig:
     method: str = flag(
-        "sft",
+        DEFAULT_METHOD,
         "What a step trains. sft: next-token loss on the targets of --train_on. dpo: Direct Preference Optimization on "
         "preference rows: -log sigmoid(beta x the chosen answer's log-probability ratio to the reference model minus "
-        "the rejected one's), summed log-probabilities of the answer tokens, averaged over the step's pairs.",
+        "the rejected one's), summed log-probabilities of the answer tokens, averaged over the step's pairs. grpo: "
+        "Group Relative Policy Optimization on prompt rows: --num_generations completions of each prompt, sampled from "
+        "the policy, scored by --reward, each pushed up or down by its reward against its group's (TRL's loss).",
         choices=METHODS,
     )
-    beta: float = flag(0.1, "--method dpo: the strength of the pull toward the reference model (beta of DPO's loss).")
+    beta: float | None = flag(
+        None,
+        "--method dpo: the strength of the pull toward the reference model (DPO's beta; default 0.1). --method grpo: "
+        "the weight of the KL term against the reference model (default 0: no reference model, as TRL).",
+    )
     ref_model: str | None = flag(
         None,
-        "--method dpo: the reference model (a Hub id or local folder, as --model). Default: the model the chain "
-        "started from, which the chain records (a resumed session never takes it from its checkpoint); a LoRA run "
-        "without it uses its base with the adapters switched off.",
+        "--method dpo (or grpo with --beta > 0): the reference model (a Hub id or local folder, as --model). Default: "
+        "the model the chain started from, which the chain records (a resumed session never takes it from its "
+        "checkpoint); a LoRA run without it uses its base with the adapters switched off.",
     )
+    num_generations: int = flag(8, "--method grpo: completions sampled per prompt (G, a group).")
+    max_completion_length: int = flag(256, "--method grpo: the most tokens a completion has (its end of text included).")
+    temperature: float = flag(1.0, "--method grpo: the sampling temperature; the log-probabilities are of the logits "
+                                   "divided by it, as the completions were drawn.")  # fmt: skip
+    top_p: float = flag(1.0, "--method grpo: nucleus sampling's share of the probability (1.0: off).")
+    top_k: int = flag(0, "--method grpo: sample among the k likeliest tokens only (0: off; 1: greedy).")
+    epsilon: float = flag(0.2, "--method grpo: the clip range below 1 of the probability ratio.")
+    epsilon_high: float | None = flag(None, "--method grpo: the clip range above 1 (default: --epsilon).")
+    loss_type: str = flag(
+        "dapo",
+        "--method grpo: what the step's summed token losses are divided by. dapo: the step's completion tokens, all "
+        "ranks; grpo: each completion's own tokens (a mean per completion), then the completions; dr_grpo: completions "
+        "x --max_completion_length; bnpo: each micro-batch's completion tokens.",
+        choices=LOSS_TYPES,
+    )
+    scale_rewards: str = flag(
+        "group",
+        "--method grpo: an advantage is its reward less its group's mean, divided by the std of its group (group), of "
+        "the step's rewards (batch), or by nothing (none); plus 1e-4.",
+        choices=SCALE_REWARDS,
+    )
+    mask_truncated_completions: bool = flag(False, "--method grpo: a completion that never ends carries no loss.")
+    reward: str | None = flag(
+        None,
+        "--method grpo: the reward functions, comma-separated (or the flag repeated): a built-in (accuracy, format, "
+        "length), path/to/file.py:function or module:function, called as TRL calls them: f(prompts=, completions=, "
+        "completion_ids=, **columns), one float (or None) per completion.",
+        action="append",
+    )
+    reward_weights: str | None = flag(None, "--method grpo: a weight per reward function, comma-separated (default 1 each).")
 
     def __post_init__(self) -> None:
-        if not self.beta > 0:
+        t = traits(self.method)
+        if isinstance(self.reward, list):  # repeated, comma-separated or both: one comma-separated value
+            self.reward = ",".join(n.strip() for given in self.reward for n in given.split(",") if n.strip()) or None
+        if self.beta is None:
+            self.beta = t.beta  # the flag's default is this method's
+        if self.method == "dpo" and not self.beta > 0:
             raise ConfigError(f"--beta {self.beta}: must be greater than 0")
-        if self.method != "dpo" and self.ref_model is not None:
-            raise ConfigError(f"--ref_model {self.ref_model}: only with --method dpo")
+        if self.beta < 0:
+            raise ConfigError(f"--beta {self.beta}: must be 0 or more")
+        if self.ref_model is not None and not self.uses_reference:
+            raise ConfigError(f"--ref_model {self.ref_model}: only with --method dpo, or grpo with --beta above 0")
+        if not t.generates:
+            given = [f for f in ("reward", "reward_weights") if getattr(self, f) is not None]
+            if given:
+                raise ConfigError(f"--{given[0]}: only with --method grpo")
+            return
+        if self.num_generations < 2:
+            raise ConfigError(f"--num_generations {self.num_generations}: must be 2 or more (an advantage compares a "
+                              "completion with the rest of its group)")  # fmt: skip
+        if self.max_completion_length < 1:
+            raise ConfigError(f"--max_completion_length {self.max_completion_length}: must be 1 or more")
+        if not self.temperature > 0:
+            raise ConfigError(f"--temperature {self.temperature}: must be greater than 0")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"--top_p {self.top_p}: must be in (0, 1]")
+        if self.top_k < 0:
+            raise ConfigError(f"--top_k {self.top_k}: must be 0 (off) or more")
+        if not 0 <= self.epsilon < 1 or (self.epsilon_high is not None and self.epsilon_high < 0):
+            raise ConfigError(f"--epsilon {self.epsilon}: must be in [0, 1) (and --epsilon_high 0 or more)")
+        if not self.reward:
+            raise ConfigError("--reward: --method grpo needs at least one reward function (a built-in: accuracy, "
+                              "format, length; or path/to/file.py:function)")  # fmt: skip
 
     @property
-    def dpo(self) -> bool:
-        return self.method == "dpo"
+    def traits(self) -> Traits:
+        return traits(self.method)
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the run scores against a reference model (DPO always; GRPO with a KL term)."""
+        r = self.traits.reference
+        return r == "always" or (r == "beta" and bool(self.beta and self.beta > 0))
+
+    @property
+    def reward_names(self) -> list[str]:
+        return [n for n in (self.reward or "").split(",") if n]
+
+    @property
+    def clip_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high

@@ -12,7 +12,7 @@ from fsdp_opt.base import VERSION, ConfigError
 from fsdp_opt.config.choices import AUTO
 from fsdp_opt.config.flags import OneLineParser, parse_bool
 from fsdp_opt.config.storage import CheckpointConfig, HubConfig, WandbConfig
-from fsdp_opt.config.method import MethodConfig
+from fsdp_opt.config.method import METHOD_TRAITS, SFT, MethodConfig, traits
 from fsdp_opt.config.training import DataConfig, LoraConfig, ModelConfig, ParallelConfig, TrainConfig
 
 SECTIONS: dict[str, type] = {
@@ -111,18 +111,22 @@ def check_auto_flags(config: Config) -> None:
 
 def check_method_flags(config: Config) -> None:
     """--method against the data flags, as typed (the format found from the columns is checked with the data)."""
-    dc = config.data
-    if config.method.dpo:
-        if dc.data_format not in ("auto", "preference"):
-            raise ConfigError(f"--method dpo: trains on preference rows (prompt, chosen, rejected), not --data_format "
-                              f"{dc.data_format}")  # fmt: skip
-        if dc.train_on == "all":
-            raise ConfigError("--train_on all: not with --method dpo (a pair is compared on its answers' tokens)")
-        if dc.packing == "concat":
-            raise ConfigError("--packing concat: not with --method dpo (each answer must stay one document; use docs "
-                              "or pad)")  # fmt: skip
-    elif dc.data_format == "preference":
-        raise ConfigError("--data_format preference: preference rows train with --method dpo")
+    dc, name, t = config.data, config.method.method, config.method.traits
+    if dc.data_format != "auto" and dc.data_format not in t.rows:
+        owner = next((m for m, other in METHOD_TRAITS.items() if dc.data_format in other.rows and other.rows != SFT.rows),
+                     None)  # fmt: skip
+        if owner is not None and t.rows == SFT.rows:
+            raise ConfigError(f"--data_format {dc.data_format}: {traits(owner).what.split(' (')[0]} train with "
+                              f"--method {owner}")  # fmt: skip
+        raise ConfigError(f"--method {name}: trains on {t.what}, not --data_format {dc.data_format}")
+    if t.answers_only and dc.train_on == "all":
+        raise ConfigError(f"--train_on all: not with --method {name} (its loss reads the answers' tokens only)")
+    if not t.concat and dc.packing == "concat":
+        raise ConfigError(f"--packing concat: not with --method {name} (each sequence must stay one document; use docs "
+                          "or pad)")  # fmt: skip
+    if t.generates and config.method.max_completion_length >= dc.max_length:
+        raise ConfigError(f"--max_completion_length {config.method.max_completion_length}: must be below --max_length "
+                          f"{dc.max_length} (a prompt and its completion share a sequence)")  # fmt: skip
 
 
 def check_chain_flags(config: Config) -> None:

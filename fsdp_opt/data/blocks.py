@@ -8,6 +8,7 @@ do not. That is what lets a run continue on another number of GPUs.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -90,6 +91,15 @@ class Blocks:
     @property
     def max_length(self) -> int:
         return self.input_ids.shape[1]
+
+    def digest(self) -> str:
+        """A fingerprint of the token ids, lengths and targets (the data pin's)."""
+        digest = hashlib.sha256()
+        digest.update(self.input_ids.numpy().tobytes())
+        digest.update(self.lengths.numpy().tobytes())
+        if self.targets is not None:
+            digest.update(self.targets.numpy().tobytes())
+        return digest.hexdigest()[:32]
 
     def target_counts(self) -> torch.Tensor:
         """Predicted tokens per block: real tokens that carry loss, except a block's and each document's first."""

@@ -21,7 +21,6 @@ import hashlib
 import json
 from typing import Any
 
-from fsdp_opt.data.blocks import Blocks
 from fsdp_opt.data.resolve import DataSource
 
 PIN_KEY = "data_pin"  # of a checkpoint's payload and of its Hub index entry
@@ -44,15 +43,9 @@ def rows_digest(rows: list[dict[str, Any]], indices: list[int]) -> str:
     return digest.hexdigest()[:32]
 
 
-def tokens_digest(blocks: Blocks) -> str:
-    if hasattr(blocks, "digest"):  # preference pairs (data/pairs.py)
-        return blocks.digest()
-    digest = hashlib.sha256()
-    digest.update(blocks.input_ids.numpy().tobytes())
-    digest.update(blocks.lengths.numpy().tobytes())
-    if blocks.targets is not None:
-        digest.update(blocks.targets.numpy().tobytes())
-    return digest.hexdigest()[:32]
+def tokens_digest(sequences: Any) -> str:
+    """The token fingerprint of what a step reads (blocks, preference pairs, prompts): each makes its own digest."""
+    return sequences.digest()
 
 
 def described(source: dict[str, Any] | None) -> str:

@@ -87,7 +87,8 @@ def python_docs_preference_rows(min_chars: int = 200, max_chars: int | None = No
     message where the conversation has one), the chosen answer the right title, the rejected one a wrong title: that
     of a documentation topic with no paragraph long enough to be a training row (paragraphs of 200 characters or
     more), so the preference is one a small model can learn in a minute (which titles are never the answer) and hold
-    on the held-out rows."""
+    on the held-out rows. A held-out row whose right title is itself one of those is left out: its pair would set one
+    never-answer title against another, a preference nothing in training teaches."""
     trained = {t for t, _ in _python_docs_paragraphs(BUILTIN_SPLITS["train"][0])}
     titles = sorted({t for t, _ in _python_docs_paragraphs(1)})
     wrong = [t for t in titles if t not in trained]
@@ -95,6 +96,8 @@ def python_docs_preference_rows(min_chars: int = 200, max_chars: int | None = No
     for k, conversation in enumerate(python_docs_chat_rows(min_chars, max_chars)):
         first = next(i for i, m in enumerate(conversation) if m["role"] == "assistant")
         title = conversation[first]["content"]
+        if title in wrong:
+            continue
         rejected = next(w for j in range(len(wrong)) if (w := wrong[(k + j) % len(wrong)]) != title)
         rows.append({"prompt": conversation[:first], "chosen": [{"role": "assistant", "content": title}],
                      "rejected": [{"role": "assistant", "content": rejected}]})  # fmt: skip

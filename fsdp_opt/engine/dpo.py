@@ -72,6 +72,59 @@ def micro_logps(model: nn.Module, pairs: Pairs, members: list[int], device: torc
     return sequence_logps(token_logps(out, batch["labels"], chunked), slot, 2 * len(members)), out
 
 
+class PairLoss:
+    """--method dpo's step (engine/step.py StepLoss): each micro-batch's pairs, their summed answer log-probabilities
+    against the reference's, the loss a mean over the step's pairs (each micro-batch's sum divided by the step's
+    global count of pairs). `reference`: the reference's log-probabilities of each training sequence (2 per pair)."""
+
+    names = STATS
+
+    def __init__(self, reference: torch.Tensor, beta: float) -> None:
+        self.reference, self.beta = reference, beta
+
+    def prepare(self, s, step) -> None:  # noqa: ANN001
+        pass
+
+    def accumulate(self, s, step, scale: float) -> torch.Tensor:  # noqa: ANN001
+        model, env = s.model, s.env
+        weight = scale / max(1, step.loss_units)
+        stats = torch.zeros(len(STATS), device=env.device, dtype=torch.float32)
+        n_micro = len(step.micro_batches)
+        for i, members in enumerate(step.micro_batches):
+            if not s.reduce_each_microbatch:
+                model.set_requires_gradient_sync(i == n_micro - 1)
+            pi, out = micro_logps(model, s.blocks, members, env.device, s.chunked_loss)
+            if members:
+                terms = dpo_terms(pi, self.reference[self._seqs(members)].to(env.device), self.beta)
+                loss = terms[0].sum()
+                stats += terms.sum(1).detach()
+            else:  # a filler micro-batch: no pair, but the same backward (and collectives) as every rank's
+                loss = out.float().sum() * 0.0
+            (loss * weight).backward()
+        return stats
+
+    def first_loss(self, s, first) -> torch.Tensor:  # noqa: ANN001
+        """The first micro-batch's summed pair loss and its pairs (this rank's)."""
+        total = torch.zeros(2, device=s.env.device, dtype=torch.float32)
+        members = first.micro_batches[0] if first is not None else []
+        pi, _ = micro_logps(s.model, s.blocks, members, s.env.device, s.chunked_loss)
+        if members:
+            total[0] = dpo_terms(pi, self.reference[self._seqs(members)].to(s.env.device), self.beta)[0].sum()
+            total[1] = len(members)
+        return total
+
+    def record(self, sums: dict[str, float], step) -> dict[str, float | int]:  # noqa: ANN001
+        """The step's means over its pairs."""
+        pairs = max(1, step.loss_units)
+        chosen, rejected = sums["rewards_chosen"] / pairs, sums["rewards_rejected"] / pairs
+        return {"pairs": step.loss_units, "rewards_chosen": chosen, "rewards_rejected": rejected,
+                "margin": chosen - rejected, "accuracy": sums["accuracy"] / pairs}  # fmt: skip
+
+    @staticmethod
+    def _seqs(members: list[int]) -> torch.Tensor:
+        return torch.tensor([2 * p + k for p in members for k in (0, 1)])
+
+
 @dataclass
 class Reference:
     """The reference model's summed answer log-probabilities of each sequence of a slice's pairs (and of its

@@ -16,7 +16,6 @@ from torch import nn
 
 from fsdp_opt.config.parse import Config
 from fsdp_opt.data.blocks import Blocks, StepBatch, StepPlan, model_inputs
-from fsdp_opt.engine.dpo import STATS, dpo_terms, micro_logps
 from fsdp_opt.engine.loss import ChunkedLoss, causal_lm_loss_sum
 from fsdp_opt.engine.optim import LossScaler, LRSchedule, global_grad_norm, unscale_and_clip_
 from fsdp_opt.runtime.distributed import (
@@ -45,86 +44,90 @@ class StepRun(Protocol):
     flops_per_token: float
     peak_flops: float | None
     last_loss: float
-    reference: torch.Tensor | None  # --method dpo: the reference's summed log-probabilities of each sequence
+    loss: StepLoss  # what the run's method computes in a step
 
 
-def accumulate(s: StepRun, step: StepBatch, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Forward and backward over this rank's micro-batches of `step`; returns this rank's summed loss (and for
-    --method dpo its sums of STATS).
+class StepLoss(Protocol):
+    """What a training method computes in a step, which train_step runs without asking which method it is: a phase
+    before the forward (sampling, for a method that generates), then its sums over this rank's micro-batches (forward
+    and backward), the first of them the loss's. The sums are all-reduced together; `record` turns the step's totals
+    into its metrics fields beyond the common ones."""
+
+    names: tuple[str, ...]  # the sums `accumulate` returns, the loss's sum first
+
+    def prepare(self, s: StepRun, step: StepBatch) -> None: ...
+
+    def accumulate(self, s: StepRun, step: StepBatch, scale: float) -> torch.Tensor: ...
+
+    def first_loss(self, s: StepRun, first: StepBatch | None) -> torch.Tensor: ...
+
+    def record(self, sums: dict[str, float], step: StepBatch) -> dict[str, Any]: ...
+
+
+class TokenLoss:
+    """--method sft: the token-mean cross-entropy of the targets, normalised by the step's global count of target
+    tokens (each micro-batch's sum divided by it)."""
+
+    names = ("loss",)
+
+    def prepare(self, s: StepRun, step: StepBatch) -> None:
+        pass
+
+    def accumulate(self, s: StepRun, step: StepBatch, scale: float) -> torch.Tensor:
+        model, env = s.model, s.env
+        weight = scale / max(1, step.target_tokens)
+        loss_sum = torch.zeros(1, device=env.device, dtype=torch.float32)
+        n_micro = len(step.micro_batches)
+        for i, index in enumerate(step.micro_batches):
+            if not s.reduce_each_microbatch:
+                model.set_requires_gradient_sync(i == n_micro - 1)
+            batch = s.blocks.batch(index, env.device)
+            loss = self._loss_sum(s, batch)
+            (loss * weight).backward()
+            loss_sum += loss.detach()
+        return loss_sum
+
+    def first_loss(self, s: StepRun, first: StepBatch | None) -> torch.Tensor:
+        total = torch.zeros(2, device=s.env.device, dtype=torch.float32)
+        if first is not None and first.micro_batches:
+            batch = s.blocks.batch(first.micro_batches[0], s.env.device)
+            total[0] = self._loss_sum(s, batch).float()
+            total[1] = (batch["labels"][:, 1:] != -100).sum()
+        return total
+
+    def record(self, sums: dict[str, float], step: StepBatch) -> dict[str, Any]:
+        return {}
+
+    @staticmethod
+    def _loss_sum(s: StepRun, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        chunked = s.chunked_loss
+        with chunked.hidden_states() if chunked else nullcontext():
+            # With a chunked loss `.logits` holds the final hidden states: the projection runs in the loss.
+            out = s.model(**model_inputs(batch)).logits
+        return chunked.loss_sum(out, batch["labels"]) if chunked else causal_lm_loss_sum(out, batch["labels"])
+
+
+def accumulate(s: StepRun, step: StepBatch, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward over this rank's micro-batches of `step` (the run's method: `s.loss`); returns this rank's
+    summed loss and every sum the method keeps.
 
     The gradients add up to `scale` times the mean over the whole step (all ranks): each micro-batch's loss sum is
     divided by the step's global count of what the loss is a mean over (target tokens; pairs for DPO).
     """
-    if s.reference is not None:
-        return accumulate_pairs(s, step, scale)
-    model, env = s.model, s.env
-    weight = scale / max(1, step.target_tokens)
-    loss_sum = torch.zeros((), device=env.device, dtype=torch.float32)
-    n_micro = len(step.micro_batches)
-    for i, index in enumerate(step.micro_batches):
-        if not s.reduce_each_microbatch:
-            model.set_requires_gradient_sync(i == n_micro - 1)
-        batch = s.blocks.batch(index, env.device)
-        chunked = s.chunked_loss
-        with chunked.hidden_states() if chunked else nullcontext():
-            # With a chunked loss `.logits` holds the final hidden states: the projection runs in the loss.
-            out = model(**model_inputs(batch)).logits
-        loss = chunked.loss_sum(out, batch["labels"]) if chunked else causal_lm_loss_sum(out, batch["labels"])
-        (loss * weight).backward()
-        loss_sum += loss.detach()
-    return loss_sum, None
-
-
-def accumulate_pairs(s: StepRun, step: StepBatch, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """--method dpo: each micro-batch's pairs, their summed answer log-probabilities against the reference's."""
-    model, env, beta = s.model, s.env, s.config.method.beta
-    weight = scale / max(1, step.loss_units)
-    stats = torch.zeros(len(STATS), device=env.device, dtype=torch.float32)
-    n_micro = len(step.micro_batches)
-    for i, members in enumerate(step.micro_batches):
-        if not s.reduce_each_microbatch:
-            model.set_requires_gradient_sync(i == n_micro - 1)
-        pi, out = micro_logps(model, s.blocks, members, env.device, s.chunked_loss)
-        if members:
-            seqs = torch.tensor([2 * p + k for p in members for k in (0, 1)])
-            terms = dpo_terms(pi, s.reference[seqs].to(env.device), beta)
-            loss = terms[0].sum()
-            stats += terms.sum(1).detach()
-        else:  # a filler micro-batch: no pair, but the same backward (and collectives) as every rank's
-            loss = out.float().sum() * 0.0
-        (loss * weight).backward()
-    return stats[0].clone(), stats
+    sums = s.loss.accumulate(s, step, scale)
+    return sums[0].clone(), sums
 
 
 def first_batch_loss(s: StepRun) -> torch.Tensor:
     """The mean loss of this session's first micro-batch (summed over ranks), in eval mode: no dropout draws, so the
     training that follows is the same with or without this forward. Every rank calls it."""
     first = next(iter(s.plan.steps(s.state.epoch, s.state.offset)), None)
-    total = torch.zeros(2, device=s.env.device, dtype=torch.float32)
-    if s.reference is not None:  # --method dpo: the first micro-batch's mean pair loss
-        members = first.micro_batches[0] if first is not None else []
-        s.model.eval()
-        try:
-            with torch.no_grad():
-                pi, _ = micro_logps(s.model, s.blocks, members, s.env.device, s.chunked_loss)
-        finally:
-            s.model.train()
-        if members:
-            seqs = torch.tensor([2 * p + k for p in members for k in (0, 1)])
-            total[0] = dpo_terms(pi, s.reference[seqs].to(s.env.device), s.config.method.beta)[0].sum()
-            total[1] = len(members)
-    elif first is not None and first.micro_batches:
-        batch = s.blocks.batch(first.micro_batches[0], s.env.device)
-        s.model.eval()
-        try:
-            chunked = s.chunked_loss
-            with chunked.hidden_states() if chunked else nullcontext():
-                out = s.model(**model_inputs(batch)).logits
-            loss = chunked.loss_sum(out, batch["labels"]) if chunked else causal_lm_loss_sum(out, batch["labels"])
-        finally:
-            s.model.train()
-        total[0] = loss.float()
-        total[1] = (batch["labels"][:, 1:] != -100).sum()
+    s.model.eval()
+    try:
+        with torch.no_grad():
+            total = s.loss.first_loss(s, first)
+    finally:
+        s.model.train()
     if s.env.world_size > 1:
         dist.all_reduce(total)
     return total[0] / total[1].clamp(min=1)
@@ -137,14 +140,14 @@ def train_step(s: StepRun, step: StepBatch) -> dict[str, Any]:
     for group in s.optimizer.param_groups:
         group["lr"] = lr
     scale = s.scaler.scale
-    loss_sum, stats = accumulate(s, step, scale)
+    s.loss.prepare(s, step)
+    _, reduced = accumulate(s, step, scale)
     scaled_norm = global_grad_norm(s.params)
-    reduced = loss_sum.reshape(1) if stats is None else stats
     if env.world_size > 1:
         dist.all_reduce(reduced)
     # The one host sync of the step: loss for the log, norm for the skip decision (same on all ranks).
     values = torch.cat([reduced, scaled_norm.float().to(reduced.device).reshape(1)]).tolist()
-    loss_total, norm_scaled, sums = values[0], values[-1], values[:-1]
+    loss_total, norm_scaled, sums = values[0], values[-1], dict(zip(s.loss.names, values[:-1]))
     finite = math.isfinite(loss_total) and math.isfinite(norm_scaled)
     if finite:
         unscale_and_clip_(s.params, scaled_norm, scale, s.config.train.max_grad_norm)
@@ -173,11 +176,7 @@ def train_step(s: StepRun, step: StepBatch) -> dict[str, Any]:
         "slice": f"{s.config.data.start_idx}-{s.end_idx}",
         "skipped_rate": 0.0,  # set by the loop's SkipWatch
     }
-    if stats is not None:  # --method dpo: the step's means over its pairs
-        pairs = max(1, step.loss_units)
-        chosen, rejected, accuracy = (v / pairs for v in sums[1:])
-        record.update(pairs=step.loss_units, rewards_chosen=chosen, rewards_rejected=rejected, margin=chosen - rejected,
-                      accuracy=accuracy)  # fmt: skip
+    record.update(s.loss.record(sums, step))
     if s.peak_flops:
         # The model computes every real token, answers or not: utilisation counts the tokens seen.
         record["mfu"] = seen_per_second * s.flops_per_token / (s.peak_flops * env.world_size)

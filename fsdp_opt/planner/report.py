@@ -14,6 +14,7 @@ from fsdp_opt.base import gib
 from fsdp_opt.config.choices import STRATEGIES
 from fsdp_opt.model.shapes import Shape, model_config
 from fsdp_opt.planner.disk import disk_and_hub, disk_line
+from fsdp_opt.config.method import traits
 from fsdp_opt.planner.dpo import reference_line, reference_pass
 from fsdp_opt.planner.host import host_memory as host_phases
 from fsdp_opt.planner.host import render_host
@@ -94,11 +95,11 @@ def make_plan(model: str, inputs: Inputs, *, disk: int, host_memory: int, keep_l
             shape, host_memory, save_optimizer, saved,
         ),
     }
-    if inputs.method == "dpo":
+    if traits(inputs.method).reference == "always":  # a pass of the reference before training, keyed by the method
         strategy = next((s for s in ("FULL_SHARD", "HYBRID_SHARD", "SHARD_GRAD_OP", "NO_SHARD") if s in strategies))
         own = bool(inputs.lora_rank) and not inputs.ref_model
-        plan["dpo"] = reference_pass(shape, strategy, inputs, rates, own)
-        plan["dpo"]["strategy"] = strategy
+        plan[inputs.method] = reference_pass(shape, strategy, inputs, rates, own)
+        plan[inputs.method]["strategy"] = strategy
     plan["recommended_line"] = recommended_line(recommended, given if samples == inputs.batch_size * inputs.accum_steps * inputs.gpus else None, samples)
     return plan
 
@@ -137,8 +138,9 @@ def render(plan: dict[str, Any]) -> str:
                      "reduce-scattered, so they are not added to them)")
 
     lines += ["", *render_configurations(plan), plan["recommended_line"], plan["gpu_count_line"]]
-    if plan.get("dpo"):
-        lines.append(reference_line(plan["dpo"], plan["dpo"]["strategy"], i["gpu_memory"]))
+    ref = plan.get(i["method"]) if traits(i["method"]).reference == "always" else None
+    if ref:
+        lines.append(reference_line(ref, ref["strategy"], i["gpu_memory"]))
     if plan.get("fits_with_line"):
         lines.append(plan["fits_with_line"])
     a, c, d, r = plan["activations"], plan["checkpoints"], plan["disk"], plan["host_ram"]

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from fsdp_opt.base import GIB, MIB
 from fsdp_opt.config.choices import DTYPES, shard_count
+from fsdp_opt.config.method import traits
 from fsdp_opt.config.training import LoraConfig
 from fsdp_opt.data.packing import document_mask, segment_positions
 from fsdp_opt.data.pairs import Pairs
@@ -160,7 +161,7 @@ def simulate(model_name: str, inputs, strategy: str, *, fake: bool = True, micro
     shard_model(model, env, strategy=strategy, precision=inputs.precision,
                     activation_checkpointing=inputs.activation_checkpointing, prefetch=inputs.prefetch)  # fmt: skip
     micro = min(micro_batches, inputs.accum_steps)
-    pairs = DpoMicroBatch(config.vocab_size, inputs, env.device) if inputs.method == "dpo" else None
+    pairs = DpoMicroBatch(config.vocab_size, inputs, env.device) if traits(inputs.method).sequences_per_row == 2 else None
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext()
     with mode:
         model.to_empty(device=env.device)
@@ -184,7 +185,7 @@ def simulate(model_name: str, inputs, strategy: str, *, fake: bool = True, micro
                 if not inputs.reduce_every_microbatch:
                     model.set_requires_gradient_sync(i == micro - 1)
                 tracker.reset_mod_stats()  # the tracker follows one forward per module between resets
-                if inputs.method == "dpo":  # the engine's pair loss, from the engine's packed pairs
+                if pairs is not None:  # the engine's pair loss, from the engine's packed pairs
                     batch, (loss, out) = None, pairs.loss(model, chunked)
                 else:
                     batch = micro_batch(config.vocab_size, inputs, env.device)

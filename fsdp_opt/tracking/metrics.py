@@ -47,10 +47,11 @@ class MetricsWriter:
         self.path = Path(output_dir) / METRICS_FILE
         self.enabled = enabled
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: dict[str, Any], method_fields: tuple[str, ...] = ()) -> None:
+        """`method_fields`: those the run's method adds (DPO_FIELDS, GRPO_FIELDS), which the record must hold too."""
         if not self.enabled:
             return
-        missing = [f for f in METRICS_FIELDS if f not in record]
+        missing = [f for f in (*METRICS_FIELDS, *method_fields) if f not in record]
         if missing:
             raise KeyError(f"metrics record lacks {missing}")
         self.path.parent.mkdir(parents=True, exist_ok=True)

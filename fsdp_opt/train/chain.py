@@ -26,7 +26,6 @@ from fsdp_opt.hub.lease import FileLease, HubLease, Lease, Outcome, hold_seconds
 from fsdp_opt.hub.store import HubStore, newest_checkpoint, newest_pin
 from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, broadcast_object, print0
 from fsdp_opt.runtime.stopping import StopControl
-from fsdp_opt.train import reference
 from fsdp_opt.train.inputs import SliceData, read_slice
 from fsdp_opt.train.saving import save_estimate
 from fsdp_opt.train.session import Session, seed_dropout, step_plan
@@ -146,14 +145,14 @@ def next_in_session(s: Session, stop: StopControl, trained_here: int) -> bool:
     if reason:
         print0(f"chain: {reason}: the next session goes on with [{after[0]}, {after[1]})")
         return False
-    if s.dpo is not None and s.dpo["ref_model"] != reference.ADAPTERS_OFF:
-        print0(f"chain: --method dpo scores a range with its reference model before the trainable model is built: the "
-               f"next session goes on with [{after[0]}, {after[1]})")  # fmt: skip
+    why_not = s.method.further_range(s)
+    if why_not:
+        print0(f"chain: {why_not}: the next session goes on with [{after[0]}, {after[1]})")
         return False
     config = range_config(s.config, NextRange(*after, resume=s.last_saved_path.name if s.last_saved_path else None,
                                               finishing=False))  # fmt: skip
-    data = read_slice(config, s.tokenizer, s.model_config, s.data_revision, s.data_pin)
-    steps = step_plan(config, s.env, data.blocks, s.layout.batch_size, s.accum_steps).steps_per_epoch()
+    data = read_slice(config, s.tokenizer, s.model_config, s.method, s.data_revision, s.data_pin)
+    steps = step_plan(config, s.env, s.method, data.blocks, s.layout.batch_size, s.accum_steps).steps_per_epoch()
     step_s = statistics.median(s.step_seconds) if s.step_seconds else 0.0
     left = stop.seconds_left()
     fits = broadcast_object(range_fits(steps, step_s, save_estimate(s), left) if s.env.is_main else None)
@@ -163,12 +162,7 @@ def next_in_session(s: Session, stop: StopControl, trained_here: int) -> bool:
                "the next session starts it")  # fmt: skip
         return False
     switch_range(s, config, data)
-    if s.dpo is not None:  # the adapters-off reference of the new range's pairs
-        found = reference.finish(reference.ADAPTERS_OFF, [None, None], s.model, s.env, s.layout.batch_size, data.blocks,
-                                 data.eval_blocks)  # fmt: skip
-        s.reference = found[0].for_pairs(data.blocks)
-        s.eval_reference = found[1].for_pairs(data.eval_blocks) if data.eval_blocks is not None else None
-        s.dpo = reference.record(reference.ADAPTERS_OFF, s.config.method.beta, found)
+    s.method.switch_range(s, data)
     return True
 
 
@@ -179,7 +173,7 @@ def switch_range(s: Session, config: Config, data: SliceData) -> None:
     if s.data_pin is not None:  # rank 0
         s.data_pin = with_range(s.data_pin, s.data_pin["source"], config.data.start_idx, data.end_idx, data.rows_digest,
                                 data.tokens_digest, packed_as(config.data.max_length, config.data.packing))  # fmt: skip
-    s.plan = step_plan(config, s.env, data.blocks, s.layout.batch_size, s.accum_steps)
+    s.plan = step_plan(config, s.env, s.method, data.blocks, s.layout.batch_size, s.accum_steps)
     s.state = TrainState(s.state.global_step, config.train.initial_epoch, 0)
     seed_dropout(config, s.env)
     s.chain = dataclasses.replace(s.chain, start=config.data.start_idx, end=data.end_idx)

@@ -18,22 +18,22 @@ from fsdp_opt.checkpoint.loading import load_into
 from fsdp_opt.checkpoint.read import check_compatible, read_checkpoint
 from fsdp_opt.config.choices import DTYPES, shard_count
 from fsdp_opt.config.training import DataConfig, LoraConfig, ModelConfig
-from fsdp_opt.config.method import MethodConfig
+from fsdp_opt.config.method import DEFAULT_METHOD, MethodConfig
+from fsdp_opt.config.parse import Config
 from fsdp_opt.data.formats import held_out_rows, held_out_split
 from fsdp_opt.data.pin import PIN_KEY, pinned_revision
 from fsdp_opt.data.resolve import DataSource
 from fsdp_opt.data.sources import open_source
 from fsdp_opt.data.tokens import end_of_turn, generation_prompt, read_template
-from fsdp_opt.engine.dpo import evaluate_pairs
-from fsdp_opt.engine.evaluation import evaluate_loss, generate
+from fsdp_opt.engine.evaluation import generate
 from fsdp_opt.hub.store import find_resume
 from fsdp_opt.model.adapters import Adapters, check_resume
 from fsdp_opt.model.families import mask_pattern
 from fsdp_opt.model.parallelize import initialize, resolve_precision, shard_model, tie_and_check
-from fsdp_opt.model.sources import build_meta_model, load_model_config, load_tokenizer, resolve_model, without_dropout
+from fsdp_opt.model.sources import build_meta_model, load_model_config, load_tokenizer, resolve_model
 from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, broadcast_object, print0, rank0_first
-from fsdp_opt.train.inputs import data_spec, tokens_of
-from fsdp_opt.train.reference import ADAPTERS_OFF, score_model
+from fsdp_opt.train.inputs import data_spec
+from fsdp_opt.train.methods import REGISTRY, method_for
 
 DEFAULT_EVAL_ROWS = 200
 
@@ -42,21 +42,7 @@ def report_markdown(results: dict[str, Any] | str | Path) -> str:
     """An evaluation report (`--json`) as Markdown: the table of models, then the samples side by side."""
     if not isinstance(results, dict):
         results = json.loads(Path(results).read_text())
-    if results.get("method") == "dpo":
-        lines = [f"Held-out preference pairs {results['rows']} of `{results['dataset']}` ({results['models'][0]['pairs']:,} "
-                 f"pairs), against the reference {results['reference']} (beta {results['beta']:g}):", "",
-                 "| model | DPO loss | accuracy | reward margin | chosen reward | rejected reward |",
-                 "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
-        lines += [f"| {r['name']} | {r['loss']:.4f} | {r['accuracy']:.1%} | {r['margin']:.4f} | {r['rewards_chosen']:.4f} | "
-                  f"{r['rewards_rejected']:.4f} |" for r in results["models"]]  # fmt: skip
-    else:
-        lines = [
-            f"Held-out rows {results['rows']} of `{results['dataset']}` ({results['models'][0]['tokens']:,} target tokens):",
-            "",
-            "| model | eval loss | perplexity |",
-            "| --- | --- | --- |",
-        ]
-        lines += [f"| {r['name']} | {r['loss']:.4f} | {r['perplexity']:.2f} |" for r in results["models"]]
+    lines = REGISTRY[results.get("method") or DEFAULT_METHOD].table(results)
     cell = lambda text: text.strip().replace("|", "\\|").replace(chr(10), " / ")  # noqa: E731
     for sample in results.get("samples", []):
         lines += ["", f"**Prompt:** {cell(sample['prompt'])}", "", "| model | continuation |", "| --- | --- |"]
@@ -110,7 +96,8 @@ def _trained_from(entries: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[s
     flags = dict(payload.get("config") or {})
     flags["chat_template_text"] = payload.get("chat_template")
     flags[PIN_KEY] = payload.get(PIN_KEY)
-    flags["dpo_reference"] = (payload.get("dpo") or {}).get("ref_model")
+    method = REGISTRY[flags.get("method") or DEFAULT_METHOD]
+    flags["reference"] = (payload.get(method.state_key) or {}).get("ref_model") if method.state_key else None
     return flags, payload.get("slice") or {}
 
 
@@ -196,10 +183,11 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
     if start is None and dc.eval_split is None:
         raise ConfigError("--start_idx: needed when no checkpoint says which rows it was trained on (or --eval_split)")
     pin = trained.get(PIN_KEY) if dataset == trained.get("dataset") else None
-    method = args.method or trained.get("method") or "sft"
+    method = method_for(Config(method=MethodConfig(method=args.method or trained.get("method") or DEFAULT_METHOD,
+                                                   beta=args.beta or trained.get("beta"))))  # fmt: skip
     # a built-in or random: base is made from a seed: the run's, so the base evaluated is the one it trained from
     args.seed = args.seed if args.seed is not None else int(trained.get("seed", 42))
-    beta = args.beta or trained.get("beta") or MethodConfig.beta
+    beta = method.config.method.beta
     src = DataSource.of(dc, pinned_revision(pin, DataSource.of(dc)))
 
     source = all_ranks_ok(lambda: resolve_model(model_name))
@@ -230,17 +218,12 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
     end = held_out.end_idx
     packing = args.packing or ("concat" if trained.get("packing") == "concat" else "docs")
     pattern = all_ranks_ok(lambda: mask_pattern(model_config) if packing == "docs" else None)
-    if method == "dpo":
-        without_dropout(model_config)
-    blocks = all_ranks_ok(lambda: tokens_of(held_out, spec, tokenizer, train_on, max_length, packing,
-                                            model_config._attn_implementation, pattern))  # fmt: skip
-    ref_name, ref_logps = None, None
-    if method == "dpo":  # the reference's log-probabilities of the held-out pairs, once, before the models
-        ref_name = args.ref_model or trained.get("dpo_reference") or model_name
-        ref_name = model_name if ref_name == ADAPTERS_OFF else ref_name
-        scored = score_model(ref_name, env, precision, tokenizer, args.batch_size, blocks, policy=model_name,
-                             strategy=args.sharding_strategy, seed=args.seed)  # fmt: skip
-        ref_logps = scored[0].for_pairs(blocks)
+    method.model_config(model_config)
+    blocks = all_ranks_ok(lambda: method.sequences(held_out, spec, tokenizer, train_on=train_on, max_length=max_length,
+                                                   packing=packing, attention=model_config._attn_implementation,
+                                                   pattern=pattern))  # fmt: skip
+    ref_name = method.before_scoring(blocks, env, precision, tokenizer, args.batch_size, model_name,
+                                     args.ref_model or trained.get("reference"), args.sharding_strategy, args.seed)  # fmt: skip
     asked = [generation_prompt(r, spec, tokenizer) for r in held_out.rows[: args.num_prompts]]
     if args.prompts:
         asked = [(p, False, "") for p in args.prompts]
@@ -269,16 +252,11 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
         _fill(model, entry, payload, source, model_config, env, seed, adapters)
         payload = None
         tie_and_check(model)
-        result = (evaluate_pairs(model, blocks, ref_logps, beta, args.batch_size, env) if method == "dpo"
-                  else evaluate_loss(model, blocks, args.batch_size, env))  # fmt: skip
+        result = method.score(model, blocks, args.batch_size, env)
         texts_out = generate(model, tokenizer, prompts, env, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
                              temperature=args.temperature, top_p=args.top_p, seed=args.seed, rendered=rendered,
                              stop=stop)  # fmt: skip
-        if method == "dpo":
-            print0(f"  {entry['name']}: DPO loss {result['loss']:.4f}, accuracy {result['accuracy']:.1%}, margin "
-                   f"{result['margin']:.4f}")  # fmt: skip
-        else:
-            print0(f"  {entry['name']}: eval loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}")
+        print0(f"  {entry['name']}: {method.score_line(result)}")
         models.append({"name": entry["name"], "kind": entry["kind"], "path": entry.get("path"), **result})
         for sample, text in zip(samples, texts_out):
             sample["outputs"][entry["name"]] = text
@@ -289,7 +267,7 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
 
     report = {
         "rows": f"[{start}, {end})", "start_idx": start, "end_idx": end, "split": where, "dataset": dataset,
-        "method": method, "reference": ref_name, "beta": beta,
+        "method": method.name, "reference": ref_name, "beta": beta,
         "data_format": spec.format,
         "columns": list(spec.columns), "train_on": train_on, "end_of_turn": stop,
         "max_length": max_length, "world_size": env.world_size, "precision": precision, "models": models,

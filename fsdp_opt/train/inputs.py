@@ -11,8 +11,6 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from fsdp_opt.base import ConfigError, DataError
 from fsdp_opt.config.parse import Config
 from fsdp_opt.config.training import DataConfig
-from fsdp_opt.data.blocks import Blocks, rows_to_blocks
-from fsdp_opt.data.pairs import Pairs, pairs_from_rows
 from fsdp_opt.data.formats import RowSpec, Rows, held_out_rows, held_out_split, resolve_spec, select_rows
 from fsdp_opt.data.pin import described, rows_digest, tokens_digest
 from fsdp_opt.data.resolve import DataSource
@@ -21,17 +19,18 @@ from fsdp_opt.data.table import Table
 from fsdp_opt.data.tokens import read_template
 from fsdp_opt.engine.fp16watch import trained_in_bf16
 from fsdp_opt.model.families import bos_note, mask_pattern, untested_note
-from fsdp_opt.model.sources import ModelSource, load_model_config, load_tokenizer, max_positions, without_dropout
+from fsdp_opt.model.sources import ModelSource, load_model_config, load_tokenizer, max_positions
 from fsdp_opt.runtime.distributed import all_ranks_ok, broadcast_object, env_rank, print0, rank0_first
+from fsdp_opt.train.methods.base import Method, words
 
 
 @dataclass
 class SliceData:
     """The rows [start_idx, end_idx) as blocks, and the held-out blocks after them."""
 
-    blocks: Blocks
+    blocks: Any  # what the method makes of the rows (method.sequences): blocks, preference pairs, prompts
     end_idx: int  # --end_idx, or the end of the data
-    eval_blocks: Blocks | None
+    eval_blocks: Any
     rows: int  # of the whole dataset
     spec: RowSpec  # the rows' format, resolved from the columns under --data_format auto
     train_on: str  # completion | all, resolved
@@ -53,7 +52,7 @@ class Loaded:
     bf16_pretrained: bool  # as the model's files say (building the model sets the config's dtype to the engine's)
 
 
-def read_inputs(config: Config, source: ModelSource, revision: str | None = None,
+def read_inputs(config: Config, source: ModelSource, method: Method, revision: str | None = None,
                 pin: dict[str, Any] | None = None) -> Loaded:  # fmt: skip
     mc, dc = config.model, config.data
     model_config, tokenizer = rank0_first(
@@ -67,27 +66,21 @@ def read_inputs(config: Config, source: ModelSource, revision: str | None = None
         if line:
             print0(line)
     bf16_pretrained = trained_in_bf16(model_config)
-    if config.method.dpo:
-        off = without_dropout(model_config)
-        if off:
-            print0(f"dpo: dropout off ({', '.join(off)}): the policy is compared with its reference on the same forward")
+    method.model_config(model_config)
     positions = max_positions(model_config)
     if positions is not None and dc.max_length > positions:
         raise ConfigError(f"--max_length {dc.max_length}: {mc.model} has only {positions} positions")
-    return Loaded(model_config, tokenizer, read_slice(config, tokenizer, model_config, revision, pin), bf16_pretrained)
+    return Loaded(model_config, tokenizer, read_slice(config, tokenizer, model_config, method, revision, pin),
+                  bf16_pretrained)
 
 
-def data_spec(dc: DataConfig, column_names, method: str = "sft") -> tuple[RowSpec, str]:
-    """The row format (--data_format, or the one the columns fit) and --train_on resolved for it."""
+def data_spec(dc: DataConfig, column_names, method: Method) -> tuple[RowSpec, str]:
+    """The row format (--data_format, or the one the columns fit), checked against the method, and --train_on resolved
+    for it."""
     spec = resolve_spec(column_names, dc.data_format, text_column=dc.text_column, prompt_column=dc.prompt_column,
                         completion_column=dc.completion_column, messages_column=dc.messages_column,
                         chosen_column=dc.chosen_column, rejected_column=dc.rejected_column)  # fmt: skip
-    if method == "dpo" and spec.format != "preference":
-        raise ConfigError(f"--method dpo: the rows are {spec.format} (column {', '.join(spec.columns)}), not preference "
-                          f"pairs; name the answers' columns with --chosen_column and --rejected_column")  # fmt: skip
-    if method != "dpo" and spec.format == "preference":
-        raise ConfigError(f"--method {method}: the rows are preference pairs (columns {', '.join(spec.columns)}): "
-                          "train them with --method dpo")  # fmt: skip
+    method.check_rows(spec)
     if dc.train_on == "completion" and not spec.has_answers:
         raise ConfigError(f"--train_on completion: the rows are text (column {spec.text_column}), with no completion; "
                           "use --train_on all, or name the prompt and completion or messages columns")  # fmt: skip
@@ -95,7 +88,7 @@ def data_spec(dc: DataConfig, column_names, method: str = "sft") -> tuple[RowSpe
     return spec, train_on
 
 
-def read_slice(config: Config, tokenizer: PreTrainedTokenizerBase, model_config: PretrainedConfig,
+def read_slice(config: Config, tokenizer: PreTrainedTokenizerBase, model_config: PretrainedConfig, method: Method,
                revision: str | None = None, pin: dict[str, Any] | None = None) -> SliceData:  # fmt: skip
     """The slice of config.data as blocks. A range of an auto chain that ends at the end of the data has no rows after
     it: it trains without --eval_rows, with a note, rather than stopping the chain. The chat template (--chat_template,
@@ -114,7 +107,7 @@ def read_slice(config: Config, tokenizer: PreTrainedTokenizerBase, model_config:
     def read_data() -> tuple[RowSpec, str, Rows, Rows | None, int, dict[str, Any]]:
         table = open_source(src, pin)
         box.append(table)
-        spec, train_on = data_spec(dc, table.column_names, config.method.method)
+        spec, train_on = data_spec(dc, table.column_names, method)
         rows = select_rows(table, spec, dc.start_idx, dc.end_idx)
         held_out = None
         if dc.eval_rows and dc.eval_split:
@@ -136,14 +129,14 @@ def read_slice(config: Config, tokenizer: PreTrainedTokenizerBase, model_config:
     attention = model_config._attn_implementation
     pattern = all_ranks_ok(lambda: mask_pattern(model_config) if dc.packing == "docs" else None)
 
-    def blocks_of(part: Rows, packing: str) -> Blocks | Pairs:
-        return tokens_of(part, spec, tokenizer, train_on, dc.max_length, packing, attention, pattern)
+    def blocks_of(part: Rows, packing: str):  # noqa: ANN202
+        return method.sequences(part, spec, tokenizer, train_on=train_on, max_length=dc.max_length, packing=packing,
+                                attention=attention, pattern=pattern)  # fmt: skip
 
     blocks = all_ranks_ok(lambda: blocks_of(rows, dc.packing))
     eval_blocks = None
-    if eval_rows is not None:  # docs and pad give the same per-row losses; docs in fewer blocks
-        eval_packing = "concat" if dc.packing == "concat" else dc.packing if spec.format == "preference" else "docs"
-        eval_blocks = all_ranks_ok(lambda: blocks_of(eval_rows, eval_packing))
+    if eval_rows is not None:
+        eval_blocks = all_ranks_ok(lambda: blocks_of(eval_rows, method.eval_packing(dc.packing)))
     describe_rows(spec, train_on, rows, blocks)
     return SliceData(blocks, rows.end_idx, eval_blocks, total, spec, train_on, eval_rows,
                      rows_digest(rows.rows, rows.indices), tokens_digest(blocks), identity,
@@ -157,18 +150,9 @@ def held_label(held: Rows | None, split: str | None, after: int) -> str:
     return f"[0, {held.end_idx}) of split {split}" if split else f"[{after}, {held.end_idx})"
 
 
-def tokens_of(rows: Rows, spec: RowSpec, tokenizer: PreTrainedTokenizerBase, train_on: str, max_length: int,
-              packing: str, attention: str, pattern) -> Blocks | Pairs:  # noqa: ANN001  # fmt: skip
-    """Checked rows as what a step reads: blocks, or preference pairs."""
-    if spec.format == "preference":
-        return pairs_from_rows(rows, spec, tokenizer, max_length=max_length, packing=packing, attention=attention,
-                               pattern=pattern)  # fmt: skip
-    return rows_to_blocks(rows, spec, tokenizer, train_on=train_on, max_length=max_length, packing=packing,
-                          attention=attention, pattern=pattern)  # fmt: skip
-
-
-def check_pin(config: Config, pin: dict[str, Any] | None, data: SliceData, tokenizer: PreTrainedTokenizerBase,
-              model_config: PretrainedConfig, resumed: tuple[int, int] | None) -> dict[str, Any]:  # fmt: skip
+def check_pin(config: Config, method: Method, pin: dict[str, Any] | None, data: SliceData,
+              tokenizer: PreTrainedTokenizerBase, model_config: PretrainedConfig,
+              resumed: tuple[int, int] | None) -> dict[str, Any]:  # fmt: skip
     """Rank 0: the chain's data pin against the data as read now; returns the source as read now.
 
     The source as recorded: nothing more to read. Another one (a file edited or grown, another revision): every
@@ -181,7 +165,7 @@ def check_pin(config: Config, pin: dict[str, Any] | None, data: SliceData, token
         return source
     trained = pin.get("ranges", [])
     if source != pin.get("source"):
-        spec, _ = data_spec(dc, table.column_names, config.method.method)
+        spec, _ = data_spec(dc, table.column_names, method)
         for r in trained:
             if r["end"] > len(table):
                 raise DataError(f"--dataset {dc.dataset}: rows [{r['start']}, {r['end']}), trained by this chain, are "
@@ -204,8 +188,9 @@ def check_pin(config: Config, pin: dict[str, Any] | None, data: SliceData, token
         else:
             rows = select_rows(table, data.spec, last["start"], last["end"])
             pattern = mask_pattern(model_config) if dc.packing == "docs" else None
-            tokens = tokens_digest(tokens_of(rows, data.spec, tokenizer, data.train_on, dc.max_length, dc.packing,
-                                             model_config._attn_implementation, pattern))  # fmt: skip
+            tokens = tokens_digest(method.sequences(rows, data.spec, tokenizer, train_on=data.train_on,
+                                                    max_length=dc.max_length, packing=dc.packing,
+                                                    attention=model_config._attn_implementation, pattern=pattern))  # fmt: skip
         if tokens != last["tokens"]:
             raise DataError(f"--model {config.model.model}: its tokenizer makes other token ids of rows [{last['start']}, "
                             f"{last['end']}) than the chain trained on (another tokenizer or its settings): use the "
@@ -213,10 +198,9 @@ def check_pin(config: Config, pin: dict[str, Any] | None, data: SliceData, token
     return source
 
 
-def describe_rows(spec: RowSpec, train_on: str, rows: Rows, blocks: Blocks) -> None:
+def describe_rows(spec: RowSpec, train_on: str, rows: Rows, blocks) -> None:  # noqa: ANN001
     """One line on what the rows are and which tokens train, and one on what --max_length cut."""
-    kind = {"text": "text", "messages": "conversations", "prompt_completion": "prompt/completion pairs",
-            "preference": "preference pairs"}[spec.format]  # fmt: skip
+    kind = words(spec).split(" (")[0]
     if rows.conversational:
         kind += " of messages"
     loss = "every token" if train_on == "all" else "the answers only"

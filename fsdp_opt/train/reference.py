@@ -28,7 +28,8 @@ from fsdp_opt.model.sources import build_meta_model, load_model_config, load_tok
 from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, broadcast_object, print0, rank0_first
 from fsdp_opt.runtime.hostmem import release_host_memory
 
-KEY = "dpo"  # of a checkpoint's payload: {"ref_model", "beta", "reference", "eval_reference"} (Reference states)
+# A method's state in a checkpoint's payload (under its method's key) holds its reference: {"ref_model", "beta",
+# "reference", "eval_reference"} (Reference states).
 ADAPTERS_OFF = "the base, adapters off"
 
 
@@ -41,9 +42,9 @@ def reference_name(config: Config, saved: dict[str, Any] | None) -> str:
     return ADAPTERS_OFF if config.lora.enabled else config.model.model
 
 
-def saved_reference(payload: dict[str, Any] | None, env: DistEnv) -> dict[str, Any] | None:
+def saved_reference(payload: dict[str, Any] | None, env: DistEnv, key: str) -> dict[str, Any] | None:
     """The checkpoint's DPO record (rank 0 reads it), on every rank."""
-    return broadcast_object((payload or {}).get(KEY) if env.is_main else None)
+    return broadcast_object((payload or {}).get(key) if env.is_main else None)
 
 
 def reusable(saved: dict[str, Any] | None, key: str, name: str, pairs: Pairs | None) -> Reference | None:
@@ -115,12 +116,12 @@ def _score(model: torch.nn.Module, env: DistEnv, batch_size: int, *pairs: Pairs 
             for p in pairs]  # fmt: skip
 
 
-def prepare(config: Config, env: DistEnv, payload: dict[str, Any] | None, pairs: Pairs, held: Pairs | None,
+def prepare(config: Config, env: DistEnv, payload: dict[str, Any] | None, key: str, pairs: Pairs, held: Pairs | None,
             precision: str, tokenizer) -> tuple[str, list[Reference | None]]:  # fmt: skip
     """Before the model is built: the reference's name, and its log-probabilities of the training and held-out pairs
     where the checkpoint has them or a model must be loaded for them (a LoRA run's adapters-off reference is scored
     once the model is built: finish())."""
-    saved = saved_reference(payload, env)
+    saved = saved_reference(payload, env, key)
     name = reference_name(config, saved)
     found = [reusable(saved, "reference", name, pairs), reusable(saved, "eval_reference", name, held)]
     if found[0] is not None:

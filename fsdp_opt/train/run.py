@@ -7,7 +7,6 @@ train():  for each step: micro-batches forward/backward -> global norm -> unscal
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,8 +59,8 @@ from fsdp_opt.tracking.wandb_run import WandbRun
 from fsdp_opt.train.publish import export_final, finish_outside, log_pushed, release_lease, start_uploader
 from fsdp_opt.train.saving import raise_if_write_failed, save, save_estimate, uses_async_save, wait_for_writes
 from fsdp_opt.train.chain import claim, next_in_session, start_status
-from fsdp_opt.train import reference
 from fsdp_opt.train.inputs import Loaded, check_pin, read_inputs
+from fsdp_opt.train.methods import Method, method_for
 from fsdp_opt.train.session import Session, seed_dropout, step_plan
 from fsdp_opt.train.summary import print_summary
 
@@ -135,20 +134,15 @@ def setup(config: Config, env: DistEnv, checked: Checked | None = None, lease: L
     pin = payload.get(PIN_KEY) if payload else None
     # a Hub dataset is read at the revision the chain recorded, unless --dataset_revision names one
     revision = broadcast_object(config.data.dataset_revision or pinned_revision(pin, DataSource.of(config.data)))
-    inputs = read_inputs(config, checked.source, revision, pin)
+    method = method_for(config)
+    inputs = read_inputs(config, checked.source, method, revision, pin)
     resumed = (payload["slice"]["start_idx"], payload["slice"]["end_idx"]) if pin and payload.get("slice") else None
-    data_source = all_ranks_ok(lambda: check_pin(config, pin, inputs.data, inputs.tokenizer, inputs.model_config,
+    data_source = all_ranks_ok(lambda: check_pin(config, method, pin, inputs.data, inputs.tokenizer, inputs.model_config,
                                                  resumed) if env.is_main else None)  # fmt: skip
-    pairs, held = inputs.data.blocks, inputs.data.eval_blocks
-    if config.method.dpo:  # the reference pass: before the trainable model exists, unless it is that model
-        ref_name, found = reference.prepare(config, env, payload, pairs, held, checked.precision, inputs.tokenizer)
-    built = build_model(config, env, checked, inputs, payload)
-    session = make_session(config, env, checked, inputs, built)
-    if config.method.dpo:
-        found = reference.finish(ref_name, found, built.model, env, built.layout.batch_size, pairs, held)
-        session.reference = found[0].for_pairs(pairs)
-        session.eval_reference = found[1].for_pairs(held) if held is not None else None
-        session.dpo = reference.record(ref_name, config.method.beta, found)
+    method.before_model(inputs.data, env, payload, checked.precision, inputs.tokenizer)
+    built = build_model(config, env, checked, inputs, payload, method)
+    session = make_session(config, env, checked, inputs, built, method)
+    method.after_model(session)
     session.lease = lease
     session.data_revision = revision
     if env.is_main:
@@ -225,7 +219,8 @@ def check_flags(config: Config, env: DistEnv) -> Checked:
     return Checked(source, precision, None if auto else config.train.accum_for(env.world_size))
 
 
-def build_model(config: Config, env: DistEnv, checked: Checked, inputs: Loaded, payload: dict[str, Any] | None) -> Built:
+def build_model(config: Config, env: DistEnv, checked: Checked, inputs: Loaded, payload: dict[str, Any] | None,
+                method: Method) -> Built:  # fmt: skip
     """Meta model -> layout -> adapters -> resume checks (rank 0 holds the payload) -> shard (with activation
     checkpointing) -> weights."""
     mc, tc, pc, lc = config.model, config.train, config.parallel, config.lora
@@ -235,8 +230,7 @@ def build_model(config: Config, env: DistEnv, checked: Checked, inputs: Loaded, 
     fpt = flops_per_token(model, config.data.max_length, frozen_base=lc.enabled)
     layout = all_ranks_ok(lambda: choose_layout(config, env, inputs.model_config, checked.precision, checked.accum_steps,
                                                 gpu=cap_gpu_memory(config, env)))  # fmt: skip
-    if config.method.dpo and lc.enabled and lc.lora_dropout is None:  # no dropout in a DPO run (inputs.read_inputs)
-        lc = dataclasses.replace(lc, lora_dropout=0.0)
+    lc = method.lora(lc)
     adapters = Adapters(lc, mc.model, DTYPES[checked.precision], tc.seed) if lc.enabled else None
     if adapters is not None:
         shards = shard_count(layout.strategy, env.world_size, env.local_world_size)
@@ -272,7 +266,7 @@ def build_model(config: Config, env: DistEnv, checked: Checked, inputs: Loaded, 
     return Built(model, adapters, layout, block_classes, units, chunked_loss, n_params, fpt)
 
 
-def make_session(config: Config, env: DistEnv, checked: Checked, inputs: Loaded, built: Built) -> Session:
+def make_session(config: Config, env: DistEnv, checked: Checked, inputs: Loaded, built: Built, method: Method) -> Session:
     """Optimizer, loss scaler, schedule and the data order around the built model; the position starts fresh."""
     tc = config.train
     model = built.model
@@ -284,7 +278,8 @@ def make_session(config: Config, env: DistEnv, checked: Checked, inputs: Loaded,
         schedule=LRSchedule(tc.lr, tc.warmup_steps, tc.lr_schedule, tc.lr_decay_steps, tc.min_lr_ratio),
         scaler=LossScaler(enabled=checked.precision == "fp16", init_scale=tc.init_loss_scale),
         blocks=inputs.data.blocks,
-        plan=step_plan(config, env, inputs.data.blocks, built.layout.batch_size, built.layout.accum_steps),
+        plan=step_plan(config, env, method, inputs.data.blocks, built.layout.batch_size, built.layout.accum_steps),
+        method=method,
         state=TrainState(epoch=tc.initial_epoch),
         writer=MetricsWriter(out_dir, enabled=env.is_main),
         tag=model_tag(config.model.model), end_idx=inputs.data.end_idx, precision=checked.precision,
@@ -374,12 +369,11 @@ def run_epoch(s: Session, epoch: int, stop: StopControl, progress: Progress) -> 
         s.count_step(step)
         record["elapsed"] = round(stop.elapsed(), 3)
         record["skipped_rate"], warning, overflow = s.skip_watch.observe(record["skipped"], record["loss_scale"])
-        s.writer.write(record)
+        s.writer.write(record, s.method.fields)
         s.wandb.log_step(record)
         if s.uploader is not None:
             log_pushed(s)
-        progress.update(record["loss"], record["tokens_per_second"],
-                        **({k: record[k] for k in ("margin", "accuracy")} if "accuracy" in record else {}))
+        progress.update(record["loss"], record["tokens_per_second"], **{k: record[k] for k in s.method.shown})
         if warning:
             print0(warning)
         if overflow:

@@ -12,8 +12,6 @@ from typing import Any
 
 from fsdp_opt.checkpoint.drift import CHANGES_KEY
 from fsdp_opt.data.pin import PIN_KEY
-from fsdp_opt.engine.dpo import evaluate_pairs
-from fsdp_opt.train.reference import KEY as DPO_KEY
 from fsdp_opt.hub.lease import FileLease
 from fsdp_opt.base import VERSION, CheckpointError
 from fsdp_opt.checkpoint.atomic import save_or_explain
@@ -22,7 +20,6 @@ from fsdp_opt.checkpoint.names import checkpoint_name
 from fsdp_opt.checkpoint.resume import slice_key
 from fsdp_opt.checkpoint.save import save_checkpoint
 from fsdp_opt.config.parse import Config
-from fsdp_opt.engine.evaluation import evaluate_loss
 from fsdp_opt.runtime.distributed import broadcast_object, max_over_ranks, print0
 from fsdp_opt.runtime.hostmem import release_host_memory
 from fsdp_opt.tracking.metrics import EVAL_FILE
@@ -39,26 +36,13 @@ def save_estimate(s: Session) -> float:
 
 
 def run_eval(s: Session) -> dict[str, float]:
-    """--eval_rows on every rank; rank 0 prints, appends eval.jsonl and logs to W&B."""
-    started = time.perf_counter()
-    rows = s.eval_label
-    if s.eval_reference is not None:  # --method dpo: the pairs' loss, rewards and accuracy against the reference
-        result = evaluate_pairs(s.model, s.eval_blocks, s.eval_reference, s.config.method.beta, s.layout.batch_size,
-                                s.env)  # fmt: skip
-        result["seconds"] = round(time.perf_counter() - started, 3)
-        print0(f"eval at step {s.state.global_step}: loss {result['loss']:.4f}, accuracy {result['accuracy']:.1%}, "
-               f"margin {result['margin']:.4f} on rows {rows} ({result['pairs']:,} pairs, {result['seconds']:.1f} s)")  # fmt: skip
-        logged = ("loss", "rewards_chosen", "rewards_rejected", "margin", "accuracy")
-    else:
-        result = evaluate_loss(s.model, s.eval_blocks, s.layout.batch_size, s.env)
-        result["seconds"] = round(time.perf_counter() - started, 3)
-        print0(f"eval at step {s.state.global_step}: loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f} "
-               f"on rows {rows} ({result['tokens']:,} tokens, {result['seconds']:.1f} s)")  # fmt: skip
-        logged = ("loss", "perplexity")
+    """--eval_rows on every rank (the method's evaluation); rank 0 appends eval.jsonl and logs to W&B."""
+    result = s.method.evaluate(s)
     if s.env.is_main:
         with (s.out_dir / EVAL_FILE).open("a") as f:
-            f.write(json.dumps({"step": s.state.global_step, "epoch": s.state.epoch, "rows": rows, **result}) + "\n")
-    s.wandb.log_eval(s.state.global_step, {k: result[k] for k in logged})
+            f.write(json.dumps({"step": s.state.global_step, "epoch": s.state.epoch, "rows": s.eval_label, **result})
+                    + "\n")  # fmt: skip
+    s.wandb.log_eval(s.state.global_step, {k: result[k] for k in s.method.eval_logged})
     return result
 
 
@@ -102,7 +86,7 @@ def save(s: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
         CHAIN_KEY: s.chain_record(),
         CHANGES_KEY: s.settings_changes,
         PIN_KEY: s.data_pin,
-        DPO_KEY: s.dpo,
+        **({s.method.state_key: s.method.state()} if s.method.state_key else {}),
         "fsdp_opt_version": VERSION,
     }
     entry = {

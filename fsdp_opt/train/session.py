@@ -16,11 +16,10 @@ from fsdp_opt.checkpoint.chain import ChainStatus
 from fsdp_opt.checkpoint.save import BackgroundWriter
 from fsdp_opt.config.parse import Config
 from fsdp_opt.data.blocks import Blocks, StepBatch, StepPlan
-from fsdp_opt.data.pairs import PairPlan, Pairs
 from fsdp_opt.engine.fp16watch import SkipWatch
 from fsdp_opt.engine.loss import ChunkedLoss
 from fsdp_opt.engine.optim import LossScaler, LRSchedule
-from fsdp_opt.engine.step import TrainState
+from fsdp_opt.engine.step import StepLoss, TrainState
 from fsdp_opt.hub.lease import Lease
 from fsdp_opt.hub.uploads import Uploader
 from fsdp_opt.planner.layout import Layout
@@ -78,9 +77,8 @@ class Session:
     data_pin: dict[str, Any] | None = None  # the data the chain trained on (rank 0): data/pin.py
     data_revision: str | None = None  # a Hub dataset's revision this session reads
     lease: Lease | None = None  # the chain's lease (rank 0): renewed by pushes, or with each save on a shared disk
-    reference: torch.Tensor | None = None  # --method dpo: the reference's log-probability of each training sequence
-    eval_reference: torch.Tensor | None = None  # ... and of each held-out one
-    dpo: dict[str, Any] | None = None  # --method dpo: the reference (its name) and its log-probabilities by row, saved
+    method: Any = None  # the run's method object (train/methods): what it computes, logs, keeps, evaluates
+    loss: StepLoss | None = None  # the method's step (engine/step.py): set once the model is built
 
     @property
     def chat_template(self) -> str | None:
@@ -120,12 +118,10 @@ class Session:
         return self.chain.to_dict()
 
 
-def step_plan(config: Config, env: DistEnv, blocks: Blocks | Pairs, batch_size: int,
-              accum_steps: int) -> StepPlan | PairPlan:  # fmt: skip
-    """The global batches of the slice's epochs, and this rank's share of each (preference pairs: PairPlan)."""
-    kind = PairPlan if isinstance(blocks, Pairs) else StepPlan
-    return kind(blocks, batch_size=batch_size, accum_steps=accum_steps, rank=env.rank, world_size=env.world_size,
-                seed=config.train.seed)  # fmt: skip
+def step_plan(config: Config, env: DistEnv, method: Any, sequences: Any, batch_size: int,
+              accum_steps: int) -> StepPlan | Any:  # fmt: skip
+    """The global batches of the slice's epochs, and this rank's share of each (the method's plan of its sequences)."""
+    return method.plan(config, env, sequences, batch_size, accum_steps)
 
 
 def seed_dropout(config: Config, env: DistEnv) -> None:

@@ -26,11 +26,9 @@ def print_summary(s: Session, classes: set[type], units: int, n_params: int) -> 
                 "lora": describe_lora(s) if s.lora else "off (every weight trains)",
                 "activation ckpt": s.layout.activation_checkpointing,
                 "world": f"{s.env.world_size} rank(s) on {s.env.device.type}, {s.env.num_nodes} node(s)",
-                "data": f"{c.data.dataset} rows [{c.data.start_idx}, {s.end_idx}) -> " + (
-                    f"{len(s.blocks)} preference pairs (2 sequences each, {PACKING_WORDS[c.data.packing]} of "
-                    f"{c.data.max_length} tokens)" if s.dpo is not None
-                    else f"{len(s.blocks)} {PACKING_WORDS[c.data.packing]} of {c.data.max_length} tokens"),
-                "method": f"dpo, beta {c.method.beta:g}, reference: {s.dpo['ref_model']}" if s.dpo is not None else "sft",
+                "data": f"{c.data.dataset} rows [{c.data.start_idx}, {s.end_idx}) -> "
+                + s.method.describe(s.blocks, PACKING_WORDS[c.data.packing], c.data.max_length),
+                "method": s.method.summary(s),
                 "batch": f"{s.layout.batch_size} per rank x {s.env.world_size} ranks x {s.accum_steps} accum = {global_batch} sequences per step",
                 "gradient sync": "every micro-batch"
                 if s.reduce_each_microbatch or s.accum_steps == 1

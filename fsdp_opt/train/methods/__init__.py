@@ -1,0 +1,17 @@
+"""The training methods behind --method, one object each (base.py says what such an object answers), by name: the
+registry. The run and the step call the object; nothing outside this package and config/method.py names a method."""
+
+from __future__ import annotations
+
+from fsdp_opt.config.method import METHOD_TRAITS
+from fsdp_opt.config.parse import Config
+from fsdp_opt.train.methods.base import Method
+from fsdp_opt.train.methods.dpo import Dpo
+
+REGISTRY: dict[str, type[Method]] = {"sft": Method, "dpo": Dpo}
+assert set(REGISTRY) <= set(METHOD_TRAITS)
+
+
+def method_for(config: Config) -> Method:
+    """The method object of a run (or of an evaluation: a Config with its method section)."""
+    return REGISTRY[config.method.method](config)
