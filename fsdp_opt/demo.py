@@ -1,12 +1,16 @@
 """The CPU demo: tiny-opt on python-docs, 2 processes, end to end, then a one-line verdict.
 
-python -m fsdp_opt.demo [--nproc 2] [--output_dir DIR] [--chat | --dpo] [extra training flags]
+python -m fsdp_opt.demo [--nproc 2] [--output_dir DIR] [--chat | --dpo | --grpo] [extra training flags]
 
 Without a choice it trains on python-docs (plain text) into outputs/demo.
 --chat trains on python-docs-chat instead (conversations in the built-in chatml template, loss on the answers
 only), then asks the trained model held-out questions and shows its answers beside the rows' own (outputs/demo-chat).
 --dpo trains with DPO on python-docs-prefs (the right title chosen over a wrong one), then scores the held-out pairs
 (its test split) for the model before and after: the share of pairs whose chosen answer it prefers (outputs/demo-dpo).
+--grpo starts from the chat demo's model (it runs the chat demo first when outputs/demo-chat has no checkpoint) and
+trains it with GRPO on python-docs-prompts, the same questions asked to be answered in one word, rewarded by the
+built-in `length` reward (1 for an answer of one word that ends, else 0); then the mean reward of a greedy answer to
+each held-out question, before and after (outputs/demo-grpo).
 Extra flags go to the training command after the demo's own, so they win (--seed 3, say).
 """
 
@@ -42,6 +46,12 @@ CHAT_ARGS = [
     "--model", "tiny-opt", "--dataset", "python-docs-chat", "--chat_template", "chatml", "--max_length", "256",
     "--end_idx", str(CHAT_ROWS), "--batch_size", "2", "--num_epochs", "2", "--lr", "3e-3", "--warmup_steps", "20",
     "--lr_schedule", "cosine", "--lr_decay_steps", "170", "--min_lr_ratio", "0.1", "--seed", "0", *NO_RECOMPUTE,
+]  # fmt: skip
+GRPO_ARGS = [
+    "--dataset", "python-docs-prompts", "--method", "grpo", "--reward", "length", "--max_length", "128",
+    "--max_completion_length", "16", "--num_generations", "8", "--global_batch", "64", "--batch_size", "16",
+    "--end_idx", "320", "--num_epochs", "1", "--lr", "1e-3", "--warmup_steps", "0", "--eval_rows", "32",
+    "--eval_split", "test", "--seed", "0", "--save_optimizer", "false", *NO_RECOMPUTE,
 ]  # fmt: skip
 CHAT_PROMPTS = 4  # held-out questions the chat demo asks
 DPO_PAIRS = 100  # held-out pairs the DPO demo scores
@@ -82,11 +92,35 @@ def dpo_verdict(out: Path) -> tuple[str, bool] | None:
             tuned["accuracy"] > base["accuracy"])  # fmt: skip
 
 
+def grpo_verdict(out: Path) -> tuple[str, bool] | None:
+    report = ask(out, ["--eval_rows", "32", "--num_prompts", "4", "--max_new_tokens", "16"], "rewards.json")
+    if report is None:
+        return None
+    base, tuned = report["models"]
+    return (f"mean reward of a greedy answer to each of {tuned['prompts']} held-out questions: {base['reward']:.2f} "
+            f"before training (the chat demo's model), {tuned['reward']:.2f} after",
+            tuned["reward"] > base["reward"])  # fmt: skip
+
+
+def grpo_start(out: Path, nproc: int) -> list[str] | None:
+    """The chat demo's model, exported as a model folder for GRPO to start from (the chat demo first, without one)."""
+    chat = out.parent / "demo-chat"
+    trained = sorted(chat.glob("*-epoch-2.pt"))
+    if not trained:
+        if main(["--chat", "--nproc", str(nproc), "--output_dir", str(chat)]) != 0:
+            return None
+        trained = sorted(chat.glob("*-epoch-2.pt"))
+    start = out / "start"
+    cmd = [sys.executable, "-m", "fsdp_opt.export", str(trained[-1]), str(start), "--dtype", "fp32"]
+    return ["--model", str(start)] if echo_and_call(cmd) == 0 else None
+
+
 # name -> (the training flags, the default output folder, what the loss is of, the evaluation after training)
 DEMOS = {
     "plain": (DEMO_ARGS, "outputs/demo", "loss", None),
     "chat": (CHAT_ARGS, "outputs/demo-chat", "answer-token loss", chat_verdict),
     "dpo": (DPO_ARGS, "outputs/demo-dpo", "pair loss", dpo_verdict),
+    "grpo": (GRPO_ARGS, "outputs/demo-grpo", "GRPO loss", grpo_verdict),
 }
 
 
@@ -95,15 +129,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=2, help="worker processes (CPU ranks)")
     parser.add_argument("--output_dir", default=None,
                         help="where checkpoints and metrics go, replaced (default: outputs/demo, outputs/demo-chat with "
-                             "--chat, outputs/demo-dpo with --dpo)")  # fmt: skip
+                             "--chat, outputs/demo-dpo with --dpo, outputs/demo-grpo with --grpo)")  # fmt: skip
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--chat", action="store_true", help="train on python-docs-chat, loss on the answers only")
     which.add_argument("--dpo", action="store_true", help="DPO on python-docs-prefs, scored on its held-out pairs")
+    which.add_argument("--grpo", action="store_true",
+                       help="GRPO on python-docs-prompts from the chat demo's model, answers in one word rewarded")
     args, extra = parser.parse_known_args(argv)
-    name = "chat" if args.chat else "dpo" if args.dpo else "plain"
+    name = "chat" if args.chat else "dpo" if args.dpo else "grpo" if args.grpo else "plain"
     flags, default_out, what, verdict = DEMOS[name]
     out = Path(args.output_dir or default_out)
     shutil.rmtree(out, ignore_errors=True)
+    if args.grpo:
+        start = grpo_start(out, args.nproc)
+        if start is None:
+            return 1
+        flags = start + flags
     # The installed package's own training command (`-m fsdp_opt`): the same from a checkout, a wheel or git.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            "-m", "fsdp_opt", *flags, "--device", "cpu", "--output_dir", str(out), *extra]  # fmt: skip

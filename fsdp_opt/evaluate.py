@@ -46,9 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="take the held-out rows from this split's first --eval_rows (default: the first checkpoint's; "
                         "without one, the rows after its range, or when none are left, a test or validation split)")
     p.add_argument("--method", default=None, choices=METHODS,
-                   help="dpo: score preference pairs (DPO loss, rewards, accuracy) against the reference (default: the "
+                   help="dpo: score preference pairs (DPO loss, rewards, accuracy) against the reference; grpo: the mean "
+                        "reward of a greedy completion of each held-out prompt (default: the "
                         "first checkpoint's method)")
     p.add_argument("--beta", type=float, default=None, help="--method dpo: beta (default: the first checkpoint's)")
+    p.add_argument("--reward", action="append", default=None,
+                   help="--method grpo: the reward functions that score each model's greedy completion of each held-out "
+                        "prompt, as the trainer's --reward (default: the first checkpoint's)")  # fmt: skip
     p.add_argument("--ref_model", default=None,
                    help="--method dpo: the reference (default: the one the first checkpoint recorded; a LoRA run's "
                         "adapters-off reference is its base)")

@@ -43,6 +43,9 @@ BREAKING = {
     "max_length": "the blocks change",
     "packing": "the blocks change",
     "seed": "the data order changes",
+    **dict.fromkeys(("num_generations", "max_completion_length", "temperature", "top_p", "top_k", "epsilon",
+                     "epsilon_high", "loss_type", "scale_rewards", "mask_truncated_completions", "reward",
+                     "reward_weights"), "another loss trains"),  # fmt: skip
 }
 # Not compared: where this session is in the chain, and how this machine lays a step out.
 NOT_COMPARED = {

@@ -42,7 +42,7 @@ GRPO = Traits(rows=("prompt",), what="prompt rows (a prompt column; the other co
 
 # --method: the registry's names, with their traits
 METHOD_TRAITS: dict[str, Traits] = {"sft": SFT, "dpo": DPO, "grpo": GRPO}
-METHODS = ("sft", "dpo")  # grpo: not yet behind --method
+METHODS = tuple(METHOD_TRAITS)
 DEFAULT_METHOD = METHODS[0]
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")  # --loss_type: what a GRPO step's loss is divided by
 SCALE_REWARDS = ("group", "batch", "none")  # --scale_rewards: the std an advantage is divided by

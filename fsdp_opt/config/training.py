@@ -43,7 +43,7 @@ class DataConfig:
     dataset: str = flag(
         "ash001/arxiv-abstract",
         "Hub dataset id, a local .jsonl/.json/.csv/.parquet/.txt file or folder, or a built-in: "
-        f"{', '.join(repr(d) for d in BUILTIN_DATASETS)} (text, conversations, preference pairs).",
+        f"{', '.join(repr(d) for d in BUILTIN_DATASETS)} (text, conversations, preference pairs, prompts).",
     )
     dataset_config: str | None = flag(
         None,

@@ -6,10 +6,12 @@ The formats are the ones the ecosystem's trainers read:
 - messages: a list of {"role", "content"} messages (system, user, assistant);
 - preference: a prompt, a chosen answer and a rejected one (TRL's formats): strings; or conversational, the prompt a
   list of messages and each answer a list of assistant messages; or implicit, no prompt column and two whole
-  conversations that share their first turns (the shared turns are the prompt).
+  conversations that share their first turns (the shared turns are the prompt);
+- prompt: a prompt alone, a string or a list of messages (TRL's prompt-only rows, for --method grpo); every other
+  column of the row (a solution, test cases, ...) goes along with it, to the reward functions.
 
-A row is handed on as a plain dict: {"text"}, {"prompt", "completion"}, {"messages"} or {"prompt", "chosen",
-"rejected"}. Every error names the row's
+A row is handed on as a plain dict: {"text"}, {"prompt", "completion"}, {"messages"}, {"prompt", "chosen",
+"rejected"} or {"prompt", **the other columns}. Every error names the row's
 index in the dataset and its column, so a bad row is found without reading the whole file.
 """
 
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from fsdp_opt.base import DataError
+from fsdp_opt.config.choices import DATA_FORMATS
 from fsdp_opt.data.table import as_table
 
 ROLES = ("system", "user", "assistant")
@@ -28,7 +31,7 @@ ROLES = ("system", "user", "assistant")
 class RowSpec:
     """The format of the rows and the columns that hold them."""
 
-    format: str  # text | prompt_completion | messages | preference
+    format: str  # text | prompt_completion | messages | preference | prompt
     text_column: str = "text"
     prompt_column: str = "prompt"
     completion_column: str = "completion"
@@ -36,11 +39,14 @@ class RowSpec:
     chosen_column: str = "chosen"
     rejected_column: str = "rejected"
     implicit: bool = False  # preference rows without a prompt column: the answers' shared first turns are the prompt
+    extra: tuple[str, ...] = ()  # prompt rows: the other columns, which go to the reward functions
 
     @property
     def columns(self) -> tuple[str, ...]:
         if self.format == "text":
             return (self.text_column,)
+        if self.format == "prompt":
+            return (self.prompt_column, *self.extra)
         if self.format == "prompt_completion":
             return (self.prompt_column, self.completion_column)
         if self.format == "preference":
@@ -54,7 +60,8 @@ class RowSpec:
 
     @property
     def has_answers(self) -> bool:
-        """Rows with a part that answers (a completion, assistant turns): they can train on the answers alone."""
+        """Rows with a part that answers (a completion, assistant turns, the completions sampled for a prompt): they
+        can train on the answers alone."""
         return self.format != "text"
 
 
@@ -73,13 +80,19 @@ class Rows:
 def resolve_spec(column_names: Sequence[str], data_format: str, *, text_column: str = "text",
                  prompt_column: str = "prompt", completion_column: str = "completion",
                  messages_column: str = "messages", chosen_column: str = "chosen",
-                 rejected_column: str = "rejected") -> RowSpec:  # fmt: skip
-    """--data_format, or (auto) the one format whose columns the dataset has."""
+                 rejected_column: str = "rejected", prefer: Sequence[str] = ()) -> RowSpec:  # fmt: skip
+    """--data_format, or (auto) the one format whose columns the dataset has: the one of `prefer` (the formats the
+    run's method trains on) when exactly one of those fits, else the one of all that fits. Prompt rows carry their
+    other columns along."""
     have = set(column_names)
     kw = {"text_column": text_column, "prompt_column": prompt_column, "completion_column": completion_column,
           "messages_column": messages_column, "chosen_column": chosen_column, "rejected_column": rejected_column,
-          "implicit": prompt_column not in have}  # fmt: skip
+          "implicit": prompt_column not in have,
+          "extra": tuple(c for c in column_names if c != prompt_column)}  # fmt: skip
     listed = ", ".join(column_names)
+    preferred = [f for f in prefer if f in DATA_FORMATS and all(c in have for c in RowSpec(f, **kw).columns)]
+    if data_format == "auto" and len(preferred) == 1:
+        return RowSpec(preferred[0], **kw)
     if data_format != "auto":
         spec = RowSpec(data_format, **kw)
         missing = [c for c in spec.columns if c not in have]
@@ -165,6 +178,13 @@ def check_row(spec: RowSpec, raw: dict[str, Any], index: int) -> dict[str, Any] 
         if text is not None and not isinstance(text, str):
             raise DataError(f"row {index}, column {spec.text_column}: expected a string, got {type(text).__name__}")
         return {"text": text} if text and text.strip() else None
+    if spec.format == "prompt":
+        prompt = raw[spec.prompt_column]
+        if not isinstance(prompt, str):
+            prompt = _messages(prompt, index, spec.prompt_column, "a string or a list of messages")
+        if not prompt or (isinstance(prompt, list) and not any(m["content"] for m in prompt)):
+            return None
+        return {"prompt": prompt, **{c: raw[c] for c in spec.extra}}
     if spec.format == "messages":
         messages = _messages(raw[spec.messages_column], index, spec.messages_column)
         answers = [m for m in messages if m["role"] == "assistant"]
@@ -213,7 +233,7 @@ def select_rows(data, spec: RowSpec, start_idx: int, end_idx: int | None) -> Row
     if not rows:
         what = "empty" if not identical else "empty, or a pair whose chosen answer is the rejected one"
         raise DataError(f"--start_idx {start_idx} --end_idx {end}: every row of this slice is {what}")
-    paired = spec.format in ("prompt_completion", "preference")
+    paired = spec.format in ("prompt_completion", "preference", "prompt")
     conversational = paired and not isinstance(rows[0]["prompt"], str)
     if paired and any(isinstance(r["prompt"], str) == conversational for r in rows):
         index = next(indices[i] for i, r in enumerate(rows) if isinstance(r["prompt"], str) == conversational)

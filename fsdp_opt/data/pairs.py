@@ -21,9 +21,10 @@ from typing import Iterator, Sequence
 import torch
 
 from fsdp_opt.base import DataError
-from fsdp_opt.data.blocks import Blocks, StepBatch, pad_rows
+from fsdp_opt.data.blocks import StepBatch
 from fsdp_opt.data.formats import Rows, RowSpec
-from fsdp_opt.data.packing import MaskPattern, place, segment_positions
+from fsdp_opt.data.packing import MaskPattern
+from fsdp_opt.data.sequences import fits, pack
 from fsdp_opt.data.tokens import encode_rows
 
 
@@ -74,7 +75,7 @@ class Pairs:
         """Whether these pairs' sequences fit one micro-batch."""
         if self.packing == "pad":
             return len(pairs) <= batch_size
-        return len(place(self._sizes(pairs), self.max_length)) <= batch_size
+        return fits(self._sizes(pairs), self.max_length, self.packing, batch_size)
 
     def _sizes(self, pairs: Sequence[int]) -> list[int]:
         return [int(self.lengths[2 * p + k]) for p in pairs for k in (0, 1)]
@@ -83,38 +84,8 @@ class Pairs:
         """A micro-batch of these pairs: the model's inputs with labels (Blocks.batch), and for each position the
         micro-batch's sequence (2j chosen and 2j+1 rejected of its j-th pair) its token belongs to, -1 elsewhere."""
         seqs = [2 * p + k for p in pairs for k in (0, 1)]
-        if not seqs:  # a filler micro-batch: one row with no target, so every rank runs the same passes
-            blocks = Blocks(torch.full((1, self.max_length), self.pad_id, dtype=torch.int32),
-                            torch.zeros(1, dtype=torch.long), self.pad_id)  # fmt: skip
-            batch = blocks.batch(torch.tensor([-1]), device)
-            return batch, torch.full((1, self.max_length), -1, dtype=torch.long, device=device)
-        if self.packing == "pad":
-            blocks = pad_rows([self.ids[s] for s in seqs], self.max_length, self.pad_id, [self.targets[s] for s in seqs])
-            slot = torch.full((len(seqs), self.max_length), -1, dtype=torch.long)
-            for j, s in enumerate(seqs):
-                slot[j, : len(self.ids[s])] = j
-        else:
-            groups = place([len(self.ids[s]) for s in seqs], self.max_length)
-            n, length = len(groups), self.max_length
-            ids = torch.full((n, length), self.pad_id, dtype=torch.int32)
-            positions = torch.empty((n, length), dtype=torch.int32)
-            lengths = torch.empty(n, dtype=torch.long)
-            mask = torch.zeros((n, length), dtype=torch.bool)
-            slot = torch.full((n, length), -1, dtype=torch.long)
-            for b, members in enumerate(groups):
-                at, starts = 0, []
-                for j in members:
-                    row = self.ids[seqs[j]]
-                    starts.append(at)
-                    ids[b, at : at + len(row)] = torch.tensor(row, dtype=torch.int32)
-                    mask[b, at : at + len(row)] = torch.tensor(self.targets[seqs[j]], dtype=torch.bool)
-                    slot[b, at : at + len(row)] = j
-                    at += len(row)
-                lengths[b] = at
-                positions[b] = segment_positions(starts + ([at] if at < length else []), length)
-            blocks = Blocks(ids, lengths, self.pad_id, positions, self.attention, mask, pattern=self.pattern)
-        batch = blocks.batch(torch.arange(len(blocks)), device)
-        return batch, slot.to(device)
+        return pack([self.ids[s] for s in seqs], [self.targets[s] for s in seqs], self.pad_id, self.max_length,
+                    self.packing, device, self.attention, self.pattern)  # fmt: skip
 
 
 def pairs_from_rows(rows: Rows, spec: RowSpec, tokenizer, *, max_length: int, packing: str, attention: str = "sdpa",

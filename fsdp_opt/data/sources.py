@@ -28,7 +28,7 @@ from fsdp_opt.data.resolve import (
 from fsdp_opt.data.table import MemoryTable, ParquetTable, RowsTable, Table
 from fsdp_opt.runtime.distributed import print0
 
-BUILTIN_DATASET, BUILTIN_CHAT_DATASET, BUILTIN_PREFERENCE_DATASET = BUILTIN_DATASETS
+BUILTIN_DATASET, BUILTIN_CHAT_DATASET, BUILTIN_PREFERENCE_DATASET, BUILTIN_PROMPT_DATASET = BUILTIN_DATASETS
 
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
@@ -104,9 +104,25 @@ def python_docs_preference_rows(min_chars: int = 200, max_chars: int | None = No
     return rows
 
 
+ONE_WORD = "Answer in one word."
+
+
+def python_docs_prompt_rows(min_chars: int = 200, max_chars: int | None = None) -> list[dict[str, Any]]:
+    """Prompt rows (--method grpo) made from python-docs-chat's first question, asked to be answered in one word:
+    {"prompt": [the user's message], "solution": the topic's title, "max_words": 1}. The built-in `length` reward
+    checks the form (an answer that ends, in at most max_words words); the title is there for a reward of your own."""
+    rows = []
+    for conversation in python_docs_chat_rows(min_chars, max_chars):
+        ask = next(m for m in conversation if m["role"] == "user")
+        title = next(m for m in conversation if m["role"] == "assistant")["content"]
+        rows.append({"prompt": [{"role": "user", "content": f"{ask['content']} {ONE_WORD}"}], "solution": title,
+                     "max_words": 1})  # fmt: skip
+    return rows
+
+
 def builtin_split(name: str, split: str) -> RowsTable:
     """A built-in dataset's split (python-docs: text; python-docs-chat: conversations; python-docs-prefs: preference
-    pairs), built here from Python's own documentation."""
+    pairs; python-docs-prompts: prompts), built here from Python's own documentation."""
     if split not in BUILTIN_SPLITS:
         raise DataError(f"--dataset_split {split}: {name} has no such split (its splits: {', '.join(BUILTIN_SPLITS)})")
     low, high = BUILTIN_SPLITS[split]
@@ -114,6 +130,8 @@ def builtin_split(name: str, split: str) -> RowsTable:
         rows = [{"text": t} for t in python_docs_texts(low, high)]
     elif name == BUILTIN_PREFERENCE_DATASET:
         rows = python_docs_preference_rows(low, high)
+    elif name == BUILTIN_PROMPT_DATASET:
+        rows = python_docs_prompt_rows(low, high)
     else:
         rows = [{"messages": m} for m in python_docs_chat_rows(low, high)]
     return RowsTable(rows, {"kind": "builtin", "name": name, **({"split": split} if split != DEFAULT_SPLIT else {})})

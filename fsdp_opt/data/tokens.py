@@ -174,6 +174,25 @@ def _with_targets(ids: list[list[int]], spans: list[list[tuple[int, int]]], all_
     return Encoded(ids, targets, whole_rows=True)
 
 
+def encode_prompts(prompts: Sequence[str | list[dict[str, str]]], tokenizer, indices: Sequence[int]) -> list[list[int]]:
+    """Prompt rows' token ids, made as a prompt/completion row's prompt is here: a string with the tokenizer's own
+    special tokens (a BOS where it adds one; an EOS it would append is left off: the completion follows), a list of
+    messages through the chat template with its generation prompt (the template writes its own special tokens).
+    (TRL tokenizes a string prompt without special tokens.)"""
+    if not prompts:
+        return []
+    if isinstance(prompts[0], str):
+        ids = _ids(tokenizer, list(prompts), True)
+        if _appends_eos(tokenizer):
+            ids = [row[:-1] for row in ids]
+        return ids
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"row {indices[0]}, column prompt: the tokenizer has no chat template to render messages; give "
+                        "--chat_template chatml or a Jinja file")  # fmt: skip
+    texts = [_render(tokenizer, p, True, f"row {i}, column prompt") for p, i in zip(prompts, indices)]
+    return _ids(tokenizer, texts, False)
+
+
 def generation_prompt(row: dict[str, Any], spec: RowSpec, tokenizer, words: int = 12) -> tuple[str, bool, str]:
     """What a held-out row asks, for generation: (prompt, rendered by the chat template, the row's own answer).
 
@@ -182,6 +201,11 @@ def generation_prompt(row: dict[str, Any], spec: RowSpec, tokenizer, words: int 
     the template."""
     if spec.format == "text":
         return " ".join(row["text"].split()[:words]), False, ""
+    if spec.format == "prompt":  # the row's own answer: a solution column, where it has one
+        answer = str(row.get("solution", "")) if row.get("solution") is not None else ""
+        if isinstance(row["prompt"], str):
+            return row["prompt"], False, answer
+        return render_prompt(tokenizer, row["prompt"]), True, answer
     if spec.format in ("prompt_completion", "preference"):
         completion = row["completion"] if spec.format == "prompt_completion" else row["chosen"]
         if isinstance(row["prompt"], str):

@@ -32,14 +32,18 @@ from fsdp_opt.runtime.distributed import DistEnv
 STATS = ("loss", "rewards_chosen", "rewards_rejected", "accuracy")  # sums over pairs, in this order
 
 
-def token_logps(out: torch.Tensor, labels: torch.Tensor, chunked: ChunkedLoss | None) -> torch.Tensor:
-    """Each position's log-probability of its next token (0 where there is no target), fp32, [batch, length]."""
+def token_logps(out: torch.Tensor, labels: torch.Tensor, chunked: ChunkedLoss | None,
+                temperature: float = 1.0) -> torch.Tensor:  # fmt: skip
+    """Each position's log-probability of its next token (0 where there is no target), fp32, [batch, length], from the
+    logits divided by `temperature` (GRPO's completions were drawn that way)."""
     targets = next_token_targets(labels)
     if chunked is None:
-        flat = -F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX,
-                                reduction="none")  # fmt: skip
+        logits = out.reshape(-1, out.shape[-1]).float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        flat = -F.cross_entropy(logits, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none")
         return flat.view(targets.shape)
-    return chunked.token_logps(out, labels).view(targets.shape)
+    return chunked.token_logps(out, labels, temperature).view(targets.shape)
 
 
 def sequence_logps(logps: torch.Tensor, slot: torch.Tensor, sequences: int) -> torch.Tensor:
@@ -113,7 +117,7 @@ class PairLoss:
             total[1] = len(members)
         return total
 
-    def record(self, sums: dict[str, float], step) -> dict[str, float | int]:  # noqa: ANN001
+    def record(self, sums: dict[str, float], step, seconds: float) -> dict[str, float | int]:  # noqa: ANN001
         """The step's means over its pairs."""
         pairs = max(1, step.loss_units)
         chosen, rejected = sums["rewards_chosen"] / pairs, sums["rewards_rejected"] / pairs

@@ -50,9 +50,11 @@ def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tenso
     return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def _chunk_logps(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = hidden @ weight.t()
-    return -F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="none")
+def _chunk_logps(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    logits = (hidden @ weight.t()).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return -F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="none")
 
 
 def _passthrough(hidden: torch.Tensor) -> torch.Tensor:
@@ -91,11 +93,12 @@ class ChunkedLoss:
             total = total + checkpoint(_chunk_loss, h, weight, t, use_reentrant=False, preserve_rng_state=False)
         return total
 
-    def token_logps(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Each position's log-probability of its next token (0 without a target), flat, fp32: --method dpo's
-        per-sequence sums, one chunk's logits at a time."""
+    def token_logps(self, hidden: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """Each position's log-probability of its next token (0 without a target), flat, fp32, of the logits divided
+        by `temperature`: DPO's per-sequence sums and GRPO's per-token ratios, one chunk's logits at a time."""
         targets = next_token_targets(labels).reshape(-1)
         flat = hidden.reshape(-1, hidden.shape[-1])
-        parts = [checkpoint(_chunk_logps, h, self.head.weight, t, use_reentrant=False, preserve_rng_state=False)
+        parts = [checkpoint(_chunk_logps, h, self.head.weight, t, temperature, use_reentrant=False,
+                            preserve_rng_state=False)
                  for h, t in zip(flat.split(self.chunk_tokens), targets.split(self.chunk_tokens))]  # fmt: skip
         return torch.cat(parts)

@@ -61,7 +61,7 @@ class StepLoss(Protocol):
 
     def first_loss(self, s: StepRun, first: StepBatch | None) -> torch.Tensor: ...
 
-    def record(self, sums: dict[str, float], step: StepBatch) -> dict[str, Any]: ...
+    def record(self, sums: dict[str, float], step: StepBatch, seconds: float) -> dict[str, Any]: ...
 
 
 class TokenLoss:
@@ -82,29 +82,33 @@ class TokenLoss:
             if not s.reduce_each_microbatch:
                 model.set_requires_gradient_sync(i == n_micro - 1)
             batch = s.blocks.batch(index, env.device)
-            loss = self._loss_sum(s, batch)
+            out, loss = self._loss_sum(s, batch)
+            # NOTE: the output stays referenced through backward, as the memory plan and its simulation count it
             (loss * weight).backward()
             loss_sum += loss.detach()
+            del out
         return loss_sum
 
     def first_loss(self, s: StepRun, first: StepBatch | None) -> torch.Tensor:
         total = torch.zeros(2, device=s.env.device, dtype=torch.float32)
         if first is not None and first.micro_batches:
             batch = s.blocks.batch(first.micro_batches[0], s.env.device)
-            total[0] = self._loss_sum(s, batch).float()
+            total[0] = self._loss_sum(s, batch)[1].float()
             total[1] = (batch["labels"][:, 1:] != -100).sum()
         return total
 
-    def record(self, sums: dict[str, float], step: StepBatch) -> dict[str, Any]:
+    def record(self, sums: dict[str, float], step: StepBatch, seconds: float) -> dict[str, Any]:
         return {}
 
     @staticmethod
-    def _loss_sum(s: StepRun, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _loss_sum(s: StepRun, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward's output and the summed loss of the batch's targets."""
         chunked = s.chunked_loss
         with chunked.hidden_states() if chunked else nullcontext():
             # With a chunked loss `.logits` holds the final hidden states: the projection runs in the loss.
             out = s.model(**model_inputs(batch)).logits
-        return chunked.loss_sum(out, batch["labels"]) if chunked else causal_lm_loss_sum(out, batch["labels"])
+        loss = chunked.loss_sum(out, batch["labels"]) if chunked else causal_lm_loss_sum(out, batch["labels"])
+        return out, loss
 
 
 def accumulate(s: StepRun, step: StepBatch, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,8 +160,6 @@ def train_step(s: StepRun, step: StepBatch) -> dict[str, Any]:
     s.scaler.update(finite)
     s.state.global_step += 1
     seconds = time.perf_counter() - started
-    tokens_per_second = step.target_tokens / seconds if seconds > 0 else 0.0
-    seen_per_second = step.seen_tokens / seconds if seconds > 0 else 0.0
     loss_mean = loss_total / max(1, step.loss_units)
     s.last_loss = loss_mean
     record: dict[str, Any] = {
@@ -169,14 +171,17 @@ def train_step(s: StepRun, step: StepBatch) -> dict[str, Any]:
         "loss_scale": scale,
         "tokens": step.target_tokens,
         "tokens_seen": step.seen_tokens,
-        "tokens_per_second": tokens_per_second,
+        "tokens_per_second": 0.0,
         "elapsed": 0.0,
         "skipped": not finite,
         "skipped_steps": s.scaler.skipped_steps,
         "slice": f"{s.config.data.start_idx}-{s.end_idx}",
         "skipped_rate": 0.0,  # set by the loop's SkipWatch
     }
-    record.update(s.loss.record(sums, step))
+    # the method's fields; a method that learns its tokens in the step (sampled completions) gives them here
+    record.update(s.loss.record(sums, step, seconds))
+    record["tokens_per_second"] = record["tokens"] / seconds if seconds > 0 else 0.0
+    seen_per_second = record["tokens_seen"] / seconds if seconds > 0 else 0.0
     if s.peak_flops:
         # The model computes every real token, answers or not: utilisation counts the tokens seen.
         record["mfu"] = seen_per_second * s.flops_per_token / (s.peak_flops * env.world_size)

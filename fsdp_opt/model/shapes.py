@@ -52,6 +52,7 @@ class Shape:
     units: tuple = ()
     linears: tuple = ()  # (leaf name, in, out) of each linear layer of one block: where LoRA adapters go
     relu_mlp: bool = False  # the MLP's activation is ReLU, which keeps only its output for backward (OPT)
+    kv_dim: int = 0  # keys (or values) per token per layer: kv heads x head dim (what a KV cache holds)
 
     @classmethod
     def of(cls, config) -> "Shape":
@@ -77,6 +78,8 @@ class Shape:
             largest_param=max(p.numel() for p in unique.values()), flop_params=int(flops_per_token(model, 0) / 6),
             units=units, linears=linears,
             relu_mlp=str(getattr(config, "activation_function", getattr(config, "hidden_act", ""))) == "relu",
+            kv_dim=(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+            * (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads),
         )  # fmt: skip
 
     def summary(self) -> dict[str, int]:

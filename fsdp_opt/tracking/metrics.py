@@ -39,6 +39,22 @@ DPO_FIELDS = (
     "accuracy",  # share of pairs whose chosen reward is the higher (a tie counts half)
 )
 
+# --method grpo appends these, and `reward_<function>` for each reward function (its mean over the step's
+# completions); its `loss` is the step's GRPO loss, `tokens` the completions' tokens that carry it.
+GRPO_FIELDS = (
+    "completions",  # completions sampled in the step, all ranks
+    "reward",  # mean reward (the weighted sum of the functions'), completions with a reward
+    "reward_std",  # its std over the step (Bessel's correction)
+    "completion_length",  # mean tokens of a completion (its end included)
+    "completion_length_max",
+    "truncated",  # share of completions that reached --max_completion_length without an end
+    "zero_std_groups",  # share of completions whose group's rewards are all the same (no advantage)
+    "kl",  # mean k3 KL to the reference per completion token (None when --beta is 0)
+    "generation_share",  # the step's time spent generating
+    "generated_tokens_per_second",  # completion tokens generated per second of generation, all ranks
+)
+COMPLETIONS_FILE = "completions.jsonl"  # --method grpo: one line per completion: step, row, prompt, completion, ...
+
 
 class MetricsWriter:
     """Appends to output_dir/metrics.jsonl (rank 0 only); never truncates."""

@@ -94,6 +94,21 @@ class WandbRun:
     def log_eval(self, step: int, values: dict[str, float]) -> None:
         self._safely("log", lambda: self.run.log({f"eval/{k}": v for k, v in values.items()}, step=step))
 
+    def log_table(self, key: str, step: int, rows: list[dict[str, Any]]) -> None:
+        """A table (a row per dict; the columns of the first), as W&B shows sample completions."""
+        if not rows:
+            return
+
+        def log() -> None:
+            import wandb
+
+            columns = list(rows[0])
+            data = [[r.get(c) if isinstance(r.get(c), (int, float, str, type(None))) else str(r.get(c)) for c in columns]
+                    for r in rows]  # fmt: skip
+            self.run.log({key: wandb.Table(columns=columns, data=data)}, step=step)
+
+        self._safely("table", log)
+
     def log_checkpoint(self, name: str, url: str, metadata: dict[str, Any]) -> None:
         def log() -> None:
             import wandb

@@ -5,6 +5,7 @@ command `python -m fsdp_opt.evaluate` is its front end; `report_markdown` render
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -183,8 +184,15 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
     if start is None and dc.eval_split is None:
         raise ConfigError("--start_idx: needed when no checkpoint says which rows it was trained on (or --eval_split)")
     pin = trained.get(PIN_KEY) if dataset == trained.get("dataset") else None
-    method = method_for(Config(method=MethodConfig(method=args.method or trained.get("method") or DEFAULT_METHOD,
-                                                   beta=args.beta or trained.get("beta"))))  # fmt: skip
+    # the method's settings as the first checkpoint trained with them (its reward functions, ...), --method and
+    # --beta given here aside
+    settings = {f.name: trained[f.name] for f in dataclasses.fields(MethodConfig) if f.name in trained}
+    settings.update(method=args.method or trained.get("method") or DEFAULT_METHOD, beta=args.beta or trained.get("beta"))
+    if settings["method"] != trained.get("method"):
+        settings = {k: settings[k] for k in ("method", "beta")}
+    if getattr(args, "reward", None):
+        settings["reward"] = args.reward
+    method = method_for(Config(method=MethodConfig(**settings)))
     # a built-in or random: base is made from a seed: the run's, so the base evaluated is the one it trained from
     args.seed = args.seed if args.seed is not None else int(trained.get("seed", 42))
     beta = method.config.method.beta

@@ -79,7 +79,8 @@ def data_spec(dc: DataConfig, column_names, method: Method) -> tuple[RowSpec, st
     for it."""
     spec = resolve_spec(column_names, dc.data_format, text_column=dc.text_column, prompt_column=dc.prompt_column,
                         completion_column=dc.completion_column, messages_column=dc.messages_column,
-                        chosen_column=dc.chosen_column, rejected_column=dc.rejected_column)  # fmt: skip
+                        chosen_column=dc.chosen_column, rejected_column=dc.rejected_column,
+                        prefer=method.traits.rows)  # fmt: skip
     method.check_rows(spec)
     if dc.train_on == "completion" and not spec.has_answers:
         raise ConfigError(f"--train_on completion: the rows are text (column {spec.text_column}), with no completion; "

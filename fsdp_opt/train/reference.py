@@ -70,11 +70,10 @@ def with_model(config: Config, env: DistEnv, name: str, precision: str, tokenize
                        attention=config.model.attn_implementation, strategy=strategy, seed=config.train.seed)  # fmt: skip
 
 
-def score_model(name: str, env: DistEnv, precision: str, tokenizer, batch_size: int, *pairs: Pairs | None,
-                policy: str, attention: str = "auto", strategy: str = "FULL_SHARD",
-                seed: int = 42) -> list[Reference | None]:  # fmt: skip
-    """A model by name, loaded sharded and frozen in the compute dtype, run over the pairs, and freed (the training
-    run's reference pass, and evaluate's)."""
+def load_frozen(name: str, env: DistEnv, precision: str, tokenizer, *, policy: str, attention: str = "auto",
+                strategy: str = "FULL_SHARD", seed: int = 42) -> torch.nn.Module:  # noqa: ANN001  # fmt: skip
+    """A reference model by name, loaded sharded like the run's, its weights frozen in the compute dtype, in eval mode;
+    refused in one line when its tokenizer is not the policy's."""
     source = all_ranks_ok(lambda: resolve_model(name))
     ref_config, ref_tokenizer = rank0_first(lambda: (load_model_config(source, attention), load_tokenizer(source)))
 
@@ -92,13 +91,30 @@ def score_model(name: str, env: DistEnv, precision: str, tokenizer, batch_size: 
     fp32_products_on_cpu(model, env.device, precision)
     initialize(model, env, source, ref_config, seed, weights=True, dtype=dtype, prepare=lambda m: _frozen(m, dtype))
     tie_and_check(model)
-    print0(f"dpo: reference {name}: loaded sharded in {precision}, scoring the pairs")
-    ref = _score(model, env, batch_size, *pairs)
-    del model
+    model.eval()
+    return model
+
+
+def free(env: DistEnv) -> None:
+    """Hand back the memory of a model just dropped (the caller's last reference deleted): the GPU's cache, the host's
+    arenas."""
     gc.collect()
     if env.device.type == "cuda":
         torch.cuda.empty_cache()
     release_host_memory()
+
+
+def score_model(name: str, env: DistEnv, precision: str, tokenizer, batch_size: int, *pairs: Pairs | None,
+                policy: str, attention: str = "auto", strategy: str = "FULL_SHARD",
+                seed: int = 42) -> list[Reference | None]:  # fmt: skip
+    """A model by name, loaded sharded and frozen in the compute dtype, run over the pairs, and freed (the training
+    run's reference pass, and evaluate's)."""
+    model = load_frozen(name, env, precision, tokenizer, policy=policy, attention=attention, strategy=strategy,
+                        seed=seed)  # fmt: skip
+    print0(f"dpo: reference {name}: loaded sharded in {precision}, scoring the pairs")
+    ref = _score(model, env, batch_size, *pairs)
+    del model
+    free(env)
     return ref
 
 

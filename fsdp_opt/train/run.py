@@ -213,8 +213,10 @@ def check_flags(config: Config, env: DistEnv) -> Checked:
                           "--precision fp16)")  # fmt: skip
     if cc.export_merge and not (lc.enabled and cc.export_hf):
         raise ConfigError("--export_merge: only for a LoRA run (--lora_rank) with --export_hf DIR")
-    # the dataset is there: before the chain's lease is taken or anything is built
+    # the dataset is there, and what the method names (reward functions): before the chain's lease is taken or
+    # anything is built
     all_ranks_ok(lambda: check_exists(DataSource.of(config.data)) if env.is_main else None)
+    method_for(config).check()
     auto = config.train.batch_size == AUTO
     return Checked(source, precision, None if auto else config.train.accum_for(env.world_size))
 
@@ -371,6 +373,7 @@ def run_epoch(s: Session, epoch: int, stop: StopControl, progress: Progress) -> 
         record["skipped_rate"], warning, overflow = s.skip_watch.observe(record["skipped"], record["loss_scale"])
         s.writer.write(record, s.method.fields)
         s.wandb.log_step(record)
+        s.method.after_step(s, record)
         if s.uploader is not None:
             log_pushed(s)
         progress.update(record["loss"], record["tokens_per_second"], **{k: record[k] for k in s.method.shown})

@@ -57,6 +57,7 @@ def save(s: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
     """Every rank: evaluate (--eval_rows), then save. A full checkpoint written in the background (--async_save) is
     announced, pushed and pruned once it is on disk; the rest of save() is the gather training waits for."""
     dc, cc = s.config.data, s.config.checkpoint
+    s.method.at_save(s)
     evaluation = run_eval(s) if evaluate and s.eval_blocks is not None else None
     sharded = cc.state_dict_type == "sharded"
     if epoch_end:

@@ -7,8 +7,9 @@ from fsdp_opt.config.method import METHOD_TRAITS
 from fsdp_opt.config.parse import Config
 from fsdp_opt.train.methods.base import Method
 from fsdp_opt.train.methods.dpo import Dpo
+from fsdp_opt.train.methods.grpo import Grpo
 
-REGISTRY: dict[str, type[Method]] = {"sft": Method, "dpo": Dpo}
+REGISTRY: dict[str, type[Method]] = {"sft": Method, "dpo": Dpo, "grpo": Grpo}
 assert set(REGISTRY) <= set(METHOD_TRAITS)
 
 

@@ -40,6 +40,9 @@ class Method:
         self.name = config.method.method
         self.traits = config.method.traits
 
+    def check(self) -> None:
+        """What the method's flags name is there (every rank): before anything is taken or built."""
+
     # ------------------------------------------------------------ rows -> sequences
 
     def check_rows(self, spec: RowSpec) -> None:
@@ -106,6 +109,12 @@ class Method:
         return result
 
     eval_logged: tuple[str, ...] = ("loss", "perplexity")  # what W&B gets of an evaluation
+
+    def after_step(self, s, record: dict[str, Any]) -> None:  # noqa: ANN001
+        """After each optimizer step (every rank), once its record is written."""
+
+    def at_save(self, s) -> None:  # noqa: ANN001
+        """At each save (every rank), before the checkpoint is gathered."""
 
     # ------------------------------------------------------------ python -m fsdp_opt.evaluate
 

@@ -1,0 +1,125 @@
+"""Prompt rows (--method grpo) as token ids, and the order in which steps take them.
+
+A prompt is tokenized as a prompt/completion row's prompt is (data/tokens.py encode_prompts). A prompt longer than
+--max_length less --max_completion_length leaves no room for its completion: it is dropped and counted. The row's
+other columns stay with it, for the reward functions.
+
+A step takes --global_batch completions (batch x ranks x accumulation, whatever the packing): a whole number of
+groups of --num_generations, so global_batch / G prompts. An epoch's prompts are shuffled by the seed and the epoch,
+then taken that many at a time; each rank generates for every world_size-th prompt of the step. The position a
+checkpoint keeps is the count of prompts of the epoch trained.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from fsdp_opt.base import ConfigError, DataError
+from fsdp_opt.data.blocks import StepBatch
+from fsdp_opt.data.formats import Rows
+from fsdp_opt.data.packing import MaskPattern
+from fsdp_opt.data.tokens import encode_prompts
+
+
+@dataclass(frozen=True)
+class PromptFit:
+    """What fitting the prompts under --max_length less --max_completion_length cost."""
+
+    rows: int
+    dropped: int = 0
+    cut: int = 0  # prompts are never cut: a cut prompt would ask something else
+
+    def describe(self) -> str:
+        return (f"{self.dropped} of {self.rows} prompts longer than --max_length less --max_completion_length were "
+                "dropped (no room for their completions)")  # fmt: skip
+
+
+class Prompts:
+    """The prompts of a slice: token ids, the rows themselves (prompt and other columns), each row's dataset index."""
+
+    def __init__(self, ids: list[list[int]], rows: list[dict[str, Any]], index: list[int], pad_id: int,
+                 max_length: int, packing: str, conversational: bool, attention: str = "sdpa",
+                 pattern: MaskPattern | None = None, fit: PromptFit | None = None) -> None:  # fmt: skip
+        self.ids, self.rows, self.pad_id, self.max_length = ids, rows, pad_id, max_length
+        self.index = torch.tensor(index, dtype=torch.long)
+        self.packing, self.conversational, self.attention, self.pattern, self.fit = (packing, conversational, attention,
+                                                                                      pattern, fit)  # fmt: skip
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def digest(self) -> str:
+        """A fingerprint of the prompts' tokens (the data pin's)."""
+        digest = hashlib.sha256()
+        for ids in self.ids:
+            digest.update(torch.tensor(ids, dtype=torch.int32).numpy().tobytes() + b"|")
+        return digest.hexdigest()[:32]
+
+    def columns(self, prompt: int) -> dict[str, Any]:
+        """A row's columns besides its prompt (what the reward functions get as keyword arguments)."""
+        return {k: v for k, v in self.rows[prompt].items() if k != "prompt"}
+
+
+def prompts_from_rows(rows: Rows, tokenizer, *, max_length: int, max_completion_length: int, packing: str,
+                      attention: str = "sdpa", pattern: MaskPattern | None = None) -> Prompts:  # fmt: skip
+    """The checked prompt rows of a slice as Prompts; a prompt with no room left for a completion is dropped."""
+    ids = encode_prompts([r["prompt"] for r in rows.rows], tokenizer, rows.indices)
+    room = max_length - max_completion_length
+    kept = [k for k, row_ids in enumerate(ids) if len(row_ids) <= room]
+    if not kept:
+        raise DataError(f"--max_length {max_length}: no prompt of this slice leaves --max_completion_length "
+                        f"{max_completion_length} tokens for its completion (the shortest has {min(map(len, ids))} "
+                        "tokens)")  # fmt: skip
+    fit = PromptFit(len(ids), len(ids) - len(kept))
+    return Prompts([ids[k] for k in kept], [rows.rows[k] for k in kept], [rows.indices[k] for k in kept],
+                   tokenizer.pad_token_id, max_length, packing, rows.conversational, attention, pattern, fit)  # fmt: skip
+
+
+def check_groups(global_batch: int, generations: int) -> int:
+    """The prompts of a step: its completions must be a whole number of groups."""
+    if global_batch % generations:
+        raise ConfigError(f"--num_generations {generations}: a step's {global_batch} completions (--global_batch, or "
+                          f"--batch_size x ranks x --accum_steps) are not a whole number of groups of {generations}; "
+                          f"use a global batch that is a multiple of it")  # fmt: skip
+    return global_batch // generations
+
+
+class PromptPlan:
+    """The steps of each epoch over prompts: StepPlan's interface (data/blocks.py), with prompts for samples. A
+    step's `micro_batches` holds one entry, this rank's prompts: its micro-batches of completions are laid out once
+    they are generated (engine/grpo.py)."""
+
+    def __init__(self, prompts: Prompts, *, batch_size: int, accum_steps: int, rank: int, world_size: int, seed: int,
+                 generations: int) -> None:  # fmt: skip
+        self.prompts = prompts
+        self.num_samples = len(prompts)
+        self.batch_size, self.accum_steps, self.generations = batch_size, accum_steps, generations
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.global_batch = batch_size * world_size * accum_steps  # completions per step
+        self.per_step = check_groups(self.global_batch, generations)
+
+    def epoch_order(self, epoch: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.num_samples, generator=g)
+
+    def steps_per_epoch(self, start_offset: int = 0) -> int:
+        return -(-(self.num_samples - start_offset) // self.per_step)
+
+    def steps(self, epoch: int, start_offset: int = 0) -> Iterator[StepBatch]:
+        order = self.epoch_order(epoch)
+        first_step = start_offset // self.per_step
+        for k, begin in enumerate(range(start_offset, self.num_samples, self.per_step)):
+            taken = order[begin : begin + self.per_step]
+            yield StepBatch(epoch=epoch, step_in_epoch=first_step + k, micro_batches=[taken[self.rank :: self.world_size]],
+                            samples=taken.numel(), target_tokens=0, seen_tokens=0, end_offset=begin + taken.numel(),
+                            units=1)  # fmt: skip
+
+
+def row_key(row: dict[str, Any]) -> str:
+    """A prompt row as JSON, for completions.jsonl."""
+    return json.dumps(row, sort_keys=True, ensure_ascii=False, default=str)

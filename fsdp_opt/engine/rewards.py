@@ -1,0 +1,188 @@
+"""Reward functions (--method grpo --reward): the built-ins, and functions named by file or module, all called the
+way TRL's GRPOTrainer calls them, so a TRL reward function runs here unchanged:
+
+    f(prompts=[...], completions=[...], completion_ids=[...], **columns) -> [float | None, ...]
+
+one entry per completion: `prompts` the row's prompt for each completion (a string, or its list of messages),
+`completions` the text (or, for message prompts, `[{"role": "assistant", "content": text}]`), `completion_ids` the
+completion's tokens, and every other column of the prompt rows as a list. None means "no reward here" (the completion
+is left out of its group's statistics).
+
+Built-ins:
+- `accuracy`: the completion's answer checked against the row's `solution` column with math-verify: 1.0 when
+  `verify(parse(solution), parse(completion))` (the answer read from LaTeX, a \\boxed{} first), 0.0 when not, None
+  when the solution itself cannot be parsed (TRL's accuracy_reward; math-verify is an optional install).
+- `format`: 1.0 when the completion is a reasoning in `<think>...</think>` followed by its answer (one opening
+  `<think>`, at the very start), else 0.0 (TRL's think_format_reward).
+- `length`: 1.0 when the completion ended (an end-of-text token or the end of turn) with at most `max_words` words
+  of text (the row's `max_words` column, else 50), else 0.0: brevity, and an answer that stops.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import math
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from fsdp_opt.base import ConfigError, first_line
+
+MATH_VERIFY_INSTALL = 'pip install "math-verify>=0.8"'
+DEFAULT_MAX_WORDS = 50
+THINK = re.compile(r"^<think>(?!.*<think>)(.*?)</think>.*$", re.DOTALL | re.MULTILINE)
+
+
+def _texts(completions: Sequence[Any]) -> list[str]:
+    return [c if isinstance(c, str) else c[0]["content"] for c in completions]
+
+
+def accuracy(completions: Sequence[Any], solution: Sequence[Any], **kwargs: Any) -> list[float | None]:
+    """math-verify's verdict on each completion against its row's solution."""
+    try:
+        from latex2sympy2_extended import NormalizationConfig
+        from math_verify import LatexExtractionConfig, parse, verify
+    except ImportError:
+        raise ConfigError(f"--reward accuracy: math-verify is not installed ({MATH_VERIFY_INSTALL})") from None
+    out: list[float | None] = []
+    for text, gold in zip(_texts(completions), solution):
+        expected = parse(str(gold))
+        if not expected:
+            out.append(None)
+            continue
+        config = LatexExtractionConfig(normalization_config=NormalizationConfig(units=True), boxed_match_priority=0,
+                                       try_extract_without_anchor=False)  # fmt: skip
+        answer = parse(text, extraction_config=[config], extraction_mode="first_match")
+        out.append(float(verify(expected, answer)))
+    return out
+
+
+def format_reward(completions: Sequence[Any], **kwargs: Any) -> list[float]:
+    return [1.0 if THINK.match(t) else 0.0 for t in _texts(completions)]
+
+
+def length(completions: Sequence[Any], completion_ended: Sequence[bool] | None = None,
+           max_words: Sequence[Any] | None = None, **kwargs: Any) -> list[float]:  # fmt: skip
+    texts = _texts(completions)
+    ended = completion_ended if completion_ended is not None else [True] * len(texts)
+    limits = max_words if max_words is not None else [DEFAULT_MAX_WORDS] * len(texts)
+    return [1.0 if e and len(t.split()) <= int(m) else 0.0 for t, e, m in zip(texts, ended, limits)]
+
+
+BUILTINS: dict[str, Callable[..., list]] = {"accuracy": accuracy, "format": format_reward, "length": length}
+
+
+@dataclass
+class Reward:
+    """One reward function: its name as given, the function, and a fingerprint of its source (the chain pins it:
+    a changed rule is drift)."""
+
+    name: str
+    fn: Callable[..., list]
+    source: str  # sha256 of its source text (a built-in's: of this package's code of it)
+
+    def pin(self) -> dict[str, str]:
+        return {"name": self.name, "source": self.source}
+
+
+def _digest(fn: Callable) -> str:
+    try:
+        text = inspect.getsource(fn)
+    except (OSError, TypeError):
+        text = repr(fn)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def load(name: str) -> Reward:
+    """A built-in, `path/to/file.py:function` or `module:function`; one line naming it when it cannot be had."""
+    if name in BUILTINS:
+        return Reward(name, BUILTINS[name], _digest(BUILTINS[name]))
+    if ":" not in name:
+        raise ConfigError(f"--reward {name}: not a built-in ({', '.join(BUILTINS)}) nor path/to/file.py:function or "
+                          "module:function")  # fmt: skip
+    where, attr = name.rsplit(":", 1)
+    if where.endswith(".py"):
+        path = Path(where).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"--reward {name}: no such file {where}")
+        spec = importlib.util.spec_from_file_location(f"fsdp_opt_reward_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        try:
+            sys.modules[spec.name] = module
+            spec.loader.exec_module(module)
+        except Exception as exc:  # noqa: BLE001 - the user's file: its error in one line
+            raise ConfigError(f"--reward {name}: {where} fails to load ({first_line(exc)})") from None
+    else:
+        try:
+            module = importlib.import_module(where)
+        except Exception as exc:  # noqa: BLE001
+            raise ConfigError(f"--reward {name}: cannot import {where} ({first_line(exc)})") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ConfigError(f"--reward {name}: {where} has no function {attr}")
+    return Reward(name, fn, _digest(fn))
+
+
+def load_all(names: Sequence[str], weights: str | None) -> tuple[list[Reward], list[float]]:
+    """--reward and --reward_weights, checked."""
+    rewards = [load(n) for n in names]
+    if weights is None:
+        return rewards, [1.0] * len(rewards)
+    try:
+        values = [float(w) for w in weights.split(",")]
+    except ValueError:
+        raise ConfigError(f"--reward_weights {weights}: numbers, comma-separated") from None
+    if len(values) != len(rewards):
+        raise ConfigError(f"--reward_weights {weights}: {len(values)} weight(s) for {len(rewards)} reward function(s)")
+    return rewards, values
+
+
+def score(rewards: Sequence[Reward], prompts: Sequence[Any], completions: Sequence[Any],
+          completion_ids: Sequence[Sequence[int]], columns: dict[str, list], rows: Sequence[int],
+          ended: Sequence[bool]) -> list[list[float]]:  # fmt: skip
+    """[completion][function]: each function's reward of each completion (NaN for None). A function that raises,
+    returns the wrong count or a non-number stops the run in one line naming it and the row."""
+    out = [[math.nan] * len(rewards) for _ in completions]
+    if not completions:
+        return out
+    for j, reward in enumerate(rewards):
+        kwargs = dict(columns)
+        if reward.fn is length:
+            kwargs["completion_ended"] = list(ended)
+        try:
+            got = reward.fn(prompts=list(prompts), completions=list(completions), completion_ids=list(completion_ids),
+                            **kwargs)  # fmt: skip
+        except ConfigError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the user's function: which, and on which row
+            row = _failing_row(reward, prompts, completions, completion_ids, kwargs, rows)
+            raise ConfigError(f"--reward {reward.name}: it raised on {row} ({type(exc).__name__}: "
+                              f"{first_line(exc)})") from None  # fmt: skip
+        got = list(got) if got is not None else []
+        if len(got) != len(completions):
+            raise ConfigError(f"--reward {reward.name}: it returned {len(got)} reward(s) for {len(completions)} "
+                              "completions (one float or None per completion)")  # fmt: skip
+        for i, value in enumerate(got):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(float(value)):
+                raise ConfigError(f"--reward {reward.name}: it returned {value!r} for row {rows[i]} (a float or None "
+                                  "per completion)")  # fmt: skip
+            out[i][j] = float(value)
+    return out
+
+
+def _failing_row(reward: Reward, prompts, completions, completion_ids, kwargs: dict, rows) -> str:  # noqa: ANN001
+    """The first row whose completion alone makes the function raise (else the rows of the batch)."""
+    for i in range(len(completions)):
+        one = {k: [v[i]] if isinstance(v, list) and len(v) == len(completions) else v for k, v in kwargs.items()}
+        try:
+            reward.fn(prompts=[prompts[i]], completions=[completions[i]], completion_ids=[completion_ids[i]], **one)
+        except Exception:  # noqa: BLE001
+            return f"row {rows[i]}"
+    return f"rows {min(rows)} to {max(rows)}"

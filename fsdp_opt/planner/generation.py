@@ -1,0 +1,141 @@
+"""--method grpo in the plan: the memory and time of a step's generation phase, beside its training.
+
+Memory per GPU while generating (the optimizer state stays; the gradients are freed):
+- the training state: fp32 weights and AdamW's moments, sharded (LoRA: the frozen base in its storage dtype and the
+  adapters' state);
+- the model gathered whole in the compute dtype (gathered once: engine/generation.py), or one block at a time when
+  generating on the shards (layer by layer);
+- the KV cache of the rank's completions: 2 (keys, values) x layers x kv heads x head dim x --max_length tokens x
+  the compute dtype's bytes, for each completion (its prompt and completion);
+- a decoding step's logits: each completion's last position over the vocabulary, in fp32, twice (the scores and the
+  processed ones);
+- a reference model kept beside the policy (--beta > 0 with --ref_model or full fine-tuning): sharded, compute dtype.
+
+Time: the prompts' prefill from FLOPs (2 N per token at --tflops); each decoding step reads the gathered weights and
+the KV cache from GPU memory (--hbm_gbps, 320 GB/s on a T4) or computes its tokens, whichever is longer; on the shards,
+each decoding step also all-gathers the whole model over the link (--link_gbps). Then the reference's forward over
+the completions (--beta > 0) and the training step at the layout's micro-batches.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from fsdp_opt.base import gib
+from fsdp_opt.model.shapes import Shape
+from fsdp_opt.planner.inputs import CUDA_CONTEXT_BYTES, FRAGMENTATION, NCCL_BUFFER_BYTES, Inputs, shard_factor
+from fsdp_opt.planner.lora import adapter_params, block_base_bytes
+from fsdp_opt.planner.steptime import Rates, forward_time
+
+LOGIT_COPIES = 2  # a decoding step's fp32 scores and the processed ones
+
+
+def requests_per_rank(global_batch: int, generations: int, gpus: int) -> int:
+    """Completions one rank generates in a step (its prompts x G; the prompts spread evenly over the ranks)."""
+    prompts = max(1, global_batch // max(1, generations))
+    return math.ceil(prompts / max(1, gpus)) * generations
+
+
+def generation_memory(shape: Shape, strategy: str, inputs: Inputs, requests: int, gathered: bool = True,
+                      reference_model: bool = False) -> dict[str, int]:  # fmt: skip
+    """Bytes per GPU of the generation phase by component (each at its peak; they add up)."""
+    f = shard_factor(strategy, inputs)
+    c = 4 if inputs.precision == "fp32" else 2
+    lora = bool(inputs.lora_rank)
+    if lora:
+        base = block_base_bytes(shape, inputs, c) * shape.layers + c * shape.root_params
+        adapters = adapter_params(shape, inputs)
+        state = math.ceil(base / f) + 12 * math.ceil(adapters / f)  # the base; the adapters' weights and moments
+        whole = base + c * adapters
+    else:
+        state = 12 * math.ceil(shape.params / f)  # fp32 weights and AdamW's two moments
+        whole = c * shape.params
+    unit = max(c * shape.root_params, c * shape.block_params)
+    out = {
+        "training_state": state,
+        "gathered_weights": whole if gathered else c * shape.root_params + 2 * unit,
+        "kv_cache": requests * inputs.max_length * shape.layers * 2 * shape.kv_dim * c,
+        "logits": requests * shape.vocab * 4 * LOGIT_COPIES,
+        "reference": c * math.ceil(shape.params / f) if reference_model else 0,
+    }
+    if inputs.cuda:
+        nccl = NCCL_BUFFER_BYTES if inputs.gpus > 1 else 0
+        out["runtime"] = CUDA_CONTEXT_BYTES + nccl + int(FRAGMENTATION * sum(out.values()))
+    return out
+
+
+def generation_time(shape: Shape, strategy: str, inputs: Inputs, requests: int, completion_length: int,
+                    rates: Rates | None = None, gathered: bool = True) -> dict[str, float]:  # fmt: skip
+    """Seconds of one rank's generation in a step: the prefill of its prompts, then the decoding steps."""
+    rates = rates or Rates()
+    c = 4 if inputs.precision == "fp32" else 2
+    f = shard_factor(strategy, inputs)
+    prompt = max(1, inputs.max_length - completion_length)
+    weights = c * shape.params
+    prefill = requests * prompt * 2.0 * shape.flop_params / (rates.tflops * 1e12)
+    kv_per_token = shape.layers * 2 * shape.kv_dim * c
+    decode = 0.0
+    for t in range(completion_length):  # each step reads the weights and the cache so far, or computes its tokens
+        read = (weights + requests * (prompt + t) * kv_per_token) / (rates.hbm_gbps * 1e9)
+        compute = requests * 2.0 * shape.flop_params / (rates.tflops * 1e12)
+        decode += max(read, compute)
+    gather = 0.0
+    if not gathered and f > 1:  # every decoding step (and the prefill) gathers the whole model over the link
+        gather = (completion_length + 1) * (f - 1) / f * weights / (rates.link_gbps * 1e9)
+    elif f > 1:  # gathered once
+        gather = (f - 1) / f * weights / (rates.link_gbps * 1e9)
+    seconds = prefill + decode + gather
+    return {"prefill_s": prefill, "decode_s": decode, "gather_s": gather, "seconds": seconds,
+            "tokens_per_second": requests * completion_length / seconds if seconds else 0.0}  # fmt: skip
+
+
+def grpo_plan(shape: Shape, strategy: str, inputs: Inputs, samples: int, generations: int, completion_length: int,
+              beta: float, reference_model: bool, training_s: float, rates: Rates | None = None) -> dict[str, Any]:  # fmt: skip
+    """The generation phase (gathered once, and layer by layer beside it), the reference's forward and the step."""
+    requests = requests_per_rank(samples, generations, inputs.gpus)
+    out: dict[str, Any] = {"requests_per_rank": requests, "generations": generations,
+                           "completion_length": completion_length, "strategy": strategy}  # fmt: skip
+    for name, gathered in (("gathered", True), ("layer_by_layer", False)):
+        memory = generation_memory(shape, strategy, inputs, requests, gathered, reference_model)
+        peak = sum(memory.values())
+        time = generation_time(shape, strategy, inputs, requests, completion_length, rates, gathered)
+        out[name] = {"components": memory, "peak_bytes": peak, "fits": peak <= inputs.gpu_memory, **time}
+    reference_s = 0.0
+    if beta > 0:  # the reference's forward over the step's completions (one rank's share)
+        reference_s = forward_time(shape, strategy, inputs, samples, rates)["seconds"]
+    generation = out["gathered"] if out["gathered"]["fits"] else out["layer_by_layer"]
+    out.update(reference_s=reference_s, training_s=training_s, uses="gathered" if out["gathered"]["fits"] else
+               "layer_by_layer", step_s=generation["seconds"] + reference_s + training_s)  # fmt: skip
+    out["layer_by_layer_step_s"] = out["layer_by_layer"]["seconds"] + reference_s + training_s
+    out["fits"] = out["gathered"]["fits"] or out["layer_by_layer"]["fits"]
+    return out
+
+
+def grpo_lines(g: dict[str, Any], gpu_memory: int) -> list[str]:
+    """The plan's lines on a GRPO step."""
+    a, b = g["gathered"], g["layer_by_layer"]
+    uses = "the model gathered once" if g["uses"] == "gathered" else "the shards, layer by layer (gathered does not fit)"
+    return [
+        f"grpo generation ({g['requests_per_rank']} completions of up to {g['completion_length']} tokens per GPU), "
+        f"gathered once: {gib(a['peak_bytes'])} per GPU of {gib(gpu_memory)} ({'fits' if a['fits'] else 'does NOT fit'}: "
+        f"KV cache {gib(a['components']['kv_cache'])}, model {gib(a['components']['gathered_weights'])}), "
+        f"{a['seconds']:.2f} s ({a['tokens_per_second']:,.0f} tokens/s per GPU)",
+        f"grpo generation layer by layer: {gib(b['peak_bytes'])} per GPU ({'fits' if b['fits'] else 'does NOT fit'}), "
+        f"{b['seconds']:.2f} s ({b['tokens_per_second']:,.0f} tokens/s per GPU)",
+        f"grpo step: generation on {uses}, reference {g['reference_s']:.2f} s, training {g['training_s']:.2f} s: "
+        f"{g['step_s']:.2f} s per step (layer by layer: {g['layer_by_layer_step_s']:.2f} s)",
+    ]
+
+
+def gathered_fits(model_config, device_type: str, gpus: int, nodes: int, max_length: int, generations: int,
+                  global_batch: int, precision: str, gpu_memory: int, lora_rank: int = 0,
+                  base_bits: int = 16) -> bool:  # noqa: ANN001  # fmt: skip
+    """Whether the model gathered whole and its KV cache fit the GPU beside the training state (CPU: always): the
+    plan's generation memory at this run's sizes against the GPU's memory (or --max_gpu_memory)."""
+    if device_type != "cuda":
+        return True
+    inputs = Inputs(gpus=gpus, nodes=nodes, max_length=max_length, cuda=True, precision=precision,
+                    gpu_memory=gpu_memory, lora_rank=lora_rank, base_bits=base_bits)  # fmt: skip
+    requests = requests_per_rank(global_batch, generations, gpus)
+    return sum(generation_memory(Shape.of(model_config), "FULL_SHARD", inputs, requests, True).values()) <= gpu_memory

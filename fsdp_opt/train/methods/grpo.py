@@ -1,0 +1,261 @@
+"""--method grpo: completions sampled from the policy for prompt rows, scored by reward functions, each pushed up or
+down against its group (engine/grpo.py has the step; engine/generation.py the sampling; engine/rewards.py the
+reward functions)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Any
+
+import torch
+
+from fsdp_opt.base import ConfigError
+from fsdp_opt.checkpoint.drift import line as drift_line
+from fsdp_opt.config.parse import Config
+from fsdp_opt.data.blocks import model_inputs
+from fsdp_opt.data.formats import RowSpec, Rows
+from fsdp_opt.data.prompts import PromptPlan, prompts_from_rows
+from fsdp_opt.data.tokens import end_of_turn
+from fsdp_opt.engine.dpo import adapters_off, token_logps
+from fsdp_opt.engine.generation import Sampling
+from fsdp_opt.engine.grpo import GroupLoss, GroupSettings, held_out_rewards
+from fsdp_opt.engine.rewards import load_all
+from fsdp_opt.model.sources import without_dropout
+from fsdp_opt.planner.generation import gathered_fits
+from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, cap_gpu_memory, print0
+from fsdp_opt.tracking.metrics import COMPLETIONS_FILE, GRPO_FIELDS
+from fsdp_opt.train import reference
+from fsdp_opt.train.methods.base import Method, words
+
+
+class Grpo(Method):
+    fields = GRPO_FIELDS
+    shown = ("reward",)
+    state_key = "grpo"
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.rewards, self.weights = [], []
+        self.ref_name: str | None = None
+        self.ref_model: torch.nn.Module | None = None
+        self.settings: GroupSettings | None = None
+        self.tokenizer = None
+        self.written = 0  # completions.jsonl lines this session
+
+    # ------------------------------------------------------------ rows -> sequences
+
+    def check(self) -> None:
+        """The reward functions can be had (every rank): before anything is taken or built."""
+        self.rewards, self.weights = all_ranks_ok(lambda: load_all(self.config.method.reward_names,
+                                                                   self.config.method.reward_weights))  # fmt: skip
+
+    def check_rows(self, spec: RowSpec) -> None:
+        if spec.format not in self.traits.rows:
+            raise ConfigError(f"--method {self.name}: the rows are {words(spec)}, not prompts; name the prompt's "
+                              "column with --prompt_column (--data_format prompt)")  # fmt: skip
+
+    def sequences(self, rows: Rows, spec: RowSpec, tokenizer, *, train_on: str, max_length: int, packing: str,
+                  attention: str, pattern):  # noqa: ANN001, ANN201  # fmt: skip
+        return prompts_from_rows(rows, tokenizer, max_length=max_length,
+                                 max_completion_length=self.config.method.max_completion_length, packing=packing,
+                                 attention=attention, pattern=pattern)  # fmt: skip
+
+    def eval_packing(self, packing: str) -> str:
+        return packing
+
+    def plan(self, config: Config, env: DistEnv, sequences, batch_size: int, accum_steps: int) -> PromptPlan:  # noqa: ANN001
+        return PromptPlan(sequences, batch_size=batch_size, accum_steps=accum_steps, rank=env.rank,
+                          world_size=env.world_size, seed=config.train.seed,
+                          generations=config.method.num_generations)  # fmt: skip
+
+    def describe(self, sequences, packing_words: str, max_length: int) -> str:  # noqa: ANN001
+        m = self.config.method
+        return (f"{len(sequences)} prompts, {m.num_generations} completions each of up to {m.max_completion_length} "
+                f"tokens ({packing_words} of {max_length} tokens)")  # fmt: skip
+
+    # ------------------------------------------------------------ setup
+
+    def model_config(self, model_config) -> None:  # noqa: ANN001
+        off = without_dropout(model_config)
+        if off:
+            print0(f"{self.name}: dropout off ({', '.join(off)}): completions are sampled and scored on the same "
+                   "forward the loss takes")  # fmt: skip
+
+    def lora(self, lc):  # noqa: ANN001, ANN201
+        return dataclasses.replace(lc, lora_dropout=0.0) if lc.enabled and lc.lora_dropout is None else lc
+
+    def before_model(self, data, env: DistEnv, payload: dict[str, Any] | None, precision: str, tokenizer) -> None:  # noqa: ANN001
+        if not self.rewards:
+            self.check()
+        saved = (payload or {}).get(self.state_key) or {} if env.is_main else {}
+        all_ranks_ok(lambda: self._reward_drift(saved.get("rewards") or []) if env.is_main else None)
+
+    def _reward_drift(self, saved: list[dict[str, str]]) -> None:
+        """Rank 0, resuming: a reward function whose source changed since the checkpoint is drift (its rule changed
+        the objective): one line, refused unless --allow_changes."""
+        before = {r["name"]: r["source"] for r in saved}
+        changed = [r.name for r in self.rewards if r.name in before and before[r.name] != r.source]
+        for name in changed:
+            print0(drift_line({"flag": "reward", "from": f"{name} (source {before[name]})",
+                               "to": f"{name} (source {self.source_of(name)})", "breaks": "another loss trains"}))  # fmt: skip
+        if changed and not self.config.checkpoint.allow_changes:
+            raise ConfigError(f"--reward {changed[0]}: its source changed since the checkpoint (the chain's objective "
+                              "would change mid-run); restore it, or pass --allow_changes to go on with the new rule")  # fmt: skip
+
+    def source_of(self, name: str) -> str:
+        return next(r.source for r in self.rewards if r.name == name)
+
+    def after_model(self, s) -> None:  # noqa: ANN001
+        m, env = self.config.method, s.env
+        self.tokenizer = s.tokenizer
+        eos = {i for i in [s.tokenizer.eos_token_id] if i is not None}
+        config_eos = getattr(getattr(s.model, "generation_config", None), "eos_token_id", None)
+        eos |= set(config_eos if isinstance(config_eos, list) else [config_eos] if config_eos is not None else [])
+        stop = end_of_turn(s.tokenizer) if s.blocks.conversational else None
+        if stop:
+            ids = s.tokenizer(stop, add_special_tokens=False)["input_ids"]
+            if len(ids) == 1:  # one token: an end-of-text token like the others
+                eos.add(ids[0])
+                stop = None
+        gather = all_ranks_ok(lambda: self._gathered_fits(s))
+        if not gather:
+            print0(f"{self.name}: the model gathered whole and its KV cache do not fit beside training: completions are "
+                   "generated on the shards, each block gathered in every decoding step (slower)")  # fmt: skip
+        self.settings = GroupSettings(
+            generations=m.num_generations,
+            sampling=Sampling(m.max_completion_length, m.temperature, m.top_p, m.top_k),
+            epsilon=m.epsilon, epsilon_high=m.clip_high, beta=m.beta, loss_type=m.loss_type,
+            scale_rewards=m.scale_rewards, mask_truncated=m.mask_truncated_completions, rewards=self.rewards,
+            weights=self.weights, seed=self.config.train.seed, eos_ids=sorted(eos), stop=stop, gather=gather,
+        )  # fmt: skip
+        s.loss = GroupLoss(self.settings, s.blocks, s.tokenizer, self._reference(s) if m.uses_reference else None)
+
+    def _gathered_fits(self, s) -> bool:  # noqa: ANN001
+        env, c = s.env, self.config
+        if env.device.type != "cuda":
+            return True
+        cap = cap_gpu_memory(c, env)
+        memory = cap[0] if cap else torch.cuda.get_device_properties(env.device).total_memory
+        return gathered_fits(s.model_config, env.device.type, env.world_size, env.num_nodes, c.data.max_length,
+                             c.method.num_generations, s.plan.global_batch, s.precision, memory,
+                             c.lora.lora_rank, c.lora.base_bits)  # fmt: skip
+
+    def _reference(self, s):  # noqa: ANN001, ANN202
+        """The reference's token log-probabilities of a packed micro-batch: a LoRA run's base with its adapters off,
+        or --ref_model (else the model the chain started from), loaded sharded, frozen, in the compute dtype, and kept
+        beside the policy for the session."""
+        c, temperature = self.config, self.config.method.temperature
+        saved = None
+        self.ref_name = reference.reference_name(c, saved)
+        if self.ref_name == reference.ADAPTERS_OFF:
+            print0(f"{self.name}: reference: the base with the adapters switched off")
+
+            @torch.no_grad()
+            def off(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+                was = s.model.training
+                s.model.eval()
+                try:
+                    with adapters_off(s.model):
+                        return token_logps(s.model(**model_inputs(batch)).logits, batch["labels"], None, temperature)
+                finally:
+                    s.model.train(was)
+
+            return off
+        strategy = c.parallel.sharding_strategy if c.parallel.sharding_strategy != "AUTO" else "FULL_SHARD"
+        self.ref_model = reference.load_frozen(self.ref_name, s.env, s.precision, s.tokenizer, policy=c.model.model,
+                                               attention=c.model.attn_implementation, strategy=strategy,
+                                               seed=c.train.seed)  # fmt: skip
+        print0(f"{self.name}: reference {self.ref_name}: loaded sharded in {s.precision}, kept beside the policy")
+        ref = self.ref_model
+
+        @torch.no_grad()
+        def model_logps(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            return token_logps(ref(**model_inputs(batch)).logits, batch["labels"], None, temperature)
+
+        return model_logps
+
+    # ------------------------------------------------------------ the run
+
+    def summary(self, s) -> str:  # noqa: ANN001
+        m = self.config.method
+        ref = f"beta {m.beta:g}, reference: {self.ref_name}" if m.uses_reference else "beta 0 (no reference model)"
+        where = "the model gathered once" if self.settings.gather else "the shards (layer by layer)"
+        return (f"{self.name}, {m.num_generations} completions per prompt, loss {m.loss_type}, {ref}, rewards: "
+                f"{', '.join(r.name for r in self.rewards)}; generation on {where}")  # fmt: skip
+
+    def state(self) -> dict[str, Any] | None:
+        return {"rewards": [r.pin() for r in self.rewards], "ref_model": self.ref_name}
+
+    def after_step(self, s, record: dict[str, Any]) -> None:  # noqa: ANN001
+        """completions.jsonl: every completion of the step, gathered to rank 0."""
+        mine = s.loss.current.records if s.loss.current else []
+        everyone = [mine]
+        if s.env.world_size > 1:
+            everyone = [None] * s.env.world_size
+            torch.distributed.all_gather_object(everyone, mine)
+        if s.env.is_main:
+            with (s.out_dir / COMPLETIONS_FILE).open("a") as f:
+                for part in everyone:
+                    for r in part:
+                        f.write(json.dumps(r, ensure_ascii=False) + "\n")
+            self.written += sum(len(p) for p in everyone)
+
+    def at_save(self, s) -> None:  # noqa: ANN001
+        """W&B: a table of the last step's completions (the first 16)."""
+        if s.env.is_main and s.loss.current is not None:
+            s.wandb.log_table("completions", s.state.global_step, s.loss.current.records[:16])
+
+    @property
+    def eval_logged(self) -> tuple[str, ...]:  # type: ignore[override]
+        return ("reward", *(f"reward_{r.name}" for r in self.rewards))
+
+    def evaluate(self, s) -> dict[str, Any]:  # noqa: ANN001
+        """One greedy completion of each held-out prompt: the mean reward, in total and per function."""
+        started = time.perf_counter()
+        result = held_out_rewards(s.model, s.eval_blocks, s.tokenizer, self.settings, s.env)
+        result.pop("samples")
+        result["seconds"] = round(time.perf_counter() - started, 3)
+        per = ", ".join(f"{r.name} {result[f'reward_{r.name}']:.3f}" for r in self.rewards)
+        print0(f"eval at step {s.state.global_step}: mean reward {result['reward']:.4f} ({per}) of a greedy completion "
+               f"of each of rows {s.eval_label} ({result['prompts']} prompts, {result['seconds']:.1f} s)")  # fmt: skip
+        return result
+
+    def switch_range(self, s, data) -> None:  # noqa: ANN001
+        s.loss.prompts = data.blocks
+
+    # ------------------------------------------------------------ python -m fsdp_opt.evaluate
+
+    def before_scoring(self, held, env: DistEnv, precision: str, tokenizer, batch_size: int, model_name: str,
+                       reference_name: str | None, strategy: str, seed: int) -> str | None:  # noqa: ANN001  # fmt: skip
+        if not self.rewards:
+            self.check()
+        self.tokenizer = tokenizer
+        m = self.config.method
+        stop = end_of_turn(tokenizer) if held.conversational else None
+        eos = sorted({tokenizer.eos_token_id})
+        self.settings = GroupSettings(generations=m.num_generations, sampling=Sampling(m.max_completion_length),
+                                      epsilon=m.epsilon, epsilon_high=m.clip_high, beta=0.0, loss_type=m.loss_type,
+                                      scale_rewards=m.scale_rewards, mask_truncated=False, rewards=self.rewards,
+                                      weights=self.weights, seed=seed, eos_ids=eos, stop=stop, gather=True)  # fmt: skip
+        return None
+
+    def score(self, model, held, batch_size: int, env: DistEnv) -> dict[str, Any]:  # noqa: ANN001
+        result = held_out_rewards(model, held, self.tokenizer, self.settings, env)
+        result.pop("samples")  # the report shows the completions side by side (its samples)
+        return result
+
+    def score_line(self, result: dict[str, Any]) -> str:
+        per = ", ".join(f"{k[len('reward_'):]} {v:.3f}" for k, v in result.items() if k.startswith("reward_"))
+        return f"mean reward {result['reward']:.4f} ({per}) over {result['prompts']} prompts"
+
+    @staticmethod
+    def table(results: dict[str, Any]) -> list[str]:
+        names = [k for k in results["models"][0] if k.startswith("reward_")]
+        lines = [f"Held-out prompts {results['rows']} of `{results['dataset']}` ({results['models'][0]['prompts']:,} "
+                 "prompts), one greedy completion each:", "",
+                 "| model | mean reward | " + " | ".join(n[len("reward_"):] for n in names) + " |",
+                 "| --- | --- |" + " --- |" * len(names)]  # fmt: skip
+        return lines + [f"| {r['name']} | {r['reward']:.4f} | " + " | ".join(f"{r[n]:.4f}" for n in names) + " |"
+                        for r in results["models"]]  # fmt: skip
