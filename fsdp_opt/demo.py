@@ -9,8 +9,9 @@ only), then asks the trained model held-out questions and shows its answers besi
 (its test split) for the model before and after: the share of pairs whose chosen answer it prefers (outputs/demo-dpo).
 --grpo starts from the chat demo's model (it runs the chat demo first when outputs/demo-chat has no checkpoint) and
 trains it with GRPO on python-docs-prompts, the same questions asked to be answered in one word, rewarded by the
-built-in `length` reward (1 for an answer of one word that ends, else 0); then the mean reward of a greedy answer to
-each held-out question, before and after (outputs/demo-grpo).
+built-in `length` reward (1 for an answer of one word that ends, else 0: the form, not the title, which a model this
+small cannot know for a paragraph it has not seen); then the mean reward of a greedy answer to each held-out question,
+before and after (outputs/demo-grpo).
 Extra flags go to the training command after the demo's own, so they win (--seed 3, say).
 """
 
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--chat", action="store_true", help="train on python-docs-chat, loss on the answers only")
     which.add_argument("--dpo", action="store_true", help="DPO on python-docs-prefs, scored on its held-out pairs")
     which.add_argument("--grpo", action="store_true",
-                       help="GRPO on python-docs-prompts from the chat demo's model, answers in one word rewarded")
+                       help="GRPO on python-docs-prompts from the chat demo's model, one-word answers rewarded")
     args, extra = parser.parse_known_args(argv)
     name = "chat" if args.chat else "dpo" if args.dpo else "grpo" if args.grpo else "plain"
     flags, default_out, what, verdict = DEMOS[name]

@@ -109,14 +109,16 @@ ONE_WORD = "Answer in one word."
 
 def python_docs_prompt_rows(min_chars: int = 200, max_chars: int | None = None) -> list[dict[str, Any]]:
     """Prompt rows (--method grpo) made from python-docs-chat's first question, asked to be answered in one word:
-    {"prompt": [the user's message], "solution": the topic's title, "max_words": 1}. The built-in `length` reward
-    checks the form (an answer that ends, in at most max_words words); the title is there for a reward of your own."""
+    {"prompt": [the user's message], "solution": the topic's title, "choices": the documentation's one-word titles,
+    "max_words": 1}. The built-in `length` reward checks the form (an answer that ends, in one word), `choice` that
+    it is one of the one-word titles; the title is there for a reward of your own."""
+    titles = sorted({t for t, _ in _python_docs_paragraphs(1) if len(t.split()) == 1})
     rows = []
     for conversation in python_docs_chat_rows(min_chars, max_chars):
         ask = next(m for m in conversation if m["role"] == "user")
         title = next(m for m in conversation if m["role"] == "assistant")["content"]
         rows.append({"prompt": [{"role": "user", "content": f"{ask['content']} {ONE_WORD}"}], "solution": title,
-                     "max_words": 1})  # fmt: skip
+                     "choices": titles, "max_words": 1})  # fmt: skip
     return rows
 
 

@@ -16,6 +16,8 @@ Built-ins:
   `<think>`, at the very start), else 0.0 (TRL's think_format_reward).
 - `length`: 1.0 when the completion ended (an end-of-text token or the end of turn) with at most `max_words` words
   of text (the row's `max_words` column, else 50), else 0.0: brevity, and an answer that stops.
+- `choice`: 1.0 when the completion ended and its text, stripped, is one of the row's `choices` (a list column),
+  else 0.0: an answer from a fixed set (a multiple choice, a label).
 """
 
 from __future__ import annotations
@@ -74,7 +76,17 @@ def length(completions: Sequence[Any], completion_ended: Sequence[bool] | None =
     return [1.0 if e and len(t.split()) <= int(m) else 0.0 for t, e, m in zip(texts, ended, limits)]
 
 
-BUILTINS: dict[str, Callable[..., list]] = {"accuracy": accuracy, "format": format_reward, "length": length}
+def choice(completions: Sequence[Any], choices: Sequence[Sequence[str]], completion_ended: Sequence[bool] | None = None,
+           **kwargs: Any) -> list[float]:  # fmt: skip
+    texts = _texts(completions)
+    ended = completion_ended if completion_ended is not None else [True] * len(texts)
+    return [1.0 if e and t.strip() in set(c) else 0.0 for t, e, c in zip(texts, ended, choices)]
+
+
+BUILTINS: dict[str, Callable[..., list]] = {"accuracy": accuracy, "format": format_reward, "length": length,
+                                            "choice": choice}  # fmt: skip
+# the built-ins that read whether a completion ended (a keyword TRL's functions do not get)
+READS_ENDED = (length, choice)
 
 
 @dataclass
@@ -152,7 +164,7 @@ def score(rewards: Sequence[Reward], prompts: Sequence[Any], completions: Sequen
         return out
     for j, reward in enumerate(rewards):
         kwargs = dict(columns)
-        if reward.fn is length:
+        if reward.fn in READS_ENDED:
             kwargs["completion_ended"] = list(ended)
         try:
             got = reward.fn(prompts=list(prompts), completions=list(completions), completion_ids=list(completion_ids),

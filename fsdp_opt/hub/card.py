@@ -39,6 +39,12 @@ def run_info(flat_config: dict[str, Any], *, world_size: int, global_batch: int,
     }
 
 
+def _eval_cell(row: dict[str, Any]) -> str:
+    if row.get("eval_loss") is None and row.get("eval_reward") is not None:
+        return f"reward {row['eval_reward']:.4f}"
+    return _fmt_loss(row.get("eval_loss"))
+
+
 def slices(index: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per trained range, in training order: epochs, global steps, the last loss and date."""
     rows: dict[tuple[int, int], dict[str, Any]] = {}
@@ -51,6 +57,8 @@ def slices(index: dict[str, Any]) -> list[dict[str, Any]]:
         row["loss"] = e.get("loss")
         if e.get("eval_loss") is not None or "eval_loss" not in row:
             row["eval_loss"] = e.get("eval_loss")
+        if e.get("eval_reward") is not None:  # --method grpo: its held-out reward in the eval column
+            row["eval_reward"] = e.get("eval_reward")
         row["date"] = e.get("date", "")
         row["latest"] = name
         # Where it is now: its full state, or (retired by --hub_keep_full) only its weights file.
@@ -123,7 +131,7 @@ def render_card(repo_id: str, index: dict[str, Any]) -> str:
     for r in rows:
         steps = f"{r['first_step']}–{r['last_step']}" if r["last_step"] is not None else "-"
         out.append(
-            f"| [{r['start']}, {r['end']}) | {r['epochs']} | {steps} | {_fmt_loss(r['loss'])} | {_fmt_loss(r['eval_loss'])} | {r['date']} | `{r['where']}` |"
+            f"| [{r['start']}, {r['end']}) | {r['epochs']} | {steps} | {_fmt_loss(r['loss'])} | {_eval_cell(r)} | {r['date']} | `{r['where']}` |"
         )
     if not rows:
         out.append("| - | - | - | - | - | - | - |")

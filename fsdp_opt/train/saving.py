@@ -98,7 +98,8 @@ def save(s: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
         "loss": s.last_loss if math.isfinite(s.last_loss) else None,
         "world_size": s.env.world_size,
         "sharded": sharded,
-        "eval_loss": evaluation["loss"] if evaluation else None,
+        "eval_loss": evaluation.get("loss") if evaluation else None,
+        "eval_reward": evaluation.get("reward") if evaluation else None,  # --method grpo's held-out reward
         CHAIN_KEY: extra[CHAIN_KEY],
         CHANGES_KEY: s.settings_changes,
         PIN_KEY: s.data_pin,
