@@ -1,0 +1,52 @@
+"""Run by the tests under torchrun with training flags (--method grpo): one GRPO step's prepare phase and micro-batches
+on completions given here instead of sampled (the engine's sampler stands aside), then rank 0 reports the step's
+loss, every parameter's whole gradient, and what the step made of the completions (rewards, advantages).
+
+Arguments: the report path, a JSON file of {"completions": {"row:g": [token ids]}, "ended": {...}}, the flags."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+import fsdp_opt.engine.grpo as grpo
+from fsdp_opt.config.parse import parse_args
+from fsdp_opt.engine.generation import Generated
+from fsdp_opt.engine.step import accumulate
+from fsdp_opt.runtime.distributed import end_process, init_distributed, teardown
+from fsdp_opt.train.run import setup
+
+
+def main() -> None:
+    out_path, given_path, flags = sys.argv[1], sys.argv[2], sys.argv[3:]
+    given = json.loads(open(given_path).read())
+    env = init_distributed("cpu")
+    s = setup(parse_args(flags), env)
+    step = next(iter(s.plan.steps(0)))
+    prompts = s.blocks
+
+    def injected(model, asked, keys, sampling, **kwargs) -> Generated:  # noqa: ANN001, ANN003
+        mine = [int(p) for p in step.micro_batches[0]]
+        pairs = [(int(prompts.index[p]), g) for p in mine for g in range(s.config.method.num_generations)]
+        return Generated([given["completions"][f"{r}:{g}"] for r, g in pairs], [given["ended"][f"{r}:{g}"] for r, g in pairs])
+
+    grpo.generate = injected
+    s.optimizer.zero_grad(set_to_none=True)
+    s.loss.prepare(s, step)
+    _, sums = accumulate(s, step, 1.0)
+    torch.distributed.all_reduce(sums)
+    grads = {n: p.grad.full_tensor().tolist() for n, p in s.model.named_parameters() if p.grad is not None}
+    records = [None] * env.world_size
+    torch.distributed.all_gather_object(records, s.loss.current.records)
+    if env.rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"loss": float(sums[0]), "kl": float(sums[1]), "grads": grads, "tokens": s.loss.current.totals["tokens"],
+                       "records": [r for part in records for r in part],
+                       "micro_batches": len(s.loss.current.micro)}, f)  # fmt: skip
+    teardown()
+
+
+if __name__ == "__main__":
+    end_process(main)
