@@ -91,7 +91,8 @@ def resolve_spec(column_names: Sequence[str], data_format: str, *, text_column: 
           "extra": tuple(c for c in column_names if c != prompt_column)}  # fmt: skip
     listed = ", ".join(column_names)
     preferred = [f for f in prefer if f in DATA_FORMATS and all(c in have for c in RowSpec(f, **kw).columns)]
-    if data_format == "auto" and len(preferred) == 1:
+    pairs = all(c in have for c in RowSpec("preference", **kw).columns)  # preference rows are never taken as another
+    if data_format == "auto" and len(preferred) == 1 and (not pairs or preferred[0] == "preference"):
         return RowSpec(preferred[0], **kw)
     if data_format != "auto":
         spec = RowSpec(data_format, **kw)

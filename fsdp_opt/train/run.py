@@ -25,6 +25,7 @@ from fsdp_opt.checkpoint.save import BackgroundWriter
 from fsdp_opt.config.choices import AUTO, DTYPES, shard_count
 from fsdp_opt.config.parse import Config
 from fsdp_opt.data.pin import PIN_KEY, packed_as, pinned_revision, with_range
+from fsdp_opt.data.prompts import check_groups
 from fsdp_opt.data.resolve import DataSource
 from fsdp_opt.data.sources import check_exists
 from fsdp_opt.engine.fp16watch import Fp16Overflow, overflow_probe
@@ -218,6 +219,8 @@ def check_flags(config: Config, env: DistEnv) -> Checked:
     all_ranks_ok(lambda: check_exists(DataSource.of(config.data)) if env.is_main else None)
     method_for(config).check()
     auto = config.train.batch_size == AUTO
+    if config.method.traits.generates:  # a step's completions: whole groups of --num_generations
+        check_groups(config.train.samples_per_step(env.world_size), config.method.num_generations)
     return Checked(source, precision, None if auto else config.train.accum_for(env.world_size))
 
 

@@ -140,3 +140,168 @@ def test_a_step_is_trls_loss_and_gradient_on_the_same_completions(tmp_path, setu
     worst = max(diffs.values())
     assert worst <= 1e-5, sorted(diffs.items(), key=lambda kv: -kv[1])[:4]
     assert max(g.abs().max().item() for g in grads.values()) > 1e-3  # the gradients are not all zero
+
+
+def test_greedy_completions_are_transformers_generate_and_the_first_loss_is_the_jsonl_recomputed(tmp_path, setup_files):
+    """--top_k 1: every completion in completions.jsonl is what transformers' generate (greedy) makes from the same
+    model for its prompt alone. Sampled, with a KL term to another model: the first step's loss is the one computed
+    from completions.jsonl with plain transformers, each completion alone (rho is 1 in value)."""
+    f = setup_files
+    base = ["--model", str(f["policy"]), "--dataset", str(f["data"]), "--method", "grpo", "--reward",
+            f"{f['rewards']}:overlap", "--num_generations", "2", "--max_completion_length", str(LENGTH), "--max_length",
+            "64", "--batch_size", "4", "--accum_steps", "2", "--end_idx", str(PROMPTS), "--precision", "fp32",
+            "--wandb_mode", "disabled", "--seed", "3", "--save_optimizer", "false"]  # fmt: skip
+    runs = {"greedy": ["--top_k", "1"], "sampled": ["--beta", "0.04", "--ref_model", str(f["ref"]), "--temperature", "1.3"]}
+    for name, extra in runs.items():
+        (tmp_path / name).mkdir()
+        proc = run_cli(base + extra + ["--output_dir", str(tmp_path / name / "out")], tmp_path / name, nproc=2)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    tok = AutoTokenizer.from_pretrained(f["policy"])
+    policy = AutoModelForCausalLM.from_pretrained(f["policy"], dtype=torch.float32).eval()
+    by_row = {k: r for k, r in enumerate(rows())}
+    greedy = read_jsonl(tmp_path / "greedy" / "out" / "completions.jsonl")
+    assert len(greedy) == 2 * PROMPTS
+    for line in greedy:
+        ids = torch.tensor([tok(by_row[line["row"]]["prompt"])["input_ids"]])
+        with torch.no_grad():
+            out = policy.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                  max_new_tokens=LENGTH, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # fmt: skip
+        made = out[0, ids.shape[1] :].tolist()
+        if tok.eos_token_id in made:
+            made = made[: made.index(tok.eos_token_id) + 1]
+        assert line["completion_ids"] == made, (line["row"], line["completion_ids"], made)
+
+    # the first step, recomputed from what completions.jsonl says it trained on
+    lines = [l for l in read_jsonl(tmp_path / "sampled" / "out" / "completions.jsonl") if l["step"] == 1]
+    reference = AutoModelForCausalLM.from_pretrained(f["ref"], dtype=torch.float32).eval()
+    rewards: dict[int, list[float]] = {}
+    for l in lines:
+        rewards.setdefault(l["row"], []).append(math.nan if l["reward"] is None else l["reward"])
+    total, tokens = 0.0, 0
+    for l in lines:
+        group = torch.tensor(rewards[l["row"]])
+        std = torch.tensor(float(group[~torch.isnan(group)].std())) if (~torch.isnan(group)).sum() > 1 else torch.tensor(math.nan)
+        adv = float(torch.nan_to_num((torch.tensor(math.nan if l["reward"] is None else l["reward"]) -
+                                      torch.nanmean(group)) / (std + 1e-4), nan=0.0))  # fmt: skip
+        prompt = tok(by_row[l["row"]]["prompt"])["input_ids"]
+        ids = torch.tensor([prompt + l["completion_ids"]])
+        with torch.no_grad():
+            logps = [torch.log_softmax(m(input_ids=ids).logits[0, :-1].float() / 1.3, -1)
+                     .gather(1, ids[0, 1:, None])[len(prompt) - 1 :, 0] for m in (policy, reference)]  # fmt: skip
+        d = logps[1] - logps[0]
+        total += float((-adv + 0.04 * (torch.exp(d) - d - 1)).sum())
+        tokens += len(l["completion_ids"])
+        assert abs(l["advantage"] - adv) <= 1e-4, (l["advantage"], adv)
+    first = read_jsonl(tmp_path / "sampled" / "out" / "metrics.jsonl")[0]
+    assert first["completions"] == len(lines) == 16 and first["tokens"] == tokens  # batch 4 x 2 ranks x accum 2
+    print(f"first step's loss {first['loss']:.8f}, from completions.jsonl {total / tokens:.8f}")
+    assert abs(first["loss"] - total / tokens) <= 1e-5, (first["loss"], total / tokens)
+    assert first["kl"] is not None and first["kl"] > 0
+
+
+def _steps(out: Path) -> list[tuple]:
+    return [(r["step"], r["loss"], r["reward"], r["tokens"], r["slice"]) for r in read_jsonl(out / "metrics.jsonl")]
+
+
+def _drawn(out: Path) -> list[tuple]:
+    return [(l["step"], l["row"], tuple(l["completion_ids"]), l["reward"], l["advantage"])
+            for l in read_jsonl(out / "completions.jsonl")]  # fmt: skip
+
+
+def test_a_session_resumed_mid_range_draws_and_trains_what_the_straight_run_did(tmp_path, setup_files):
+    """Rows [0, 8), four steps, a checkpoint after each: a second session resumed from the one after step 2 samples
+    the same completions, gets the same rewards and the same losses for steps 3 and 4, bit for bit (CPU, fp32)."""
+    f = setup_files
+    args = ["--model", str(f["policy"]), "--dataset", str(f["data"]), "--method", "grpo", "--reward",
+            f"{f['rewards']}:overlap", "--num_generations", "2", "--max_completion_length", str(LENGTH), "--max_length",
+            "64", "--batch_size", "2", "--end_idx", str(PROMPTS), "--precision", "fp32", "--wandb_mode", "disabled",
+            "--seed", "5", "--lr", "1e-2"]  # fmt: skip
+    straight = run_cli(args + ["--save_every_steps", "1", "--keep_last", "0", "--output_dir", str(tmp_path / "a")],
+                       tmp_path, nproc=2)  # fmt: skip
+    assert straight.returncode == 0, straight.stdout[-2000:] + straight.stderr[-3000:]
+    (tmp_path / "b").mkdir()
+    (mid,) = (tmp_path / "a").glob("*-step-2.pt")
+    (tmp_path / "b" / mid.name).write_bytes(mid.read_bytes())
+    resumed = run_cli(args + ["--resume_file", mid.name, "--output_dir", str(tmp_path / "b")], tmp_path, nproc=2)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    want = [s for s in _steps(tmp_path / "a") if s[0] > 2]
+    assert _steps(tmp_path / "b") == want and len(want) == 2
+    assert _drawn(tmp_path / "b") == [d for d in _drawn(tmp_path / "a") if d[0] > 2]
+
+
+def test_three_auto_sessions_through_the_hub_equal_one_straight_run(tmp_path, setup_files):
+    """--start_idx auto, three sessions on empty machines through the loopback Hub: the same completions, rewards and
+    losses as one session that trains the three ranges."""
+    from conftest import hub_env, saved_names
+    from hubserver import HubServer
+
+    f = setup_files
+    auto = ["--model", str(f["policy"]), "--dataset", str(f["data"]), "--method", "grpo", "--reward",
+            f"{f['rewards']}:overlap", "--num_generations", "2", "--max_completion_length", str(LENGTH), "--max_length",
+            "64", "--batch_size", "2", "--precision", "fp32", "--wandb_mode", "disabled", "--seed", "9",
+            "--start_idx", "auto", "--range_size", "2", "--lr", "1e-2"]  # fmt: skip
+    with HubServer() as server:
+        saved = []
+        for i in range(3):
+            machine = tmp_path / f"m{i}"
+            machine.mkdir()
+            env = hub_env(tmp_path, server, f"m{i}")
+            env["WANDB_MODE"] = "disabled"
+            proc = run_cli(auto + ["--hf_repo", "me/grpo", "--output_dir", str(machine / "out")], machine, nproc=2, env=env)
+            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+            saved += saved_names(proc.stdout)
+    one = run_cli(auto + ["--session_ranges", "3", "--output_dir", str(tmp_path / "one")], tmp_path, nproc=2)
+    assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-3000:]
+    assert saved == saved_names(one.stdout) == [f"policy_{a}-{a + 2}-epoch-1.pt" for a in (0, 2, 4)]
+    assert _steps(tmp_path / "m2" / "out") == _steps(tmp_path / "one")
+    drawn = [d for i in range(3) for d in _drawn(tmp_path / f"m{i}" / "out")]
+    assert drawn == _drawn(tmp_path / "one") and len(drawn) == 3 * 2 * 2
+
+
+BAD_REWARDS = '''
+def boom(completions, **kwargs):
+    raise ValueError("no rule for this one")
+
+
+def too_few(completions, **kwargs):
+    return [1.0]
+
+
+def not_a_number(completions, **kwargs):
+    return ["high"] * len(completions)
+'''
+
+
+def test_bad_grpo_input_is_one_line_and_writes_no_checkpoint(tmp_path, setup_files):
+    f = setup_files
+    bad = tmp_path / "bad.py"
+    bad.write_text(BAD_REWARDS)
+    text = tmp_path / "text.jsonl"
+    text.write_text("".join(json.dumps({"text": f"row {i} of text"}) + "\n" for i in range(8)))
+    prefs = tmp_path / "prefs.jsonl"
+    prefs.write_text("".join(json.dumps({"prompt": "q", "chosen": "a", "rejected": "b"}) + "\n" for _ in range(8)))
+    base = ["--model", str(f["policy"]), "--method", "grpo", "--num_generations", "2", "--max_completion_length", "8",
+            "--max_length", "64", "--batch_size", "2", "--end_idx", "8", "--precision", "fp32", "--wandb_mode", "disabled"]  # fmt: skip
+    data = ["--dataset", str(f["data"])]
+    cases = [
+        (["--dataset", str(text), "--reward", "length"], ["--method grpo", "the rows are text", "--prompt_column"]),
+        (["--dataset", str(prefs), "--reward", "length"], ["--method grpo", "preference pairs", "--prompt_column"]),
+        (data + ["--reward", "nope"], ["--reward nope", "not a built-in"]),
+        (data + ["--reward", f"{tmp_path / 'missing.py'}:f"], ["--reward", "no such file"]),
+        (data + ["--reward", f"{bad}:absent"], ["--reward", "has no function absent"]),
+        (data + ["--reward", f"{bad}:boom"], ["--reward", "boom: it raised on row", "no rule for this one"]),
+        (data + ["--reward", f"{bad}:too_few"], ["--reward", "returned 1 reward(s) for"]),
+        (data + ["--reward", f"{bad}:not_a_number"], ["--reward", "returned 'high' for row"]),
+        (data + ["--reward", "length", "--num_generations", "1"], ["--num_generations 1", "2 or more"]),
+        (data + ["--reward", "length", "--num_generations", "3"], ["--num_generations 3", "not a whole number of groups"]),
+        (data + ["--reward", "length", "--max_completion_length", "64"], ["--max_completion_length 64", "below --max_length"]),
+        (data + ["--reward", "length", "--reward_weights", "1,2"], ["--reward_weights 1,2", "2 weight(s) for 1"]),
+        (data + ["--reward", "length", "--loss_type", "ppo"], ["--loss_type", "ppo"]),
+    ]  # fmt: skip
+    runs = []
+    for i, (extra, _) in enumerate(cases):
+        (tmp_path / f"c{i}").mkdir()
+        runs.append((base + extra + ["--output_dir", str(tmp_path / f"c{i}" / "out")], tmp_path / f"c{i}", None))
+    for (extra, needles), proc, (_, folder, _) in zip(cases, run_cli_concurrently(runs, timeout=180, nproc=2), runs):
+        assert_clean_failure(proc, *needles)
+        assert not list(folder.glob("**/*.pt")), extra
