@@ -25,11 +25,13 @@ from fsdp_opt.model.shapes import Shape, model_config
 from fsdp_opt.model.sources import LLAMA_8B, OPT_FAMILY
 from fsdp_opt.planner.catalog import catalog_rows, render_catalog
 from fsdp_opt.planner.calibrate import calibrate, read_rates
+from fsdp_opt.planner.generation import generation_memory
 from fsdp_opt.planner.inputs import Inputs
 from fsdp_opt.planner.report import make_plan, render
 from fsdp_opt.planner.simulate import compare
 from fsdp_opt.planner.simulate import render as sim_render
 from fsdp_opt.planner.simulate import simulate as sim_simulate
+from fsdp_opt.planner.simulate import simulate_generation as sim_generation
 from fsdp_opt.planner.simulate import simulate_reference
 from fsdp_opt.planner.search import Space, recommend, reduce_dtypes
 from fsdp_opt.planner.steptime import Rates
@@ -72,7 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the trainer's --lora_dropout (default: 0.05; 0 with --method dpo, which trains without dropout)")
     p.add_argument("--base_bits", type=int, default=16, choices=[16, 4], help="the trainer's --base_bits")
     p.add_argument("--method", default="sft", choices=METHODS,
-                   help="the trainer's --method: dpo adds its reference pass (memory, time) to the plan")
+                   help="the trainer's --method: dpo adds its reference pass (memory, time) to the plan; grpo its "
+                        "generation phase (the model gathered once, and layer by layer beside it)")
+    p.add_argument("--num_generations", type=int, default=8, help="--method grpo: completions per prompt (G)")
+    p.add_argument("--max_completion_length", type=int, default=256, help="--method grpo: tokens of a completion")
+    p.add_argument("--beta", type=float, default=0.0,
+                   help="--method grpo: the KL weight; above 0 a reference model's forward (a model of its own for full "
+                        "fine-tuning or with --ref_model, kept beside the policy)")
     p.add_argument("--ref_model", default=None,
                    help="the trainer's --ref_model: with LoRA, the reference is then a model of its own (of the same "
                         "shape) instead of the base with the adapters off")
@@ -105,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rates", default=None, help="predict from a calibration saved earlier (python -m fsdp_opt.calibrate --json)")
     p.add_argument("--simulate", nargs="?", const="FULL_SHARD", default=None, metavar="STRATEGIES",
                    help="also run one training step at the model's real shape on fake tensors (no memory used) for "
-                        "these strategies (comma-separated; default FULL_SHARD) and hold its peaks against the plan")
+                        "these strategies (comma-separated; default FULL_SHARD) and hold its peaks against the plan; --method "
+                        "grpo: its generation phase too, on the first of them")
     p.add_argument("--catalog", action="store_true",
                    help="instead of one model's plan: what fits of every built-in model (full fine-tuning, LoRA r16, "
                         "LoRA r16 on a 4-bit base) at the flags' GPUs, memory, precision, length and sequences per step")
@@ -171,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             lora_dropout=a.lora_dropout if a.lora_dropout is not None else 0.05 if traits(a.method).dropout else 0.0,
             base_bits=a.base_bits, reduce_dtype="fp16" if a.reduce_dtype == "fp16" else "fp32",
             cpu_offload=a.cpu_offload, method=a.method, ref_model=a.ref_model is not None,
+            generations=a.num_generations, completion_length=a.max_completion_length, beta=a.beta,
         )  # fmt: skip
         if a.lora_rank < 0:
             raise ConfigError(f"--lora_rank {a.lora_rank}: must be 0 (full fine-tuning) or more")
@@ -209,7 +219,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     text = [] if a.json else [render(plan)]
     if simulate:
-
         plan["simulated"] = {}
         for strategy in simulate:
             result = sim_simulate(a.model, inputs, strategy)
@@ -232,6 +241,17 @@ def main(argv: list[str] | None = None) -> int:
         text += ["", f"dpo reference pass ({ref['strategy']}), simulated (fake tensors, rank 0 of {got['world_size']}): "
                      f"{gib(got['peak_total'])} at its peak; planned {gib(planned)} (its total less runtime): plan / "
                      f"simulated {planned / got['peak_total']:.2f}"]  # fmt: skip
+    grpo = plan.get(a.method) if traits(a.method).generates else None
+    if simulate and grpo:
+        strategy = simulate[0]  # the generation phase on the first strategy --simulate names
+        got = sim_generation(a.model, inputs, strategy, grpo["requests_per_rank"])
+        parts = generation_memory(Shape.of(model_config(a.model)), strategy, inputs, grpo["requests_per_rank"])
+        planned = sum(v for k, v in parts.items() if k not in ("runtime", "reference"))
+        grpo["simulated"] = {**got, "strategy": strategy, "planned_less_runtime": planned,
+                             "ratio": planned / got["peak_total"]}  # fmt: skip
+        text += ["", f"grpo generation ({strategy}, {grpo['requests_per_rank']} completions), simulated (fake "
+                     f"tensors, rank 0 of {got['world_size']}): {gib(got['peak_total'])} at its peak; planned "
+                     f"{gib(planned)} (less runtime and reference): plan / simulated {planned / got['peak_total']:.2f}"]  # fmt: skip
     print(json.dumps(plan, indent=1) if a.json else "\n".join(text))
     return 0
 

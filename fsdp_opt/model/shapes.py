@@ -53,6 +53,8 @@ class Shape:
     linears: tuple = ()  # (leaf name, in, out) of each linear layer of one block: where LoRA adapters go
     relu_mlp: bool = False  # the MLP's activation is ReLU, which keeps only its output for backward (OPT)
     kv_dim: int = 0  # keys (or values) per token per layer: kv heads x head dim (what a KV cache holds)
+    gated_mlp: bool = False  # the MLP multiplies a gate by its up projection (Llama, Qwen, Gemma, Mistral, Phi-3)
+    intermediate: int = 0  # the MLP's width
 
     @classmethod
     def of(cls, config) -> "Shape":
@@ -80,10 +82,14 @@ class Shape:
             relu_mlp=str(getattr(config, "activation_function", getattr(config, "hidden_act", ""))) == "relu",
             kv_dim=(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
             * (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads),
+            gated_mlp=any("gate" in name for name, _, _ in linears),
+            # the MLP's width: the input of its last linear layer
+            intermediate=next((i for name, i, _ in linears if name in ("down_proj", "fc2", "w2", "dense_4h_to_h")),
+                              max((o for _, _, o in linears), default=0)),
         )  # fmt: skip
 
     def summary(self) -> dict[str, int]:
-        return {k: v for k, v in self.__dict__.items() if k not in ("units", "linears", "relu_mlp")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("units", "linears", "relu_mlp", "gated_mlp")}
 
 
 def _unique_params(model: nn.Module) -> list[torch.Tensor]:

@@ -7,6 +7,7 @@ Memory per GPU while generating (the optimizer state stays; the gradients are fr
   generating on the shards (layer by layer);
 - the KV cache of the rank's completions: 2 (keys, values) x layers x kv heads x head dim x --max_length tokens x
   the compute dtype's bytes, for each completion (its prompt and completion);
+- the prefill's transient tensors in one block (planner/generation.py prefill_bytes);
 - a decoding step's logits: each completion's last position over the vocabulary, in fp32, twice (the scores and the
   processed ones);
 - a reference model kept beside the policy (--beta > 0 with --ref_model or full fine-tuning): sharded, compute dtype.
@@ -56,6 +57,7 @@ def generation_memory(shape: Shape, strategy: str, inputs: Inputs, requests: int
         "training_state": state,
         "gathered_weights": whole if gathered else c * shape.root_params + 2 * unit,
         "kv_cache": requests * inputs.max_length * shape.layers * 2 * shape.kv_dim * c,
+        "prefill": prefill_bytes(shape, requests, inputs.max_length, c),
         "logits": requests * shape.vocab * 4 * LOGIT_COPIES,
         "reference": c * math.ceil(shape.params / f) if reference_model else 0,
     }
@@ -63,6 +65,17 @@ def generation_memory(shape: Shape, strategy: str, inputs: Inputs, requests: int
         nccl = NCCL_BUFFER_BYTES if inputs.gpus > 1 else 0
         out["runtime"] = CUDA_CONTEXT_BYTES + nccl + int(FRAGMENTATION * sum(out.values()))
     return out
+
+
+def prefill_bytes(shape: Shape, requests: int, length: int, c: int) -> int:
+    """A block's transient tensors in the prefill of the prompts (no gradient: nothing is kept for backward), at
+    --max_length tokens (a bound on the prompts'): the MLP's outputs of its width live at once (three for a gated MLP:
+    the activation, the up projection's output and their product; two for OPT's) and about eight of the hidden size
+    (the residual stream, the norm's output, queries, the keys and values repeated to every head, attention's output).
+    Fitted to the simulated prefill (plan --simulate, --method grpo) of Qwen2.5-1.5B, Qwen3-1.7B, Llama-3.2-1B
+    (3 x width + 9.1, 6.4 and 7.5 x hidden) and opt-1.3b (2 x width + 8.8 x hidden)."""
+    width = shape.intermediate or 4 * shape.hidden
+    return ((3 if shape.gated_mlp else 2) * width + 8 * shape.hidden) * requests * length * c
 
 
 def generation_time(shape: Shape, strategy: str, inputs: Inputs, requests: int, completion_length: int,

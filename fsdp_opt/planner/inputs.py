@@ -40,8 +40,11 @@ class Inputs:
     base_bits: int = 16
     reduce_dtype: str = "fp32"  # the trainer's --reduce_dtype: gradients reduce-scattered in fp32 or fp16
     cpu_offload: bool = False  # the trainer's --cpu_offload: sharded state in host memory, AdamW on the host
-    method: str = "sft"  # the trainer's --method: dpo adds the reference pass (planner/dpo.py)
+    method: str = "sft"  # the trainer's --method: dpo adds the reference pass (planner/dpo.py), grpo its generation
     ref_model: bool = False  # --method dpo with --ref_model: a LoRA run's reference is a model of its own
+    generations: int = 8  # --method grpo: --num_generations
+    completion_length: int = 256  # --method grpo: --max_completion_length
+    beta: float = 0.0  # --method grpo: the KL weight (> 0: a reference model's forward, kept beside the policy)
 
 
 def shard_factor(strategy: str, inputs: Inputs) -> int:

@@ -16,6 +16,7 @@ from fsdp_opt.model.shapes import Shape, model_config
 from fsdp_opt.planner.disk import disk_and_hub, disk_line
 from fsdp_opt.config.method import traits
 from fsdp_opt.planner.dpo import reference_line, reference_pass
+from fsdp_opt.planner.generation import grpo_lines, grpo_plan
 from fsdp_opt.planner.host import host_memory as host_phases
 from fsdp_opt.planner.host import render_host
 from fsdp_opt.planner.inputs import Inputs, state_bytes
@@ -100,6 +101,13 @@ def make_plan(model: str, inputs: Inputs, *, disk: int, host_memory: int, keep_l
         own = bool(inputs.lora_rank) and not inputs.ref_model
         plan[inputs.method] = reference_pass(shape, strategy, inputs, rates, own)
         plan[inputs.method]["strategy"] = strategy
+    if traits(inputs.method).generates:  # GRPO: the generation phase beside the training step, keyed by the method
+        picked = recommended or given
+        strategy = picked["sharding_strategy"] if recommended else (given["strategy"] if given else "FULL_SHARD")
+        training_s = picked["predicted_step_time_s"] if recommended else (given["step_s"] if given else 0.0)
+        own_reference = inputs.beta > 0 and (not inputs.lora_rank or inputs.ref_model)
+        plan[inputs.method] = grpo_plan(shape, strategy, inputs, samples, inputs.generations, inputs.completion_length,
+                                        inputs.beta, own_reference, training_s, rates)  # fmt: skip
     plan["recommended_line"] = recommended_line(recommended, given if samples == inputs.batch_size * inputs.accum_steps * inputs.gpus else None, samples)
     return plan
 
@@ -141,6 +149,8 @@ def render(plan: dict[str, Any]) -> str:
     ref = plan.get(i["method"]) if traits(i["method"]).reference == "always" else None
     if ref:
         lines.append(reference_line(ref, ref["strategy"], i["gpu_memory"]))
+    if traits(i["method"]).generates and plan.get(i["method"]):
+        lines += grpo_lines(plan[i["method"]], i["gpu_memory"])
     if plan.get("fits_with_line"):
         lines.append(plan["fits_with_line"])
     a, c, d, r = plan["activations"], plan["checkpoints"], plan["disk"], plan["host_ram"]

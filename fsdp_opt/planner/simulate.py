@@ -24,10 +24,13 @@ What the tracker is not given:
 from __future__ import annotations
 
 import random
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp_opt.base import GIB, MIB
 from fsdp_opt.config.choices import DTYPES, shard_count
@@ -36,6 +39,7 @@ from fsdp_opt.config.training import LoraConfig
 from fsdp_opt.data.packing import document_mask, segment_positions
 from fsdp_opt.data.pairs import Pairs
 from fsdp_opt.engine.dpo import dpo_terms, micro_logps
+from fsdp_opt.engine.generation import gathered
 from fsdp_opt.engine.loss import ChunkedLoss, causal_lm_loss_sum
 from fsdp_opt.engine.optim import build_optimizer, create_state
 from fsdp_opt.model.adapters import Adapters
@@ -132,27 +136,38 @@ def _tracker_class():
     return PeakTracker
 
 
+def _rank0(inputs) -> DistEnv:  # noqa: ANN001
+    """Rank 0 of `--gpus` ranks: a fake process group (no communication) unless one exists already."""
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=inputs.gpus)
+    world = dist.get_world_size()
+    return DistEnv(rank=dist.get_rank(), world_size=world, local_rank=0,
+                   local_world_size=max(1, world // inputs.nodes), device=torch.device("cpu"))  # fmt: skip
+
+
+def _meta_model(model_name: str, inputs):  # noqa: ANN001, ANN202
+    """The model's config (with --attn_implementation) and the model built on the meta device."""
+    config = model_config(model_name)
+    if inputs.attn_implementation:
+        config._attn_implementation = inputs.attn_implementation
+    return config, build_meta_model(config)
+
+
+def _optimizer_bytes(optimizer) -> int:  # noqa: ANN001
+    """AdamW's state of this rank (its shards), in bytes."""
+    return sum(t.to_local().numel() * t.element_size() if hasattr(t, "to_local") else t.numel() * t.element_size()
+               for state in optimizer.state.values() for t in state.values() if t.dim() > 0)  # fmt: skip
+
+
 def simulate(model_name: str, inputs, strategy: str, *, fake: bool = True, micro_batches: int = 2) -> dict[str, Any]:
     """Peak bytes of rank 0 in one optimizer step, by group and at the total's peak. Needs a process of its own:
     it starts a process group (fake unless one exists already: `fake=False` runs on real tensors in a real one).
 
     `micro_batches` of the step are run (2 shows what accumulation holds between micro-batches; more repeat it).
     """
-    from contextlib import nullcontext
-
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    if not dist.is_initialized():
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=inputs.gpus)
-    world = dist.get_world_size()
-    env = DistEnv(rank=dist.get_rank(), world_size=world, local_rank=0, local_world_size=max(1, world // inputs.nodes),
-                  device=torch.device("cpu"))  # fmt: skip
-    config = model_config(model_name)
-    if inputs.attn_implementation:
-        config._attn_implementation = inputs.attn_implementation
-    model = build_meta_model(config)
+    env = _rank0(inputs)
+    world = env.world_size
+    config, model = _meta_model(model_name, inputs)
     if inputs.lora_rank:  # the adapters on a frozen base in the compute dtype, as the trainer adds them (16-bit base)
         settings = LoraConfig(lora_rank=inputs.lora_rank, lora_targets=inputs.lora_targets,
                               lora_dropout=inputs.lora_dropout)  # fmt: skip
@@ -172,10 +187,7 @@ def simulate(model_name: str, inputs, strategy: str, *, fake: bool = True, micro
         model.train()
         optimizer = build_optimizer(model, 1e-4, 0.0, env.device)
         create_state(optimizer)
-        optimizer_bytes = sum(
-            t.to_local().numel() * t.element_size() if hasattr(t, "to_local") else t.numel() * t.element_size()
-            for state in optimizer.state.values() for t in state.values() if t.dim() > 0
-        )  # fmt: skip
+        optimizer_bytes = _optimizer_bytes(optimizer)
         chunked = ChunkedLoss(model, inputs.loss_chunk_tokens) if inputs.loss_chunk_tokens else None
         tracker = _tracker_class()(model)
         tracker.group_peaks, tracker.group_moments = {}, {}
@@ -246,19 +258,9 @@ class DpoMicroBatch:
 def simulate_reference(model_name: str, inputs, strategy: str) -> dict[str, Any]:  # noqa: ANN001
     """Peak bytes of rank 0 in the DPO reference pass: the model frozen in the compute dtype, one micro-batch forward
     without gradients (one process of its own, as simulate)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    if not dist.is_initialized():
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=inputs.gpus)
-    world = dist.get_world_size()
-    env = DistEnv(rank=0, world_size=world, local_rank=0, local_world_size=max(1, world // inputs.nodes),
-                  device=torch.device("cpu"))  # fmt: skip
-    config = model_config(model_name)
-    if inputs.attn_implementation:
-        config._attn_implementation = inputs.attn_implementation
-    model = build_meta_model(config)
+    env = _rank0(inputs)
+    world = env.world_size
+    config, model = _meta_model(model_name, inputs)
     dtype = DTYPES[inputs.precision]
     for p in model.parameters():
         p.requires_grad_(False)
@@ -275,6 +277,33 @@ def simulate_reference(model_name: str, inputs, strategy: str) -> dict[str, Any]
             pairs.logps(model, None)
         peak = {_label(k): v for k, v in next(iter(tracker.get_tracker_snapshot("peak").values())).items()}
     return {"peak_total": peak.pop("Total"), "at_peak": peak, "world_size": world}
+
+
+def simulate_generation(model_name: str, inputs, strategy: str, requests: int) -> dict[str, Any]:  # noqa: ANN001
+    """Peak bytes of rank 0 in GRPO's generation phase: the training state (sharded weights, AdamW's moments), the
+    model gathered once (engine/generation.py `gathered`), and a prefill of `requests` sequences of --max_length
+    tokens that fills the KV cache, its logits of the last position only (one process of its own, as simulate)."""
+    env = _rank0(inputs)
+    world = env.world_size
+    config, model = _meta_model(model_name, inputs)
+    if inputs.lora_rank:
+        settings = LoraConfig(lora_rank=inputs.lora_rank, lora_targets=inputs.lora_targets, lora_dropout=0.0)
+        Adapters(settings, model_name, DTYPES[inputs.precision], 0).add_to(
+            model, shard_count(strategy, world, max(1, world // inputs.nodes)))
+    shard_model(model, env, strategy=strategy, precision=inputs.precision, activation_checkpointing=False)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device=env.device)
+        optimizer = build_optimizer(model, 1e-4, 0.0, env.device)
+        create_state(optimizer)
+        optimizer_bytes = _optimizer_bytes(optimizer)
+        tracker = _tracker_class()(model)
+        tracker.group_peaks, tracker.group_moments = {}, {}
+        ids = torch.randint(0, config.vocab_size, (requests, inputs.max_length))
+        with tracker, torch.no_grad(), gathered(model):
+            model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        peak = {_label(k): v for k, v in next(iter(tracker.get_tracker_snapshot("peak").values())).items()}
+    return {"peak_total": peak.pop("Total") + optimizer_bytes, "at_peak": peak, "world_size": world,
+            "requests": requests}  # fmt: skip
 
 
 def compare(simulated: dict[str, Any], planned: dict[str, int]) -> dict[str, Any]:

@@ -7,7 +7,13 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, plan_cli
+
+from fsdp_opt.model.shapes import Shape, model_config
+from fsdp_opt.planner.generation import generation_memory, generation_time
+from fsdp_opt.planner.inputs import Inputs
 
 # One process: a fake process group of 2 ranks (rank 0), the same step on fake tensors, then on real ones.
 SCRIPT = """
@@ -34,6 +40,21 @@ for packing in ("concat", "docs"):
                       "planned": memory(Shape.of(model_config("tiny-opt")), "FULL_SHARD", inputs)["attention_mask"]}
 out["masks"] = masks
 print(json.dumps(out))
+"""
+
+# GRPO's generation phase of Qwen2.5-1.5B-Instruct (LoRA 16, 32 completions of 512 tokens on one of 2 GPUs) simulated
+# on FULL_SHARD, and the plan's components of it less runtime.
+GENERATION = """
+import json
+from fsdp_opt.model.shapes import Shape, model_config
+from fsdp_opt.planner.generation import generation_memory
+from fsdp_opt.planner.inputs import Inputs
+from fsdp_opt.planner.simulate import simulate_generation
+inputs = Inputs(gpus=2, max_length=512, lora_rank=16, batch_size=4, accum_steps=8)
+got = simulate_generation("Qwen/Qwen2.5-1.5B-Instruct", inputs, "FULL_SHARD", 32)
+parts = generation_memory(Shape.of(model_config("Qwen/Qwen2.5-1.5B-Instruct")), "FULL_SHARD", inputs, 32)
+print(json.dumps({"simulated": got["peak_total"], "planned": sum(v for k, v in parts.items() if k != "runtime"),
+                  "at_peak": got["at_peak"]}))
 """
 
 
@@ -101,3 +122,44 @@ def test_dpo_plans_for_opt_1_3b_on_two_t4s_and_the_simulation_agrees():
     text = plan_cli(["--model", "facebook/opt-1.3b", "--method", "dpo", "--lora_rank", "16"]).stdout
     assert "dpo reference pass: the run's own model with its adapters off, before training: no memory beyond " \
            "training's" in text
+
+
+
+def test_grpo_plans_generation_for_qwen_on_two_t4s_and_the_simulation_agrees():
+    """--method grpo for Qwen2.5-1.5B-Instruct with LoRA rank 16 on 2x T4: 8 completions of 256 tokens per prompt,
+    64 completions per step (8 prompts, 4 per GPU). The KV cache is the published shape's (28 layers, 2 KV heads of
+    128), the gathered model is the whole fp16 model plus its adapters; the simulated generation phase on FULL_SHARD
+    (the model gathered by the engine's own `gathered`, a prefill filling the cache) agrees with the plan within 10%.
+    Generating layer by layer on FULL_SHARD gathers the model for every token: less memory, slower."""
+    plan = json.loads(plan_cli(["--model", "Qwen/Qwen2.5-1.5B-Instruct", "--method", "grpo", "--lora_rank", "16",
+                                "--num_generations", "8", "--max_completion_length", "256", "--max_length", "512",
+                                "--batch_size", "4", "--accum_steps", "8", "--json"]).stdout)  # fmt: skip
+    g = plan["grpo"]
+    assert g["requests_per_rank"] == 32
+    gathered = g["gathered"]
+    assert gathered["components"]["kv_cache"] == 32 * 512 * 28 * 2 * (2 * 128) * 2
+    assert gathered["components"]["gathered_weights"] == 2 * (plan["shape"]["params"] + plan["adapter_params"])
+    assert gathered["fits"] and g["uses"] == "gathered"
+    assert g["step_s"] == gathered["seconds"] + g["training_s"] and g["training_s"] > 0  # beta 0: no reference
+    proc = subprocess.run([sys.executable, "-c", GENERATION], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sim = json.loads(proc.stdout.strip().splitlines()[-1])
+    print("GRPO generation, plan / simulated:", sim["planned"] / sim["simulated"])
+    assert abs(sim["planned"] / sim["simulated"] - 1) <= 0.10, sim
+    # plan --simulate runs the same on the first strategy it names
+    tiny = json.loads(plan_cli(["--model", "tiny-opt", "--method", "grpo", "--max_length", "64", "--max_completion_length",
+                                "32", "--simulate", "SHARD_GRAD_OP", "--json"]).stdout)  # fmt: skip
+    assert tiny["grpo"]["simulated"]["strategy"] == "SHARD_GRAD_OP" and tiny["grpo"]["simulated"]["peak_total"] > 0
+    shape = Shape.of(model_config("Qwen/Qwen2.5-1.5B-Instruct"))
+    inputs = Inputs(gpus=2, max_length=512, lora_rank=16, cuda=True)
+    once = generation_time(shape, "FULL_SHARD", inputs, 32, 256, gathered=True)
+    layered = generation_time(shape, "FULL_SHARD", inputs, 32, 256, gathered=False)
+    assert layered["gather_s"] == pytest.approx(257 * once["gather_s"]) and layered["seconds"] > once["seconds"]
+    assert sum(generation_memory(shape, "FULL_SHARD", inputs, 32, gathered=False).values()) < sum(
+        generation_memory(shape, "FULL_SHARD", inputs, 32, gathered=True).values())
+    # Qwen3-1.7B (tied embeddings, 8 KV heads), a KL term: full fine-tuning keeps a reference model beside the policy.
+    qwen3 = json.loads(plan_cli(["--model", "Qwen/Qwen3-1.7B", "--method", "grpo", "--beta", "0.04", "--batch_size",
+                                 "4", "--accum_steps", "8", "--json"]).stdout)  # fmt: skip
+    parts = qwen3["grpo"]["gathered"]["components"]
+    assert parts["reference"] == 2 * -(-qwen3["shape"]["params"] // 2) and qwen3["grpo"]["reference_s"] > 0
+    assert parts["kv_cache"] == 32 * 512 * 28 * 2 * (8 * 128) * 2
