@@ -74,7 +74,7 @@ class DataConfig:
         "names this flag when more than one format fits).",
         choices=DATA_FORMATS,
     )
-    prompt_column: str = flag("prompt", "Column holding the prompt (--data_format prompt_completion).")
+    prompt_column: str = flag("prompt", "Column holding the prompt (--data_format prompt_completion, prompt, preference).")
     completion_column: str = flag("completion", "Column holding the completion (--data_format prompt_completion).")
     messages_column: str = flag("messages", "Column holding the conversation (--data_format messages).")
     chosen_column: str = flag("chosen", "Column holding the chosen answer (--data_format preference).")

@@ -31,6 +31,11 @@ def overlap(completions, target, **kwargs):
 
 def short(completions, completion_ids, target, **kwargs):
     return [None if not t else 1.0 / (1 + len(ids)) for ids, t in zip(completion_ids, target)]
+
+
+def variety(completions, **kwargs):
+    """Distinct characters, in tens: two random completions rarely tie."""
+    return [len(set(c)) / 10.0 for c in completions]
 '''
 
 
@@ -305,3 +310,25 @@ def test_bad_grpo_input_is_one_line_and_writes_no_checkpoint(tmp_path, setup_fil
     for (extra, needles), proc, (_, folder, _) in zip(cases, run_cli_concurrently(runs, timeout=180, nproc=2), runs):
         assert_clean_failure(proc, *needles)
         assert not list(folder.glob("**/*.pt")), extra
+
+
+def test_lora_grpo_with_a_kl_term_references_the_base_with_the_adapters_off(tmp_path, setup_files):
+    """LoRA (16-bit base, and the NF4 base) with beta > 0 and no --ref_model: the reference is the base with the
+    adapters switched off. The adapters start at zero, so the first step's KL is 0; once they have moved it is not
+    (on 2 ranks, FULL_SHARD: the NF4 base sharded, gathered for generation)."""
+    f = setup_files
+    # wide enough that each linear weight splits into 2 NF4 shards (multiples of 64 x 256 weights)
+    wide = make_chat_llama(tmp_path / "wide", seed=2, hidden_size=256, intermediate_size=512)
+    base = ["--model", str(wide), "--dataset", str(f["data"]), "--method", "grpo", "--reward",
+            f"{f['rewards']}:variety", "--num_generations", "2", "--max_completion_length", str(LENGTH), "--max_length",
+            "64", "--batch_size", "2", "--end_idx", str(PROMPTS), "--precision", "fp32", "--wandb_mode", "disabled",
+            "--seed", "4", "--lr", "5e-2", "--lora_rank", "8", "--beta", "0.04", "--save_optimizer", "false"]  # fmt: skip
+    runs = []
+    for name, extra in (("fp16base", []), ("nf4", ["--base_bits", "4"])):
+        (tmp_path / name).mkdir()
+        runs.append((base + extra + ["--output_dir", str(tmp_path / name / "out")], tmp_path / name, None))
+    for proc, (_, folder, _) in zip(run_cli_concurrently(runs, timeout=300, nproc=2), runs):
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        assert "reference: the base with the adapters switched off" in proc.stdout
+        kl = [r["kl"] for r in read_jsonl(folder / "out" / "metrics.jsonl")]
+        assert len(kl) == 4 and abs(kl[0]) <= 1e-7 and all(k > 1e-6 for k in kl[1:]), (folder.name, kl)
