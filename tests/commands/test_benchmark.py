@@ -190,3 +190,21 @@ def test_data_benchmark_reports_a_range_against_the_whole_split(tmp_path):
         assert 0 < r["fetched_bytes"] < 0.2 * whole["fetched_bytes"], r
         assert r["disk_bytes"] < 0.05 * whole["disk_bytes"] and r["to_first_step_s"] > 0, r
     assert "| `load_dataset` of the whole split |" in proc.stdout
+
+
+def test_generation_benchmark_gathers_once_against_once_per_token(tmp_path):
+    """benchmarks/generation.py on 2 ranks: both ways make the same completions; gathered once, FSDP2 all-gathers
+    each unit once (the blocks and the root); layer by layer, every block in every decoding step (the root, which
+    FSDP2 keeps unsharded after its forward, once)."""
+    from transformers import AutoConfig
+
+    layers = AutoConfig.from_pretrained(ROOT / "fsdp_opt" / "assets" / "tiny-opt").num_hidden_layers
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "generation.py"), "--model", "tiny-opt", "--repeat", "1",
+           "--new_tokens", "8", "--prompts", "4", "--json", str(tmp_path / "gen.json")]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "gen.json").read_text())
+    assert report["same_completions"] and report["tokens_per_rank"] == 4 * 8
+    assert report["gathered"]["all_gathers_per_round"] == layers + 1
+    assert report["layer_by_layer"]["all_gathers_per_round"] == 1 + 8 * layers
+    assert report["gathered_over_layer_by_layer_tokens_per_s"] > 0 and "| gathered |" in proc.stdout
