@@ -13,7 +13,8 @@ context exists) from nvidia-smi or a short-lived process, never creating a CUDA 
 it times NCCL's all-gather and reduce-scatter with peer-to-peer on and off (NCCL_P2P_DISABLE=1). The table shows the
 plan's peak against the usable memory and `max_memory_allocated`/`max_memory_reserved`, useful tokens/s, MFU, the
 predicted against the measured step time, skipped fp16 steps, the save and load times and the link, with the device
-named.
+named. Then a short GRPO launch (--grpo_steps): generation on the gathered model in the compute dtype, then the
+update, with generated tokens/s and the step's time against the plan.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from typing import Any
 from fsdp_opt.base import GIB, gib, parse_size
 from fsdp_opt.config.choices import T4_MEMORY
 from fsdp_opt.model.shapes import Shape, model_config
+from fsdp_opt.model.sources import RANDOM_PREFIX
+from fsdp_opt.planner.generation import generation_memory, requests_per_rank
 from fsdp_opt.planner.inputs import NCCL_BUFFER_BYTES, Inputs
 from fsdp_opt.planner.memory import memory, peak_bytes
 from fsdp_opt.planner.search import Space, cheapest_change, change_line
@@ -57,6 +60,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=6, help="optimizer steps of the first launch (the data allowing)")
     p.add_argument("--precision", default="fp16", help="fp16 as on a T4 (GPU); CPU runs fp32")
     p.add_argument("--workdir", default=None, help="where the runs write (default: a temporary folder)")
+    p.add_argument("--grpo_steps", type=int, default=3,
+                   help="then GRPO steps (--method grpo, LoRA rank 16 on a GPU): generation on the gathered model in "
+                        "the compute dtype, then the update; 0 skips them")
+    p.add_argument("--num_generations", type=int, default=8, help="the GRPO launch's completions per prompt")
+    p.add_argument("--max_completion_length", type=int, default=128, help="the GRPO launch's completion tokens")
     p.add_argument("--json", default=None, help="also write the figures here")
     return p.parse_args(argv)
 
@@ -142,6 +150,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     figures = collect(model, nproc, device, inputs, out, first.stdout, second.stdout)
     figures["changed_to_fit"] = fit_line
+    if a.grpo_steps > 0:
+        grpo = grpo_launch(a, spec, nproc, cuda, work)
+        if "error" in grpo:
+            print(grpo.pop("output"), file=sys.stderr)
+            print(f"error: the GRPO launch failed: {grpo['error']}; its output is above", file=sys.stderr)
+            return 1
+        figures["grpo"] = grpo
     figures["gpus"] = gpus
     free = [g["free_after_context_gib"] for g in gpus if "free_after_context_gib" in g]
     figures["usable_gib"] = min(free) - NCCL_BUFFER_BYTES / GIB if free and nproc > 1 else min(free) if free else None
@@ -151,6 +166,51 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         Path(a.json).write_text(json.dumps(figures, indent=1))
     return 0
+
+
+def grpo_launch(a: argparse.Namespace, spec: str, nproc: int, cuda: bool, work: Path) -> dict[str, Any]:
+    """--method grpo on the built-in prompts for --grpo_steps steps, one prompt per rank per step (LoRA rank 16 on a
+    GPU, as GRPO runs on a T4; the model's random weights rarely end a completion, so each runs its full length):
+    generated tokens/s, generation's share of the step, the step's time against the plan's (generation added), the
+    GPU memory peak against the plan's generation phase."""
+    out = work / "grpo"
+    g, length = a.num_generations, a.max_completion_length
+    args = ["--model", spec, "--dataset", "python-docs-prompts", "--chat_template", "chatml", "--method", "grpo",
+            "--reward", "length", "--num_generations", str(g), "--max_completion_length", str(length),
+            "--max_length", str(length + 256), "--batch_size", str(g), "--accum_steps", "1", "--start_idx", "0",
+            "--end_idx", str(a.grpo_steps * nproc), "--num_epochs", "1", "--output_dir", str(out),
+            "--device", "cuda" if cuda else "cpu"]  # fmt: skip
+    if cuda:
+        args += ["--precision", a.precision, "--max_gpu_memory", a.gpu_memory, "--lora_rank", "16"]
+    proc = _launch(nproc, args, work)
+    if proc.returncode != 0:
+        return {"error": f"exit {proc.returncode}", "output": proc.stdout[-3000:] + proc.stderr[-3000:]}
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    later = rows[1:] or rows  # the first step allocates and warms up
+    median = lambda xs: sorted(xs)[(len(xs) - 1) // 2] if xs else None  # noqa: E731
+    return {
+        "steps": len(rows), "num_generations": g, "max_completion_length": length, "lora_rank": 16 if cuda else 0,
+        "completions_per_step": rows[0]["completions"] if rows else None,
+        "generated_tokens_per_s": median([r["generated_tokens_per_second"] for r in later]),
+        "generation_share": median([r["generation_share"] for r in later]),
+        "completion_length": median([r["completion_length"] for r in later]),
+        "step_time_measured_s": _grab(r"step time: measured ([\d.]+) s", proc.stdout),
+        "step_time_predicted_s": _grab(r"predicted ([\d.]+) s \(", proc.stdout),
+        "where": _grab(r"generation on ([^\n]+)", proc.stdout, str),
+        "max_memory_allocated_gib": _grab(r"GPU memory peak on rank 0: ([\d.]+) GiB allocated", proc.stdout),
+        "plan_generation_peak_bytes": _grpo_plan_peak(a, spec, nproc, cuda),
+    }  # fmt: skip
+
+
+def _grpo_plan_peak(a: argparse.Namespace, spec: str, nproc: int, cuda: bool) -> int | None:
+    """The plan's peak per GPU of the GRPO launch's generation phase (gathered once)."""
+    if not cuda:
+        return None
+    inputs = Inputs(gpus=nproc, gpu_memory=parse_size(a.gpu_memory, "--gpu_memory"), batch_size=a.num_generations,
+                    max_length=a.max_completion_length + 256, precision=a.precision, lora_rank=16)  # fmt: skip
+    shape = Shape.of(model_config(spec.removeprefix(RANDOM_PREFIX)))
+    requests = requests_per_rank(a.num_generations * nproc, a.num_generations, nproc)
+    return sum(generation_memory(shape, "FULL_SHARD", inputs, requests, True).values())
 
 
 def link_speeds(nproc: int, cuda: bool, work: Path) -> list[dict[str, Any]]:
@@ -233,6 +293,21 @@ def render(f: dict[str, Any]) -> list[str]:
         + " |",
         f"| CUDA context in gpu_check's own process | {'yes (a bug)' if f.get('cuda_context_in_this_process') else 'none'} |",
     ]
+    g = f.get("grpo")
+    if g:
+        ratio = (g["step_time_measured_s"] / g["step_time_predicted_s"]
+                 if g["step_time_measured_s"] and g["step_time_predicted_s"] else None)  # fmt: skip
+        lines += [
+            f"| GRPO ({g['steps']} steps, {g['completions_per_step']} completions of up to {g['max_completion_length']} "
+            f"tokens a step{', LoRA rank 16' if g['lora_rank'] else ''}): generation on | {g['where'] or '-'} |",
+            f"| GRPO generated tokens/s (median, all ranks) | {num(g['generated_tokens_per_s'], '{:,.0f}')} "
+            f"(generation {num(g['generation_share'], '{:.0%}')} of the step) |",
+            f"| GRPO step time: measured / predicted | {num(g['step_time_measured_s'], '{:.3f}')} s / "
+            f"{num(g['step_time_predicted_s'], '{:.3f}')} s ({num(ratio)}x) |",
+        ]
+        if g.get("plan_generation_peak_bytes"):
+            lines.append(f"| GRPO max_memory_allocated (rank 0) / plan of generation | "
+                         f"{num(g['max_memory_allocated_gib'])} GiB / {gib(g['plan_generation_peak_bytes'])} |")
     for link in f.get("links", []):
         what = f"{link['backend']}" + (f", P2P {'on' if link['p2p'] else 'off (NCCL_P2P_DISABLE=1)'}" if link["backend"] == "nccl" else "")
         value = (f"all-gather {link['all_gather_gbps']:.2f} GB/s, reduce-scatter {link['reduce_scatter_gbps']:.2f} GB/s"

@@ -125,6 +125,19 @@ def grpo_plan(shape: Shape, strategy: str, inputs: Inputs, samples: int, generat
     return out
 
 
+def with_generation(prediction: dict[str, Any], shape: Shape, strategy: str, inputs: Inputs, samples: int,
+                    generations: int, completion_length: int, reference_forward: bool, gathered: bool) -> dict[str, Any]:  # fmt: skip
+    """A run's step-time prediction (the training step's, planner/layout.py) with the generation phase and the
+    reference's forward added, at the prediction's own rates: what a GRPO step's measured time is held against."""
+    rates = Rates(tflops=prediction["tflops"], link_gbps=prediction["link_gbps"],
+                  hbm_gbps=prediction.get("hbm_gbps", Rates().hbm_gbps))  # fmt: skip
+    requests = requests_per_rank(samples, generations, inputs.gpus)
+    generation = generation_time(shape, strategy, inputs, requests, completion_length, rates, gathered)
+    reference_s = forward_time(shape, strategy, inputs, samples, rates)["seconds"] if reference_forward else 0.0
+    return {**prediction, "training_s": prediction["step_s"], "generation_s": generation["seconds"],
+            "reference_s": reference_s, "step_s": prediction["step_s"] + generation["seconds"] + reference_s}  # fmt: skip
+
+
 def grpo_lines(g: dict[str, Any], gpu_memory: int) -> list[str]:
     """The plan's lines on a GRPO step."""
     a, b = g["gathered"], g["layer_by_layer"]

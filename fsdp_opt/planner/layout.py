@@ -97,7 +97,7 @@ def choose_layout(config: Config, env: DistEnv, model_config: Any, precision: st
         print0("note: the memory plan does not fit no-sync gradient accumulation on this GPU; gradients are "
                "reduce-scattered after every micro-batch (--reduce_every_microbatch false to override)")  # fmt: skip
     return Layout(best["strategy"], best["reduce_every_microbatch"],
-                  {**best, "tflops": rates.tflops, "link_gbps": rates.link_gbps}, **fixed)  # fmt: skip
+                  {**best, "tflops": rates.tflops, "link_gbps": rates.link_gbps, "hbm_gbps": rates.hbm_gbps}, **fixed)  # fmt: skip
 
 
 def warn_unfit(config: Config, env: DistEnv, shape: Shape, inputs: Inputs, rates: Rates, precision: str,
@@ -155,7 +155,7 @@ def searched_layout(config: Config, env: DistEnv, model_config: Any, precision: 
            f"{best['predicted_step_time_s']:.3f} s per step, peak {gib(best['peak_bytes'])} per rank ({where})")  # fmt: skip
     p = best["prediction"]
     return Layout(best["sharding_strategy"], best["reduce_every_microbatch"],
-                  {**p, "strategy": best["sharding_strategy"], "tflops": rates.tflops, "link_gbps": rates.link_gbps},
+                  {**p, "strategy": best["sharding_strategy"], "tflops": rates.tflops, "link_gbps": rates.link_gbps, "hbm_gbps": rates.hbm_gbps},
                   batch_size=best["batch_size"], accum_steps=best["accum_steps"],
                   activation_checkpointing=best["activation_checkpointing"], loss_chunk_tokens=best["loss_chunk_tokens"],
                   cpu_offload=best["cpu_offload"], reduce_dtype=best["reduce_dtype"], searched=True)  # fmt: skip

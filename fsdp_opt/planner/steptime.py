@@ -27,7 +27,7 @@ from fsdp_opt.planner.calibrate import ADAMW_BYTES_PER_PARAM
 from fsdp_opt.planner.inputs import Inputs, shard_factor
 from fsdp_opt.planner.lora import adapter_dims, adapter_params, block_base_bytes
 from fsdp_opt.planner.memory import memory, peak_bytes
-from fsdp_opt.runtime.gpus import PEAK_FLOPS
+from fsdp_opt.runtime.gpus import MEMORY_GBPS, PEAK_FLOPS
 
 
 @dataclass
@@ -235,12 +235,14 @@ def fastest_that_fits(shape, inputs, strategies: list[str], rates: Rates | None 
 
 
 def rates_for(gpu_name: str, tflops: float, link_gbps: float) -> Rates:
-    """The prediction's rates on this GPU: --tflops, or T4's sustained figure on a T4, else 40% of the peak."""
+    """The prediction's rates on this GPU: --tflops, or T4's sustained figure on a T4, else 40% of the peak; its memory
+    bandwidth from the datasheet (a T4's where the name is not known)."""
 
     if not tflops:
         peak = next((v for k, v in PEAK_FLOPS.items() if k in gpu_name), 0.0)
         tflops = T4_TFLOPS if "T4" in gpu_name else 0.4 * peak / 1e12
-    return Rates(tflops=tflops or T4_TFLOPS, link_gbps=link_gbps)
+    hbm = next((v for k, v in MEMORY_GBPS.items() if k in gpu_name), T4_HBM_GBPS)
+    return Rates(tflops=tflops or T4_TFLOPS, link_gbps=link_gbps, hbm_gbps=hbm)
 
 
 def render_configurations(plan: dict[str, Any]) -> list[str]:
@@ -260,10 +262,13 @@ def describe_prediction(p: dict[str, Any] | None) -> str:
     """The run summary's line for a prediction."""
     if p is None:
         return "GPU runs only (the model's rates are a GPU's)"
-    return (f"{p['step_s']:.2f} s: compute {p['compute_s']:.2f} s at {p['tflops']:.3g} TFLOPS, memory-bound work "
+    line = (f"{p['step_s']:.2f} s: compute {p['compute_s']:.2f} s at {p['tflops']:.3g} TFLOPS, memory-bound work "
             f"{p.get('memory_bound_s', 0.0):.2f} s, communication "
             f"{p['communication_s']:.2f} s at {p['link_gbps']:.3g} GB/s ({p['exposed_communication_s']:.2f} s not "
             f"overlapped), optimizer {p['optimizer_s']:.2f} s")  # fmt: skip
+    if "generation_s" in p:  # --method grpo (planner/generation.py with_generation)
+        line += f"; generation {p['generation_s']:.2f} s, reference forward {p['reference_s']:.2f} s"
+    return line
 
 
 def step_time_line(step_seconds: list[float], predicted: dict[str, Any] | None) -> str | None:

@@ -91,6 +91,19 @@ PEAK_FLOPS = {
 }
 
 
+# Memory bandwidth (GB/s) from vendor datasheets, by substring of the device name: what a decoding step reads at.
+MEMORY_GBPS = {
+    "H200": 4800.0,
+    "H100": 3350.0,
+    "A100": 1555.0,
+    "A10G": 600.0,
+    "L40S": 864.0,
+    "L4": 300.0,
+    "V100": 900.0,
+    "T4": 320.0,
+}
+
+
 def peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None

@@ -1,4 +1,5 @@
-"""`python -m fsdp_opt.gpu_check` on CPU at tiny size: two launches (train, then resume on the next rows), one table."""
+"""`python -m fsdp_opt.gpu_check` on CPU at tiny size: two launches (train, then resume on the next rows), a GRPO
+launch, one table."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from conftest import sandbox_env
 def test_gpu_check_trains_saves_resumes_and_reports(tmp_path):
     # --workdir relative to where the command runs, as a user types it
     cmd = [sys.executable, "-m", "fsdp_opt.gpu_check", "--device", "cpu", "--max_length", "32", "--batch_size", "2",
-           "--steps", "3", "--workdir", "work", "--json", str(tmp_path / "check.json")]  # fmt: skip
+           "--steps", "3", "--workdir", "work", "--json", str(tmp_path / "check.json"), "--max_completion_length", "16"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=tmp_path, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     f = json.loads((tmp_path / "check.json").read_text())
@@ -27,6 +28,11 @@ def test_gpu_check_trains_saves_resumes_and_reports(tmp_path):
     assert link["backend"] == "gloo" and link["world_size"] == 2 and link["all_gather_gbps"] > 0
     assert link["reduce_scatter_gbps"] > 0 and "| link (gloo) | all-gather" in proc.stdout
     assert (tmp_path / "work" / "out" / "metrics.jsonl").is_file()
+    # then GRPO steps: one prompt per rank a step, 8 completions each, generated on the gathered model
+    g = f["grpo"]
+    assert g["steps"] == 3 and g["completions_per_step"] == 16 and g["generated_tokens_per_s"] > 0
+    assert g["where"] == "the model gathered once" and 0 < g["generation_share"] < 1
+    assert "| GRPO generated tokens/s (median, all ranks) |" in proc.stdout
 
 
 def test_random_shapes_and_the_gpu_cap_flag_refuse_bad_input(tmp_path):

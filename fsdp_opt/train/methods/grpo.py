@@ -23,7 +23,9 @@ from fsdp_opt.engine.generation import Sampling
 from fsdp_opt.engine.grpo import GroupLoss, GroupSettings, held_out_rewards
 from fsdp_opt.engine.rewards import load_all
 from fsdp_opt.model.sources import without_dropout
-from fsdp_opt.planner.generation import gathered_fits
+from fsdp_opt.model.shapes import Shape
+from fsdp_opt.planner.generation import gathered_fits, with_generation
+from fsdp_opt.planner.inputs import Inputs
 from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, cap_gpu_memory, print0
 from fsdp_opt.tracking.metrics import COMPLETIONS_FILE, GRPO_FIELDS
 from fsdp_opt.train import reference
@@ -131,6 +133,12 @@ class Grpo(Method):
             weights=self.weights, seed=self.config.train.seed, eos_ids=sorted(eos), stop=stop, gather=gather,
         )  # fmt: skip
         s.loss = GroupLoss(self.settings, s.blocks, s.tokenizer, self._reference(s) if m.uses_reference else None)
+        if s.layout.prediction is not None:  # the step's prediction with its generation and reference forward added
+            inputs = Inputs(gpus=env.world_size, nodes=env.num_nodes, max_length=self.config.data.max_length,
+                            precision=s.precision, lora_rank=self.config.lora.lora_rank)  # fmt: skip
+            s.layout = dataclasses.replace(s.layout, prediction=with_generation(
+                s.layout.prediction, Shape.of(s.model_config), s.layout.strategy, inputs, s.plan.global_batch,
+                m.num_generations, m.max_completion_length, m.uses_reference, gather))
 
     def _gathered_fits(self, s) -> bool:  # noqa: ANN001
         env, c = s.env, self.config
