@@ -96,23 +96,26 @@ class Reward:
 
     name: str
     fn: Callable[..., list]
-    source: str  # sha256 of its source text (a built-in's: of this package's code of it)
+    source: str  # sha256 of its source: its file's or module's (a built-in's: this package's code of the function)
 
     def pin(self) -> dict[str, str]:
         return {"name": self.name, "source": self.source}
 
 
-def _digest(fn: Callable) -> str:
+def _digest(obj: Any) -> str:
+    """sha256 of a function's or a module's source text (its repr where the source cannot be read)."""
     try:
-        text = inspect.getsource(fn)
+        text = inspect.getsource(obj)
     except (OSError, TypeError):
-        text = repr(fn)
+        text = repr(obj)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def load(name: str) -> Reward:
     """A built-in, `path/to/file.py:function` or `module:function`; one line naming it when it cannot be had."""
     if name in BUILTINS:
+        if name == "accuracy" and importlib.util.find_spec("math_verify") is None:
+            raise ConfigError(f"--reward accuracy: math-verify is not installed ({MATH_VERIFY_INSTALL})")
         return Reward(name, BUILTINS[name], _digest(BUILTINS[name]))
     if ":" not in name:
         raise ConfigError(f"--reward {name}: not a built-in ({', '.join(BUILTINS)}) nor path/to/file.py:function or "
@@ -137,7 +140,8 @@ def load(name: str) -> Reward:
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ConfigError(f"--reward {name}: {where} has no function {attr}")
-    return Reward(name, fn, _digest(fn))
+    # the whole file or module: a helper the function calls is part of its rule
+    return Reward(name, fn, _digest(module))
 
 
 def load_all(names: Sequence[str], weights: str | None) -> tuple[list[Reward], list[float]]:

@@ -104,7 +104,7 @@ def generation_time(shape: Shape, strategy: str, inputs: Inputs, requests: int, 
 
 
 def grpo_plan(shape: Shape, strategy: str, inputs: Inputs, samples: int, generations: int, completion_length: int,
-              beta: float, reference_model: bool, training_s: float, rates: Rates | None = None) -> dict[str, Any]:  # fmt: skip
+              beta: float, reference_model: bool, training_s: float | None, rates: Rates | None = None) -> dict[str, Any]:  # fmt: skip
     """The generation phase (gathered once, and layer by layer beside it), the reference's forward and the step."""
     requests = requests_per_rank(samples, generations, inputs.gpus)
     out: dict[str, Any] = {"requests_per_rank": requests, "generations": generations,
@@ -118,10 +118,11 @@ def grpo_plan(shape: Shape, strategy: str, inputs: Inputs, samples: int, generat
     if beta > 0:  # the reference's forward over the step's completions (one rank's share)
         reference_s = forward_time(shape, strategy, inputs, samples, rates)["seconds"]
     generation = out["gathered"] if out["gathered"]["fits"] else out["layer_by_layer"]
+    training = training_s or 0.0  # None: the training step fits no layout
     out.update(reference_s=reference_s, training_s=training_s, uses="gathered" if out["gathered"]["fits"] else
-               "layer_by_layer", step_s=generation["seconds"] + reference_s + training_s)  # fmt: skip
-    out["layer_by_layer_step_s"] = out["layer_by_layer"]["seconds"] + reference_s + training_s
-    out["fits"] = out["gathered"]["fits"] or out["layer_by_layer"]["fits"]
+               "layer_by_layer", step_s=generation["seconds"] + reference_s + training)  # fmt: skip
+    out["layer_by_layer_step_s"] = out["layer_by_layer"]["seconds"] + reference_s + training
+    out["fits"] = training_s is not None and (out["gathered"]["fits"] or out["layer_by_layer"]["fits"])
     return out
 
 
@@ -149,8 +150,9 @@ def grpo_lines(g: dict[str, Any], gpu_memory: int) -> list[str]:
         f"{a['seconds']:.2f} s ({a['tokens_per_second']:,.0f} tokens/s per GPU)",
         f"grpo generation layer by layer: {gib(b['peak_bytes'])} per GPU ({'fits' if b['fits'] else 'does NOT fit'}), "
         f"{b['seconds']:.2f} s ({b['tokens_per_second']:,.0f} tokens/s per GPU)",
-        f"grpo step: generation on {uses}, reference {g['reference_s']:.2f} s, training {g['training_s']:.2f} s: "
-        f"{g['step_s']:.2f} s per step (layer by layer: {g['layer_by_layer_step_s']:.2f} s)",
+        f"grpo step ({g['strategy']}): generation on {uses}, reference {g['reference_s']:.2f} s, training "
+        + (f"{g['training_s']:.2f} s: {g['step_s']:.2f} s per step (layer by layer: {g['layer_by_layer_step_s']:.2f} s)"
+           if g["training_s"] is not None else "does NOT fit"),
     ]
 
 

@@ -102,9 +102,9 @@ def make_plan(model: str, inputs: Inputs, *, disk: int, host_memory: int, keep_l
         plan[inputs.method] = reference_pass(shape, strategy, inputs, rates, own)
         plan[inputs.method]["strategy"] = strategy
     if traits(inputs.method).generates:  # GRPO: the generation phase beside the training step, keyed by the method
-        picked = recommended or given
-        strategy = picked["sharding_strategy"] if recommended else (given["strategy"] if given else "FULL_SHARD")
-        training_s = picked["predicted_step_time_s"] if recommended else (given["step_s"] if given else 0.0)
+        # the flags given where they fit (what the command runs), else the recommended layout
+        strategy = given["strategy"] if given else recommended["sharding_strategy"] if recommended else "FULL_SHARD"
+        training_s = given["step_s"] if given else recommended["predicted_step_time_s"] if recommended else None
         own_reference = inputs.beta > 0 and (not inputs.lora_rank or inputs.ref_model)
         plan[inputs.method] = grpo_plan(shape, strategy, inputs, samples, inputs.generations, inputs.completion_length,
                                         inputs.beta, own_reference, training_s, rates)  # fmt: skip
