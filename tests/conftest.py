@@ -216,7 +216,7 @@ def assert_clean_failure(proc: subprocess.CompletedProcess, *needles: str) -> st
 LONGEST_FIRST = (
     "test_auto_chain.py::test_the_same_command_on_fresh_machines_walks_the_chain_and_equals_it_typed_by_hand",
     "test_notebooks.py::test_notebooks_run_end_to_end",
-    "test_chat_data.py::test_the_chat_demo_learns_to_answer_in_the_template",
+    "test_chat_data.py::test_the_chat_demo_answers_in_the_template_and_the_grpo_demo_learns_its_reward",
     "test_fp16_reduce.py::test_fp16_reduce_tracks_the_fp32_reduce_over_thirty_steps",
     "test_retention.py::test_chain_of_four_slices_keeps_the_policy",
     "test_dpo.py::test_the_dpo_demo_learns_the_held_out_preferences",
@@ -268,7 +268,7 @@ QUICK = (
 # CI runs them a second time under ATEN_CPU_CAPABILITY=default (`pytest -m learns`); docs/testing.md has each margin.
 LEARNS = (
     "tests/commands/test_cli.py::test_demo_trains_and_loss_falls",
-    "tests/train/test_chat_data.py::test_the_chat_demo_learns_to_answer_in_the_template",
+    "tests/train/test_chat_data.py::test_the_chat_demo_answers_in_the_template_and_the_grpo_demo_learns_its_reward",
     "tests/train/test_dpo.py::test_the_dpo_demo_learns_the_held_out_preferences",
     "tests/commands/test_cli.py::test_fp16_with_loss_scaling_trains_and_counts_skipped_steps",
     "tests/engine/test_fp16_reduce.py::test_fp16_reduce_tracks_the_fp32_reduce_over_thirty_steps",

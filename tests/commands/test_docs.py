@@ -73,6 +73,21 @@ def test_the_version_is_one_number_everywhere():
     assert f"## {VERSION} (" in changelog
 
 
+def test_the_test_requirements_are_the_test_extra():
+    """requirements-test.txt (for pip -r) and pyproject's `test` extra (what scripts/test.sh installs) name the same
+    requirements: a package added to one alone is missing on CI or for a user installing by hand."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    listed = set()
+    for line in (ROOT / "requirements-test.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line and not line.startswith("-r"):
+            listed.add(line)
+    assert listed == set(extras["test"])
+    assert set(extras["grpo"]) <= listed and set(extras["qlora"]) <= listed | {"torchao>=0.16"}
+
+
 def test_a_figure_the_pages_quote_is_held_against_the_command_that_prints_it(tmp_path):
     """`run as` / `command` name an output; `printed by` blocks and tables, and `from` figures, must be in it. A drifted
     figure, a line no longer printed, and a quote of a name nothing defines each fail the check, one line each."""
