@@ -57,7 +57,31 @@ def described(source: dict[str, Any] | None) -> str:
         return f"{source['bytes']:,} bytes, sha256 {source['sha256'][:12]}"
     if source["kind"] == "hub":
         return f"revision {source['revision'] or 'unknown'}"
+    if source["kind"] == "mixture":
+        return "a mixture, weights " + ":".join(map(str, source["weights"])) + ", of " + "; ".join(
+            f"{s['dataset']} ({described(s['identity'])})" for s in source["sources"])
     return source["name"]
+
+
+def mixture_changed(recorded: dict[str, Any] | None, now: dict[str, Any] | None) -> str | None:
+    """How a mixture's definition changed since the chain recorded it (its weights, or its list of sources: their
+    order, names, splits), which moves rows between sources; None when only the sources' own data changed (rows
+    appended to one of them, say) or when neither is a mixture."""
+    recorded, now = recorded or {}, now or {}
+    if "mixture" not in (recorded.get("kind"), now.get("kind")):
+        return None
+    if recorded.get("kind") != now.get("kind"):
+        return f"it was {described(recorded)}, now {described(now)}"
+
+    def listed(source: dict[str, Any]) -> list[tuple]:
+        return [tuple((k, str(v)) for k, v in sorted(s.items()) if k not in ("identity", "weight")) for s in source["sources"]]
+
+    if listed(recorded) != listed(now):
+        return "its list of sources changed (" + ", ".join(s["dataset"] for s in recorded["sources"]) + " -> " + ", ".join(
+            s["dataset"] for s in now["sources"]) + ")"
+    if recorded["weights"] != now["weights"]:
+        return f"its weights changed ({':'.join(map(str, recorded['weights']))} -> {':'.join(map(str, now['weights']))})"
+    return None
 
 
 def packed_as(max_length: int, packing: str) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """Where rows come from: the built-in `python-docs` (text) and `python-docs-chat` (conversations), a local file or
-folder, or a Hub dataset, each opened as a Table (data/table.py) of one split. data/formats.py reads a slice's rows.
+folder, or a Hub dataset, each opened as a Table (data/table.py) of one split; or a weighted mixture of them
+(data/mixture.py), whose range reads a range of each. data/formats.py reads a slice's rows.
 
 A Hub dataset or local folder stored as parquet is read by row group: a session fetches the rows of its range (and
 its held-out rows), not the dataset. Anything else is read whole, as `datasets.load_dataset` reads it."""
@@ -8,13 +9,15 @@ from __future__ import annotations
 
 import hashlib
 import re
+from contextlib import contextmanager
 from pathlib import Path
-
-from typing import Any
+from typing import Any, Iterator
 
 from fsdp_opt.base import DataError, first_line, looks_like_path, quiet_hub_logs
 from fsdp_opt.config.choices import BUILTIN_DATASETS
+from fsdp_opt.data.mixture import Mixture, MixtureTable, is_mixture_file, read_mixture
 from fsdp_opt.data.parquet import ParquetReader, SplitIndex
+from fsdp_opt.data.pin import pinned_revision
 from fsdp_opt.data.resolve import (
     DEFAULT_SPLIT,
     DataSource,
@@ -139,9 +142,19 @@ def builtin_split(name: str, split: str) -> RowsTable:
     return RowsTable(rows, {"kind": "builtin", "name": name, **({"split": split} if split != DEFAULT_SPLIT else {})})
 
 
-def check_exists(src: DataSource) -> None:
+def check_exists(src: DataSource, eval_split: str | None = None) -> None:
     """That the dataset the flags name is there: a built-in, a local file or folder, or a Hub dataset (one metadata
-    request, no card or file read). Run before anything is taken or built: the chain's lease, the model."""
+    request, no card or file read). Run before anything is taken or built: the chain's lease, the model. A mixture
+    file: each of its sources."""
+    if is_mixture_file(src.dataset):
+        mix = _mixture_file(src)
+        if eval_split:
+            raise DataError(f"--eval_split {eval_split}: not with a mixture file (--dataset {src.dataset}): its "
+                            "held-out rows are the mixture's rows right after the slice (--eval_rows alone)")  # fmt: skip
+        for n, ms in enumerate(mix.sources, 1):
+            with _in_mixture(src, n, ms.source):
+                check_exists(ms.source)
+        return
     if src.dataset in BUILTIN_DATASETS or Path(src.dataset).expanduser().exists():
         return
     if looks_like_path(src.dataset, tuple(LOCAL_FORMATS)):
@@ -176,6 +189,8 @@ def open_source(src: DataSource, pin: dict[str, Any] | None = None) -> Table:
     datasets.disable_progress_bars()
     if src.revision and (src.dataset in BUILTIN_DATASETS or Path(src.dataset).expanduser().exists()):
         raise DataError(f"--dataset_revision {src.revision}: only for a Hub dataset id (--dataset {src.dataset} is not one)")
+    if is_mixture_file(src.dataset):
+        return _mixture(src, pin)
     if src.dataset in BUILTIN_DATASETS:
         if src.config or src.files:
             raise DataError(f"--dataset_{'config' if src.config else 'files'}: not for the built-in {src.dataset}")
@@ -188,6 +203,52 @@ def open_source(src: DataSource, pin: dict[str, Any] | None = None) -> Table:
     if looks_like_path(src.dataset, tuple(LOCAL_FORMATS)):
         raise DataError(f"--dataset {src.dataset}: no such file or folder")
     return _hub(src, pin)
+
+
+def _mixture_file(src: DataSource) -> Mixture:
+    """The mixture file --dataset names; the flags that name one dataset's config, split or files belong in it."""
+    for flag, value in (("--dataset_config", src.config), ("--dataset_files", src.files),
+                        ("--dataset_split", None if src.split == DEFAULT_SPLIT else src.split)):  # fmt: skip
+        if value:
+            raise DataError(f"{flag} {value}: not beside a mixture file (--dataset {src.dataset}): each source names "
+                            "its own (name, data_files, split) in the file")  # fmt: skip
+    return read_mixture(src.dataset)
+
+
+@contextmanager
+def _in_mixture(src: DataSource, n: int, source: DataSource) -> Iterator[None]:
+    """A source's error, said of the mixture file and the source's place in it."""
+    try:
+        yield
+    except DataError as exc:
+        line = str(exc)
+        if line.startswith(f"--dataset {source.dataset}: "):
+            line = line[len(f"--dataset {source.dataset}: "):]
+        raise DataError(f"--dataset {src.dataset}: source {n} ({source.dataset}): {line}") from None
+
+
+def _mixture(src: DataSource, pin: dict[str, Any] | None) -> MixtureTable:
+    """Each source opened as it would be alone (a Hub source at the revision and from the index the chain recorded
+    for it), then mixed by weight. Its identity: the integer weights, and each source's names and own identity."""
+    mix = _mixture_file(src)
+    recorded = (pin or {}).get("source") or {}
+    before = recorded.get("sources", []) if recorded.get("kind") == "mixture" else []
+    tables, sources = [], []
+    for n, ms in enumerate(mix.sources, 1):
+        sub = {"source": before[n - 1]["identity"]} if n <= len(before) else None
+        source = DataSource(ms.source.dataset, ms.source.config, ms.source.split, ms.source.files,
+                            pinned_revision(sub, ms.source))  # fmt: skip
+        with _in_mixture(src, n, ms.source):
+            table = open_source(source, sub)
+            if ms.columns:
+                missing = [c for c in ms.columns if c not in table.column_names]
+                if missing:
+                    raise DataError(f"it has no column {missing[0]} (its columns: {', '.join(table.column_names)})")
+        tables.append(table)
+        sources.append({**ms.record(), "identity": table.identity})
+    identity = {"kind": "mixture", "weights": list(mix.weights), "sources": sources}
+    return MixtureTable(tables, mix.weights, identity, [ms.columns for ms in mix.sources],
+                        [ms.source.describe() for ms in mix.sources])  # fmt: skip
 
 
 def _local_file(src: DataSource, path: Path) -> Table:

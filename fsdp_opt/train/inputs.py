@@ -12,7 +12,8 @@ from fsdp_opt.base import ConfigError, DataError
 from fsdp_opt.config.parse import Config
 from fsdp_opt.config.training import DataConfig
 from fsdp_opt.data.formats import RowSpec, Rows, held_out_rows, held_out_split, resolve_spec, select_rows
-from fsdp_opt.data.pin import described, rows_digest, tokens_digest
+from fsdp_opt.data.mixture import MixtureTable
+from fsdp_opt.data.pin import described, mixture_changed, rows_digest, tokens_digest
 from fsdp_opt.data.resolve import DataSource
 from fsdp_opt.data.sources import open_source
 from fsdp_opt.data.table import Table
@@ -110,6 +111,8 @@ def read_slice(config: Config, tokenizer: PreTrainedTokenizerBase, model_config:
         box.append(table)
         spec, train_on = data_spec(dc, table.column_names, method)
         rows = select_rows(table, spec, dc.start_idx, dc.end_idx)
+        if isinstance(table, MixtureTable):
+            print0(table.given_line(dc.start_idx, rows.end_idx))
         held_out = None
         if dc.eval_rows and dc.eval_split:
             held = open_source(src.with_split(dc.eval_split))
@@ -165,6 +168,10 @@ def check_pin(config: Config, method: Method, pin: dict[str, Any] | None, data: 
     if not pin:
         return source
     trained = pin.get("ranges", [])
+    changed = mixture_changed(pin.get("source"), source)
+    if changed and trained:
+        raise DataError(f"--dataset {dc.dataset}: the mixture is not the one this chain trained on: {changed}, which "
+                        "moves rows from one source to another. Restore the mixture file, or start a new chain")  # fmt: skip
     if source != pin.get("source"):
         spec, _ = data_spec(dc, table.column_names, method)
         for r in trained:

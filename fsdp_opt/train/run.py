@@ -216,7 +216,7 @@ def check_flags(config: Config, env: DistEnv) -> Checked:
         raise ConfigError("--export_merge: only for a LoRA run (--lora_rank) with --export_hf DIR")
     # the dataset is there, and what the method names (reward functions): before the chain's lease is taken or
     # anything is built
-    all_ranks_ok(lambda: check_exists(DataSource.of(config.data)) if env.is_main else None)
+    all_ranks_ok(lambda: check_exists(DataSource.of(config.data), config.data.eval_split) if env.is_main else None)
     method_for(config).check()
     auto = config.train.batch_size == AUTO
     if config.method.traits.generates:  # a step's completions: whole groups of --num_generations

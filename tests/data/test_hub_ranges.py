@@ -278,3 +278,28 @@ def test_runs_train_where_datasets_cannot_fingerprint_a_table(tmp_path, hub):
     for name, proc in zip(cases, run_cli_concurrently(runs, timeout=300)):
         assert proc.returncode == 0, (name, proc.stdout[-2000:] + proc.stderr[-3000:])
         assert (tmp_path / name / "out" / "metrics.jsonl").is_file(), name
+
+
+def test_a_mixture_of_hub_splits_and_a_local_file_trains_a_range_far_into_it_fetching_a_range(tmp_path, hub):
+    """Weights 500:1:1 over two Hub parquet splits (300,000 and 400 rows) and a local file: rows [150,000, 150,064)
+    of the mixture need about 64 rows of train_sft near row 149,400, which its row groups hold; the session fetches
+    a small share of the dataset's bytes and says what each source gave."""
+    local = tmp_path / "local.jsonl"
+    local.write_bytes(jsonl_bytes([chat_row(i, "local") for i in range(500)]))
+    mix = tmp_path / "mix.json"
+    mix.write_text(json.dumps({"datasets": [
+        {"path": "me/chat", "split": "train_sft", "columns": ["messages"], "weight": 500},
+        {"path": "me/chat", "split": "test_sft", "columns": ["messages"], "weight": 1},
+        {"path": str(local), "columns": ["messages"], "weight": 1}]}))  # fmt: skip
+    before = dict(hub.sent)
+    args = ["--model", "tiny-opt", "--dataset", str(mix), "--start_idx", "150000", "--end_idx", "150064", *TRAIN,
+            "--output_dir", str(tmp_path / "out")]  # fmt: skip
+    proc = run_cli(args, tmp_path, nproc=2, env=env_for(tmp_path, hub, "mix"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    fetched = sum(hub.sent.get(k, 0) - before.get(k, 0) for k in hub.sent if k.startswith("dataset"))
+    total = hub.dataset_bytes("me/chat")
+    assert fetched <= 0.10 * total, (fetched, total)
+    # 500:1:1 in closed form: train_sft gives the ceiling of 500/502 of the rows before a row
+    a, b = -(-150_000 * 500 // 502), -(-150_064 * 500 // 502)
+    assert f"data: mixture rows [150,000, 150,064), weights 500:1:1: {b - a} of me/chat (split train_sft) (rows [{a:,}, {b:,}))" in proc.stdout
+    assert len(read_jsonl(tmp_path / "out" / "metrics.jsonl")) >= 3
