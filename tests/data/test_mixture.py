@@ -187,8 +187,9 @@ def text_file(path, name: str, n: int, first: int = 0):  # noqa: ANN001, ANN201
 
 def test_a_range_far_into_a_mixture_trains_as_a_file_of_its_rows_and_the_chain_keeps_the_definition(tmp_path):
     """5:3:2 written as decimals over three local files: rows [1,200, 1,264) train, step for step, as a file holding
-    those 64 rows in the defined order (made here by the recursive reading). Then rows appended to one source keep
-    the rows trained, and the chain goes on; a changed weight is refused in one line."""
+    those 64 rows in the defined order (made here by the recursive reading). Then a chain of three --start_idx auto
+    sessions, with rows appended to one source after the first, equals one straight run over the three ranges; a
+    changed weight is then refused in one line."""
     data = tmp_path / "data"
     data.mkdir()
     sizes = {"a": 700, "b": 500, "c": 300}
@@ -228,6 +229,16 @@ def test_a_range_far_into_a_mixture_trains_as_a_file_of_its_rows_and_the_chain_k
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-3000:]
     assert "the 1 range(s) it trained have the same rows: going on" in second.stdout
     assert "data: mixture rows [200, 400)" in second.stdout
+    third = run_cli(TEXT + ["--dataset", str(mix), "--start_idx", "auto", "--range_size", "200", "--output_dir",
+                            str(chain)], tmp_path, nproc=2)  # fmt: skip
+    assert third.returncode == 0, third.stdout[-2000:] + third.stderr[-3000:]
+    # the three sessions are one straight run over the three ranges, bit for bit
+    straight = run_cli(TEXT + ["--dataset", str(mix), "--start_idx", "auto", "--range_size", "200", "--session_ranges",
+                               "3", "--output_dir", str(tmp_path / "straight")], tmp_path, nproc=2)  # fmt: skip
+    assert straight.returncode == 0, straight.stdout[-2000:] + straight.stderr[-3000:]
+    got = [(r["step"], r["loss"], r["slice"]) for r in read_jsonl(chain / "metrics.jsonl")]
+    want = [(r["step"], r["loss"], r["slice"]) for r in read_jsonl(tmp_path / "straight" / "metrics.jsonl")]
+    assert got == want and {r[2] for r in got} == {"0-200", "200-400", "400-600"}, (got[:3], want[:3])
     mix.write_text(mix.read_text().replace("0.3", "0.4"))
     before = sorted(p.name for p in chain.iterdir())
     third = run_cli(TEXT + ["--dataset", str(mix), "--start_idx", "auto", "--range_size", "200", "--output_dir",
