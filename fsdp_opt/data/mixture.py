@@ -1,8 +1,8 @@
 """A weighted mixture of datasets over one index space: the mixture file, and row i of the mixture defined exactly.
 
 The file takes TRL's `DatasetMixtureConfig` layout (a `datasets:` list of sources: `path`, `name`, `split`,
-`data_files`, `columns`), with a `weight` on each source (1 when none is given), and optionally each source's
-`data_format` and `eval_split`.
+`data_files`, `columns`), with a `weight` on each source (1 when none is given). Every source holds rows of one
+format for now.
 
 Row i is defined with no random draw, by proportional selection over integer weights P = (p_1, ..., p_n):
 `counts(k)` is how many rows each source gives to the first k rows of the mixture, computed by walking the sources in
@@ -30,8 +30,14 @@ from fsdp_opt.data.resolve import DEFAULT_SPLIT, DataSource
 from fsdp_opt.data.table import Table
 
 MIXTURE_SUFFIXES = (".yaml", ".yml", ".json")
-SOURCE_KEYS = ("path", "name", "split", "data_files", "columns", "weight", "data_format", "eval_split")
+SOURCE_KEYS = ("path", "name", "split", "data_files", "columns", "weight")
 FILE_KEYS = ("datasets", "streaming")  # TRL's `streaming` is accepted and changes nothing: ranges are read by range
+# what a source cannot say yet, and what holds instead
+NOT_YET = {
+    "data_format": "every source of a mixture holds rows of one format (--data_format, or found from the columns)",
+    "eval_split": "held-out rows are the mixture's rows right after the slice (--eval_rows)",
+}
+MAX_MIXTURE_BYTES = 1 << 20  # a .json file larger than this is a dataset of rows
 
 
 def is_mixture_file(spec: str) -> bool:
@@ -41,6 +47,8 @@ def is_mixture_file(spec: str) -> bool:
         return False
     if path.suffix.lower() != ".json":
         return True
+    if path.stat().st_size > MAX_MIXTURE_BYTES:  # a dataset of rows, not read here to find out
+        return False
     try:  # a .json file may be a dataset of rows instead: a mixture file is one object with a `datasets` list
         data = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError):
@@ -55,14 +63,11 @@ class MixtureSource:
     source: DataSource
     weight: Fraction
     columns: tuple[str, ...] | None = None
-    data_format: str | None = None
-    eval_split: str | None = None
 
     def record(self) -> dict[str, Any]:
         """What a chain's pin records of the source besides its rows' identity: its weight and what names it."""
         out = {"dataset": self.source.dataset, **self.source.names(), "weight": str(self.weight)}
-        return out | {k: v for k, v in (("columns", list(self.columns) if self.columns else None),
-                                        ("data_format", self.data_format), ("eval_split", self.eval_split)) if v}  # fmt: skip
+        return out | ({"columns": list(self.columns)} if self.columns else {})
 
 
 @dataclass(frozen=True)
@@ -219,12 +224,15 @@ def read_mixture(file: str, revision: str | None = None) -> Mixture:
         where = f"source {n}"
         if not isinstance(entry, dict):
             raise _fail(file, f"{where} is not a mapping of {', '.join(SOURCE_KEYS)}")
-        unknown = [k for k in entry if k not in SOURCE_KEYS]
+        unknown = [k for k in entry if k not in SOURCE_KEYS and k not in NOT_YET]
         if unknown:
             raise _fail(file, f"{where}: unknown key {unknown[0]!r} (a source has: {', '.join(SOURCE_KEYS)})")
         if not isinstance(entry.get("path"), str) or not entry["path"].strip():
             raise _fail(file, f"{where} has no `path` (a Hub id, or a local file or folder)")
         where = f"source {n} ({entry['path']})"
+        later = [k for k in entry if k in NOT_YET]
+        if later:
+            raise _fail(file, f"{where}: `{later[0]}` is not taken yet: {NOT_YET[later[0]]}")
         columns = entry.get("columns")
         if columns is not None and (not isinstance(columns, list) or not all(isinstance(c, str) for c in columns)):
             raise _fail(file, f"{where}: columns must be a list of column names")
@@ -235,6 +243,5 @@ def read_mixture(file: str, revision: str | None = None) -> Mixture:
         dataset = str(local) if local.exists() else entry["path"]  # a local path is read beside the mixture file
         source = DataSource(dataset, entry.get("name"), entry.get("split") or DEFAULT_SPLIT, data_files, revision)
         sources.append(MixtureSource(source, _weight(file, where, entry.get("weight", 1)),
-                                     tuple(columns) if columns else None, entry.get("data_format"),
-                                     entry.get("eval_split")))  # fmt: skip
+                                     tuple(columns) if columns else None))  # fmt: skip
     return Mixture(file, tuple(sources), integer_weights([s.weight for s in sources]))

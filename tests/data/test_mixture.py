@@ -136,7 +136,6 @@ datasets:
     weight: 3
   - path: mine.jsonl
     weight: 2
-    eval_split: test
 streaming: false
 """)
     mix = read_mixture(file)
@@ -145,13 +144,17 @@ streaming: false
     assert (first.source.dataset, first.source.config, first.source.split, first.columns) == (
         "HuggingFaceTB/smoltalk", "all", "train", ("messages",))
     assert second.source.config == "main" and second.weight == 3
-    assert third.source.dataset == str(tmp_path / "mine.jsonl") and third.eval_split == "test"
-    assert third.record() == {"dataset": str(tmp_path / "mine.jsonl"), "weight": "2", "eval_split": "test"}
+    assert third.source.dataset == str(tmp_path / "mine.jsonl")
+    assert third.record() == {"dataset": str(tmp_path / "mine.jsonl"), "weight": "2"}
+    assert first.record() == {"dataset": "HuggingFaceTB/smoltalk", "config": "all", "weight": "5", "columns": ["messages"]}
     # TRL's file without weights: weight 1 each; JSON alike
     plain = write(tmp_path, "trl.json", json.dumps({"datasets": [{"path": "a/b"}, {"path": "c/d", "split": "x"}]}))
     assert is_mixture_file(plain) and read_mixture(plain).weights == (1, 1)
     rows = write(tmp_path, "rows.json", json.dumps([{"text": "a row"}]))
     assert not is_mixture_file(rows) and is_mixture_file(file)
+    big = tmp_path / "big.json"  # a large .json file is a dataset: not read whole to find out
+    big.write_text(json.dumps({"datasets": [{"path": "a/b"}], "pad": "x" * (1 << 20)}))
+    assert not is_mixture_file(str(big))
 
 
 @pytest.mark.parametrize("text, needle", [
@@ -165,6 +168,7 @@ streaming: false
     ("streaming: false\n", "lists no source"),
     ("datasets:\n  - name: main\n", "source 1 has no `path`"),
     ("datasets: [\n", "not a readable mixture file"),
+    ("datasets:\n  - path: a/b\n    data_format: text\n", "source 1 (a/b): `data_format` is not taken yet: every source"),
 ])  # fmt: skip
 def test_a_bad_mixture_file_is_one_line_naming_it(tmp_path, text, needle):
     file = write(tmp_path, "mix.yaml", text)
