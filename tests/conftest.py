@@ -348,6 +348,22 @@ def saved_names(out: str) -> list[str]:
     return [Path(m).name for m in re.findall(r"^saved (\S+) \(", out, flags=re.M)]
 
 
+def hub_sessions(args: list[str], tmp: Path, repo: str, sessions: int = 3) -> list[subprocess.CompletedProcess]:
+    """`sessions` runs of the same 2-rank command through a loopback Hub repo, each on an empty machine (its own
+    folder, Hugging Face cache and output_dir, W&B off), one after another; each must succeed."""
+    procs = []
+    with HubServer() as server:
+        for i in range(sessions):
+            machine = tmp / f"m{i}"
+            machine.mkdir()
+            env = hub_env(tmp, server, f"m{i}")
+            env["WANDB_MODE"] = "disabled"
+            proc = run_cli(args + ["--hf_repo", repo, "--output_dir", str(machine / "out")], machine, nproc=2, env=env)
+            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+            procs.append(proc)
+    return procs
+
+
 # A Llama-3-style chat template written for the tests: the template writes the BOS itself, each turn ends with
 # <|eot_id|>, and the generation prompt is the assistant's header.
 LLAMA_STYLE_TEMPLATE = (

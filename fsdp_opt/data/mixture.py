@@ -25,6 +25,8 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Sequence
 
+import yaml
+
 from fsdp_opt.base import DataError
 from fsdp_opt.data.resolve import DEFAULT_SPLIT, DataSource
 from fsdp_opt.data.table import Table
@@ -107,9 +109,8 @@ def counts(k: int, weights: Sequence[int]) -> list[int]:
 
 def source_of(i: int, weights: Sequence[int]) -> tuple[int, int]:
     """Row i of the mixture: (the source, that source's row)."""
-    before, after = counts(i, weights), counts(i + 1, weights)
-    (j,) = [j for j, (a, b) in enumerate(zip(before, after)) if b != a]
-    return j, after[j] - 1
+    (j,) = order(i, i + 1, weights)
+    return j, counts(i + 1, weights)[j] - 1
 
 
 def source_ranges(start: int, end: int, weights: Sequence[int]) -> list[tuple[int, int]]:
@@ -206,8 +207,6 @@ def read_mixture(file: str, revision: str | None = None) -> Mixture:
         if path.suffix.lower() == ".json":
             data = json.loads(text)
         else:
-            import yaml
-
             data = yaml.safe_load(text)
     except Exception as exc:  # noqa: BLE001 - a parse error of either format, shown as one line
         raise _fail(file, f"not a readable mixture file ({str(exc).splitlines()[0]})") from None

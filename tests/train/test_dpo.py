@@ -12,7 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_clean_failure, launch, make_chat_llama, read_jsonl, run_cli, run_cli_concurrently
+from conftest import (
+    assert_clean_failure,
+    hub_sessions,
+    launch,
+    make_chat_llama,
+    read_jsonl,
+    run_cli,
+    run_cli_concurrently,
+    saved_names,
+)
 from hubdata import PARAGRAPHS
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -270,23 +279,12 @@ def test_three_auto_sessions_through_the_hub_equal_one_straight_run(tmp_path):
     """LoRA DPO on the built-in preference pairs (its reference: the base, adapters off), --start_idx auto through
     the loopback Hub on three empty machines: the names and the losses of one session that trains the three ranges,
     bit for bit."""
-    from conftest import hub_env, saved_names
-    from hubserver import HubServer
-
     auto = ["--model", "tiny-opt", "--dataset", "python-docs-prefs", "--method", "dpo", "--chat_template", "chatml",
             "--lora_rank", "8", "--max_length", "128", "--batch_size", "4", "--lr", "3e-3", "--precision", "fp32",
             "--start_idx", "auto", "--range_size", "8", "--wandb_mode", "disabled", "--seed", "5"]  # fmt: skip
-    with HubServer() as server:
-        saved = []
-        for i in range(3):
-            machine = tmp_path / f"m{i}"
-            machine.mkdir()
-            env = hub_env(tmp_path, server, f"m{i}")
-            env["WANDB_MODE"] = "disabled"
-            proc = run_cli(auto + ["--hf_repo", "me/dpo", "--output_dir", str(machine / "out")], machine, nproc=2, env=env)
-            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-            assert "dpo: reference: the base with the adapters switched off" in proc.stdout
-            saved += saved_names(proc.stdout)
+    procs = hub_sessions(auto, tmp_path, "me/dpo")
+    assert all("dpo: reference: the base with the adapters switched off" in proc.stdout for proc in procs)
+    saved = [name for proc in procs for name in saved_names(proc.stdout)]
     one = run_cli(auto + ["--session_ranges", "3", "--output_dir", str(tmp_path / "one")], tmp_path, nproc=2)
     assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-3000:]
     assert saved == saved_names(one.stdout) == [f"tiny_opt_{a}-{a + 8}-epoch-1.pt" for a in (0, 8, 16)]

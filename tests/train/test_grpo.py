@@ -12,7 +12,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, assert_clean_failure, launch, make_chat_llama, read_jsonl, run_cli, run_cli_concurrently
+from conftest import (
+    ROOT,
+    assert_clean_failure,
+    hub_sessions,
+    launch,
+    make_chat_llama,
+    read_jsonl,
+    run_cli,
+    run_cli_concurrently,
+    saved_names,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 G = 4  # completions per prompt
@@ -237,24 +247,12 @@ def test_a_session_resumed_mid_range_draws_and_trains_what_the_straight_run_did(
 def test_three_auto_sessions_through_the_hub_equal_one_straight_run(tmp_path, setup_files):
     """--start_idx auto, three sessions on empty machines through the loopback Hub: the same completions, rewards and
     losses as one session that trains the three ranges."""
-    from conftest import hub_env, saved_names
-    from hubserver import HubServer
-
     f = setup_files
     auto = ["--model", str(f["policy"]), "--dataset", str(f["data"]), "--method", "grpo", "--reward",
             f"{f['rewards']}:overlap", "--num_generations", "2", "--max_completion_length", str(LENGTH), "--max_length",
             "64", "--batch_size", "2", "--precision", "fp32", "--wandb_mode", "disabled", "--seed", "9",
             "--start_idx", "auto", "--range_size", "2", "--lr", "1e-2"]  # fmt: skip
-    with HubServer() as server:
-        saved = []
-        for i in range(3):
-            machine = tmp_path / f"m{i}"
-            machine.mkdir()
-            env = hub_env(tmp_path, server, f"m{i}")
-            env["WANDB_MODE"] = "disabled"
-            proc = run_cli(auto + ["--hf_repo", "me/grpo", "--output_dir", str(machine / "out")], machine, nproc=2, env=env)
-            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-            saved += saved_names(proc.stdout)
+    saved = [name for proc in hub_sessions(auto, tmp_path, "me/grpo") for name in saved_names(proc.stdout)]
     one = run_cli(auto + ["--session_ranges", "3", "--output_dir", str(tmp_path / "one")], tmp_path, nproc=2)
     assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-3000:]
     assert saved == saved_names(one.stdout) == [f"policy_{a}-{a + 2}-epoch-1.pt" for a in (0, 2, 4)]
