@@ -15,7 +15,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import OPTConfig, PreTrainedTokenizerFast
 
-from fsdp_opt.data.sources import python_docs_texts
+from fsdp_opt.data.builtins import python_docs_texts
 
 ASSET_DIR = Path(__file__).resolve().parents[1] / "fsdp_opt" / "assets" / "tiny-opt"
 VOCAB_SIZE = 4096

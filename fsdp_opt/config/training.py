@@ -44,8 +44,9 @@ class DataConfig:
         "ash001/arxiv-abstract",
         "Hub dataset id, a local .jsonl/.json/.csv/.parquet/.txt file or folder, or a built-in: "
         f"{', '.join(repr(d) for d in BUILTIN_DATASETS)} (text, conversations, preference pairs, prompts). Or a "
-        "mixture file (.yaml or .json, TRL's DatasetMixtureConfig layout with a weight on each source): row i of the "
-        "mixture is defined exactly, and a range reads a range of each source (docs/data.md).",
+        "mixture file (.yaml or .json, TRL's DatasetMixtureConfig layout with a weight on each source, and a source's own "
+        "data_format and eval_split): row i of the mixture is defined exactly, and a range reads a range of each source "
+        "(docs/data.md).",
     )
     dataset_config: str | None = flag(
         None,

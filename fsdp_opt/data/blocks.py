@@ -84,6 +84,8 @@ class Blocks:
     targets: torch.Tensor | None = None  # [n, max_length] bool: the tokens that carry loss (None: every real one)
     fit: Fit | None = None  # whole rows (prompt_completion, messages): what fitting them into max_length cost
     pattern: MaskPattern | None = None  # the model's sliding windows, which the document mask applies too
+    by_source: torch.Tensor | None = None  # a mixture's blocks: [n, sources, 2], the rows begun and tokens trained
+    source_names: list[str] | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -103,13 +105,21 @@ class Blocks:
 
     def target_counts(self) -> torch.Tensor:
         """Predicted tokens per block: real tokens that carry loss, except a block's and each document's first."""
+        return self.predicted().sum(1)
+
+    def source_totals(self) -> dict[str, list[int]] | None:
+        """A mixture's blocks: the rows and trained tokens each source gave them."""
+        return None if self.by_source is None else source_counts(self.by_source.sum(0))
+
+    def predicted(self) -> torch.Tensor:
+        """[n, max_length]: the tokens that are predicted (target_counts counts them)."""
         pos = torch.arange(self.max_length)[None, :]
         ok = (pos < self.lengths[:, None]) & (pos > 0)
         if self.positions is not None:
             ok &= self.positions != 0
         if self.targets is not None:
             ok &= self.targets
-        return ok.sum(1)
+        return ok
 
     def batch(self, index: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
         """Rows `index` as model inputs; index -1 is a filler row that has no targets."""
@@ -198,7 +208,23 @@ def rows_to_blocks(rows: Rows, spec: RowSpec, tokenizer, *, train_on: str, max_l
     """The checked rows of a slice (data.formats) tokenized (data.tokens) and laid into blocks."""
     encoded = encode_rows(rows.rows, spec, tokenizer, train_on=train_on, indices=rows.indices,
                           conversational=rows.conversational)  # fmt: skip
-    return blocks_from(encoded, max_length, tokenizer.pad_token_id, packing, attention, pattern)
+    blocks = blocks_from(encoded, max_length, tokenizer.pad_token_id, packing, attention, pattern)
+    if rows.sources is not None:
+        blocks.by_source = source_tallies(encoded, rows.sources, len(rows.source_names), blocks, packing)
+        blocks.source_names = rows.source_names
+    return blocks
+
+
+def source_tallies(encoded: Encoded, sources: Sequence[int], n: int, blocks: Blocks, packing: str) -> torch.Tensor:
+    """[blocks, n sources, 2]: how many rows each source begins in each block, and how many of its tokens are trained
+    there. The rows are laid out once more with each token's id replaced by its source (the layout depends only on
+    the rows' lengths and targets), so the tallies follow every cut, split and placement the packing made."""
+    marks = [[n + j + 1] + [j + 1] * (len(ids) - 1) for ids, j in zip(encoded.ids, sources)]
+    shadow = blocks_from(Encoded(marks, encoded.targets, encoded.whole_rows), blocks.max_length, 0, packing)
+    ids, ok = shadow.input_ids.long(), blocks.predicted()
+    begun = torch.stack([(ids == n + j + 1).sum(1) for j in range(n)], 1)
+    trained = torch.stack([(ok & ((ids == j + 1) | (ids == n + j + 1))).sum(1) for j in range(n)], 1)
+    return torch.stack([begun, trained], 2)
 
 
 def blocks_from(encoded: Encoded, max_length: int, pad_id: int, packing: str, attention: str = "sdpa",
@@ -241,10 +267,16 @@ class StepBatch:
     seen_tokens: int  # real (non-pad) tokens the step runs through the model, all ranks
     end_offset: int  # samples of this epoch consumed once the step is done
     units: int | None = None  # what the step's loss is a mean over, when not its target tokens (--method dpo: pairs)
+    by_source: dict[str, list[int]] | None = None  # a mixture's step: the rows and tokens each source gave it
 
     @property
     def loss_units(self) -> int:
         return self.target_tokens if self.units is None else self.units
+
+
+def source_counts(tally: torch.Tensor) -> dict[str, list[int]]:
+    """A step's [sources, 2] tally (rows, tokens) as its metrics record it."""
+    return {"rows": tally[:, 0].tolist(), "tokens": tally[:, 1].tolist()}
 
 
 class StepPlan:
@@ -261,6 +293,7 @@ class StepPlan:
         self.global_batch = self.micro_global * accum_steps
         self._targets = blocks.target_counts()
         self._lengths = blocks.lengths
+        self._by_source = blocks.by_source
 
     def steps_per_epoch(self, start_offset: int = 0) -> int:
         return -(-(self.num_samples - start_offset) // self.global_batch)
@@ -282,6 +315,7 @@ class StepPlan:
                 target_tokens=int(self._targets[samples].sum()),
                 seen_tokens=int(self._lengths[samples].sum()),
                 end_offset=begin + samples.numel(),
+                by_source=source_counts(self._by_source[samples].sum(0)) if self._by_source is not None else None,
             )
 
     def _rank_share(self, samples: torch.Tensor) -> list[torch.Tensor]:

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 
 from fsdp_opt.base import DataError
 from fsdp_opt.config.choices import DATA_FORMATS
+from fsdp_opt.data.mixture import MixtureTable
 from fsdp_opt.data.table import as_table
 
 ROLES = ("system", "user", "assistant")
@@ -31,7 +32,7 @@ ROLES = ("system", "user", "assistant")
 class RowSpec:
     """The format of the rows and the columns that hold them."""
 
-    format: str  # text | prompt_completion | messages | preference | prompt
+    format: str  # text | prompt_completion | messages | preference | prompt | mixed (a mixture's sources of several)
     text_column: str = "text"
     prompt_column: str = "prompt"
     completion_column: str = "completion"
@@ -40,9 +41,12 @@ class RowSpec:
     rejected_column: str = "rejected"
     implicit: bool = False  # preference rows without a prompt column: the answers' shared first turns are the prompt
     extra: tuple[str, ...] = ()  # prompt rows: the other columns, which go to the reward functions
+    parts: tuple[RowSpec, ...] = ()  # a mixture whose sources differ in format or columns: each source's own
 
     @property
     def columns(self) -> tuple[str, ...]:
+        if self.parts:
+            return tuple(dict.fromkeys(c for p in self.parts for c in p.columns))
         if self.format == "text":
             return (self.text_column,)
         if self.format == "prompt":
@@ -56,13 +60,35 @@ class RowSpec:
 
     def key(self, train_on: str) -> dict[str, Any]:
         """What the rows are, for a checkpoint: the format, its columns and which tokens carry loss."""
-        return {"data_format": self.format, "columns": list(self.columns), "train_on": train_on}
+        out = {"data_format": self.format, "columns": list(self.columns), "train_on": train_on}
+        return out | ({"sources": [p.key(train_on) for p in self.parts]} if self.parts else {})
 
     @property
     def has_answers(self) -> bool:
         """Rows with a part that answers (a completion, assistant turns, the completions sampled for a prompt): they
-        can train on the answers alone."""
-        return self.format != "text"
+        can train on the answers alone (in a mixture: some rows have)."""
+        return any(p.has_answers for p in self.parts) if self.parts else self.format != "text"
+
+    def part(self, fmt: str) -> RowSpec:
+        """The spec rows of format `fmt` were read with (a mixture's first source of that format)."""
+        return next((p for p in self.parts if p.format == fmt), RowSpec(fmt))
+
+
+def mixed(parts: Sequence[RowSpec]) -> RowSpec:
+    """One spec for a mixture's sources: theirs when they are alike, else one that keeps each source's own."""
+    if all(p == parts[0] for p in parts):
+        return parts[0]
+    formats = {p.format for p in parts}
+    return RowSpec(formats.pop() if len(formats) == 1 else "mixed", parts=tuple(parts))
+
+
+def row_format(row: dict[str, Any]) -> str:
+    """A checked row's format, from its keys (check_row's output)."""
+    if "text" in row:
+        return "text"
+    if "messages" in row:
+        return "messages"
+    return "prompt_completion" if "completion" in row else ("preference" if "chosen" in row else "prompt")
 
 
 @dataclass
@@ -75,6 +101,8 @@ class Rows:
     empty: int = 0  # rows dropped: empty text, an empty completion, or only empty assistant turns
     conversational: bool = False  # prompt_completion (or preference) rows of messages
     identical: int = 0  # preference pairs dropped because the chosen answer is the rejected one
+    sources: list[int] | None = None  # a mixture's rows: each row's source
+    source_names: list[str] | None = None
 
 
 def resolve_spec(column_names: Sequence[str], data_format: str, *, text_column: str = "text",
@@ -220,10 +248,15 @@ def select_rows(data, spec: RowSpec, start_idx: int, end_idx: int | None) -> Row
         raise DataError(f"--start_idx {start_idx}: past the end of the dataset ({total} rows)")
     if end > total:
         raise DataError(f"--end_idx {end}: past the end of the dataset ({total} rows)")
-    part = table.rows(start_idx, end, spec.columns)
-    rows, indices, empty, identical = [], [], 0, 0
+    origins = table.origins(start_idx, end) if isinstance(table, MixtureTable) else None
+    if spec.parts:
+        part = table.rows(start_idx, end, spec.columns, [p.columns for p in spec.parts])
+    else:
+        part = table.rows(start_idx, end, spec.columns)
+    rows, indices, sources, empty, identical = [], [], [], 0, 0
     for offset, raw in enumerate(part):
-        row = check_row(spec, raw, start_idx + offset)
+        own = spec.parts[origins[offset]] if spec.parts else spec
+        row = check_row(own, raw, start_idx + offset)
         if row is None:
             empty += 1
         elif spec.format == "preference" and row["chosen"] == row["rejected"]:
@@ -231,16 +264,19 @@ def select_rows(data, spec: RowSpec, start_idx: int, end_idx: int | None) -> Row
         else:
             rows.append(row)
             indices.append(start_idx + offset)
+            if origins is not None:
+                sources.append(origins[offset])
     if not rows:
         what = "empty" if not identical else "empty, or a pair whose chosen answer is the rejected one"
         raise DataError(f"--start_idx {start_idx} --end_idx {end}: every row of this slice is {what}")
-    paired = spec.format in ("prompt_completion", "preference", "prompt")
-    conversational = paired and not isinstance(rows[0]["prompt"], str)
-    if paired and any(isinstance(r["prompt"], str) == conversational for r in rows):
-        index = next(indices[i] for i, r in enumerate(rows) if isinstance(r["prompt"], str) == conversational)
+    paired = [k for k, r in enumerate(rows) if "prompt" in r]  # rows whose prompt is a string or messages
+    conversational = bool(paired) and not isinstance(rows[paired[0]]["prompt"], str)
+    if any(isinstance(rows[k]["prompt"], str) == conversational for k in paired):
+        index = next(indices[k] for k in paired if isinstance(rows[k]["prompt"], str) == conversational)
         raise DataError(f"row {index}, column {spec.prompt_column}: mixes string prompts and lists of messages in one "
                         "slice")  # fmt: skip
-    return Rows(rows, end, indices, empty, conversational, identical)
+    names = table.names if isinstance(table, MixtureTable) else None
+    return Rows(rows, end, indices, empty, conversational, identical, sources if origins is not None else None, names)
 
 
 def held_out_rows(data, spec: RowSpec, end_idx: int, rows: int) -> Rows:

@@ -1,8 +1,9 @@
 """A weighted mixture of datasets over one index space: the mixture file, and row i of the mixture defined exactly.
 
 The file takes TRL's `DatasetMixtureConfig` layout (a `datasets:` list of sources: `path`, `name`, `split`,
-`data_files`, `columns`), with a `weight` on each source (1 when none is given). Every source holds rows of one
-format for now.
+`data_files`, `columns`), with a `weight` on each source (1 when none is given), and two keys of this tool's own: a
+source's `data_format` (its rows' format, when its columns do not say; sources of different formats mix in one run)
+and its `eval_split` (the split its held-out rows come from).
 
 Row i is defined with no random draw, by proportional selection over integer weights P = (p_1, ..., p_n):
 `counts(k)` is how many rows each source gives to the first k rows of the mixture, computed by walking the sources in
@@ -28,17 +29,13 @@ from typing import Any, Sequence
 import yaml
 
 from fsdp_opt.base import DataError
+from fsdp_opt.config.choices import DATA_FORMATS
 from fsdp_opt.data.resolve import DEFAULT_SPLIT, DataSource
 from fsdp_opt.data.table import Table
 
 MIXTURE_SUFFIXES = (".yaml", ".yml", ".json")
-SOURCE_KEYS = ("path", "name", "split", "data_files", "columns", "weight")
+SOURCE_KEYS = ("path", "name", "split", "data_files", "columns", "weight", "data_format", "eval_split")
 FILE_KEYS = ("datasets", "streaming")  # TRL's `streaming` is accepted and changes nothing: ranges are read by range
-# what a source cannot say yet, and what holds instead
-NOT_YET = {
-    "data_format": "every source of a mixture holds rows of one format (--data_format, or found from the columns)",
-    "eval_split": "held-out rows are the mixture's rows right after the slice (--eval_rows)",
-}
 MAX_MIXTURE_BYTES = 1 << 20  # a .json file larger than this is a dataset of rows
 
 
@@ -65,11 +62,15 @@ class MixtureSource:
     source: DataSource
     weight: Fraction
     columns: tuple[str, ...] | None = None
+    data_format: str | None = None  # None: --data_format (auto: found from the source's columns)
+    eval_split: str | None = None  # the split its held-out rows come from
 
     def record(self) -> dict[str, Any]:
         """What a chain's pin records of the source besides its rows' identity: its weight and what names it."""
         out = {"dataset": self.source.dataset, **self.source.names(), "weight": str(self.weight)}
-        return out | ({"columns": list(self.columns)} if self.columns else {})
+        out |= {"columns": list(self.columns)} if self.columns else {}
+        out |= {"data_format": self.data_format} if self.data_format else {}
+        return out | ({"eval_split": self.eval_split} if self.eval_split else {})
 
 
 @dataclass(frozen=True)
@@ -143,19 +144,29 @@ def order(start: int, end: int, weights: Sequence[int]) -> list[int]:
 class MixtureTable:
     """Rows [start, end) of the mixture read as each source's contiguous range (a parquet source reads only the row
     groups that hold it), interleaved in the mixture's order. Its columns are those every source has (of the ones a
-    source keeps, when it names them): the columns asked for are read from each."""
+    source keeps, when it names them): the columns asked for are read from each, or each source's own (`each`) where
+    its rows are of another format."""
 
     def __init__(self, tables: Sequence[Table], weights: Sequence[int], identity: dict[str, Any] | None = None,
-                 kept: Sequence[Sequence[str] | None] | None = None, names: Sequence[str] | None = None) -> None:  # fmt: skip
+                 kept: Sequence[Sequence[str] | None] | None = None, names: Sequence[str] | None = None,
+                 formats: Sequence[str | None] | None = None,
+                 held: Sequence[DataSource | None] | None = None) -> None:  # fmt: skip
         self.tables, self.weights = list(tables), tuple(weights)
         self.identity = identity or {}
         self.kept = list(kept or [None] * len(self.tables))
         self.names = list(names or [f"source {n}" for n in range(1, len(self.tables) + 1)])
+        self.formats = list(formats or [None] * len(self.tables))  # each source's data_format, None: the run's
+        self.held = list(held or [None] * len(self.tables))  # each source's eval split, where it names one
         self.length = mixture_length([len(t) for t in self.tables], self.weights)
 
     @property
+    def source_columns(self) -> list[list[str]]:
+        """Each source's columns (the ones it keeps, when it names them)."""
+        return [list(k) if k else t.column_names for t, k in zip(self.tables, self.kept)]
+
+    @property
     def column_names(self) -> list[str]:
-        each = [list(k) if k else t.column_names for t, k in zip(self.tables, self.kept)]
+        each = self.source_columns
         return [c for c in each[0] if all(c in other for other in each[1:])]
 
     def given_line(self, start: int, end: int) -> str:
@@ -167,17 +178,40 @@ class MixtureTable:
     def __len__(self) -> int:
         return self.length
 
-    def rows(self, start: int, end: int, columns: Sequence[str]) -> list[dict[str, Any]]:
+    def rows(self, start: int, end: int, columns: Sequence[str],
+             each: Sequence[Sequence[str]] | None = None) -> list[dict[str, Any]]:  # fmt: skip
         end = min(end, self.length)
         if start >= end:
             return []
-        parts = [iter(t.rows(a, b, columns)) if b > a else iter(()) for t, (a, b) in
-                 zip(self.tables, source_ranges(start, end, self.weights))]  # fmt: skip
+        wanted = each or [columns] * len(self.tables)
+        parts = [iter(t.rows(a, b, c)) if b > a else iter(()) for t, c, (a, b) in
+                 zip(self.tables, wanted, source_ranges(start, end, self.weights))]  # fmt: skip
         return [next(parts[j]) for j in order(start, end, self.weights)]
+
+    def origins(self, start: int, end: int) -> list[int]:
+        """The source of each of rows [start, end)."""
+        return order(start, min(end, self.length), self.weights)
 
     def given(self, start: int, end: int) -> list[int]:
         """How many of rows [start, end) each source gives."""
         return [b - a for a, b in source_ranges(start, min(end, self.length), self.weights)]
+
+
+class After:
+    """A table's rows from `start` on, numbered from 0: a source's rows after the ones a slice took."""
+
+    def __init__(self, table: Table, start: int) -> None:
+        self.table, self.start = table, min(start, len(table))
+
+    @property
+    def column_names(self) -> list[str]:
+        return self.table.column_names
+
+    def __len__(self) -> int:
+        return len(self.table) - self.start
+
+    def rows(self, start: int, end: int, columns: Sequence[str]) -> list[dict[str, Any]]:
+        return self.table.rows(self.start + start, self.start + end, columns)
 
 
 def _fail(file: str, what: str) -> DataError:
@@ -223,15 +257,20 @@ def read_mixture(file: str, revision: str | None = None) -> Mixture:
         where = f"source {n}"
         if not isinstance(entry, dict):
             raise _fail(file, f"{where} is not a mapping of {', '.join(SOURCE_KEYS)}")
-        unknown = [k for k in entry if k not in SOURCE_KEYS and k not in NOT_YET]
+        unknown = [k for k in entry if k not in SOURCE_KEYS]
         if unknown:
             raise _fail(file, f"{where}: unknown key {unknown[0]!r} (a source has: {', '.join(SOURCE_KEYS)})")
         if not isinstance(entry.get("path"), str) or not entry["path"].strip():
             raise _fail(file, f"{where} has no `path` (a Hub id, or a local file or folder)")
         where = f"source {n} ({entry['path']})"
-        later = [k for k in entry if k in NOT_YET]
-        if later:
-            raise _fail(file, f"{where}: `{later[0]}` is not taken yet: {NOT_YET[later[0]]}")
+        data_format = entry.get("data_format")
+        if data_format is not None and data_format not in DATA_FORMATS:
+            raise _fail(file, f"{where}: data_format {data_format!r} is not one of {', '.join(DATA_FORMATS)}")
+        eval_split = entry.get("eval_split")
+        if eval_split is not None and (not isinstance(eval_split, str) or not eval_split.strip()):
+            raise _fail(file, f"{where}: eval_split must be a split's name")
+        if eval_split is not None and eval_split == (entry.get("split") or DEFAULT_SPLIT):
+            raise _fail(file, f"{where}: eval_split {eval_split} is the split it trains on")
         columns = entry.get("columns")
         if columns is not None and (not isinstance(columns, list) or not all(isinstance(c, str) for c in columns)):
             raise _fail(file, f"{where}: columns must be a list of column names")
@@ -242,5 +281,5 @@ def read_mixture(file: str, revision: str | None = None) -> Mixture:
         dataset = str(local) if local.exists() else entry["path"]  # a local path is read beside the mixture file
         source = DataSource(dataset, entry.get("name"), entry.get("split") or DEFAULT_SPLIT, data_files, revision)
         sources.append(MixtureSource(source, _weight(file, where, entry.get("weight", 1)),
-                                     tuple(columns) if columns else None))  # fmt: skip
+                                     tuple(columns) if columns else None, data_format, eval_split))  # fmt: skip
     return Mixture(file, tuple(sources), integer_weights([s.weight for s in sources]))

@@ -48,8 +48,12 @@ class Pairs:
 
     def __init__(self, ids: list[list[int]], targets: list[list[bool]], index: list[int], pad_id: int, max_length: int,
                  packing: str, attention: str = "sdpa", pattern: MaskPattern | None = None,
-                 fit: PairFit | None = None) -> None:  # fmt: skip
+                 fit: PairFit | None = None, sources: list[int] | None = None,
+                 source_names: list[str] | None = None) -> None:  # fmt: skip
         self.ids, self.targets, self.pad_id, self.max_length = ids, targets, pad_id, max_length
+        # a mixture's pairs: each one's source
+        self.sources = torch.tensor(sources, dtype=torch.long) if sources is not None else None
+        self.source_names = source_names
         self.index = torch.tensor(index, dtype=torch.long)  # each pair's row in the dataset
         self.packing, self.attention, self.pattern, self.fit = packing, attention, pattern, fit
         self.lengths = torch.tensor([len(s) for s in ids], dtype=torch.long)
@@ -70,6 +74,14 @@ class Pairs:
             digest.update(torch.tensor(ids, dtype=torch.int32).numpy().tobytes())
             digest.update(torch.tensor(targets, dtype=torch.bool).numpy().tobytes() + b"|")
         return digest.hexdigest()[:32]
+
+    def source_totals(self) -> dict[str, list[int]] | None:
+        """A mixture's pairs: the pairs each source gave, and their answers' tokens."""
+        if self.sources is None:
+            return None
+        n, tokens = len(self.source_names), self.answer_tokens[0::2] + self.answer_tokens[1::2]
+        return {"rows": torch.bincount(self.sources, minlength=n).tolist(),
+                "tokens": torch.bincount(self.sources, weights=tokens.double(), minlength=n).long().tolist()}
 
     def fits(self, pairs: Sequence[int], batch_size: int) -> bool:
         """Whether these pairs' sequences fit one micro-batch."""
@@ -96,7 +108,7 @@ def pairs_from_rows(rows: Rows, spec: RowSpec, tokenizer, *, max_length: int, pa
     as_rows = RowSpec("prompt_completion", prompt_column=spec.prompt_column, completion_column=spec.chosen_column)
     encoded = encode_rows(flat, as_rows, tokenizer, train_on="completion",
                           indices=[i for i in rows.indices for _ in (0, 1)], conversational=rows.conversational)  # fmt: skip
-    ids, targets, index, cut, dropped = [], [], [], 0, 0
+    ids, targets, index, kept, cut, dropped = [], [], [], [], 0, 0
     for k, row_index in enumerate(rows.indices):
         pair = []
         for s in (2 * k, 2 * k + 1):
@@ -112,10 +124,13 @@ def pairs_from_rows(rows: Rows, spec: RowSpec, tokenizer, *, max_length: int, pa
             ids.append(seq)
             targets.append(mask)
         index.append(row_index)
+        kept.append(k)
     if not index:
         raise DataError(f"--max_length {max_length}: no pair keeps a token of both answers once cut to this length")
     fit = PairFit(len(rows.rows) + rows.identical, cut, dropped, rows.identical)
-    return Pairs(ids, targets, index, tokenizer.pad_token_id, max_length, packing, attention, pattern, fit)
+    sources = [rows.sources[k] for k in kept] if rows.sources is not None else None
+    return Pairs(ids, targets, index, tokenizer.pad_token_id, max_length, packing, attention, pattern, fit, sources,
+                 rows.source_names)  # fmt: skip
 
 
 class PairPlan:
@@ -173,4 +188,15 @@ class PairPlan:
             seqs = torch.tensor([2 * p + j for p in pairs for j in (0, 1)], dtype=torch.long)
             yield StepBatch(epoch=epoch, step_in_epoch=k, micro_batches=mine, samples=len(pairs),
                             target_tokens=int(self.pairs.answer_tokens[seqs].sum()),
-                            seen_tokens=int(self.pairs.lengths[seqs].sum()), end_offset=done, units=len(pairs))  # fmt: skip
+                            seen_tokens=int(self.pairs.lengths[seqs].sum()), end_offset=done, units=len(pairs),
+                            by_source=self._by_source(pairs))  # fmt: skip
+
+    def _by_source(self, pairs: list[int]) -> dict[str, list[int]] | None:
+        """A mixture's step: the pairs each source gave it, and their answers' tokens."""
+        if self.pairs.sources is None:
+            return None
+        n, index = len(self.pairs.source_names), torch.tensor(pairs, dtype=torch.long)
+        tokens = self.pairs.answer_tokens[2 * index] + self.pairs.answer_tokens[2 * index + 1]
+        origin = self.pairs.sources[index]
+        return {"rows": torch.bincount(origin, minlength=n).tolist(),
+                "tokens": torch.bincount(origin, weights=tokens.double(), minlength=n).long().tolist()}

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -44,8 +44,14 @@ class Prompts:
 
     def __init__(self, ids: list[list[int]], rows: list[dict[str, Any]], index: list[int], pad_id: int,
                  max_length: int, packing: str, conversational: bool, attention: str = "sdpa",
-                 pattern: MaskPattern | None = None, fit: PromptFit | None = None) -> None:  # fmt: skip
+                 pattern: MaskPattern | None = None, fit: PromptFit | None = None, sources: list[int] | None = None,
+                 source_names: list[str] | None = None) -> None:  # fmt: skip
         self.ids, self.rows, self.pad_id, self.max_length = ids, rows, pad_id, max_length
+        # a mixture's prompts: each one's source
+        self.sources = torch.tensor(sources, dtype=torch.long) if sources is not None else None
+        self.source_names = source_names
+        # the columns besides the prompt that any row has (a mixture's sources may differ)
+        self.column_names = list(dict.fromkeys(k for row in rows for k in row if k != "prompt"))
         self.index = torch.tensor(index, dtype=torch.long)
         self.packing, self.conversational, self.attention, self.pattern, self.fit = (packing, conversational, attention,
                                                                                       pattern, fit)  # fmt: skip
@@ -60,9 +66,20 @@ class Prompts:
             digest.update(torch.tensor(ids, dtype=torch.int32).numpy().tobytes() + b"|")
         return digest.hexdigest()[:32]
 
+    def source_totals(self) -> dict[str, list[int]] | None:
+        """A mixture's prompts: how many each source gave (their completions' tokens are known once sampled)."""
+        if self.sources is None:
+            return None
+        return {"rows": torch.bincount(self.sources, minlength=len(self.source_names)).tolist()}
+
     def columns(self, prompt: int) -> dict[str, Any]:
         """A row's columns besides its prompt (what the reward functions get as keyword arguments)."""
         return {k: v for k, v in self.rows[prompt].items() if k != "prompt"}
+
+    def column_lists(self, prompts: Sequence[int]) -> dict[str, list[Any]]:
+        """The reward functions' keyword arguments for these prompts: each column's values in their order. A mixture's
+        sources may hold other columns: a row without one gives None for it."""
+        return {k: [self.rows[p].get(k) for p in prompts] for k in self.column_names}
 
 
 def prompts_from_rows(rows: Rows, tokenizer, *, max_length: int, max_completion_length: int, packing: str,
@@ -76,8 +93,10 @@ def prompts_from_rows(rows: Rows, tokenizer, *, max_length: int, max_completion_
                         f"{max_completion_length} tokens for its completion (the shortest has {min(map(len, ids))} "
                         "tokens)")  # fmt: skip
     fit = PromptFit(len(ids), len(ids) - len(kept))
+    sources = [rows.sources[k] for k in kept] if rows.sources is not None else None
     return Prompts([ids[k] for k in kept], [rows.rows[k] for k in kept], [rows.indices[k] for k in kept],
-                   tokenizer.pad_token_id, max_length, packing, rows.conversational, attention, pattern, fit)  # fmt: skip
+                   tokenizer.pad_token_id, max_length, packing, rows.conversational, attention, pattern, fit, sources,
+                   rows.source_names)  # fmt: skip
 
 
 def check_groups(global_batch: int, generations: int) -> int:
@@ -117,7 +136,13 @@ class PromptPlan:
             taken = order[begin : begin + self.per_step]
             yield StepBatch(epoch=epoch, step_in_epoch=first_step + k, micro_batches=[taken[self.rank :: self.world_size]],
                             samples=taken.numel(), target_tokens=0, seen_tokens=0, end_offset=begin + taken.numel(),
-                            units=1)  # fmt: skip
+                            units=1, by_source=self._by_source(taken))  # fmt: skip
+
+    def _by_source(self, taken: torch.Tensor) -> dict[str, list[int]] | None:
+        """A mixture's step: the prompts each source gave it (their completions' tokens are known once sampled)."""
+        if self.prompts.sources is None:
+            return None
+        return {"rows": torch.bincount(self.prompts.sources[taken], minlength=len(self.prompts.source_names)).tolist()}
 
 
 def row_key(row: dict[str, Any]) -> str:

@@ -129,7 +129,7 @@ def split_files(src: DataSource, revision: str | None = None) -> Resolved:
             return Resolved([str(p) for p in named], [p.name for p in named], None, None, _module_of(named))
         what = src.dataset + (f" (config {b.config.name})" if src.config else "")
         raise DataError(f"--dataset_split {src.split}: {what} has no such split (its splits: "
-                        f"{', '.join(sorted(files)) or 'none'})")  # fmt: skip
+                        f"{', '.join(sorted(map(str, files))) or 'none'})")  # fmt: skip
     urls = [str(u) for u in files[src.split]]
     names = [_name_in_repo(u) for u in urls]
     features = b.info.features.to_dict() if b.info.features is not None else None

@@ -1,6 +1,6 @@
-"""Where rows come from: the built-in `python-docs` (text) and `python-docs-chat` (conversations), a local file or
-folder, or a Hub dataset, each opened as a Table (data/table.py) of one split; or a weighted mixture of them
-(data/mixture.py), whose range reads a range of each. data/formats.py reads a slice's rows.
+"""Where rows come from: a built-in (data/builtins.py), a local file or folder, or a Hub dataset, each opened as a
+Table (data/table.py) of one split; or a weighted mixture of them (data/mixture.py), whose range reads a range of
+each. data/formats.py reads a slice's rows.
 
 A Hub dataset or local folder stored as parquet is read by row group: a session fetches the rows of its range (and
 its held-out rows), not the dataset. Anything else is read whole, as `datasets.load_dataset` reads it."""
@@ -8,14 +8,14 @@ its held-out rows), not the dataset. Anything else is read whole, as `datasets.l
 from __future__ import annotations
 
 import hashlib
-import re
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
 from fsdp_opt.base import DataError, first_line, looks_like_path, quiet_hub_logs
 from fsdp_opt.config.choices import BUILTIN_DATASETS
-from fsdp_opt.data.mixture import Mixture, MixtureTable, is_mixture_file, read_mixture
+from fsdp_opt.data.builtins import builtin_split
+from fsdp_opt.data.mixture import After, Mixture, MixtureTable, is_mixture_file, read_mixture, source_ranges
 from fsdp_opt.data.parquet import ParquetReader, SplitIndex
 from fsdp_opt.data.pin import pinned_revision
 from fsdp_opt.data.resolve import (
@@ -28,118 +28,10 @@ from fsdp_opt.data.resolve import (
     listing,
     split_files,
 )
-from fsdp_opt.data.table import MemoryTable, ParquetTable, RowsTable, Table
+from fsdp_opt.data.table import MemoryTable, ParquetTable, Table
 from fsdp_opt.runtime.distributed import print0
 
-BUILTIN_DATASET, BUILTIN_CHAT_DATASET, BUILTIN_PREFERENCE_DATASET, BUILTIN_PROMPT_DATASET = BUILTIN_DATASETS
-
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
-
-
-# The built-ins' splits: train, paragraphs of at least 200 characters; test, the shorter ones of 120 to 199
-# characters, which no training row holds (held-out rows for --eval_split test).
-BUILTIN_SPLITS = {"train": (200, None), "test": (120, 200)}
-
-
-def _python_docs_paragraphs(min_chars: int, max_chars: int | None = None) -> list[tuple[str, str]]:
-    """(the topic's title, a paragraph) of Python's own documentation topics (pydoc_data), in a fixed order."""
-    from pydoc_data.topics import topics
-
-    out = []
-    for key in sorted(topics):
-        title = topics[key].strip().splitlines()[0].strip()
-        for para in re.split(r"\n\s*\n", topics[key]):
-            text = " ".join(para.split())
-            if len(text) >= min_chars and (max_chars is None or len(text) < max_chars):
-                out.append((title, text))
-    return out
-
-
-def python_docs_texts(min_chars: int = 200, max_chars: int | None = None) -> list[str]:
-    """Paragraphs of Python's own documentation topics (pydoc_data): text with no download."""
-    return [text for _, text in _python_docs_paragraphs(min_chars, max_chars)]
-
-
-CHAT_SYSTEM = "You answer questions about the Python documentation."
-CHAT_OPENING_WORDS = 8
-
-
-def python_docs_chat_rows(min_chars: int = 200, max_chars: int | None = None) -> list[list[dict[str, str]]]:
-    """Conversations made from the same paragraphs, offline. The user quotes a paragraph's opening words and asks
-    where they come from (the answer: the topic's title). Every other conversation has a system message and a second
-    turn, which asks how the paragraph goes on (the answer: its next sentence, at most 40 words)."""
-    rows = []
-    for k, (title, text) in enumerate(_python_docs_paragraphs(min_chars, max_chars)):
-        words = text.split(" ")
-        opening, rest = " ".join(words[:CHAT_OPENING_WORDS]), " ".join(words[CHAT_OPENING_WORDS:])
-        sentence = re.match(r"(.+?[.:;?!])(\s|$)", rest)
-        sentence = " ".join((sentence.group(1) if sentence else rest).split(" ")[:40])
-        ask = {"role": "user", "content": f'Which part of the Python documentation begins a paragraph with "{opening}"?'}
-        if k % 2:
-            rows.append([ask, {"role": "assistant", "content": title}])
-            continue
-        rows.append([
-            {"role": "system", "content": CHAT_SYSTEM}, ask, {"role": "assistant", "content": title},
-            {"role": "user", "content": "How does that paragraph go on?"}, {"role": "assistant", "content": sentence},
-        ])  # fmt: skip
-    return rows
-
-
-def python_docs_preference_rows(min_chars: int = 200, max_chars: int | None = None) -> list[dict[str, list]]:
-    """Preference pairs made from python-docs-chat's first question: the prompt is the question (with the system
-    message where the conversation has one), the chosen answer the right title, the rejected one a wrong title: that
-    of a documentation topic with no paragraph long enough to be a training row (paragraphs of 200 characters or
-    more), so the preference is one a small model can learn in a minute (which titles are never the answer) and hold
-    on the held-out rows. A held-out row whose right title is itself one of those is left out: its pair would set one
-    never-answer title against another, a preference nothing in training teaches."""
-    trained = {t for t, _ in _python_docs_paragraphs(BUILTIN_SPLITS["train"][0])}
-    titles = sorted({t for t, _ in _python_docs_paragraphs(1)})
-    wrong = [t for t in titles if t not in trained]
-    rows = []
-    for k, conversation in enumerate(python_docs_chat_rows(min_chars, max_chars)):
-        first = next(i for i, m in enumerate(conversation) if m["role"] == "assistant")
-        title = conversation[first]["content"]
-        if title in wrong:
-            continue
-        rejected = next(w for j in range(len(wrong)) if (w := wrong[(k + j) % len(wrong)]) != title)
-        rows.append({"prompt": conversation[:first], "chosen": [{"role": "assistant", "content": title}],
-                     "rejected": [{"role": "assistant", "content": rejected}]})  # fmt: skip
-    return rows
-
-
-ONE_WORD = "Answer in one word."
-
-
-def python_docs_prompt_rows(min_chars: int = 200, max_chars: int | None = None) -> list[dict[str, Any]]:
-    """Prompt rows (--method grpo) made from python-docs-chat's first question, asked to be answered in one word:
-    {"prompt": [the user's message], "solution": the topic's title, "choices": the documentation's one-word titles,
-    "max_words": 1}. The built-in `length` reward checks the form (an answer that ends, in one word), `choice` that
-    it is one of the one-word titles; the title is there for a reward of your own."""
-    titles = sorted({t for t, _ in _python_docs_paragraphs(1) if len(t.split()) == 1})
-    rows = []
-    for conversation in python_docs_chat_rows(min_chars, max_chars):
-        ask = next(m for m in conversation if m["role"] == "user")
-        title = next(m for m in conversation if m["role"] == "assistant")["content"]
-        rows.append({"prompt": [{"role": "user", "content": f"{ask['content']} {ONE_WORD}"}], "solution": title,
-                     "choices": titles, "max_words": 1})  # fmt: skip
-    return rows
-
-
-def builtin_split(name: str, split: str) -> RowsTable:
-    """A built-in dataset's split (python-docs: text; python-docs-chat: conversations; python-docs-prefs: preference
-    pairs; python-docs-prompts: prompts), built here from Python's own documentation."""
-    if split not in BUILTIN_SPLITS:
-        raise DataError(f"--dataset_split {split}: {name} has no such split (its splits: {', '.join(BUILTIN_SPLITS)})")
-    low, high = BUILTIN_SPLITS[split]
-    if name == BUILTIN_DATASET:
-        rows = [{"text": t} for t in python_docs_texts(low, high)]
-    elif name == BUILTIN_PREFERENCE_DATASET:
-        rows = python_docs_preference_rows(low, high)
-    elif name == BUILTIN_PROMPT_DATASET:
-        rows = python_docs_prompt_rows(low, high)
-    else:
-        rows = [{"messages": m} for m in python_docs_chat_rows(low, high)]
-    return RowsTable(rows, {"kind": "builtin", "name": name, **({"split": split} if split != DEFAULT_SPLIT else {})})
 
 
 def check_exists(src: DataSource, eval_split: str | None = None) -> None:
@@ -233,7 +125,7 @@ def _mixture(src: DataSource, pin: dict[str, Any] | None) -> MixtureTable:
     mix = _mixture_file(src)
     recorded = (pin or {}).get("source") or {}
     before = recorded.get("sources", []) if recorded.get("kind") == "mixture" else []
-    tables, sources = [], []
+    tables, sources, held = [], [], []
     for n, ms in enumerate(mix.sources, 1):
         sub = {"source": before[n - 1]["identity"]} if n <= len(before) else None
         source = DataSource(ms.source.dataset, ms.source.config, ms.source.split, ms.source.files,
@@ -246,9 +138,28 @@ def _mixture(src: DataSource, pin: dict[str, Any] | None) -> MixtureTable:
                     raise DataError(f"it has no column {missing[0]} (its columns: {', '.join(table.column_names)})")
         tables.append(table)
         sources.append({**ms.record(), "identity": table.identity})
+        held.append(source.with_split(ms.eval_split) if ms.eval_split else None)
     identity = {"kind": "mixture", "weights": list(mix.weights), "sources": sources}
     return MixtureTable(tables, mix.weights, identity, [ms.columns for ms in mix.sources],
-                        [ms.source.describe() for ms in mix.sources])  # fmt: skip
+                        [ms.source.describe() for ms in mix.sources], [ms.data_format for ms in mix.sources], held)  # fmt: skip
+
+
+def held_out_mixture(src: DataSource, table: MixtureTable, end: int) -> MixtureTable:
+    """The rows a mixture holds out after rows [0, end) when a source names an `eval_split`: the same weights over
+    each source's eval split, or, for a source that names none, its rows after the ones rows [0, end) took. Its first
+    --eval_rows rows are the held-out ones."""
+    tables = []
+    for n, (held, table_j, (_, taken)) in enumerate(zip(table.held, table.tables,
+                                                         source_ranges(0, end, table.weights)), 1):  # fmt: skip
+        if held is None:
+            tables.append(After(table_j, taken))
+            continue
+        with _in_mixture(src, n, held):
+            try:
+                tables.append(open_source(held))
+            except DataError as exc:
+                raise DataError(f"eval_split {held.split}: {str(exc).split(': ', 1)[-1]}") from None
+    return MixtureTable(tables, table.weights, None, table.kept, table.names, table.formats)
 
 
 def _local_file(src: DataSource, path: Path) -> Table:
@@ -366,8 +277,8 @@ def _hashed(src: DataSource, kind: str, files: list[Path]) -> dict[str, Any]:
     if kind == "file":
         f = files[0]
         return {"kind": "file", "path": src.dataset, "bytes": f.stat().st_size, "sha256": file_sha256(f), **src.names()}
-    root = Path(src.dataset).expanduser()
-    digest = _digest([f"{f.relative_to(root).as_posix()}:{file_sha256(f)}" for f in files])
+    root = Path(src.dataset).expanduser().resolve()  # the files may be named relative to it, or absolute
+    digest = _digest([f"{f.resolve().relative_to(root).as_posix()}:{file_sha256(f)}" for f in files])
     return {"kind": "folder", "path": src.dataset, "bytes": sum(f.stat().st_size for f in files), "sha256": digest,
             **src.names()}  # fmt: skip
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fsdp_opt.base import DataError, first_line
-from fsdp_opt.data.formats import RowSpec
+from fsdp_opt.data.formats import RowSpec, row_format
 
 # ChatML, with generation markers around each assistant turn (what `return_assistant_tokens_mask` and TRL's
 # assistant_only_loss read). The marked part is the part that carries loss here: the answer, <|im_end|> and the
@@ -112,6 +112,8 @@ def encode_rows(rows: Sequence[dict[str, Any]], spec: RowSpec, tokenizer, *, tra
                 indices: Sequence[int] | None = None, conversational: bool = False) -> Encoded:  # fmt: skip
     """Rows of one format (data.formats) as token ids and targets. `indices` numbers the rows in errors."""
     index = list(indices) if indices is not None else list(range(len(rows)))
+    if spec.format == "mixed":
+        return _encode_mixed(rows, spec, tokenizer, train_on, index)
     all_tokens = train_on == "all" or not spec.has_answers
     if spec.format == "text":
         ids = _ids(tokenizer, [r["text"] for r in rows], True)
@@ -161,6 +163,30 @@ def encode_rows(rows: Sequence[dict[str, Any]], spec: RowSpec, tokenizer, *, tra
     return _with_targets(full_ids, spans, all_tokens)
 
 
+def _encode_mixed(rows: Sequence[dict[str, Any]], spec: RowSpec, tokenizer, train_on: str, index: list[int]) -> Encoded:
+    """Rows of several formats (a mixture's sources): each format's rows encoded as they would be alone, back in their
+    order. Text rows train on every token. Every row is then kept whole (cut at --max_length, not split) when any
+    format's rows are: a text row's tail beyond --max_length is cut with it, unless --packing concat."""
+    groups: dict[tuple[str, bool], list[int]] = {}
+    for k, row in enumerate(rows):
+        fmt = row_format(row)
+        groups.setdefault((fmt, fmt == "prompt_completion" and not isinstance(row["prompt"], str)), []).append(k)
+    ids: list[list[int]] = [[] for _ in rows]
+    targets: list[list[bool] | None] = [None for _ in rows]
+    whole = False
+    for (fmt, conversational), members in groups.items():
+        got = encode_rows([rows[k] for k in members], spec.part(fmt), tokenizer, train_on=train_on,
+                          indices=[index[k] for k in members], conversational=conversational)  # fmt: skip
+        whole |= got.whole_rows
+        for n, k in enumerate(members):
+            ids[k] = got.ids[n]
+            targets[k] = got.targets[n] if got.targets is not None else None
+    if all(t is None for t in targets):
+        return Encoded(ids, None, whole)
+    filled = [t if t is not None else [False] + [True] * (len(i) - 1) for i, t in zip(ids, targets)]
+    return Encoded(ids, filled, whole)
+
+
 def _with_targets(ids: list[list[int]], spans: list[list[tuple[int, int]]], all_tokens: bool) -> Encoded:
     if all_tokens:
         return Encoded(ids, None, whole_rows=True)
@@ -198,7 +224,9 @@ def generation_prompt(row: dict[str, Any], spec: RowSpec, tokenizer, words: int 
 
     text: the row's opening words. prompt_completion (and preference, whose own answer is the chosen one): the prompt
     (through the template when it is messages). messages: the conversation up to its first assistant turn, through
-    the template."""
+    the template. A mixture's row: as its own format says."""
+    if spec.parts:
+        spec = spec.part(row_format(row))
     if spec.format == "text":
         return " ".join(row["text"].split()[:words]), False, ""
     if spec.format == "prompt":  # the row's own answer: a solution column, where it has one

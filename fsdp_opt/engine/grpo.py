@@ -137,7 +137,7 @@ class GroupLoss:
         texts = [self._text(ids, ended) for ids, ended in zip(made.ids, made.ended)]
         asked = [prompts.rows[p]["prompt"] for p, _ in requests]
         completions = [[{"role": "assistant", "content": t}] for t in texts] if prompts.conversational else texts
-        columns = {k: [prompts.columns(p)[k] for p, _ in requests] for k in prompts.columns(mine[0])} if mine else {}
+        columns = prompts.column_lists([p for p, _ in requests]) if mine else {}
         per_func = all_ranks_ok(lambda: score(cfg.rewards, asked, completions, made.ids, columns, rows, made.ended))
         per_func = torch.tensor(per_func, dtype=torch.float32).view(len(requests), len(cfg.rewards))
         weights = torch.tensor(cfg.weights, dtype=torch.float32)
@@ -326,7 +326,7 @@ def held_out_rewards(model, prompts, tokenizer, settings: GroupSettings, env, ba
     texts = [loss._text(ids, e) for ids, e in zip(made.ids, made.ended)]
     completions = [[{"role": "assistant", "content": t}] for t in texts] if prompts.conversational else texts
     rows = [int(prompts.index[p]) for p in mine]
-    columns = {k: [prompts.columns(p)[k] for p in mine] for k in prompts.columns(0)} if len(prompts) else {}
+    columns = prompts.column_lists(mine)
     per_func = all_ranks_ok(lambda: score(settings.rewards, [prompts.rows[p]["prompt"] for p in mine], completions,
                                           made.ids, columns, rows, made.ended))  # fmt: skip
     per_func = torch.tensor(per_func, dtype=torch.float32).view(len(mine), len(settings.rewards))

@@ -178,6 +178,8 @@ def train_step(s: StepRun, step: StepBatch) -> dict[str, Any]:
         "slice": f"{s.config.data.start_idx}-{s.end_idx}",
         "skipped_rate": 0.0,  # set by the loop's SkipWatch
     }
+    if step.by_source is not None:  # a mixture: what each source gave the step, in the mixture file's order
+        record.update({f"source_{k}": v for k, v in step.by_source.items()})
     # the method's fields; a method that learns its tokens in the step (sampled completions) gives them here
     record.update(s.loss.record(sums, step, seconds))
     record["tokens_per_second"] = record["tokens"] / seconds if seconds > 0 else 0.0

@@ -89,6 +89,9 @@ class WandbRun:
 
     def log_step(self, record: dict[str, Any]) -> None:
         values = {f"train/{k}": float(v) for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+        # a mixture's per-source counts (source_rows, source_tokens): one series per source, numbered as in its file
+        values |= {f"train/{k}/{n}": float(v) for k, vs in record.items() if k.startswith("source_")
+                   for n, v in enumerate(vs, 1)}  # fmt: skip
         self._safely("log", lambda: self.run.log(values, step=int(record["step"])))
 
     def log_eval(self, step: int, values: dict[str, float]) -> None:

@@ -11,11 +11,11 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from fsdp_opt.base import ConfigError, DataError
 from fsdp_opt.config.parse import Config
 from fsdp_opt.config.training import DataConfig
-from fsdp_opt.data.formats import RowSpec, Rows, held_out_rows, held_out_split, resolve_spec, select_rows
+from fsdp_opt.data.formats import RowSpec, Rows, held_out_rows, held_out_split, mixed, resolve_spec, select_rows
 from fsdp_opt.data.mixture import MixtureTable
 from fsdp_opt.data.pin import described, mixture_changed, rows_digest, tokens_digest
 from fsdp_opt.data.resolve import DataSource
-from fsdp_opt.data.sources import open_source
+from fsdp_opt.data.sources import held_out_mixture, open_source
 from fsdp_opt.data.table import Table
 from fsdp_opt.data.tokens import read_template
 from fsdp_opt.engine.fp16watch import trained_in_bf16
@@ -75,19 +75,32 @@ def read_inputs(config: Config, source: ModelSource, method: Method, revision: s
                   bf16_pretrained)
 
 
-def data_spec(dc: DataConfig, column_names, method: Method) -> tuple[RowSpec, str]:
-    """The row format (--data_format, or the one the columns fit), checked against the method, and --train_on resolved
-    for it."""
-    spec = resolve_spec(column_names, dc.data_format, text_column=dc.text_column, prompt_column=dc.prompt_column,
-                        completion_column=dc.completion_column, messages_column=dc.messages_column,
-                        chosen_column=dc.chosen_column, rejected_column=dc.rejected_column,
-                        prefer=method.traits.rows)  # fmt: skip
+def data_spec(dc: DataConfig, table: Table, method: Method) -> tuple[RowSpec, str]:
+    """The row format (--data_format, or the one the columns fit; a mixture: each source's, from its own data_format
+    and columns), checked against the method, and --train_on resolved for it."""
+    if isinstance(table, MixtureTable):
+        parts = []
+        for n, (columns, fmt) in enumerate(zip(table.source_columns, table.formats), 1):
+            try:
+                parts.append(_row_spec(dc, columns, fmt or dc.data_format, method))
+            except DataError as exc:
+                raise DataError(f"--dataset {dc.dataset}: source {n} ({table.names[n - 1]}): {exc}") from None
+        spec = mixed(parts)
+    else:
+        spec = _row_spec(dc, table.column_names, dc.data_format, method)
     method.check_rows(spec)
     if dc.train_on == "completion" and not spec.has_answers:
         raise ConfigError(f"--train_on completion: the rows are text (column {spec.text_column}), with no completion; "
                           "use --train_on all, or name the prompt and completion or messages columns")  # fmt: skip
     train_on = dc.train_on if dc.train_on != "auto" else ("completion" if spec.has_answers else "all")
     return spec, train_on
+
+
+def _row_spec(dc: DataConfig, column_names, data_format: str, method: Method) -> RowSpec:
+    return resolve_spec(column_names, data_format, text_column=dc.text_column, prompt_column=dc.prompt_column,
+                        completion_column=dc.completion_column, messages_column=dc.messages_column,
+                        chosen_column=dc.chosen_column, rejected_column=dc.rejected_column,
+                        prefer=method.traits.rows)  # fmt: skip
 
 
 def read_slice(config: Config, tokenizer: PreTrainedTokenizerBase, model_config: PretrainedConfig, method: Method,
@@ -106,14 +119,14 @@ def read_slice(config: Config, tokenizer: PreTrainedTokenizerBase, model_config:
     src = DataSource.of(dc, revision)
     box: list[Table] = []
 
-    def read_data() -> tuple[RowSpec, str, Rows, Rows | None, int, dict[str, Any]]:
+    def read_data() -> tuple[RowSpec, str, Rows, Rows | None, int, dict[str, Any], str]:
         table = open_source(src, pin)
         box.append(table)
-        spec, train_on = data_spec(dc, table.column_names, method)
+        spec, train_on = data_spec(dc, table, method)
         rows = select_rows(table, spec, dc.start_idx, dc.end_idx)
         if isinstance(table, MixtureTable):
             print0(table.given_line(dc.start_idx, rows.end_idx))
-        held_out = None
+        held_out, label = None, ""
         if dc.eval_rows and dc.eval_split:
             held = open_source(src.with_split(dc.eval_split))
             missing = [c for c in spec.columns if c not in held.column_names]
@@ -121,15 +134,25 @@ def read_slice(config: Config, tokenizer: PreTrainedTokenizerBase, model_config:
                 raise DataError(f"--eval_split {dc.eval_split}: it has no column {missing[0]} (its columns: "
                                 f"{', '.join(held.column_names)})")  # fmt: skip
             held_out = held_out_split(held, spec, dc.eval_rows, dc.eval_split)
+        elif dc.eval_rows and isinstance(table, MixtureTable) and any(table.held):
+            held = held_out_mixture(src, table, rows.end_idx)
+            if not len(held):
+                raise DataError(f"--eval_rows {dc.eval_rows}: the mixture's held-out rows (its sources' eval_split, and "
+                                "the rows after the slice of the others) are used up at once: a source has none left")  # fmt: skip
+            held_out = select_rows(held, spec, 0, min(len(held), dc.eval_rows))
+            others = "" if all(table.held) else " (a source with none: its rows after the slice's)"
+            label = f"[0, {held_out.end_idx}) of the mixture of the sources' eval splits{others}"
         elif dc.eval_rows and dc.range_size is not None and rows.end_idx >= len(table):
             print0(f"note: no rows after [{dc.start_idx}, {rows.end_idx}), the end of the data, to evaluate on: this "
                    "range trains without --eval_rows (--eval_split names a held-out split)")  # fmt: skip
         elif dc.eval_rows:
             held_out = held_out_rows(table, spec, rows.end_idx, dc.eval_rows)
-        return spec, train_on, rows, held_out, len(table), table.identity
+        if not label:
+            label = held_label(held_out, dc.eval_split, rows.end_idx)
+        return spec, train_on, rows, held_out, len(table), table.identity, label
 
     read = all_ranks_ok(lambda: read_data() if env_rank() == 0 else None)
-    spec, train_on, rows, eval_rows, total, identity = broadcast_object(read)
+    spec, train_on, rows, eval_rows, total, identity, label = broadcast_object(read)
     attention = model_config._attn_implementation
     pattern = all_ranks_ok(lambda: mask_pattern(model_config) if dc.packing == "docs" else None)
 
@@ -144,7 +167,7 @@ def read_slice(config: Config, tokenizer: PreTrainedTokenizerBase, model_config:
     describe_rows(spec, train_on, rows, blocks)
     return SliceData(blocks, rows.end_idx, eval_blocks, total, spec, train_on, eval_rows,
                      rows_digest(rows.rows, rows.indices), tokens_digest(blocks), identity,
-                     box[0] if box else None, held_label(eval_rows, dc.eval_split, rows.end_idx))  # fmt: skip
+                     box[0] if box else None, label)  # fmt: skip
 
 
 def held_label(held: Rows | None, split: str | None, after: int) -> str:
@@ -173,7 +196,7 @@ def check_pin(config: Config, method: Method, pin: dict[str, Any] | None, data: 
         raise DataError(f"--dataset {dc.dataset}: the mixture is not the one this chain trained on: {changed}, which "
                         "moves rows from one source to another. Restore the mixture file, or start a new chain")  # fmt: skip
     if source != pin.get("source"):
-        spec, _ = data_spec(dc, table.column_names, method)
+        spec, _ = data_spec(dc, table, method)
         for r in trained:
             if r["end"] > len(table):
                 raise DataError(f"--dataset {dc.dataset}: rows [{r['start']}, {r['end']}), trained by this chain, are "
@@ -218,3 +241,9 @@ def describe_rows(spec: RowSpec, train_on: str, rows: Rows, blocks) -> None:  # 
     print0(f"data: {len(rows.rows):,} rows of {kind} (column {', '.join(spec.columns)}), loss on {loss}{empty}")
     if blocks.fit is not None and (blocks.fit.cut or blocks.fit.dropped):
         print0(f"data: {blocks.fit.describe()}")
+    totals = blocks.source_totals()
+    if totals is not None:  # a mixture: what each source gives the range once tokenized, cut and packed
+        tokens = totals.get("tokens", [None] * len(rows.source_names))
+        print0("data: by source, " + "; ".join(
+            f"{name}: {n:,} rows" + (f", {t:,} tokens trained" if t is not None else "")
+            for name, n, t in zip(rows.source_names, totals["rows"], tokens)))  # fmt: skip

@@ -12,7 +12,8 @@ from transformers import AutoTokenizer
 from fsdp_opt.base import DataError
 from fsdp_opt.data.blocks import IGNORE_INDEX, StepPlan, build_blocks, pack, pad_rows, tokenize
 from fsdp_opt.data.formats import select_texts
-from fsdp_opt.data.sources import load_rows, python_docs_texts
+from fsdp_opt.data.builtins import python_docs_texts
+from fsdp_opt.data.sources import load_rows
 
 
 @pytest.fixture(scope="module")

@@ -168,7 +168,9 @@ streaming: false
     ("streaming: false\n", "lists no source"),
     ("datasets:\n  - name: main\n", "source 1 has no `path`"),
     ("datasets: [\n", "not a readable mixture file"),
-    ("datasets:\n  - path: a/b\n    data_format: text\n", "source 1 (a/b): `data_format` is not taken yet: every source"),
+    ("datasets:\n  - path: a/b\n    data_format: poem\n", "source 1 (a/b): data_format 'poem' is not one of auto, text"),
+    ("datasets:\n  - path: a/b\n    eval_split: train\n", "source 1 (a/b): eval_split train is the split it trains on"),
+    ("datasets:\n  - path: a/b\n    eval_split: [x]\n", "source 1 (a/b): eval_split must be a split's name"),
 ])  # fmt: skip
 def test_a_bad_mixture_file_is_one_line_naming_it(tmp_path, text, needle):
     file = write(tmp_path, "mix.yaml", text)

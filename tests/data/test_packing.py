@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaC
 
 from fsdp_opt.data.blocks import IGNORE_INDEX, build_blocks, model_inputs, tokenize
 from fsdp_opt.data.packing import document_mask, place
-from fsdp_opt.data.sources import python_docs_texts
+from fsdp_opt.data.builtins import python_docs_texts
 from fsdp_opt.engine.evaluation import evaluate_loss
 from fsdp_opt.runtime.distributed import DistEnv
 

@@ -12,7 +12,8 @@ from fsdp_opt.base import ConfigError, DataError
 from fsdp_opt.config.training import DataConfig
 from fsdp_opt.data.parquet import ParquetFileIndex, SplitIndex
 from fsdp_opt.data.resolve import DataSource
-from fsdp_opt.data.sources import data_on_disk, open_source, python_docs_texts
+from fsdp_opt.data.builtins import python_docs_texts
+from fsdp_opt.data.sources import data_on_disk, open_source
 from fsdp_opt.data.table import ParquetTable
 
 

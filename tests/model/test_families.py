@@ -31,7 +31,7 @@ from transformers import (
 from fsdp_opt.base import ModelError
 from fsdp_opt.data.blocks import build_blocks, model_inputs, tokenize
 from fsdp_opt.data.packing import MaskPattern
-from fsdp_opt.data.sources import python_docs_texts
+from fsdp_opt.data.builtins import python_docs_texts
 from fsdp_opt.model.families import (
     FAMILIES,
     bos_note,

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from conftest import ASSETS, read_jsonl, run_cli
 from transformers import AutoModelForCausalLM
 
-from fsdp_opt.data.sources import python_docs_texts
+from fsdp_opt.data.builtins import python_docs_texts
 from fsdp_opt.model.catalog import SHAPES, catalog_config
 from fsdp_opt.model.parallelize import fp32_products_on_cpu
 

@@ -30,7 +30,7 @@ from conftest import (
 from hubserver import HubServer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from fsdp_opt.data.sources import python_docs_chat_rows
+from fsdp_opt.data.builtins import python_docs_chat_rows
 from fsdp_opt.train.compare import answers_markdown
 
 TRAIN, HELD_OUT = 8, 4

@@ -13,7 +13,7 @@ import torch
 
 from fsdp_opt.base import VERSION
 from fsdp_opt.data.pin import PIN_KEY
-from fsdp_opt.data.sources import python_docs_texts
+from fsdp_opt.data.builtins import python_docs_texts
 
 
 def _rows(path: Path, n: int = 150) -> Path:

@@ -22,7 +22,7 @@ from conftest import built_once, loss_alone, make_family_model, read_jsonl, run_
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from fsdp_opt.checkpoint.names import MODEL_KEY, checkpoint_name
-from fsdp_opt.data.sources import python_docs_texts
+from fsdp_opt.data.builtins import python_docs_texts
 from fsdp_opt.model.families import family_of
 
 WINDOW, LENGTH, ROWS, HELD_OUT, FIRST_STEP_ROWS = 32, 128, 24, 4, 8

@@ -46,8 +46,9 @@ class Method:
     # ------------------------------------------------------------ rows -> sequences
 
     def check_rows(self, spec: RowSpec) -> None:
-        """The rows' format (found from the columns) against the formats this method trains on: one line if not."""
-        if spec.format in self.traits.rows:
+        """The rows' format (found from the columns) against the formats this method trains on: one line if not. A
+        mixture's sources may differ in format: each must be one of them."""
+        if all(p.format in self.traits.rows for p in spec.parts or (spec,)):
             return
         owner = next((m for m, t in METHOD_TRAITS.items() if spec.format in t.rows), None)
         then = f": train them with --method {owner}" if owner else f"; it trains on {self.traits.what}"
@@ -147,6 +148,9 @@ class Method:
 
 def words(spec: RowSpec) -> str:
     """A row format in words, with its columns."""
+    if spec.format == "mixed":
+        kinds = dict.fromkeys(words(p).split(" (")[0] for p in spec.parts)
+        return f"a mixture of {' and '.join(kinds)} (column {', '.join(spec.columns)})"
     kind = {"text": "text", "messages": "conversations", "prompt_completion": "prompt/completion pairs",
             "preference": "preference pairs", "prompt": "prompts"}[spec.format]  # fmt: skip
     return f"{kind} (column {', '.join(spec.columns)})"
