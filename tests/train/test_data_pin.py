@@ -118,3 +118,35 @@ def test_a_hub_dataset_that_gains_a_revision_does_not_move_under_the_chain(tmp_p
                         env=sandbox_env(tmp_path, HF_ENDPOINT=server.url, HF_HOME=str(tmp_path / "h3")))  # fmt: skip
         assert_clean_failure(moved, "--dataset me/rows: rows [0, 40), trained by this chain, changed since",
                              f"revision {first_rev}", f"now revision {second_rev}")  # fmt: skip
+
+
+def test_a_mixtures_hub_source_is_read_at_the_revision_the_chain_recorded(tmp_path):
+    """A mixture of a loopback-Hub dataset and a local file: the pin records the Hub source's revision inside the
+    mixture's; a new revision that rewrites a trained row is not read by the next session, which trains on."""
+    from hubserver import HubServer
+
+    texts = python_docs_texts()
+    rows = lambda items: "".join(json.dumps({"text": t}) + "\n" for t in items).encode()  # noqa: E731
+    (tmp_path / "local.jsonl").write_bytes(rows(texts[200:300]))
+    mix = tmp_path / "mix.yaml"
+    mix.write_text("datasets:\n  - path: me/rows\n    weight: 3\n  - path: local.jsonl\n")
+    with HubServer() as server:
+        first_rev = server.commit_dataset("me/rows", {"data/train.jsonl": rows(texts[:100])})
+        args = chain("tiny-opt", mix, tmp_path / "out")
+        args[args.index("--range_size") + 1] = "40"
+        first = run_cli(args, tmp_path, env=sandbox_env(tmp_path, HF_ENDPOINT=server.url, HF_HOME=str(tmp_path / "h1")))
+        assert first.returncode == 0, first.stderr[-2000:]
+        pin = torch.load(tmp_path / "out" / "tiny_opt_0-40-epoch-1.pt", weights_only=True)[PIN_KEY]
+        assert pin["source"]["kind"] == "mixture" and pin["source"]["weights"] == [3, 1]
+        assert pin["source"]["sources"][0]["identity"] == {"kind": "hub", "id": "me/rows", "revision": first_rev}
+
+        edited = texts[:100]
+        edited[5] = "This row of the dataset was rewritten in its second revision, after the chain trained on it."
+        second_rev = server.commit_dataset("me/rows", {"data/train.jsonl": rows(edited + texts[100:120])})
+        second = run_cli(args, tmp_path, env=sandbox_env(tmp_path, HF_ENDPOINT=server.url, HF_HOME=str(tmp_path / "h2")))
+        assert second.returncode == 0, second.stderr[-2000:]
+        assert saved_names(second.stdout) == ["tiny_opt_40-80-epoch-1.pt"] and "is not what the chain recorded" not in second.stdout
+        pin = torch.load(tmp_path / "out" / "tiny_opt_40-80-epoch-1.pt", weights_only=True)[PIN_KEY]
+        assert pin["source"]["sources"][0]["identity"]["revision"] == first_rev != second_rev
+        resolved = [r.path for r in server.requests if r.route == "dataset-resolve" and r.path.endswith(".jsonl")]
+        assert resolved and all(first_rev in p for p in resolved[-1:])  # the second session read the first revision
