@@ -214,9 +214,11 @@ def assert_clean_failure(proc: subprocess.CompletedProcess, *needles: str) -> st
 # The longest tests (minutes each on 2 cores) start first, so parallel workers (pytest-xdist, scripts/test.sh) do
 # not end with one of them running alone.
 LONGEST_FIRST = (
-    "test_auto_chain.py::test_the_same_command_on_fresh_machines_walks_the_chain_and_equals_it_typed_by_hand",
-    "test_notebooks.py::test_notebooks_run_end_to_end",
     "test_chat_data.py::test_the_chat_demo_answers_in_the_template_and_the_grpo_demo_learns_its_reward",
+    "test_notebooks.py::test_notebooks_run_end_to_end",
+    "test_docs.py::test_every_command_block_of_the_readme_and_docs_runs_or_says_why_not",
+    "test_auto_chain.py::test_the_same_command_on_fresh_machines_walks_the_chain_and_equals_it_typed_by_hand",
+    "test_wheel.py::test_the_demos_run_from_a_wheel_in_a_fresh_virtualenv_in_an_empty_folder",
     "test_fp16_reduce.py::test_fp16_reduce_tracks_the_fp32_reduce_over_thirty_steps",
     "test_retention.py::test_chain_of_four_slices_keeps_the_policy",
     "test_dpo.py::test_the_dpo_demo_learns_the_held_out_preferences",
@@ -249,14 +251,21 @@ QUICK = (
     "tests/commands/test_docs.py::test_the_version_is_one_number",
     "tests/planner/test_steptime.py::test_the_trainer_warns_before_the_first_step",
     "tests/commands/test_gpu_check.py::test_on_one_t4_sized_gpu", "tests/commands/test_benchmark.py::test_one_launch",
+    # mixtures: the definition, the file, each source's format and held-out rows (no run)
+    "tests/data/test_mixture.py::test_the_worked_table", "tests/data/test_mixture.py::test_counts_are",
+    "tests/data/test_mixture.py::test_integer_weights", "tests/data/test_mixture.py::test_the_length",
+    "tests/data/test_mixture.py::test_a_range_reads", "tests/data/test_mixture.py::test_the_file_in_trls",
+    "tests/data/test_mixture.py::test_a_bad_mixture_file", "tests/data/test_mixture_formats.py::test_three_formats",
+    "tests/data/test_mixture_formats.py::test_the_held_out_rows",
     # one run each: the engine against a plain loop, sharded state, a resume, the Hub chain, W&B, Hub datasets by
-    # range, LoRA against peft, DPO against the pairs alone, chat targets, evaluate, the planner's collectives,
-    # bad input and the error line under torchrun's rule
+    # range, a mixture of three formats, LoRA against peft, DPO against the pairs alone, chat targets, evaluate, the
+    # planner's collectives, bad input and the error line under torchrun's rule
     "tests/engine/test_training_math.py::test_sharded_run_matches_unsharded_reference[2-2-2-FULL_SHARD-extra0]",
     "tests/engine/test_training_math.py::test_the_optimizer_steps_the_shards",
     "tests/checkpoint/test_sharded_state.py", "tests/checkpoint/test_resume.py::test_one_epoch_plus_resume_equals_two_epochs[sharded]",
     "tests/hub/test_hub.py::test_sessions_chain_through_the_hub", "tests/hub/test_hub.py::test_wandb_without_network",
-    "tests/data/test_hub_ranges.py::test_rows_read_by_range", "tests/model/test_lora.py::test_two_rank_lora_matches_one_process_peft[FULL_SHARD",
+    "tests/data/test_hub_ranges.py::test_rows_read_by_range", "tests/data/test_mixture_formats.py::test_a_run_on_three",
+    "tests/model/test_lora.py::test_two_rank_lora_matches_one_process_peft[FULL_SHARD",
     "tests/train/test_dpo.py::test_the_first_step_is_the_dpo_loss_of_the_pairs_alone_full_and_lora[strings]",
     "tests/train/test_chat_data.py::test_first_step_loss_is_the_mean_over_exactly_the_answer_tokens",
     "tests/train/test_evaluate.py::test_evaluate_bad_input", "tests/planner/test_steptime.py::test_collective_bytes",

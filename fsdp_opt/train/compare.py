@@ -21,10 +21,11 @@ from fsdp_opt.config.choices import DTYPES, shard_count
 from fsdp_opt.config.training import DataConfig, LoraConfig, ModelConfig
 from fsdp_opt.config.method import DEFAULT_METHOD, MethodConfig
 from fsdp_opt.config.parse import Config
-from fsdp_opt.data.formats import held_out_rows, held_out_split
+from fsdp_opt.data.formats import held_out_rows, held_out_split, select_rows
+from fsdp_opt.data.mixture import MixtureTable
 from fsdp_opt.data.pin import PIN_KEY, pinned_revision
 from fsdp_opt.data.resolve import DataSource
-from fsdp_opt.data.sources import open_source
+from fsdp_opt.data.sources import held_out_mixture, open_source
 from fsdp_opt.data.tokens import end_of_turn, generation_prompt, read_template
 from fsdp_opt.engine.evaluation import generate
 from fsdp_opt.hub.store import find_resume
@@ -209,8 +210,11 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
 
     def read_held_out() -> tuple[Any, str, Any, str, int]:
         table = open_source(src, pin)
-        spec, train_on = data_spec(dc, table.column_names, method)
+        spec, train_on = data_spec(dc, table, method)
         split = dc.eval_split
+        if split is None and isinstance(table, MixtureTable) and any(table.held):  # the sources' eval splits
+            held = held_out_mixture(src, table, start or 0)
+            return spec, train_on, select_rows(held, spec, 0, min(len(held), args.eval_rows)), "the sources' eval splits", 0
         if split is None and (start or 0) >= len(table):
             split = _held_out_split(src)
             if split is None:

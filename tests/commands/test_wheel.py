@@ -10,7 +10,16 @@ import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from conftest import ROOT, sandbox_env
+import pytest
+
+from conftest import ROOT, built_once, sandbox_env
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """The wheel, built once for the module's tests (whichever worker runs them)."""
+    (built,) = built_once(tmp_path_factory, "wheel", build_wheel).glob("fsdp_opt-*.whl")
+    return built
 
 
 def build_wheel(dest: Path) -> Path:
@@ -21,8 +30,7 @@ def build_wheel(dest: Path) -> Path:
     return wheel
 
 
-def test_wheel_carries_the_package_and_trains_from_outside_the_repo(tmp_path):
-    wheel = build_wheel(tmp_path / "dist")
+def test_wheel_carries_the_package_and_trains_from_outside_the_repo(tmp_path, wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert "fsdp_opt/__main__.py" in names and any(n.startswith("fsdp_opt/assets/tiny-opt/") for n in names)
     site = tmp_path / "site"
@@ -45,7 +53,7 @@ def test_wheel_carries_the_package_and_trains_from_outside_the_repo(tmp_path):
     assert "--sharding_strategy" in help_text and "--link_gbps" in help_text
 
 
-def test_the_demos_run_from_a_wheel_in_a_fresh_virtualenv_in_an_empty_folder(tmp_path):
+def test_the_demos_run_from_a_wheel_in_a_fresh_virtualenv_in_an_empty_folder(tmp_path, wheel):
     """The routes docs/kaggle.md recommends install the package without the repository around it: the demo must launch
     the installed package's own training command, not a file beside it. A fresh virtualenv gets the wheel; the
     libraries come from the test environment's site-packages (a path, so its editable install of the checkout is not
@@ -57,7 +65,7 @@ def test_the_demos_run_from_a_wheel_in_a_fresh_virtualenv_in_an_empty_folder(tmp
                                capture_output=True, text=True, check=True).stdout.strip())  # fmt: skip
     (site / "libraries.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
-                              str(build_wheel(tmp_path / "dist"))], capture_output=True, text=True, timeout=300)  # fmt: skip
+                              str(wheel)], capture_output=True, text=True, timeout=300)  # fmt: skip
     assert install.returncode == 0, install.stderr[-2000:]
     env = sandbox_env(tmp_path)
     env.pop("PYTHONPATH")  # nothing of the checkout

@@ -19,7 +19,7 @@ from fsdp_opt.data.sources import held_out_mixture, open_source
 from fsdp_opt.data.tokens import read_template
 from fsdp_opt.model.sources import load_tokenizer, resolve_model
 
-from conftest import assert_clean_failure, read_jsonl, run_cli
+from conftest import assert_clean_failure, launch, read_jsonl, run_cli
 from data.test_mixture import reference_source
 from hub.test_hub import offline_runs, wandb_records
 
@@ -134,6 +134,15 @@ def test_a_run_on_three_formats_says_what_each_source_gave_each_step_and_evaluat
         for j in range(3):
             assert history[r["step"]][f"train/source_tokens/{j + 1}"] == r["source_tokens"][j]
             assert history[r["step"]][f"train/source_rows/{j + 1}"] == r["source_rows"][j]
+    # `evaluate` on the checkpoint takes the same held-out rows: the loss the run's eval line gave
+    proc = launch(["-m", "fsdp_opt.evaluate"], ["--checkpoints", "latest", "--output_dir", str(tmp_path / "out"),
+                                                "--eval_rows", "8", "--num_prompts", "2", "--max_new_tokens", "4",
+                                                "--json", "report.json"], tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["split"] == "the sources' eval splits" and report["rows"] == "[0, 8)"
+    (evaluated,) = read_jsonl(tmp_path / "out" / "eval.jsonl")
+    assert report["models"][-1]["loss"] == pytest.approx(evaluated["loss"], rel=1e-4)
 
 
 def test_a_dpo_mixture_of_explicit_and_implicit_pairs_trains_as_a_file_of_its_rows(tmp_path):
