@@ -107,6 +107,7 @@ class StepCompletions:
     seconds: float = 0.0  # the prepare phase's time
     generation_seconds: float = 0.0
     micro_tokens: list[float] = field(default_factory=list)  # --loss_type bnpo: each micro-batch's tokens
+    source_tokens: list[int] | None = None  # a mixture's step: the tokens trained of each source's completions
 
 
 class GroupLoss:
@@ -159,13 +160,20 @@ class GroupLoss:
                               float(zero.float().sum()), float(sum(len(i) for i in made.ids)),
                               float(max((len(i) for i in made.ids), default=0)), generation_seconds], dtype=torch.float64)  # fmt: skip
         reward_sums = torch.cat([nan_stats(reward)[:2], *(nan_stats(per_func[:, j])[:2] for j in range(len(cfg.rewards)))])
-        summed = self._sum(torch.cat([local[:6], reward_sums]), env)
+        # a mixture: the tokens trained of each source's completions (the prompts' sources are known, their
+        # completions' lengths only now)
+        by_source = torch.zeros(len(prompts.source_names) if prompts.sources is not None else 0, dtype=torch.float64)
+        for (p, _), n in zip(requests, tokens):
+            if prompts.sources is not None:
+                by_source[int(prompts.sources[p])] += n
+        summed = self._sum(torch.cat([local[:6], reward_sums, by_source]), env)
         maxed = self._max(local[6:], env)
         totals = dict(zip(("completions", "tokens", "seen", "truncated", "zero_std", "generated"), summed[:6].tolist()))
         totals.update(length_max=float(maxed[0]), generation_seconds=float(maxed[1]), reward_count=float(summed[6]),
                       reward_sum=float(summed[7]), reward_std=std_of(reward_stats))  # fmt: skip
         for j, r in enumerate(cfg.rewards):
             totals[f"reward_{r.name}"] = float(summed[8 + 2 * j + 1] / max(1.0, float(summed[8 + 2 * j])))
+        source_tokens = [int(v) for v in summed[len(summed) - len(by_source):].tolist()] if len(by_source) else None
         micro_tokens = [float(sum(tokens[i] for i in m)) for m in micro]
         records = [{"step": s.state.global_step + 1, "row": r, "prompt": self.tokenizer.decode(prompts.ids[p],
                     skip_special_tokens=False), "completion": t, "completion_ids": list(ids) if not (cfg.mask_truncated
@@ -174,7 +182,8 @@ class GroupLoss:
                     "advantage": float(adv[i])}
                    for i, ((p, _), r, t, ids, e) in enumerate(zip(requests, rows, texts, made.ids, made.ended))]  # fmt: skip
         self.current = StepCompletions(sequences, targets, adv.float(), micro, [], totals, records,
-                                       generation_seconds=generation_seconds, micro_tokens=micro_tokens)  # fmt: skip
+                                       generation_seconds=generation_seconds, micro_tokens=micro_tokens,
+                                       source_tokens=source_tokens)  # fmt: skip
         if cfg.beta > 0 and self.reference_logps is not None:
             self.current.reference = [self.reference_logps(self._pack(m, s)[0]) for m in micro]
         self.current.seconds = time.perf_counter() - started
@@ -309,6 +318,8 @@ class GroupLoss:
             "generation_share": min(1.0, t["generation_seconds"] / seconds) if seconds > 0 else 0.0,
             "generated_tokens_per_second": t["generated"] / max(1e-9, t["generation_seconds"]),
         }  # fmt: skip
+        if self.current.source_tokens is not None:  # a mixture: beside source_rows (the step plan's)
+            out["source_tokens"] = self.current.source_tokens
         return out
 
 

@@ -189,11 +189,15 @@ def test_a_grpo_mixture_of_prompt_sources_with_other_columns_gives_rewards_each_
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     steps = read_jsonl(tmp_path / "out" / "metrics.jsonl")
     assert [sum(r["source_rows"][j] for r in steps) for j in range(2)] == [8, 8]
+    assert all(sum(r["source_tokens"]) == r["tokens"] for r in steps)
     drawn = read_jsonl(tmp_path / "out" / "completions.jsonl")
     source = {d["row"]: reference_source(d["row"], (1, 1))[0] for d in drawn}  # 0: python-docs-prompts, 1: bare
     assert sorted(set(source.values())) == [0, 1]
     # the bare source's rows have no solution: the reward function got None for it and scored them None
     assert all((d["reward"] is None) == (source[d["row"]] == 1) for d in drawn)
+    for r in steps:  # each source's tokens: its completions' tokens in completions.jsonl
+        mine = [d for d in drawn if d["step"] == r["step"]]
+        assert r["source_tokens"] == [sum(len(d["completion_ids"]) for d in mine if source[d["row"]] == j) for j in (0, 1)]
 
 
 @pytest.mark.parametrize("text, needle", [
