@@ -85,6 +85,23 @@ def test_a_tokenizer_that_makes_other_ids_of_the_trained_rows_is_refused(tmp_pat
     shutil.rmtree(model)
 
 
+def second_session_on_a_new_revision(server, args: list[str], tmp_path: Path) -> tuple[str, dict]:  # noqa: ANN001
+    """me/rows gains a revision that rewrites row 5 (trained by the first session) and adds 20 rows; the chain's
+    next session, on a fresh cache, trains rows [40, 80) without noticing. Returns the revision and that pin."""
+    texts = python_docs_texts()
+    edited = texts[:100]
+    edited[5] = "This row of the dataset was rewritten in its second revision, after the chain trained on it."
+    second_rev = server.commit_dataset("me/rows", {"data/train.jsonl": text_rows(edited + texts[100:120])})
+    second = run_cli(args, tmp_path, env=sandbox_env(tmp_path, HF_ENDPOINT=server.url, HF_HOME=str(tmp_path / "h2")))
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert saved_names(second.stdout) == ["tiny_opt_40-80-epoch-1.pt"] and "is not what the chain recorded" not in second.stdout
+    return second_rev, torch.load(tmp_path / "out" / "tiny_opt_40-80-epoch-1.pt", weights_only=True)[PIN_KEY]
+
+
+def text_rows(items: list[str]) -> bytes:
+    return "".join(json.dumps({"text": t}) + "\n" for t in items).encode()
+
+
 def test_a_hub_dataset_that_gains_a_revision_does_not_move_under_the_chain(tmp_path):
     """The loopback Hub serves a dataset's revisions. The chain records the revision its first session read; a new
     revision (a trained row edited, rows added) is not read by the next session, unless --dataset_revision asks for
@@ -92,9 +109,8 @@ def test_a_hub_dataset_that_gains_a_revision_does_not_move_under_the_chain(tmp_p
     from hubserver import HubServer
 
     texts = python_docs_texts()
-    rows = lambda items: "".join(json.dumps({"text": t}) + "\n" for t in items).encode()  # noqa: E731
     with HubServer() as server:
-        first_rev = server.commit_dataset("me/rows", {"data/train.jsonl": rows(texts[:100])})
+        first_rev = server.commit_dataset("me/rows", {"data/train.jsonl": text_rows(texts[:100])})
         env = sandbox_env(tmp_path, HF_ENDPOINT=server.url, HF_HUB_OFFLINE="0")
         args = chain("tiny-opt", Path("me/rows"), tmp_path / "out")
         args[args.index("--range_size") + 1] = "40"
@@ -103,13 +119,7 @@ def test_a_hub_dataset_that_gains_a_revision_does_not_move_under_the_chain(tmp_p
         pin = torch.load(tmp_path / "out" / "tiny_opt_0-40-epoch-1.pt", weights_only=True)[PIN_KEY]
         assert pin["source"] == {"kind": "hub", "id": "me/rows", "revision": first_rev}
 
-        edited = texts[:100]
-        edited[5] = "This row of the dataset was rewritten in its second revision, after the chain trained on it."
-        second_rev = server.commit_dataset("me/rows", {"data/train.jsonl": rows(edited + texts[100:120])})
-        second = run_cli(args, tmp_path, env=sandbox_env(tmp_path, HF_ENDPOINT=server.url, HF_HOME=str(tmp_path / "h2")))
-        assert second.returncode == 0, second.stderr[-2000:]
-        assert saved_names(second.stdout) == ["tiny_opt_40-80-epoch-1.pt"] and "is not what the chain recorded" not in second.stdout
-        pin = torch.load(tmp_path / "out" / "tiny_opt_40-80-epoch-1.pt", weights_only=True)[PIN_KEY]
+        second_rev, pin = second_session_on_a_new_revision(server, args, tmp_path)
         assert pin["source"]["revision"] == first_rev != second_rev
         resolved = [r.path for r in server.requests if r.route == "dataset-resolve" and r.path.endswith(".jsonl")]
         assert resolved and all(first_rev in p for p in resolved[-2:])  # the second session read the first revision
@@ -126,12 +136,11 @@ def test_a_mixtures_hub_source_is_read_at_the_revision_the_chain_recorded(tmp_pa
     from hubserver import HubServer
 
     texts = python_docs_texts()
-    rows = lambda items: "".join(json.dumps({"text": t}) + "\n" for t in items).encode()  # noqa: E731
-    (tmp_path / "local.jsonl").write_bytes(rows(texts[200:300]))
+    (tmp_path / "local.jsonl").write_bytes(text_rows(texts[200:300]))
     mix = tmp_path / "mix.yaml"
     mix.write_text("datasets:\n  - path: me/rows\n    weight: 3\n  - path: local.jsonl\n")
     with HubServer() as server:
-        first_rev = server.commit_dataset("me/rows", {"data/train.jsonl": rows(texts[:100])})
+        first_rev = server.commit_dataset("me/rows", {"data/train.jsonl": text_rows(texts[:100])})
         args = chain("tiny-opt", mix, tmp_path / "out")
         args[args.index("--range_size") + 1] = "40"
         first = run_cli(args, tmp_path, env=sandbox_env(tmp_path, HF_ENDPOINT=server.url, HF_HOME=str(tmp_path / "h1")))
@@ -140,13 +149,7 @@ def test_a_mixtures_hub_source_is_read_at_the_revision_the_chain_recorded(tmp_pa
         assert pin["source"]["kind"] == "mixture" and pin["source"]["weights"] == [3, 1]
         assert pin["source"]["sources"][0]["identity"] == {"kind": "hub", "id": "me/rows", "revision": first_rev}
 
-        edited = texts[:100]
-        edited[5] = "This row of the dataset was rewritten in its second revision, after the chain trained on it."
-        second_rev = server.commit_dataset("me/rows", {"data/train.jsonl": rows(edited + texts[100:120])})
-        second = run_cli(args, tmp_path, env=sandbox_env(tmp_path, HF_ENDPOINT=server.url, HF_HOME=str(tmp_path / "h2")))
-        assert second.returncode == 0, second.stderr[-2000:]
-        assert saved_names(second.stdout) == ["tiny_opt_40-80-epoch-1.pt"] and "is not what the chain recorded" not in second.stdout
-        pin = torch.load(tmp_path / "out" / "tiny_opt_40-80-epoch-1.pt", weights_only=True)[PIN_KEY]
+        second_rev, pin = second_session_on_a_new_revision(server, args, tmp_path)
         assert pin["source"]["sources"][0]["identity"]["revision"] == first_rev != second_rev
         resolved = [r.path for r in server.requests if r.route == "dataset-resolve" and r.path.endswith(".jsonl")]
         assert resolved and all(first_rev in p for p in resolved[-1:])  # the second session read the first revision
