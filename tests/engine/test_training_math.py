@@ -46,17 +46,17 @@ def _reference(det_model) -> list[tuple[float, float]]:
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     out = []
     for begin in range(0, len(order), GLOBAL_BATCH):
-        # Each row (or piece of a long row) of the step's blocks runs through the model alone, without any mask.
-        loss_sum, targets = 0.0, 0
+        # Each row (or piece of a long row) of the step's blocks runs through the model as a sequence of its own:
+        # one batch of them, right-padded, no mask (a causal model's real tokens never see the padding after them).
+        pieces = []
         for i in order[begin : begin + GLOBAL_BATCH].tolist():
             n = int(blocks.lengths[i])
             starts = (blocks.positions[i, :n] == 0).nonzero().flatten().tolist() + [n]
-            for a, b in zip(starts, starts[1:]):
-                ids = blocks.input_ids[i : i + 1, a:b].long()
-                logits = model(input_ids=ids).logits
-                loss_sum = loss_sum + F.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum")
-                targets += b - a - 1
-        loss = loss_sum / targets
+            pieces += [blocks.input_ids[i, a:b].long() for a, b in zip(starts, starts[1:])]
+        batch = torch.nn.utils.rnn.pad_sequence(pieces, batch_first=True, padding_value=tokenizer.pad_token_id)
+        logits = model(input_ids=batch).logits
+        loss_sum = sum(F.cross_entropy(logits[k, : len(p) - 1], p[1:], reduction="sum") for k, p in enumerate(pieces))
+        loss = loss_sum / sum(len(p) - 1 for p in pieces)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
