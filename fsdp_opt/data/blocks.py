@@ -85,7 +85,6 @@ class Blocks:
     fit: Fit | None = None  # whole rows (prompt_completion, messages): what fitting them into max_length cost
     pattern: MaskPattern | None = None  # the model's sliding windows, which the document mask applies too
     by_source: torch.Tensor | None = None  # a mixture's blocks: [n, sources, 2], the rows begun and tokens trained
-    source_names: list[str] | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -211,7 +210,6 @@ def rows_to_blocks(rows: Rows, spec: RowSpec, tokenizer, *, train_on: str, max_l
     blocks = blocks_from(encoded, max_length, tokenizer.pad_token_id, packing, attention, pattern)
     if rows.sources is not None:
         blocks.by_source = source_tallies(encoded, rows.sources, len(rows.source_names), blocks, packing)
-        blocks.source_names = rows.source_names
     return blocks
 
 
@@ -277,6 +275,15 @@ class StepBatch:
 def source_counts(tally: torch.Tensor) -> dict[str, list[int]]:
     """A step's [sources, 2] tally (rows, tokens) as its metrics record it."""
     return {"rows": tally[:, 0].tolist(), "tokens": tally[:, 1].tolist()}
+
+
+def count_by_source(sources: torch.Tensor, n: int, tokens: torch.Tensor | None = None) -> dict[str, list[int]]:
+    """Samples of one row each (pairs, prompts), from their sources: the rows each of n sources gave, and their
+    tokens where they are known, as the metrics record them."""
+    out = {"rows": torch.bincount(sources, minlength=n).tolist()}
+    if tokens is not None:
+        out["tokens"] = torch.bincount(sources, weights=tokens.double(), minlength=n).long().tolist()
+    return out
 
 
 class StepPlan:

@@ -21,7 +21,7 @@ from typing import Iterator, Sequence
 import torch
 
 from fsdp_opt.base import DataError
-from fsdp_opt.data.blocks import StepBatch
+from fsdp_opt.data.blocks import StepBatch, count_by_source
 from fsdp_opt.data.formats import Rows, RowSpec
 from fsdp_opt.data.packing import MaskPattern
 from fsdp_opt.data.sequences import fits, pack
@@ -75,13 +75,13 @@ class Pairs:
             digest.update(torch.tensor(targets, dtype=torch.bool).numpy().tobytes() + b"|")
         return digest.hexdigest()[:32]
 
-    def source_totals(self) -> dict[str, list[int]] | None:
-        """A mixture's pairs: the pairs each source gave, and their answers' tokens."""
+    def source_totals(self, pairs: Sequence[int] | None = None) -> dict[str, list[int]] | None:
+        """A mixture's pairs (all, or these): the pairs each source gave, and their answers' tokens."""
         if self.sources is None:
             return None
-        n, tokens = len(self.source_names), self.answer_tokens[0::2] + self.answer_tokens[1::2]
-        return {"rows": torch.bincount(self.sources, minlength=n).tolist(),
-                "tokens": torch.bincount(self.sources, weights=tokens.double(), minlength=n).long().tolist()}
+        index = torch.arange(len(self)) if pairs is None else torch.tensor(pairs, dtype=torch.long)
+        tokens = self.answer_tokens[2 * index] + self.answer_tokens[2 * index + 1]
+        return count_by_source(self.sources[index], len(self.source_names), tokens)
 
     def fits(self, pairs: Sequence[int], batch_size: int) -> bool:
         """Whether these pairs' sequences fit one micro-batch."""
@@ -189,14 +189,4 @@ class PairPlan:
             yield StepBatch(epoch=epoch, step_in_epoch=k, micro_batches=mine, samples=len(pairs),
                             target_tokens=int(self.pairs.answer_tokens[seqs].sum()),
                             seen_tokens=int(self.pairs.lengths[seqs].sum()), end_offset=done, units=len(pairs),
-                            by_source=self._by_source(pairs))  # fmt: skip
-
-    def _by_source(self, pairs: list[int]) -> dict[str, list[int]] | None:
-        """A mixture's step: the pairs each source gave it, and their answers' tokens."""
-        if self.pairs.sources is None:
-            return None
-        n, index = len(self.pairs.source_names), torch.tensor(pairs, dtype=torch.long)
-        tokens = self.pairs.answer_tokens[2 * index] + self.pairs.answer_tokens[2 * index + 1]
-        origin = self.pairs.sources[index]
-        return {"rows": torch.bincount(origin, minlength=n).tolist(),
-                "tokens": torch.bincount(origin, weights=tokens.double(), minlength=n).long().tolist()}
+                            by_source=self.pairs.source_totals(pairs))  # fmt: skip

@@ -20,7 +20,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from fsdp_opt.base import ConfigError, DataError
-from fsdp_opt.data.blocks import StepBatch
+from fsdp_opt.data.blocks import StepBatch, count_by_source
 from fsdp_opt.data.formats import Rows
 from fsdp_opt.data.packing import MaskPattern
 from fsdp_opt.data.tokens import encode_prompts
@@ -66,11 +66,12 @@ class Prompts:
             digest.update(torch.tensor(ids, dtype=torch.int32).numpy().tobytes() + b"|")
         return digest.hexdigest()[:32]
 
-    def source_totals(self) -> dict[str, list[int]] | None:
-        """A mixture's prompts: how many each source gave (their completions' tokens are known once sampled)."""
+    def source_totals(self, taken: torch.Tensor | None = None) -> dict[str, list[int]] | None:
+        """A mixture's prompts (all, or these): how many each source gave (their completions' tokens are known once
+        sampled)."""
         if self.sources is None:
             return None
-        return {"rows": torch.bincount(self.sources, minlength=len(self.source_names)).tolist()}
+        return count_by_source(self.sources if taken is None else self.sources[taken], len(self.source_names))
 
     def columns(self, prompt: int) -> dict[str, Any]:
         """A row's columns besides its prompt (what the reward functions get as keyword arguments)."""
@@ -136,13 +137,7 @@ class PromptPlan:
             taken = order[begin : begin + self.per_step]
             yield StepBatch(epoch=epoch, step_in_epoch=first_step + k, micro_batches=[taken[self.rank :: self.world_size]],
                             samples=taken.numel(), target_tokens=0, seen_tokens=0, end_offset=begin + taken.numel(),
-                            units=1, by_source=self._by_source(taken))  # fmt: skip
-
-    def _by_source(self, taken: torch.Tensor) -> dict[str, list[int]] | None:
-        """A mixture's step: the prompts each source gave it (their completions' tokens are known once sampled)."""
-        if self.prompts.sources is None:
-            return None
-        return {"rows": torch.bincount(self.prompts.sources[taken], minlength=len(self.prompts.source_names)).tolist()}
+                            units=1, by_source=self.prompts.source_totals(taken))  # fmt: skip
 
 
 def row_key(row: dict[str, Any]) -> str:

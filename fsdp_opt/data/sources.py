@@ -8,6 +8,7 @@ its held-out rows), not the dataset. Anything else is read whole, as `datasets.l
 from __future__ import annotations
 
 import hashlib
+import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -278,7 +279,7 @@ def _hashed(src: DataSource, kind: str, files: list[Path]) -> dict[str, Any]:
         f = files[0]
         return {"kind": "file", "path": src.dataset, "bytes": f.stat().st_size, "sha256": file_sha256(f), **src.names()}
     root = Path(src.dataset).expanduser().resolve()  # the files may be named relative to it, or absolute
-    digest = _digest([f"{f.resolve().relative_to(root).as_posix()}:{file_sha256(f)}" for f in files])
+    digest = _digest([f"{Path(os.path.relpath(f.resolve(), root)).as_posix()}:{file_sha256(f)}" for f in files])
     return {"kind": "folder", "path": src.dataset, "bytes": sum(f.stat().st_size for f in files), "sha256": digest,
             **src.names()}  # fmt: skip
 

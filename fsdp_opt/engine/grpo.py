@@ -162,10 +162,11 @@ class GroupLoss:
         reward_sums = torch.cat([nan_stats(reward)[:2], *(nan_stats(per_func[:, j])[:2] for j in range(len(cfg.rewards)))])
         # a mixture: the tokens trained of each source's completions (the prompts' sources are known, their
         # completions' lengths only now)
-        by_source = torch.zeros(len(prompts.source_names) if prompts.sources is not None else 0, dtype=torch.float64)
-        for (p, _), n in zip(requests, tokens):
-            if prompts.sources is not None:
-                by_source[int(prompts.sources[p])] += n
+        by_source = torch.zeros(0, dtype=torch.float64)
+        if prompts.sources is not None:
+            origin = prompts.sources[torch.tensor([p for p, _ in requests], dtype=torch.long)]
+            by_source = torch.bincount(origin, weights=torch.tensor(tokens, dtype=torch.float64),
+                                       minlength=len(prompts.source_names))  # fmt: skip
         summed = self._sum(torch.cat([local[:6], reward_sums, by_source]), env)
         maxed = self._max(local[6:], env)
         totals = dict(zip(("completions", "tokens", "seen", "truncated", "zero_std", "generated"), summed[:6].tolist()))
