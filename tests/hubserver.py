@@ -85,12 +85,14 @@ class Repo:
 
     @property
     def files(self) -> dict[str, bytes]:
-        """Every file at the head with its bytes (LFS files read from disk: for small test repos)."""
-        return {p: (b.content if b.content is not None else self.server.object_path(b.sha256).read_bytes()) for p, b in self.tree.items()}
+        """Every file at the head with its bytes (LFS files read from disk: for small test repos). The tree is copied
+        first (in one step, under the GIL): a test polls this while the server's threads commit to it."""
+        tree = dict(self.tree)
+        return {p: (b.content if b.content is not None else self.server.object_path(b.sha256).read_bytes()) for p, b in tree.items()}
 
     def lfs_paths(self) -> dict[str, str]:
         """Path -> sha256 of every LFS file at the head."""
-        return {p: b.sha256 for p, b in self.tree.items() if b.sha256}
+        return {p: b.sha256 for p, b in dict(self.tree).items() if b.sha256}
 
     @property
     def used_storage(self) -> int:
