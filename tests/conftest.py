@@ -218,7 +218,7 @@ LONGEST_FIRST = (
     "test_notebooks.py::test_notebooks_run_end_to_end",
     "test_docs.py::test_every_command_block_of_the_readme_and_docs_runs_or_says_why_not",
     "test_auto_chain.py::test_the_same_command_on_fresh_machines_walks_the_chain_and_equals_it_typed_by_hand",
-    "test_wheel.py::test_the_chat_demo_runs_from_a_wheel_in_a_fresh_virtualenv_in_an_empty_folder",
+    "test_wheel.py::test_the_demos_run_from_a_wheel_in_a_fresh_virtualenv_in_an_empty_folder",
     "test_fp16_reduce.py::test_fp16_reduce_tracks_the_fp32_reduce_over_thirty_steps",
     "test_retention.py::test_chain_of_four_slices_keeps_the_policy",
     "test_dpo.py::test_the_dpo_demo_learns_the_held_out_preferences",

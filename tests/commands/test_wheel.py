@@ -1,5 +1,5 @@
 """The package as a Kaggle notebook gets it: a wheel built from the repo, installed on its own, run with `-m fsdp_opt`;
-and in a fresh virtualenv outside the checkout, the chat demo from an empty folder."""
+and in a fresh virtualenv outside the checkout, the demos from an empty folder."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import subprocess
 import sys
 import sysconfig
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -52,11 +53,11 @@ def test_wheel_carries_the_package_and_trains_from_outside_the_repo(tmp_path, wh
     assert "--sharding_strategy" in help_text and "--link_gbps" in help_text
 
 
-def test_the_chat_demo_runs_from_a_wheel_in_a_fresh_virtualenv_in_an_empty_folder(tmp_path, wheel):
+def test_the_demos_run_from_a_wheel_in_a_fresh_virtualenv_in_an_empty_folder(tmp_path, wheel):
     """The routes docs/kaggle.md recommends install the package without the repository around it: the demo must launch
     the installed package's own training command, not a file beside it. A fresh virtualenv gets the wheel; the
     libraries come from the test environment's site-packages (a path, so its editable install of the checkout is not
-    read). The chat demo runs shortened from an empty folder, to its last line."""
+    read). Each demo runs shortened (a few steps: it need not learn) from an empty folder, to its last line."""
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
@@ -72,15 +73,22 @@ def test_the_chat_demo_runs_from_a_wheel_in_a_fresh_virtualenv_in_an_empty_folde
     where = subprocess.run([str(python), "-c", "import fsdp_opt; print(fsdp_opt.__file__)"], cwd=tmp_path, env=env,
                            capture_output=True, text=True, timeout=120).stdout  # fmt: skip
     assert where.startswith(str(site)), where
-    # The chat demo, shortened (a few steps: it need not learn): it takes both of a demo's routes into the installed
-    # package, the training command under torchrun and the evaluation after it (the plain and DPO demos launch the same
-    # two; what each demo learns is tested in full from the checkout).
     short = ["--end_idx", "16", "--num_epochs", "1", "--max_length", "64", "--warmup_steps", "1"]
-    proc = subprocess.run([str(python), "-m", "fsdp_opt.demo", "--chat", *short], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    # 0 when it learned, 1 when these few steps did not: either way it ran to its last line
-    assert proc.returncode in (0, 1), proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert "demo: checkpoints and metrics.jsonl are in outputs/demo-chat/" in proc.stdout, proc.stdout[-2000:]
-    assert (tmp_path / "outputs" / "demo-chat" / "metrics.jsonl").is_file()
-    assert "the trained model ended" in proc.stdout and "-m fsdp_opt.evaluate" in proc.stdout
+    demos = {"plain": [], "chat": ["--chat"], "dpo": ["--dpo"]}
+    for name in demos:
+        (tmp_path / name).mkdir()
+
+    def run(name: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(python), "-m", "fsdp_opt.demo", *demos[name], *short], cwd=tmp_path / name, env=env,
+                              capture_output=True, text=True, timeout=600)  # fmt: skip
+
+    with ThreadPoolExecutor(2) as pool:
+        procs = dict(zip(demos, pool.map(run, demos)))
+    for name, proc in procs.items():
+        # 0 when it learned, 1 when these few steps did not: either way it ran to its last line
+        assert proc.returncode in (0, 1), (name, proc.stdout[-2000:] + proc.stderr[-3000:])
+        assert "Traceback" not in proc.stderr, (name, proc.stderr[-3000:])
+        out = {"plain": "outputs/demo", "chat": "outputs/demo-chat", "dpo": "outputs/demo-dpo"}[name]
+        assert f"demo: checkpoints and metrics.jsonl are in {out}/" in proc.stdout, (name, proc.stdout[-2000:])
+        assert (tmp_path / name / out / "metrics.jsonl").is_file()
+    assert "the trained model ended" in procs["chat"].stdout and "held-out accuracy" in procs["dpo"].stdout
