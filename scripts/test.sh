@@ -11,6 +11,11 @@ if [ "${1:-}" = "--quick" ]; then
   shift
   tier=(-m quick)
 fi
+# Inductor's kernel cache is built for one CPU capability: a suite run under another (ATEN_CPU_CAPABILITY exported,
+# as .ci/run's second pass does) gets a cache of its own, or the kernels cached under the machine's own fail to build.
+if [ -n "${ATEN_CPU_CAPABILITY:-}" ] && [ -z "${TORCHINDUCTOR_CACHE_DIR:-}" ]; then
+  export TORCHINDUCTOR_CACHE_DIR="${TMPDIR:-/tmp}/fsdp-opt-inductor-${ATEN_CPU_CAPABILITY}-$(id -u)"
+fi
 # The project's bytecode, written once: where PYTHONDONTWRITEBYTECODE is set (as on this project's CI machine) each of
 # the suite's few hundred processes would otherwise compile the package again (about 0.4 s of CPU each).
 python -m compileall -q -j 0 fsdp_opt benchmarks tests fsdp_finetune.py >/dev/null
