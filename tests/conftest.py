@@ -148,6 +148,58 @@ def built_once(tmp_path_factory, name: str, build) -> Path:
     return folder
 
 
+def build_wheel(dest: Path) -> Path:
+    """`pip wheel` of the checkout into dest: the package as a Kaggle notebook installs it."""
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                            str(dest), str(ROOT)], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert build.returncode == 0, build.stderr[-2000:]
+    (wheel,) = dest.glob("fsdp_opt-*.whl")
+    return wheel
+
+
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory) -> Path:
+    """The wheel, built once for the session (whichever worker asks first)."""
+    (built,) = built_once(tmp_path_factory, "wheel", build_wheel).glob("fsdp_opt-*.whl")
+    return built
+
+
+def build_wheel_venv(dest: Path, wheel: Path) -> None:
+    """A fresh virtualenv in dest/venv with the wheel installed in it; the libraries come from the test environment's
+    site-packages, named as a path (so its editable install of the checkout is not read)."""
+    import sysconfig
+
+    venv = dest / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())  # fmt: skip
+    (site / "libraries.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
+                              str(wheel)], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert install.returncode == 0, install.stderr[-2000:]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    where = subprocess.run([str(python), "-c", "import fsdp_opt; print(fsdp_opt.__file__)"], cwd=dest, env=env,
+                           capture_output=True, text=True, timeout=120).stdout  # fmt: skip
+    assert where.startswith(str(site)), where  # the wheel's copy, not the checkout
+
+@pytest.fixture(scope="session")
+def wheel_venv(tmp_path_factory, wheel) -> Path:
+    """The virtualenv's folder (python in bin/), built once for the session."""
+    folder = built_once(tmp_path_factory, "wheel-venv", lambda dest: build_wheel_venv(dest, wheel))
+    return folder / "venv"
+
+
+def run_demo(venv: Path, flags: list[str], cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess:
+    """`python -m fsdp_opt.demo FLAGS` as a user of the installed package runs it: the wheel's virtualenv, a folder
+    of the user's own (the demo's outputs land in cwd/outputs/), nothing of the checkout on the path."""
+    env = sandbox_env(cwd)
+    env.pop("PYTHONPATH")
+    env["PATH"] = f"{venv / 'bin'}:{env['PATH']}"
+    return subprocess.run([str(venv / "bin" / "python"), "-m", "fsdp_opt.demo", *flags], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
 def row_pieces(tokenizer, texts, max_length: int) -> list[list[int]]:
     """What --packing docs trains on, made here without the packing code: each row's tokens with EOS appended,
     cut into pieces of at most max_length."""
@@ -218,7 +270,6 @@ LONGEST_FIRST = (
     "test_notebooks.py::test_notebooks_run_end_to_end",
     "test_docs.py::test_every_command_block_of_the_readme_and_docs_runs_or_says_why_not",
     "test_auto_chain.py::test_the_same_command_on_fresh_machines_walks_the_chain_and_equals_it_typed_by_hand",
-    "test_wheel.py::test_the_demos_run_from_a_wheel_in_a_fresh_virtualenv_in_an_empty_folder",
     "test_fp16_reduce.py::test_fp16_reduce_tracks_the_fp32_reduce_over_thirty_steps",
     "test_retention.py::test_chain_of_four_slices_keeps_the_policy",
     "test_dpo.py::test_the_dpo_demo_learns_the_held_out_preferences",

@@ -19,6 +19,7 @@ from conftest import (
     read_jsonl,
     run_cli,
     run_cli_concurrently,
+    run_demo,
     sandbox_env,
 )
 
@@ -27,14 +28,14 @@ from fsdp_opt.checkpoint.save import STEP_KEY
 from fsdp_opt.tracking.metrics import METRICS_FIELDS
 
 
-def test_demo_trains_and_loss_falls(tmp_path):
-    """The README's Quick start demo: 2 CPU processes, tiny-opt, python-docs."""
-    out = tmp_path / "demo"
-    proc = subprocess.run(
-        [sys.executable, "-m", "fsdp_opt.demo", "--output_dir", str(out)],
-        cwd=ROOT, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+def test_demo_trains_and_loss_falls(tmp_path, wheel_venv):
+    """The README's Quick start demo: 2 CPU processes, tiny-opt, python-docs. Run as the installed package runs it (a
+    wheel built from the repo, in a fresh virtualenv, from an empty folder: it launches the package's own training
+    command, and its outputs land in outputs/demo)."""
+    proc = run_demo(wheel_venv, [], tmp_path)
+    out = tmp_path / "outputs" / "demo"
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "demo: checkpoints and metrics.jsonl are in outputs/demo/" in proc.stdout and "Traceback" not in proc.stderr
     rows = read_jsonl(out / "metrics.jsonl")
     assert len(rows) >= 100
     assert all(tuple(r)[: len(METRICS_FIELDS)] == METRICS_FIELDS for r in rows)

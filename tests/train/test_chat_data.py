@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,7 +22,7 @@ from conftest import (
     read_jsonl,
     run_cli,
     run_cli_concurrently,
-    sandbox_env,
+    run_demo,
     saved_names,
 )
 from hubserver import HubServer
@@ -237,13 +235,15 @@ def test_bad_rows_stop_the_run_in_one_line_before_anything_is_written(tmp_path):
     assert_clean_failure(proc, *cases[0][2])
 
 
-def test_the_chat_demo_answers_in_the_template_and_the_grpo_demo_learns_its_reward(tmp_path):
-    """The two demos the README runs one after the other: the chat demo, then GRPO from its model (the GRPO demo
-    finds the chat demo's checkpoint beside its own folder, as under outputs/)."""
-    out = tmp_path / "demo-chat"
-    proc = subprocess.run([sys.executable, "-m", "fsdp_opt.demo", "--chat", "--output_dir", str(out)], cwd=tmp_path,
-                          env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=900)  # fmt: skip
+def test_the_chat_demo_answers_in_the_template_and_the_grpo_demo_learns_its_reward(tmp_path, wheel_venv):
+    """The two demos the README runs one after the other, in one folder: the chat demo, then GRPO from its model (the
+    GRPO demo finds the chat demo's checkpoint in outputs/demo-chat). Run as the installed package runs them: the
+    wheel in a fresh virtualenv, from an empty folder."""
+    proc = run_demo(wheel_venv, ["--chat"], tmp_path)
+    out = tmp_path / "outputs" / "demo-chat"
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "demo: the trained model ended 4 of 4 answers" in proc.stdout
+    assert "demo: checkpoints and metrics.jsonl are in outputs/demo-chat/" in proc.stdout
     rows = read_jsonl(out / "metrics.jsonl")
     first = sum(r["loss"] for r in rows[:10]) / 10
     last = sum(r["loss"] for r in rows[-10:]) / 10
@@ -258,10 +258,10 @@ def test_the_chat_demo_answers_in_the_template_and_the_grpo_demo_learns_its_rewa
     # The GRPO demo: the length reward (an answer of at most max_words words that ends the turn) of a greedy answer to
     # each of 32 held-out prompts, before (the chat model) and after 40 steps; docs/testing.md has what it measured
     # over seeds and CPU kernels (0.00 before, over 0.9 after).
-    grpo = tmp_path / "demo-grpo"
-    proc = subprocess.run([sys.executable, "-m", "fsdp_opt.demo", "--grpo", "--output_dir", str(grpo)], cwd=tmp_path,
-                          env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=900)  # fmt: skip
+    proc = run_demo(wheel_venv, ["--grpo"], tmp_path)
+    grpo = tmp_path / "outputs" / "demo-grpo"
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "demo: checkpoints and metrics.jsonl are in outputs/demo-grpo/" in proc.stdout
     assert "demo-chat" in proc.stdout and "python-docs-chat" not in proc.stdout  # from the model trained above
     base, tuned = json.loads((grpo / "rewards.json").read_text())["models"]
     assert base["prompts"] == tuned["prompts"] == 32

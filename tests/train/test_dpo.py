@@ -294,18 +294,16 @@ def test_three_auto_sessions_through_the_hub_equal_one_straight_run(tmp_path):
     assert got == want and len(want) >= 6
 
 
-def test_the_dpo_demo_learns_the_held_out_preferences(tmp_path):
+def test_the_dpo_demo_learns_the_held_out_preferences(tmp_path, wheel_venv):
     """python -m fsdp_opt.demo --dpo: 80 steps of DPO on python-docs-prefs; python -m fsdp_opt.evaluate then scores
-    the held-out pairs (the test split) for the base (its own reference: 50%, every pair a tie) and the checkpoint."""
-    import subprocess
-    import sys
+    the held-out pairs (the test split) for the base (its own reference: 50%, every pair a tie) and the checkpoint. Run
+    as the installed package runs it: the wheel in a fresh virtualenv, from an empty folder."""
+    from conftest import run_demo
 
-    from conftest import ROOT, sandbox_env
-
-    out = tmp_path / "demo"
-    proc = subprocess.run([sys.executable, "-m", "fsdp_opt.demo", "--dpo", "--output_dir", str(out)], cwd=ROOT,
-                          env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=900)  # fmt: skip
+    proc = run_demo(wheel_venv, ["--dpo"], tmp_path)
+    out = tmp_path / "outputs" / "demo-dpo"
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "demo: checkpoints and metrics.jsonl are in outputs/demo-dpo/" in proc.stdout
     base, tuned = json.loads((out / "pairs.json").read_text())["models"]
     assert base["accuracy"] == 0.5 and abs(base["loss"] - math.log(2)) < 1e-6 and base["pairs"] == 100
     assert tuned["accuracy"] >= 0.9 and tuned["margin"] > 1.0, tuned
