@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import sysconfig
 import threading
 from pathlib import Path
 
@@ -167,8 +168,6 @@ def wheel(tmp_path_factory) -> Path:
 def build_wheel_venv(dest: Path, wheel: Path) -> None:
     """A fresh virtualenv in dest/venv with the wheel installed in it; the libraries come from the test environment's
     site-packages, named as a path (so its editable install of the checkout is not read)."""
-    import sysconfig
-
     venv = dest / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
@@ -182,6 +181,7 @@ def build_wheel_venv(dest: Path, wheel: Path) -> None:
     where = subprocess.run([str(python), "-c", "import fsdp_opt; print(fsdp_opt.__file__)"], cwd=dest, env=env,
                            capture_output=True, text=True, timeout=120).stdout  # fmt: skip
     assert where.startswith(str(site)), where  # the wheel's copy, not the checkout
+
 
 @pytest.fixture(scope="session")
 def wheel_venv(tmp_path_factory, wheel) -> Path:

@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from conftest import sandbox_env
+from conftest import run_cli_concurrently, sandbox_env
 
 
 def test_gpu_check_trains_saves_resumes_and_reports(tmp_path):
@@ -36,8 +36,6 @@ def test_gpu_check_trains_saves_resumes_and_reports(tmp_path):
 
 
 def test_random_shapes_and_the_gpu_cap_flag_refuse_bad_input(tmp_path):
-    from conftest import run_cli_concurrently
-
     runs = [(["--model", "random:facebook/opt-99b"], tmp_path, None),
             (["--model", "tiny-opt", "--max_gpu_memory", "lots"], tmp_path, None)]  # fmt: skip
     first, second = run_cli_concurrently(runs, timeout=120)

@@ -20,6 +20,7 @@ from conftest import (
     read_jsonl,
     run_cli,
     run_cli_concurrently,
+    run_demo,
     saved_names,
 )
 from hubdata import PARAGRAPHS
@@ -298,8 +299,6 @@ def test_the_dpo_demo_learns_the_held_out_preferences(tmp_path, wheel_venv):
     """python -m fsdp_opt.demo --dpo: 80 steps of DPO on python-docs-prefs; python -m fsdp_opt.evaluate then scores
     the held-out pairs (the test split) for the base (its own reference: 50%, every pair a tie) and the checkpoint. Run
     as the installed package runs it: the wheel in a fresh virtualenv, from an empty folder."""
-    from conftest import run_demo
-
     proc = run_demo(wheel_venv, ["--dpo"], tmp_path)
     out = tmp_path / "outputs" / "demo-dpo"
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
