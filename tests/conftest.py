@@ -184,8 +184,13 @@ def build_wheel_venv(dest: Path, wheel: Path) -> None:
 
 
 @pytest.fixture(scope="session")
-def wheel_venv(tmp_path_factory, wheel) -> Path:
-    """The virtualenv's folder (python in bin/), built once for the session."""
+def wheel_venv(tmp_path_factory, request) -> Path:
+    """The virtualenv's folder (python in bin/), built once for the session (or the one FSDP_OPT_WHEEL_VENV names: the
+    enclosing suite's, for the session of tests/test_kernels.py)."""
+    given = os.environ.get("FSDP_OPT_WHEEL_VENV")
+    if given and (Path(given) / "bin" / "python").exists():
+        return Path(given)
+    wheel = request.getfixturevalue("wheel")
     folder = built_once(tmp_path_factory, "wheel-venv", lambda dest: build_wheel_venv(dest, wheel))
     return folder / "venv"
 
@@ -266,6 +271,7 @@ def assert_clean_failure(proc: subprocess.CompletedProcess, *needles: str) -> st
 # The longest tests (minutes each on 2 cores) start first, so parallel workers (pytest-xdist, scripts/test.sh) do
 # not end with one of them running alone.
 LONGEST_FIRST = (
+    "test_kernels.py::test_the_learned_behaviour_holds_under_the_default_kernel",
     "test_chat_data.py::test_the_chat_demo_answers_in_the_template_and_the_grpo_demo_learns_its_reward",
     "test_notebooks.py::test_notebooks_run_end_to_end",
     "test_docs.py::test_every_command_block_of_the_readme_and_docs_runs_or_says_why_not",
@@ -325,7 +331,8 @@ QUICK = (
 
 
 # What a training run learned (a loss drop, an accuracy, a format, an answer): these must hold under any CPU kernel.
-# CI runs them a second time under ATEN_CPU_CAPABILITY=default (`pytest -m learns`); docs/testing.md has each margin.
+# The suite runs them a second time under ATEN_CPU_CAPABILITY=default (tests/test_kernels.py: `pytest -m learns` in a
+# session of its own); docs/testing.md has each margin.
 LEARNS = (
     "tests/commands/test_cli.py::test_demo_trains_and_loss_falls",
     "tests/train/test_chat_data.py::test_the_chat_demo_answers_in_the_template_and_the_grpo_demo_learns_its_reward",
