@@ -110,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         args = _checked(build_parser().parse_args(argv))
     except ConfigError as exc:
         fail(str(exc))
-    configure_allocator()
     env = init_distributed(args.device)
+    configure_allocator(cpu_device=env.device.type == "cpu")
     try:
         compare(args, env)
     except ConfigError as exc:

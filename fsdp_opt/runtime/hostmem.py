@@ -107,6 +107,7 @@ def total_memory_bytes() -> int | None:
 M_MMAP_THRESHOLD = -3  # mallopt parameter number (glibc malloc.h)
 
 MMAP_THRESHOLD_BYTES = 1 << 20
+CPU_MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's largest
 
 
 @functools.lru_cache(maxsize=1)
@@ -121,20 +122,26 @@ def _libc():
         return None
 
 
-def configure_allocator() -> bool:
+def configure_allocator(cpu_device: bool = False) -> bool:
     """Serve every host allocation of 1 MiB or more from its own mapping, returned to the system when freed.
 
     NOTE: glibc raises its mmap threshold to the size of each large block freed (up to 32 MiB), so weight-sized
     tensors freed once (a gathered checkpoint, a step's gradients) are then served from the heap and stay in
     RSS: at opt-125m's shape on CPU, RSS grew by 1.3 GiB over three steps with 1.2 GiB live. A fixed threshold
     keeps RSS at what is live, which is what the plan predicts. A MALLOC_MMAP_THRESHOLD_ set by the user wins.
+
+    With `cpu_device` (the model trains in host memory) the fixed threshold is 32 MiB instead: there every step
+    allocates its activations and gradients anew, and at 1 MiB each of them is mapped, zero-filled page by page
+    and unmapped again every step. The plain CPU demo: 0.220 s a step against 0.266 s, and 13 s of system time
+    against 20 s, with the same losses. Blocks above 32 MiB still get mappings of their own.
     Returns whether the threshold was set.
     """
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
     libc = _libc()
     mallopt = getattr(libc, "mallopt", None) if libc is not None else None
-    return bool(mallopt is not None and mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    threshold = CPU_MMAP_THRESHOLD_BYTES if cpu_device else MMAP_THRESHOLD_BYTES
+    return bool(mallopt is not None and mallopt(M_MMAP_THRESHOLD, threshold))
 
 
 MADV_DONTNEED = 4  # Linux

@@ -67,9 +67,9 @@ from fsdp_opt.train.summary import print_summary
 
 
 def run(config: Config) -> None:
-    configure_allocator()
     freeze_imported()
     env = init_distributed(config.parallel.device)
+    configure_allocator(cpu_device=env.device.type == "cpu")
     session, lease = None, None
     try:
         # --start_idx auto: this session's range; and the chain's lease. None: the chain is done, or another session
