@@ -195,7 +195,10 @@ out = []
 for args in json.load(sys.stdin):
     text = io.StringIO()
     with contextlib.redirect_stdout(text):
-        code = main(args)
+        try:
+            code = main(args)
+        except SystemExit as exc:  # --help: its exit is this command's alone
+            code = exc.code if isinstance(exc.code, int) else 1
     out.append([code, text.getvalue()])
 print(json.dumps(out))
 """
@@ -210,7 +213,8 @@ def _plan_args(command: str) -> list[str] | None:
 
 def _run_plans(commands: dict[str, str], root: Path, timeout: float, env: dict[str, str] | None,
                failures: list[str]) -> dict[str, str | None]:  # fmt: skip
-    """Named plan commands, run by the plan's own main in one process: their outputs (None where one failed)."""
+    """Plain plan commands (blocks and named commands), run by the plan's own main in one process: their outputs
+    (None where one failed), by the key each is given under."""
     if not commands:
         return {}
     started = time.monotonic()
@@ -218,14 +222,14 @@ def _run_plans(commands: dict[str, str], root: Path, timeout: float, env: dict[s
     proc = subprocess.run([sys.executable, "-c", PLAN_RUNNER], input=json.dumps(args), cwd=root, capture_output=True,
                           text=True, timeout=timeout, env=env)  # fmt: skip
     if proc.returncode != 0:
-        failures.append(f"the named plan commands: exit {proc.returncode} ({proc.stderr.strip()[-200:]})")
+        failures.append(f"the plan commands: exit {proc.returncode} ({proc.stderr.strip()[-200:]})")
         return dict.fromkeys(commands)
     outputs: dict[str, str | None] = {}
     for (name, command), (code, text) in zip(commands.items(), json.loads(proc.stdout.strip().splitlines()[-1])):
         if code:
             failures.append(f"{name} ({command}): exit {code}")
         outputs[name] = None if code else text
-    print(f"ran {len(commands)} named plan commands in {time.monotonic() - started:.0f} s")
+    print(f"ran {len(commands)} plan commands in {time.monotonic() - started:.0f} s")
     return outputs
 
 
@@ -234,6 +238,8 @@ def run_blocks(root: Path, blocks: list[Block], timeout: float = 600, env: dict[
     it quotes. The failures, one line each (a `run by` marker must name a test file)."""
     failures: list[str] = []
     outputs: dict[str, str | None] = {}
+    plans: dict[str, str] = {}  # plain plan commands, blocks and named ones: run together (_run_plans)
+    block_plans: dict[str, str | None] = {}  # a plan block's place -> its name
     for b in blocks:
         where = f"{b.page}:{b.line}"
         if b.test is not None:
@@ -242,15 +248,21 @@ def run_blocks(root: Path, blocks: list[Block], timeout: float = 600, env: dict[
             continue
         if b.marker is not None:
             continue
+        if b.kind == "bash" and "\n" not in b.code.strip() and _plan_args(b.code.strip()) is not None:
+            plans[where], block_plans[where] = b.code.strip(), b.name
+            continue
         out = _run(where, b.kind, b.code, root, timeout, env, failures)
         if b.name is not None:
             outputs[b.name] = out
     named = named_commands(root)
     for name, (page, line, _) in named.items():
-        if name in outputs:
+        if name in outputs or name in block_plans.values():
             failures.append(f"{page}:{line}: the name {name} is given twice")
-    plans = {n: c for n, (_, _, c) in named.items() if n not in outputs and _plan_args(c) is not None}
-    outputs.update(_run_plans(plans, root, timeout, env, failures))
+    plans |= {n: c for n, (_, _, c) in named.items() if n not in outputs and _plan_args(c) is not None}
+    for key, out in _run_plans(plans, root, timeout, env, failures).items():
+        name = block_plans[key] if key in block_plans else key
+        if name is not None:
+            outputs[name] = out
     for name, (page, line, command) in named.items():
         if name not in outputs:
             outputs[name] = _run(f"{page}:{line} ({name})", "bash", command, root, timeout, env, failures)

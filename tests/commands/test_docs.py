@@ -54,8 +54,14 @@ def test_the_docs_check_fails_on_a_block_that_fails_or_names_no_test(tmp_path):
     (tmp_path / "README.md").write_text("# x\n\n```bash\ntrue\n```\n\n```bash\nfalse\n```\n")
     (tmp_path / "docs" / "page.md").write_text("<!-- run by tests/nowhere.py -->\n```python\nprint(1)\n```\n\n"
                                                "<!-- not run here: needs a GPU -->\n```bash\nnvidia-smi\n```\n")  # fmt: skip
-    failures = run_blocks(tmp_path, command_blocks(tmp_path))
-    assert failures == ["README.md:7: exit 1 ()", "docs/page.md:2: the test it names, tests/nowhere.py, does not exist"]
+    # Plan blocks run together in one process: the one that is refused is named; --help (which exits) and the one
+    # after it still run.
+    (tmp_path / "docs" / "plans.md").write_text("```bash\npython -m fsdp_opt.plan --no_such_flag 1\n```\n\n"
+                                                "```bash\npython -m fsdp_opt.plan --help\n```\n\n"
+                                                "```bash\npython -m fsdp_opt.plan --batch_size 2\n```\n")  # fmt: skip
+    failures = run_blocks(tmp_path, command_blocks(tmp_path), env=sandbox_env(tmp_path))
+    assert failures == ["README.md:7: exit 1 ()", "docs/page.md:2: the test it names, tests/nowhere.py, does not exist",
+                        "docs/plans.md:1 (python -m fsdp_opt.plan --no_such_flag 1): exit 2"]  # fmt: skip
 
 
 def test_the_version_is_one_number_everywhere():
