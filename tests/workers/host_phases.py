@@ -21,8 +21,8 @@ def main() -> None:
     out_path, load, flags = sys.argv[1], sys.argv[2], sys.argv[3:]
     if load == "broadcast":  # as when the other ranks cannot see rank 0's file (nodes without a shared filesystem)
         loading._every_rank_sees = lambda path, env: False  # noqa: E731
-    configure_allocator()
     env = init_distributed("cpu")
+    configure_allocator(cpu_device=True)  # as train.run.run does for a CPU device
     config = parse_args(flags)
     report: dict = {}
     reset_peak()
