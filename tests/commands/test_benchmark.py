@@ -208,3 +208,20 @@ def test_generation_benchmark_gathers_once_against_once_per_token(tmp_path):
     assert report["gathered"]["all_gathers_per_round"] == layers + 1
     assert report["layer_by_layer"]["all_gathers_per_round"] == 1 + 8 * layers
     assert report["gathered_over_layer_by_layer_tokens_per_s"] > 0 and "| gathered |" in proc.stdout
+
+
+def test_allocator_benchmark_runs_both_thresholds_to_the_same_losses(tmp_path):
+    """benchmarks/allocator.py at a few steps, each arm launched alone (the default adds two launches at once, the same
+    code with two processes): each reports its step, wall, CPU and RAM, and both train to the same loss (the
+    allocator's threshold moves no number); no time is asserted."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "allocator.py"), "--rounds", "1", "--end_idx", "24",
+           "--num_epochs", "1", "--ways", "1", "--json", str(tmp_path / "alloc.json")]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "alloc.json").read_text())
+    assert list(report["arms"]) == ["32 MiB (CPU device)", "1 MiB (GPU runs)"] and report["same_losses"]
+    for arm in report["arms"].values():
+        (launch,) = arm["alone"]["launches"]
+        assert list(arm) == ["alone"] and len(launch["losses"]) == 1 and len(launch["peak_rss_gib"]) == 2
+        assert launch["step_s"] > 0 and launch["sys_s"] > 0
+    assert "| 1 MiB (GPU runs) | alone |" in proc.stdout
