@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fsdp_opt.demo import DEMO_ARGS  # noqa: E402 - after the repository is on the path
+from fsdp_opt.tracking.metrics import read_metrics  # noqa: E402
 
 ARMS = {"32 MiB (CPU device)": None, "1 MiB (GPU runs)": "1048576"}
 
@@ -63,19 +64,22 @@ def launch(threshold: str | None, out: Path, end_idx: int, epochs: int, together
     procs = []
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
-    for k in range(together):
+    out.mkdir(parents=True)
+    for k in range(together):  # output to files: a pipe left unread while another launch is waited on would stall it
         cmd, env = command(threshold, out / str(k), end_idx, epochs)
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outputs = [p.communicate() for p in procs]
+        with open(out / f"{k}.log", "w") as log:
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True))
+    codes = [p.wait() for p in procs]
     wall = time.perf_counter() - started
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     steps, peaks, losses = [], [], []
-    for k, (p, (stdout, stderr)) in enumerate(zip(procs, outputs)):
-        if p.returncode != 0:
-            sys.exit(f"allocator benchmark: a launch failed:\n{stdout[-2000:]}{stderr[-2000:]}")
-        steps.append(float(re.search(r"step time: measured ([\d.]+) s", stdout).group(1)))
-        peaks.append([float(x) for x in re.search(r"host RAM peak per rank: ([\d., ]+) GiB", stdout).group(1).split(",")])
-        losses.append(json.loads((out / str(k) / "metrics.jsonl").read_text().splitlines()[-1])["loss"])
+    for k, code in enumerate(codes):
+        text = (out / f"{k}.log").read_text()
+        if code != 0:
+            sys.exit(f"allocator benchmark: a launch failed:\n{text[-4000:]}")
+        steps.append(float(re.search(r"step time: measured ([\d.]+) s", text).group(1)))
+        peaks.append([float(x) for x in re.search(r"host RAM peak per rank: ([\d., ]+) GiB", text).group(1).split(",")])
+        losses.append(read_metrics(out / str(k))[-1]["loss"])
     return {"step_s": statistics.median(steps), "wall_s": wall, "user_s": after.ru_utime - before.ru_utime,
             "sys_s": after.ru_stime - before.ru_stime, "peak_rss_gib": [max(x[r] for x in peaks) for r in range(2)],
             "losses": losses}  # fmt: skip

@@ -260,7 +260,7 @@ def run_blocks(root: Path, blocks: list[Block], timeout: float = 600, env: dict[
             failures.append(f"{page}:{line}: the name {name} is given twice")
     plans |= {n: c for n, (_, _, c) in named.items() if n not in outputs and _plan_args(c) is not None}
     for key, out in _run_plans(plans, root, timeout, env, failures).items():
-        name = block_plans[key] if key in block_plans else key
+        name = block_plans.get(key, key)  # a block's own name (None: unnamed), or the command's
         if name is not None:
             outputs[name] = out
     for name, (page, line, command) in named.items():
