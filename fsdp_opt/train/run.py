@@ -163,7 +163,6 @@ def setup(config: Config, env: DistEnv, checked: Checked | None = None, lease: L
         run_id = payload.get("wandb_run_id") if env.is_main else None
         saved_chain = broadcast_object(payload.get(CHAIN_KEY) if env.is_main else None)
         del payload  # rank 0's copy of the checkpoint: gone before the first save gathers another
-        release_host_memory()  # every rank: what loading the shards mapped and copied
     else:
         run_id, saved_chain = None, None
     session.chain = start_status(session, saved_chain, inputs.data.rows)
@@ -171,6 +170,9 @@ def setup(config: Config, env: DistEnv, checked: Checked | None = None, lease: L
     tie_and_check(built.model)
     built.model.train()
     start_side_work(session, built, run_id, inputs.bf16_pretrained)
+    # every rank, fresh or resumed: what reading the weights (and a checkpoint's shards) mapped and copied, so the
+    # steps start from what is live
+    release_host_memory()
     return session
 
 

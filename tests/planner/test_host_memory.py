@@ -65,7 +65,9 @@ def test_resume_releases_the_checkpoint_and_the_plan_predicts_each_phase(tmp_pat
     for rank, (f, r) in enumerate(zip(fresh, resumed)):
         assert r["mapped_after_setup"] == [], f"rank {rank} still maps {r['mapped_after_setup']}"
         fresh_peak, resumed_peak = (max(x["setup"], x["step"], x["save"]) for x in (f, r))
-        assert abs(resumed_peak / fresh_peak - 1) <= 0.05, (rank, f, r)
+        # On a CPU device blocks below 32 MiB stay in the heap, and where they land moves a phase's peak by up to
+        # 2.5% from one run to the next (rank 1's step: 831-872 MB over three runs), so two runs differ by up to 5%.
+        assert resumed_peak <= 1.10 * fresh_peak, (rank, f, r)
 
     shape = Shape.of(model_config(str(wide_vocab_model)))
     # The plan takes several machines to mean the broadcast load (no shared filesystem assumed).
@@ -80,5 +82,5 @@ def test_resume_releases_the_checkpoint_and_the_plan_predicts_each_phase(tmp_pat
     }  # fmt: skip
     table = {k: (plan[k[0]][k[1]], got, round(plan[k[0]][k[1]] / got - 1, 3)) for k, got in measured.items()}
     assert all(abs(error) <= 0.10 for _, _, error in table.values()), table
-    # The 5% above can see a leak: a checkpoint left in memory would add more than 20% to either rank's peak.
+    # The 10% above can see a leak: a checkpoint left in memory would add more than 20% to either rank's peak.
     assert 12 * shape.params > 0.2 * max(max(x["setup"], x["step"], x["save"]) for x in fresh)
