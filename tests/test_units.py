@@ -12,7 +12,7 @@ from transformers import AutoConfig, GPT2Config, LlamaConfig, OPTConfig
 from fsdp_opt.base import ConfigError, ModelError
 from fsdp_opt.config.parse import Config, build_parser, parse_args
 from fsdp_opt.config.training import TrainConfig
-from fsdp_opt.engine.loss import ChunkedLoss
+from fsdp_opt.engine.loss import HeadLoss
 from fsdp_opt.engine.optim import LossScaler, LRSchedule, build_optimizer, create_state, unscale_and_clip_
 from fsdp_opt.model.parallelize import check_no_shared_params, find_block_classes, find_blocks
 from fsdp_opt.model.shapes import flops_per_token
@@ -256,11 +256,14 @@ def test_global_batch_sets_accumulation_per_rank_count():
     assert TrainConfig(batch_size=8, accum_steps=2).samples_per_step(4) == 64
 
 
-# ------------------------------------------------------------------ chunked loss
+# ------------------------------------------------------------------ the loss's output layer
 
 
-def test_chunked_loss_equals_whole_logits_loss_and_gradients():
-    """Against a plain transformers forward and cross-entropy on the whole logits (shifted by slicing)."""
+@pytest.mark.parametrize("chunk", [0, 7])
+def test_the_head_loss_at_the_targets_equals_whole_logits_loss_and_gradients(chunk):
+    """Against a plain transformers forward and cross-entropy on the whole logits (shifted by slicing): the output
+    layer run at the target positions only (rows 0 and 2 have prompts, row 1 a padded tail), whole or 7 at a time
+    (chunks end mid-row, the last one is short); the token log-probabilities too, 0 where there is no target."""
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
@@ -271,24 +274,61 @@ def test_chunked_loss_equals_whole_logits_loss_and_gradients():
     ids = torch.randint(3, 300, (3, 20))
     labels = ids.clone()
     labels[1, 15:] = -100  # a padded tail
+    labels[0, :6] = labels[2, :11] = -100  # prompts
     logits = model(input_ids=ids).logits
     ref = F.cross_entropy(logits[:, :-1].reshape(-1, 300), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum")
     ref.backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    ref_logps = torch.zeros(3, 20)
+    ref_logps[:, :-1] = -F.cross_entropy(logits[:, :-1].reshape(-1, 300).detach(), labels[:, 1:].reshape(-1),
+                                         ignore_index=-100, reduction="none").view(3, 19)  # fmt: skip
     model.zero_grad()
-    chunked = ChunkedLoss(model, chunk_tokens=7)  # 60 tokens: chunks end mid-row, the last one is short
-    with chunked.hidden_states():
+    head = HeadLoss.for_run(model, chunk)
+    with head.hidden_states():
         hidden = model(input_ids=ids).logits
-    assert hidden.shape == (3, 20, 32)
-    loss = chunked.loss_sum(hidden, labels)
+    assert hidden.shape == (3, 20, 32)  # the model's forward skipped its output layer
+    loss = head.loss_sum(hidden, labels)
     loss.backward()
     assert torch.allclose(loss, ref, rtol=1e-5)
     for n, p in model.named_parameters():
         assert torch.allclose(p.grad, ref_grads[n], rtol=1e-4, atol=1e-6), n
+    logps = head.token_logps(hidden.detach(), labels).view(3, 20)
+    assert torch.allclose(logps, ref_logps, atol=1e-5)
+    no_target = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100) == -100
+    assert (logps[no_target] == 0).all() and (logps[~no_target] < 0).all()
     assert model(input_ids=ids).logits.shape == (3, 20, 300)  # the projection is back after the block
 
 
-def test_chunked_loss_is_refused_where_logits_are_not_a_plain_projection():
+def test_the_head_loss_runs_the_output_layer_on_the_target_rows_alone_and_on_none_for_a_filler():
+    """The rows the projection sees: only the positions with a target; with none (a filler micro-batch), none, yet
+    the output layer still gets a gradient (zeros), as every rank's must for the same reduce-scatter."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = OPTConfig(num_hidden_layers=1, hidden_size=16, ffn_dim=32, num_attention_heads=2, vocab_size=50,
+                       max_position_embeddings=32, dropout=0.0, tie_word_embeddings=False)  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
+    head = HeadLoss.for_run(model, 0)
+    ids = torch.randint(3, 50, (2, 12))
+    labels = torch.full_like(ids, -100)
+    labels[0, 8:] = ids[0, 8:]  # 4 answer tokens: positions 7-10 predict them
+    with head.hidden_states():
+        hidden = model(input_ids=ids).logits
+    flat, targets, rows = head._at_targets(hidden, labels)
+    assert rows.tolist() == [7, 8, 9, 10] and flat.shape == (4, 16) and targets.tolist() == ids[0, 8:].tolist()
+    assert HeadLoss(model, 0, select=False)._at_targets(hidden, labels)[2] is None  # the plan's worst case: every row
+    head.loss_sum(hidden, labels).backward()
+    assert model.lm_head.weight.grad.abs().sum() > 0
+    model.zero_grad(set_to_none=True)
+    with head.hidden_states():
+        hidden = model(input_ids=ids).logits
+    none = torch.full_like(ids, -100)
+    assert head._at_targets(hidden, none)[0].shape == (0, 16)
+    (head.token_logps(hidden, none).sum() * 0.0).backward()
+    assert model.lm_head.weight.grad is not None and (model.lm_head.weight.grad == 0).all()
+
+
+def test_chunks_are_refused_where_logits_are_not_a_plain_projection():
     from transformers import Gemma2Config
 
     config = Gemma2Config(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
@@ -296,8 +336,9 @@ def test_chunked_loss_is_refused_where_logits_are_not_a_plain_projection():
     config._attn_implementation = "eager"
     gemma = build_meta_model(config)
     with pytest.raises(ConfigError, match="--loss_chunk_tokens.*final_logit_softcapping"):
-        ChunkedLoss(gemma, 64)
-    ChunkedLoss(_meta(AutoConfig.from_pretrained(ASSETS)), 64)  # OPT: a bias-free Linear, tied to the embeddings
+        HeadLoss(gemma, 64)
+    assert HeadLoss.for_run(gemma, 0) is None  # without chunks such a model keeps its whole logits
+    HeadLoss(_meta(AutoConfig.from_pretrained(ASSETS)), 64)  # OPT: a bias-free Linear, tied to the embeddings
 
 
 def test_fused_adamw_of_cuda_runs_steps_dtensor_parameters_like_foreach():

@@ -26,24 +26,32 @@ from torch import nn
 
 from fsdp_opt.data.blocks import IGNORE_INDEX, model_inputs
 from fsdp_opt.data.pairs import Pairs
-from fsdp_opt.engine.loss import ChunkedLoss, next_token_targets
+from fsdp_opt.engine.loss import HeadLoss, next_token_targets
 from fsdp_opt.runtime.distributed import DistEnv
 
 STATS = ("loss", "rewards_chosen", "rewards_rejected", "accuracy")  # sums over pairs, in this order
 
 
-def token_logps(out: torch.Tensor, labels: torch.Tensor, chunked: ChunkedLoss | None,
+def token_logps(out: torch.Tensor, labels: torch.Tensor, head: HeadLoss | None,
                 temperature: float = 1.0) -> torch.Tensor:  # fmt: skip
     """Each position's log-probability of its next token (0 where there is no target), fp32, [batch, length], from the
     logits divided by `temperature` (GRPO's completions were drawn that way)."""
     targets = next_token_targets(labels)
-    if chunked is None:
+    if head is None:
         logits = out.reshape(-1, out.shape[-1]).float()
         if temperature != 1.0:
             logits = logits / temperature
         flat = -F.cross_entropy(logits, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none")
         return flat.view(targets.shape)
-    return chunked.token_logps(out, labels, temperature).view(targets.shape)
+    return head.token_logps(out, labels, temperature).view(targets.shape)
+
+
+def head_logps(model: nn.Module, head: HeadLoss | None, batch: dict[str, torch.Tensor],
+               temperature: float = 1.0) -> torch.Tensor:  # fmt: skip
+    """token_logps of one forward of `model` on `batch` (with `head`, the output layer at the targets only)."""
+    with head.hidden_states() if head else nullcontext():
+        out = model(**model_inputs(batch)).logits
+    return token_logps(out, batch["labels"], head, temperature)
 
 
 def sequence_logps(logps: torch.Tensor, slot: torch.Tensor, sequences: int) -> torch.Tensor:
@@ -67,13 +75,13 @@ def dpo_terms(pi: torch.Tensor, ref: torch.Tensor, beta: float) -> torch.Tensor:
 
 
 def micro_logps(model: nn.Module, pairs: Pairs, members: list[int], device: torch.device,
-                chunked: ChunkedLoss | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                head: HeadLoss | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The summed answer log-probabilities of these pairs' sequences (chosen, rejected of each), one forward, and
-    the forward's output (the logits, or with `chunked` the final hidden states)."""
+    the forward's output (the logits, or with `head` the final hidden states)."""
     batch, slot = pairs.micro(members, device)
-    with chunked.hidden_states() if chunked else nullcontext():
+    with head.hidden_states() if head else nullcontext():
         out = model(**model_inputs(batch)).logits
-    return sequence_logps(token_logps(out, batch["labels"], chunked), slot, 2 * len(members)), out
+    return sequence_logps(token_logps(out, batch["labels"], head), slot, 2 * len(members)), out
 
 
 class PairLoss:
@@ -97,13 +105,14 @@ class PairLoss:
         for i, members in enumerate(step.micro_batches):
             if not s.reduce_each_microbatch:
                 model.set_requires_gradient_sync(i == n_micro - 1)
-            pi, out = micro_logps(model, s.blocks, members, env.device, s.chunked_loss)
+            pi, out = micro_logps(model, s.blocks, members, env.device, s.head_loss)
             if members:
                 terms = dpo_terms(pi, self.reference[self._seqs(members)].to(env.device), self.beta)
                 loss = terms[0].sum()
                 stats += terms.sum(1).detach()
-            else:  # a filler micro-batch: no pair, but the same backward (and collectives) as every rank's
-                loss = out.float().sum() * 0.0
+            else:  # a filler micro-batch: no pair, but the same backward (and collectives) as every rank's, the
+                # output layer's included (its log-probabilities of no tokens)
+                loss = pi.sum() * 0.0
             (loss * weight).backward()
         return stats
 
@@ -111,7 +120,7 @@ class PairLoss:
         """The first micro-batch's summed pair loss and its pairs (this rank's)."""
         total = torch.zeros(2, device=s.env.device, dtype=torch.float32)
         members = first.micro_batches[0] if first is not None else []
-        pi, _ = micro_logps(s.model, s.blocks, members, s.env.device, s.chunked_loss)
+        pi, _ = micro_logps(s.model, s.blocks, members, s.env.device, s.head_loss)
         if members:
             total[0] = dpo_terms(pi, self.reference[self._seqs(members)].to(s.env.device), self.beta)[0].sum()
             total[1] = len(members)
@@ -170,7 +179,7 @@ def _rank_micro(pairs: Pairs, batch_size: int, env: DistEnv) -> tuple[list[list[
 
 @torch.no_grad()
 def pair_logps(model: nn.Module, pairs: Pairs, batch_size: int, env: DistEnv,
-               chunked: ChunkedLoss | None = None) -> torch.Tensor:  # fmt: skip
+               head: HeadLoss | None = None) -> torch.Tensor:  # fmt: skip
     """[2 x pairs] summed answer log-probabilities of every pair (chosen, rejected), in eval mode; every rank runs the
     same number of forwards and gets the whole result."""
     was_training = model.training
@@ -178,7 +187,7 @@ def pair_logps(model: nn.Module, pairs: Pairs, batch_size: int, env: DistEnv,
     found = torch.zeros(pairs.sequences, dtype=torch.float32, device=env.device)
     try:
         for members in _rank_micro(pairs, batch_size, env)[0]:
-            sums, _ = micro_logps(model, pairs, members, env.device, chunked)
+            sums, _ = micro_logps(model, pairs, members, env.device, head)
             if members:
                 seqs = torch.tensor([2 * p + k for p in members for k in (0, 1)], device=env.device)
                 found[seqs] = sums

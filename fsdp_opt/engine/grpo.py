@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -34,7 +33,7 @@ import torch.distributed as dist
 
 from fsdp_opt.data.blocks import IGNORE_INDEX, model_inputs
 from fsdp_opt.data.sequences import fits, pack
-from fsdp_opt.engine.dpo import token_logps
+from fsdp_opt.engine.dpo import head_logps, token_logps
 from fsdp_opt.engine.loss import next_token_targets
 from fsdp_opt.engine.generation import Generated, Sampling, completion_keys, gathered, generate
 from fsdp_opt.engine.rewards import Reward, score
@@ -239,12 +238,10 @@ class GroupLoss:
             if not s.reduce_each_microbatch:
                 s.model.set_requires_gradient_sync(i == n_micro - 1)
             batch, slot = self._pack(members, s)
-            chunked = s.chunked_loss
-            with chunked.hidden_states() if chunked else nullcontext():
-                out = s.model(**model_inputs(batch)).logits
-            logp = token_logps(out, batch["labels"], chunked, cfg.sampling.temperature)
-            if not members:  # a filler micro-batch: the same backward (and collectives) as every rank's
-                (out.float().sum() * 0.0).backward()
+            logp = head_logps(s.model, s.head_loss, batch, cfg.sampling.temperature)
+            if not members:  # a filler micro-batch: the same backward (and collectives) as every rank's, the output
+                # layer's included (its log-probabilities of no tokens)
+                (logp.sum() * 0.0).backward()
                 continue
             loss, kl = self.token_losses(logp, batch["labels"], slot, members, c.reference[i] if c.reference else None)
             weight = self._weights(batch["labels"], slot, members, c, i)

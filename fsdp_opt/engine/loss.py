@@ -1,14 +1,21 @@
-"""The next-token loss: over the whole logits, or over the vocabulary in chunks of tokens (`--loss_chunk_tokens`).
+"""The next-token loss: from the model's whole logits, or from its final hidden states with the output layer run by the
+loss itself (HeadLoss): at the positions that have a target alone, and with `--loss_chunk_tokens N`, N of them at a
+time.
 
-With `--loss_chunk_tokens N` the model's forward stops before its output projection and returns the final
-hidden states. The projection and the cross-entropy then run N tokens at a time, each chunk under activation
-checkpointing: forward keeps only the chunk's scalar loss, backward recomputes one chunk's logits at a time.
-For opt-1.3b (vocabulary 50,272) a micro-batch of 4 x 512 tokens otherwise holds its logits in fp16, an fp32 copy,
-the log-softmax and the fp32 gradient at once (about 1.3 GiB); in chunks of 1024 tokens that is a few hundred MB.
-The price is the projection computed twice (about 2.6% more FLOPs per token for opt-1.3b).
+A prompt, a chat's question, a padded tail or a GRPO prompt has no target: its logits are never needed. HeadLoss
+stops the model's forward before its output projection and runs it on the target positions only, so a chat or DPO
+micro-batch computes the vocabulary-wide logits, their fp32 copy, the log-softmax and its gradient for its answer
+tokens alone. Finding those positions reads the labels once per micro-batch (a host sync on a GPU).
+
+With `--loss_chunk_tokens N` the projection and the cross-entropy run N target tokens at a time, each chunk under
+activation checkpointing: forward keeps only the chunk's scalar loss, backward recomputes one chunk's logits at a
+time. For opt-1.3b (vocabulary 50,272) a micro-batch of 4 x 512 target tokens otherwise holds their logits' fp32
+copy, the log-softmax and its gradient at once (the plan: 1.15 GiB); in chunks of 256 tokens, 0.19 GiB. The price is
+the projection computed twice (about 2.6% more FLOPs per token for opt-1.3b).
 
 The projection weight is read after the forward, from the FSDP root unit, which keeps its weights gathered from
 forward to backward (`reshard_after_forward=False`); its gradient then reaches the same reduce-scatter as before.
+A model whose logits are more than `hidden @ W.T` (a bias, a softcap, a scale) keeps its whole logits.
 """
 
 from __future__ import annotations
@@ -23,9 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fsdp_opt.base import ConfigError
 from fsdp_opt.data.blocks import IGNORE_INDEX
-
-# Config fields of models whose logits are more than `hidden @ W.T`: those keep the whole-logits loss.
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+from fsdp_opt.model.families import head_refusal
 
 
 def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
@@ -61,17 +66,26 @@ def _passthrough(hidden: torch.Tensor) -> torch.Tensor:
     return hidden
 
 
-class ChunkedLoss:
-    """Next-token cross-entropy summed over the targets, computed `chunk_tokens` tokens at a time."""
+class HeadLoss:
+    """Next-token cross-entropy (and log-probabilities) from the final hidden states: the output layer at the target
+    positions only (`select`), `chunk_tokens` of them at a time when that is not 0.
 
-    def __init__(self, model: nn.Module, chunk_tokens: int):
-        head = model.get_output_embeddings()
-        config = getattr(model, "config", None)
-        transforms = [k for k in _LOGIT_TRANSFORMS if getattr(config, k, None) not in (None, 1, 1.0)]
-        if not isinstance(head, nn.Linear) or head.bias is not None or transforms:
-            why = f"its logits use {transforms[0]}" if transforms else "its output layer is not a Linear without bias"
+    `select=False` runs every position, as if each had a target: the memory plan's simulation (planner/simulate.py),
+    whose fake tensors hold no labels to select by, measures that worst case."""
+
+    def __init__(self, model: nn.Module, chunk_tokens: int = 0, select: bool = True):
+        why = head_refusal(model)
+        if why:
             raise ConfigError(f"--loss_chunk_tokens: not available for this model ({why}); use 0")
-        self.head, self.chunk_tokens = head, chunk_tokens
+        self.head, self.chunk_tokens, self.select = model.get_output_embeddings(), chunk_tokens, select
+
+    @classmethod
+    def for_run(cls, model: nn.Module, chunk_tokens: int, select: bool = True) -> HeadLoss | None:
+        """A run's loss: in chunks when asked (refused, as a flag error, for a model whose logits are not a plain
+        projection); else the output layer at the targets where the model allows it; else None (whole logits)."""
+        if chunk_tokens or head_refusal(model) is None:
+            return cls(model, chunk_tokens, select)
+        return None
 
     @contextmanager
     def hidden_states(self) -> Iterator[None]:
@@ -82,23 +96,45 @@ class ChunkedLoss:
         finally:
             del self.head.forward
 
-    def loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Call after the forward, while the root unit's weights are still gathered."""
+    def _at_targets(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The hidden states and targets of the positions the loss reads, flat, and those positions (None: all)."""
         targets = next_token_targets(labels).reshape(-1)
         flat = hidden.reshape(-1, hidden.shape[-1])
+        if not self.select:
+            return flat, targets, None
+        rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)
+        if rows.numel() == targets.numel():
+            return flat, targets, None
+        # an empty selection still runs the projection (on no rows): every rank's output layer gets a gradient
+        return flat.index_select(0, rows), targets.index_select(0, rows), rows
+
+    def _pieces(self, flat: torch.Tensor, targets: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if not self.chunk_tokens:
+            yield flat, targets
+            return
+        # split (not slicing) so backward joins the chunks' gradients once instead of zero-filling per chunk.
+        yield from zip(flat.split(self.chunk_tokens), targets.split(self.chunk_tokens))
+
+    def _run(self, fn, *args):  # noqa: ANN001, ANN002, ANN202
+        if not self.chunk_tokens:
+            return fn(*args)
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+
+    def loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Call after the forward, while the root unit's weights are still gathered."""
+        flat, targets, _ = self._at_targets(hidden, labels)
         weight = self.head.weight
         total = torch.zeros((), device=hidden.device, dtype=torch.float32)
-        # split (not slicing) so backward joins the chunks' gradients once instead of zero-filling per chunk.
-        for h, t in zip(flat.split(self.chunk_tokens), targets.split(self.chunk_tokens)):
-            total = total + checkpoint(_chunk_loss, h, weight, t, use_reentrant=False, preserve_rng_state=False)
+        for h, t in self._pieces(flat, targets):
+            total = total + self._run(_chunk_loss, h, weight, t)
         return total
 
     def token_logps(self, hidden: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """Each position's log-probability of its next token (0 without a target), flat, fp32, of the logits divided
-        by `temperature`: DPO's per-sequence sums and GRPO's per-token ratios, one chunk's logits at a time."""
-        targets = next_token_targets(labels).reshape(-1)
-        flat = hidden.reshape(-1, hidden.shape[-1])
-        parts = [checkpoint(_chunk_logps, h, self.head.weight, t, temperature, use_reentrant=False,
-                            preserve_rng_state=False)
-                 for h, t in zip(flat.split(self.chunk_tokens), targets.split(self.chunk_tokens))]  # fmt: skip
-        return torch.cat(parts)
+        by `temperature`: DPO's per-sequence sums and GRPO's per-token ratios."""
+        flat, targets, rows = self._at_targets(hidden, labels)
+        parts = [self._run(_chunk_logps, h, self.head.weight, t, temperature) for h, t in self._pieces(flat, targets)]
+        found = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if rows is None:
+            return found
+        return torch.zeros(hidden.shape[0] * hidden.shape[1], dtype=found.dtype, device=found.device).index_copy(0, rows, found)

@@ -16,7 +16,7 @@ from torch import nn
 
 from fsdp_opt.config.parse import Config
 from fsdp_opt.data.blocks import Blocks, StepBatch, StepPlan, model_inputs
-from fsdp_opt.engine.loss import ChunkedLoss, causal_lm_loss_sum
+from fsdp_opt.engine.loss import HeadLoss, causal_lm_loss_sum
 from fsdp_opt.engine.optim import LossScaler, LRSchedule, global_grad_norm, unscale_and_clip_
 from fsdp_opt.runtime.distributed import (
     DistEnv,
@@ -39,7 +39,7 @@ class StepRun(Protocol):
     plan: StepPlan
     state: TrainState
     end_idx: int
-    chunked_loss: ChunkedLoss | None
+    head_loss: HeadLoss | None
     reduce_each_microbatch: bool
     flops_per_token: float
     peak_flops: float | None
@@ -103,11 +103,11 @@ class TokenLoss:
     @staticmethod
     def _loss_sum(s: StepRun, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward's output and the summed loss of the batch's targets."""
-        chunked = s.chunked_loss
-        with chunked.hidden_states() if chunked else nullcontext():
-            # With a chunked loss `.logits` holds the final hidden states: the projection runs in the loss.
+        head = s.head_loss
+        with head.hidden_states() if head else nullcontext():
+            # With a head loss `.logits` holds the final hidden states: the projection runs in the loss.
             out = s.model(**model_inputs(batch)).logits
-        loss = chunked.loss_sum(out, batch["labels"]) if chunked else causal_lm_loss_sum(out, batch["labels"])
+        loss = head.loss_sum(out, batch["labels"]) if head else causal_lm_loss_sum(out, batch["labels"])
         return out, loss
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch import nn
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -137,6 +138,23 @@ def mask_pattern(config: PretrainedConfig) -> MaskPattern | None:
         return MaskPattern(window=int(window), by_layer_type=False)
     raise ModelError(f"--packing docs: {config.model_type} has sliding-window attention that its document mask cannot "
                      "express here; use --packing pad or concat")  # fmt: skip
+
+
+# Config fields of models whose logits are more than `hidden @ W.T`
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def head_refusal(model: nn.Module) -> str | None:
+    """Why the loss cannot run this model's output layer itself, after the forward (None: it can): the layer is not a
+    Linear without bias, or the model changes its logits after it (engine/loss.py HeadLoss)."""
+    head = model.get_output_embeddings()
+    config = getattr(model, "config", None)
+    transforms = [k for k in LOGIT_TRANSFORMS if getattr(config, k, None) not in (None, 1, 1.0)]
+    if transforms:
+        return f"its logits use {transforms[0]}"
+    if not isinstance(head, nn.Linear) or head.bias is not None:
+        return "its output layer is not a Linear without bias"
+    return None
 
 
 def families_markdown() -> str:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from fsdp_opt.model.catalog import catalog_config, catalog_id
+from fsdp_opt.model.families import head_refusal
 from fsdp_opt.model.parallelize import find_block_classes, find_blocks
 from fsdp_opt.model.sources import (
     LLAMA_8B,
@@ -55,6 +56,7 @@ class Shape:
     kv_dim: int = 0  # keys (or values) per token per layer: kv heads x head dim (what a KV cache holds)
     gated_mlp: bool = False  # the MLP multiplies a gate by its up projection (Llama, Qwen, Gemma, Mistral, Phi-3)
     intermediate: int = 0  # the MLP's width
+    plain_head: bool = False  # logits are `hidden @ W.T`: the loss runs the output layer at the targets (HeadLoss)
 
     @classmethod
     def of(cls, config) -> "Shape":
@@ -86,10 +88,11 @@ class Shape:
             # the MLP's width: the input of its last linear layer
             intermediate=next((i for name, i, _ in linears if name in ("down_proj", "fc2", "w2", "dense_4h_to_h")),
                               max((o for _, _, o in linears), default=0)),
+            plain_head=head_refusal(model) is None,
         )  # fmt: skip
 
     def summary(self) -> dict[str, int]:
-        return {k: v for k, v in self.__dict__.items() if k not in ("units", "linears", "relu_mlp", "gated_mlp")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("units", "linears", "relu_mlp", "gated_mlp", "plain_head")}
 
 
 def _unique_params(model: nn.Module) -> list[torch.Tensor]:

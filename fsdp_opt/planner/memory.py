@@ -49,6 +49,11 @@ def memory(shape: Shape, strategy: str, inputs: Inputs, batch_size: int | None =
     out["attention_mask"] = mask_bytes(shape, inputs, b, c)
     # Logits in the compute dtype, their fp32 copy for the loss, the saved log-softmax and the fp32 gradient.
     out["logits"] = s * b * shape.vocab * (c + 4 + 4 + 4 if c == 2 else 12)
+    if shape.plain_head:
+        # The loss runs the output layer itself (engine/loss.py HeadLoss): the model's output holds no logits through
+        # backward (2 bytes less a position in fp16, 4 in fp32; the simulated opt-1.3b step at 4 x 512: 206 and 412 MB
+        # less). Every position counted as a target, the worst case: a prompt or padding adds none.
+        out["logits"] = s * b * shape.vocab * (12 if c == 2 else 8)
     if inputs.loss_chunk_tokens:
         # One chunk at a time, at its peak in backward's recompute: the same, plus its gradient in the compute dtype.
         out["logits"] = min(inputs.loss_chunk_tokens, s * b) * shape.vocab * (2 * c + 12 if c == 2 else 16)

@@ -40,7 +40,7 @@ from fsdp_opt.data.packing import document_mask, segment_positions
 from fsdp_opt.data.pairs import Pairs
 from fsdp_opt.engine.dpo import dpo_terms, micro_logps
 from fsdp_opt.engine.generation import gathered
-from fsdp_opt.engine.loss import ChunkedLoss, causal_lm_loss_sum
+from fsdp_opt.engine.loss import HeadLoss, causal_lm_loss_sum
 from fsdp_opt.engine.optim import build_optimizer, create_state
 from fsdp_opt.model.adapters import Adapters
 from fsdp_opt.model.parallelize import shard_model
@@ -188,7 +188,8 @@ def simulate(model_name: str, inputs, strategy: str, *, fake: bool = True, micro
         optimizer = build_optimizer(model, 1e-4, 0.0, env.device)
         create_state(optimizer)
         optimizer_bytes = _optimizer_bytes(optimizer)
-        chunked = ChunkedLoss(model, inputs.loss_chunk_tokens) if inputs.loss_chunk_tokens else None
+        # the engine's loss, every position a target (the plan's worst case; fake tensors hold no labels to select by)
+        head = HeadLoss.for_run(model, inputs.loss_chunk_tokens, select=False)
         tracker = _tracker_class()(model)
         tracker.group_peaks, tracker.group_moments = {}, {}
         accumulated = 0
@@ -198,13 +199,13 @@ def simulate(model_name: str, inputs, strategy: str, *, fake: bool = True, micro
                     model.set_requires_gradient_sync(i == micro - 1)
                 tracker.reset_mod_stats()  # the tracker follows one forward per module between resets
                 if pairs is not None:  # the engine's pair loss, from the engine's packed pairs
-                    batch, (loss, out) = None, pairs.loss(model, chunked)
+                    batch, (loss, out) = None, pairs.loss(model, head)
                 else:
                     batch = micro_batch(config.vocab_size, inputs, env.device)
-                    with chunked.hidden_states() if chunked else nullcontext():
+                    with head.hidden_states() if head else nullcontext():
                         out = model(**batch).logits
                     ids = batch["input_ids"]
-                    loss = chunked.loss_sum(out, ids) if chunked else causal_lm_loss_sum(out, ids)
+                    loss = head.loss_sum(out, ids) if head else causal_lm_loss_sum(out, ids)
                 # with the micro-batch and its output alive through backward, as in the engine's step
                 loss.backward()
                 del out, loss, batch
@@ -242,16 +243,16 @@ class DpoMicroBatch:
         """Pairs.micro's answer, as built."""
         return self.built
 
-    def logps(self, model, chunked: ChunkedLoss | None) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+    def logps(self, model, head: HeadLoss | None) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
         """The engine's summed answer log-probabilities of the pairs, and the forward's output (engine/dpo.py
         micro_logps)."""
-        return micro_logps(model, self, self.members, self.built[1].device, chunked)  # type: ignore[arg-type]
+        return micro_logps(model, self, self.members, self.built[1].device, head)  # type: ignore[arg-type]
 
-    def loss(self, model, chunked: ChunkedLoss | None) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+    def loss(self, model, head: HeadLoss | None) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
         """The step's pair loss as accumulate_pairs computes it (dpo_terms), against a reference of zeros (its
         log-probabilities are numbers read from the checkpoint, not tensors of the step), and the forward's output,
         which the step holds through backward."""
-        pi, out = self.logps(model, chunked)
+        pi, out = self.logps(model, head)
         return dpo_terms(pi, torch.zeros_like(pi), 0.1)[0].sum(), out
 
 

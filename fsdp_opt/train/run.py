@@ -29,7 +29,7 @@ from fsdp_opt.data.prompts import check_groups
 from fsdp_opt.data.resolve import DataSource
 from fsdp_opt.data.sources import check_exists
 from fsdp_opt.engine.fp16watch import Fp16Overflow, overflow_probe
-from fsdp_opt.engine.loss import ChunkedLoss
+from fsdp_opt.engine.loss import HeadLoss
 from fsdp_opt.engine.optim import LossScaler, LRSchedule, build_optimizer
 from fsdp_opt.engine.step import TrainState, first_batch_loss, train_step
 from fsdp_opt.hub.lease import Lease
@@ -116,7 +116,7 @@ class Built:
     layout: Layout
     block_classes: set[type]
     units: int
-    chunked_loss: ChunkedLoss | None
+    head_loss: HeadLoss | None
     n_params: int  # of the model without adapters
     flops_per_token: float
 
@@ -242,7 +242,7 @@ def build_model(config: Config, env: DistEnv, checked: Checked, inputs: Loaded, 
     if adapters is not None:
         shards = shard_count(layout.strategy, env.world_size, env.local_world_size)
         all_ranks_ok(lambda: adapters.add_to(model, shards))
-    chunked_loss = all_ranks_ok(lambda: ChunkedLoss(model, layout.loss_chunk_tokens) if layout.loss_chunk_tokens else None)
+    head_loss = all_ranks_ok(lambda: HeadLoss.for_run(model, layout.loss_chunk_tokens))
     if resuming:
         def check() -> None:
             path = Path(payload["_path"])
@@ -270,7 +270,7 @@ def build_model(config: Config, env: DistEnv, checked: Checked, inputs: Loaded, 
                 check_compatible(payload, model, path)
 
             all_ranks_ok(lambda: check_base() if env.is_main else None)
-    return Built(model, adapters, layout, block_classes, units, chunked_loss, n_params, fpt)
+    return Built(model, adapters, layout, block_classes, units, head_loss, n_params, fpt)
 
 
 def make_session(config: Config, env: DistEnv, checked: Checked, inputs: Loaded, built: Built, method: Method) -> Session:
@@ -294,7 +294,7 @@ def make_session(config: Config, env: DistEnv, checked: Checked, inputs: Loaded,
         flops_per_token=built.flops_per_token,
         peak_flops=peak_flops(env.device), out_dir=out_dir, model_config=inputs.model_config,
         tokenizer=inputs.tokenizer, n_params=built.n_params, params=[p for p in model.parameters() if p.requires_grad],
-        eval_blocks=inputs.data.eval_blocks, eval_label=inputs.data.eval_label, chunked_loss=built.chunked_loss,
+        eval_blocks=inputs.data.eval_blocks, eval_label=inputs.data.eval_label, head_loss=built.head_loss,
         rows=inputs.data.spec.key(inputs.data.train_on),
         lora=built.adapters.identity() if built.adapters else None,
         ckpt_writer=BackgroundWriter() if uses_async_save(config, env.device.type) else None,

@@ -17,7 +17,7 @@ from fsdp_opt.checkpoint.save import BackgroundWriter
 from fsdp_opt.config.parse import Config
 from fsdp_opt.data.blocks import Blocks, StepBatch, StepPlan
 from fsdp_opt.engine.fp16watch import SkipWatch
-from fsdp_opt.engine.loss import ChunkedLoss
+from fsdp_opt.engine.loss import HeadLoss
 from fsdp_opt.engine.optim import LossScaler, LRSchedule
 from fsdp_opt.engine.step import StepLoss, TrainState
 from fsdp_opt.hub.lease import Lease
@@ -65,7 +65,7 @@ class Session:
     eval_blocks: Blocks | None = None  # --eval_rows
     eval_label: str = ""  # which rows they are: [a, b), or [0, n) of split S
     step_seconds: list[float] = field(default_factory=list)  # of this session's optimizer steps
-    chunked_loss: ChunkedLoss | None = None  # --loss_chunk_tokens
+    head_loss: HeadLoss | None = None  # the output layer run by the loss (at the targets; --loss_chunk_tokens)
     lora: dict[str, Any] | None = None  # adapters.identity() of a LoRA run: what its checkpoints record
     skip_watch: SkipWatch = field(default_factory=SkipWatch)  # fp16: skipped-step rate, warnings, the storm stop
     ckpt_writer: BackgroundWriter | None = None  # --async_save (rank 0 writes; None: saves written in place)

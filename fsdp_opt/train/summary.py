@@ -33,7 +33,7 @@ def print_summary(s: Session, classes: set[type], units: int, n_params: int) -> 
                 "gradient sync": "every micro-batch"
                 if s.reduce_each_microbatch or s.accum_steps == 1
                 else "last micro-batch of each step",
-                "loss": f"{s.layout.loss_chunk_tokens} tokens at a time" if s.chunked_loss else "whole logits at once",
+                "loss": describe_loss(s),
                 "predicted step": describe_prediction(s.predicted_step),
                 "checkpoints": f"{c.checkpoint.state_dict_type}, written "
                 + ("in the background while training goes on" if s.ckpt_writer is not None else "before training goes on"),
@@ -62,3 +62,12 @@ def describe_lora(s: Session) -> str:
     return (f"rank {info['rank']}, alpha {info['alpha']:g}, dropout {info['dropout']:g} on {len(info['targets'])} layers: "
             f"{trainable:,} trainable parameters ({100 * trainable / max(1, s.n_params):.2f}%); base frozen in "
             f"{s.precision}, weights {info['base_fingerprint']}")  # fmt: skip
+
+
+def describe_loss(s: Session) -> str:
+    """How the loss reads the logits: whole, or the output layer run at the target tokens (in chunks)."""
+    if s.head_loss is None:
+        return "whole logits at once (this model's logits are not a plain projection)"
+    where = "the output layer at the target tokens only"
+    chunk = s.layout.loss_chunk_tokens
+    return f"{where}, {chunk} tokens at a time" if chunk else where

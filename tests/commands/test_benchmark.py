@@ -225,3 +225,20 @@ def test_allocator_benchmark_runs_both_thresholds_to_the_same_losses(tmp_path):
         assert list(arm) == ["alone"] and len(launch["losses"]) == 1 and len(launch["peak_rss_gib"]) == 2
         assert launch["step_s"] > 0 and launch["sys_s"] > 0
     assert "| 1 MiB (GPU runs) | alone |" in proc.stdout
+
+
+def test_head_loss_benchmark_runs_both_arms_to_the_same_loss(tmp_path):
+    """benchmarks/head_loss.py at one round and tiny-opt's vocabulary: each case's two arms (whole logits, the output
+    layer at the targets) report a time and a peak, on the targets the case names, at the same loss to rounding; no
+    time is asserted."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "head_loss.py"), "--rounds", "1", "--vocabs", "4096",
+           "--json", str(tmp_path / "head.json")]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    cases = json.loads((tmp_path / "head.json").read_text())["cases"]
+    # 4 rows of 128 tokens: every token but the first of each row has a target; the last 42 of each row; the last 16
+    targets = {"text": 4 * 127, "chat": 4 * 42, "grpo": 4 * 16}
+    assert {name: c["targets"] for name, c in cases.items()} == {f"vocab 4096, {k}": v for k, v in targets.items()}
+    for c in cases.values():
+        whole, at = c["whole logits"], c["output layer at the targets"]
+        assert whole["loss"] == pytest.approx(at["loss"], rel=1e-5) and whole["seconds"] > 0 and at["seconds"] > 0

@@ -89,7 +89,8 @@ def test_sharded_run_matches_unsharded_reference(tmp_path, det_model, reference,
     assert f"x {accum} accum = {GLOBAL_BATCH} sequences per step" in proc.stdout
     sync = "every micro-batch" if "--reduce_every_microbatch" in extra or accum == 1 else "last micro-batch of each step"
     assert any(l.split(":")[0].strip() == "gradient sync" and l.endswith(f": {sync}") for l in proc.stdout.splitlines())
-    chunk = extra[extra.index("--loss_chunk_tokens") + 1] + " tokens at a time" if "--loss_chunk_tokens" in extra else "whole logits at once"
+    chunk = ", " + extra[extra.index("--loss_chunk_tokens") + 1] + " tokens at a time" if "--loss_chunk_tokens" in extra else ""
+    chunk = "the output layer at the target tokens only" + chunk  # OPT's head is a bias-free Linear
     assert any(l.split(":")[0].strip() == "loss" and l.endswith(f": {chunk}") for l in proc.stdout.splitlines())
     rows = read_jsonl(tmp_path / "out" / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, len(reference) + 1))

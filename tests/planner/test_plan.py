@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -47,7 +48,11 @@ def test_memory_arithmetic_for_opt_1_3b_on_two_t4():
     # 2*s*b*h of SDPA's saved output.
     assert shape.relu_mlp and not Shape.of(model_config("Qwen/Qwen2.5-0.5B")).relu_mlp
     assert full["activations"] == 24 * 512 * 4 * 2048 * 2 + (34 - 8 + 2) * 512 * 4 * 2048
-    assert full["logits"] == 512 * 4 * 50272 * 14
+    # The loss runs OPT's output layer itself (a bias-free Linear): the fp32 logits, their log-softmax and its
+    # gradient; a model whose output holds its fp16 logits through backward (a head with a bias, softcapped logits)
+    # adds those.
+    assert shape.plain_head and full["logits"] == 512 * 4 * 50272 * 12
+    assert memory(dataclasses.replace(shape, plain_head=False), "FULL_SHARD", t4)["logits"] == 512 * 4 * 50272 * 14
     # --loss_chunk_tokens 256: one chunk's logits at a time, with its fp16 gradient as well.
     assert memory(shape, "FULL_SHARD", Inputs(**{**t4.__dict__, "loss_chunk_tokens": 256}))["logits"] == 256 * 50272 * 16
     # --reduce_every_microbatch auto: on 15 GiB the unsharded gradient does not fit; on 80 GiB it does.

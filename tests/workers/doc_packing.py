@@ -18,7 +18,7 @@ from fsdp_opt.config.parse import parse_args
 from fsdp_opt.data.blocks import StepPlan, build_blocks, model_inputs, tokenize
 from fsdp_opt.data.formats import select_texts
 from fsdp_opt.data.sources import load_rows
-from fsdp_opt.engine.loss import ChunkedLoss
+from fsdp_opt.engine.loss import HeadLoss
 from fsdp_opt.engine.step import accumulate
 from fsdp_opt.runtime.distributed import end_process, init_distributed, teardown
 from fsdp_opt.train.run import setup
@@ -59,13 +59,13 @@ def main() -> None:
     b = config.train.batch_size
     report = {"rows": len(rows), "longest_row": max(map(len, rows)), "docs_blocks": len(docs), "padded_rows": len(padded),
               "rows_per_block": max(int((docs.positions[k] == 0).sum()) for k in range(len(docs)))}  # fmt: skip
-    for name, chunked in (("whole", None), ("chunked", ChunkedLoss(s.model, 48))):
-        s.chunked_loss = chunked
+    for name, chunked in (("whole", None), ("chunked", HeadLoss(s.model, 48))):
+        s.head_loss = chunked
         g_docs, loss_docs, tokens_docs = gradients(s, docs, b)
         g_pad, loss_pad, tokens_pad = gradients(s, padded, b)
         report[name] = {"grad_diff": largest_difference(g_docs, g_pad), "grad_max": max(g.abs().max().item() for g in g_pad.values()),
                         "loss_docs": loss_docs, "loss_pad": loss_pad, "tokens_docs": tokens_docs, "tokens_pad": tokens_pad}  # fmt: skip
-    s.chunked_loss = None
+    s.head_loss = None
     s.optimizer.zero_grad(set_to_none=True)
     # Per-token losses inside the packed blocks against each row alone: every rank runs the same forwards.
     s.model.eval()

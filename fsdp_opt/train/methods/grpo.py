@@ -14,13 +14,13 @@ import torch
 from fsdp_opt.base import ConfigError
 from fsdp_opt.checkpoint.drift import line as drift_line
 from fsdp_opt.config.parse import Config
-from fsdp_opt.data.blocks import model_inputs
 from fsdp_opt.data.formats import RowSpec, Rows
 from fsdp_opt.data.prompts import PromptPlan, prompts_from_rows
 from fsdp_opt.data.tokens import end_of_turn
-from fsdp_opt.engine.dpo import adapters_off, token_logps
+from fsdp_opt.engine.dpo import adapters_off, head_logps
 from fsdp_opt.engine.generation import Sampling
 from fsdp_opt.engine.grpo import GroupLoss, GroupSettings, held_out_rewards
+from fsdp_opt.engine.loss import HeadLoss
 from fsdp_opt.engine.rewards import load_all
 from fsdp_opt.model.sources import without_dropout
 from fsdp_opt.model.shapes import Shape
@@ -166,7 +166,7 @@ class Grpo(Method):
                 s.model.eval()
                 try:
                     with adapters_off(s.model):
-                        return token_logps(s.model(**model_inputs(batch)).logits, batch["labels"], None, temperature)
+                        return head_logps(s.model, s.head_loss, batch, temperature)
                 finally:
                     s.model.train(was)
 
@@ -177,10 +177,11 @@ class Grpo(Method):
                                                seed=c.train.seed)  # fmt: skip
         print0(f"{self.name}: reference {self.ref_name}: loaded sharded in {s.precision}, kept beside the policy")
         ref = self.ref_model
+        ref_head = HeadLoss.for_run(ref, 0)
 
         @torch.no_grad()
         def model_logps(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-            return token_logps(ref(**model_inputs(batch)).logits, batch["labels"], None, temperature)
+            return head_logps(ref, ref_head, batch, temperature)
 
         return model_logps
 
