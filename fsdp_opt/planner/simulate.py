@@ -5,8 +5,9 @@
 One process stands in for rank 0 of `--gpus` ranks: a fake process group (no communication) and torch's
 FakeTensorMode (tensors with shapes and no storage), so opt-1.3b's step runs on a laptop CPU without its memory.
 The model is sharded by the engine's own `shard_model` (wrap policy, mixed precision, activation checkpointing,
-FULL_SHARD or SHARD_GRAD_OP), the loss is the engine's (whole logits or `--loss_chunk_tokens` chunks), and the
-micro-batches of one optimizer step run with or without gradient sync between them, as `--reduce_every_microbatch`
+FULL_SHARD or SHARD_GRAD_OP), the loss is the engine's (the output layer run by the loss, `--loss_chunk_tokens` target
+tokens at a time, with every position a target; whole logits for a model whose logits are not a plain projection),
+and the micro-batches of one optimizer step run with or without gradient sync between them, as `--reduce_every_microbatch`
 says. torch's FSDP2 memory tracker (`FSDPMemTracker`) labels every tensor the step creates; this module keeps the
 largest value each label reaches and the labels at the moment of the total peak.
 

@@ -170,9 +170,7 @@ def setup(config: Config, env: DistEnv, checked: Checked | None = None, lease: L
     tie_and_check(built.model)
     built.model.train()
     start_side_work(session, built, run_id, inputs.bf16_pretrained)
-    # every rank, fresh or resumed: what reading the weights (and a checkpoint's shards) mapped and copied, so the
-    # steps start from what is live
-    release_host_memory()
+    release_host_memory()  # every rank: what reading the weights (and a checkpoint) left, so the steps start clean
     return session
 
 
