@@ -47,11 +47,12 @@ def token_logps(out: torch.Tensor, labels: torch.Tensor, head: HeadLoss | None,
 
 
 def head_logps(model: nn.Module, head: HeadLoss | None, batch: dict[str, torch.Tensor],
-               temperature: float = 1.0) -> torch.Tensor:  # fmt: skip
-    """token_logps of one forward of `model` on `batch` (with `head`, the output layer at the targets only)."""
+               temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """token_logps of one forward of `model` on `batch` (with `head`, the output layer at the targets only), and the
+    forward's output (the logits, or with `head` the final hidden states)."""
     with head.hidden_states() if head else nullcontext():
         out = model(**model_inputs(batch)).logits
-    return token_logps(out, batch["labels"], head, temperature)
+    return token_logps(out, batch["labels"], head, temperature), out
 
 
 def sequence_logps(logps: torch.Tensor, slot: torch.Tensor, sequences: int) -> torch.Tensor:
@@ -79,9 +80,8 @@ def micro_logps(model: nn.Module, pairs: Pairs, members: list[int], device: torc
     """The summed answer log-probabilities of these pairs' sequences (chosen, rejected of each), one forward, and
     the forward's output (the logits, or with `head` the final hidden states)."""
     batch, slot = pairs.micro(members, device)
-    with head.hidden_states() if head else nullcontext():
-        out = model(**model_inputs(batch)).logits
-    return sequence_logps(token_logps(out, batch["labels"], head), slot, 2 * len(members)), out
+    logps, out = head_logps(model, head, batch)
+    return sequence_logps(logps, slot, 2 * len(members)), out
 
 
 class PairLoss:

@@ -238,7 +238,7 @@ class GroupLoss:
             if not s.reduce_each_microbatch:
                 s.model.set_requires_gradient_sync(i == n_micro - 1)
             batch, slot = self._pack(members, s)
-            logp = head_logps(s.model, s.head_loss, batch, cfg.sampling.temperature)
+            logp, _ = head_logps(s.model, s.head_loss, batch, cfg.sampling.temperature)
             if not members:  # a filler micro-batch: the same backward (and collectives) as every rank's, the output
                 # layer's included (its log-probabilities of no tokens)
                 (logp.sum() * 0.0).backward()

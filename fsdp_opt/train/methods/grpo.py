@@ -166,7 +166,7 @@ class Grpo(Method):
                 s.model.eval()
                 try:
                     with adapters_off(s.model):
-                        return head_logps(s.model, s.head_loss, batch, temperature)
+                        return head_logps(s.model, s.head_loss, batch, temperature)[0]
                 finally:
                     s.model.train(was)
 
@@ -181,7 +181,7 @@ class Grpo(Method):
 
         @torch.no_grad()
         def model_logps(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-            return head_logps(ref, ref_head, batch, temperature)
+            return head_logps(ref, ref_head, batch, temperature)[0]
 
         return model_logps
 
