@@ -328,6 +328,58 @@ def test_the_head_loss_runs_the_output_layer_on_the_target_rows_alone_and_on_non
     assert model.lm_head.weight.grad is not None and (model.lm_head.weight.grad == 0).all()
 
 
+def test_the_held_out_loss_and_the_pair_scores_run_the_output_layer_at_the_targets_alone(monkeypatch):
+    """evaluate_loss (the held-out loss) and pair_logps (DPO's reference and held-out passes) give what a plain
+    transformers forward gives on whole logits, while the projection sees only the positions with a target."""
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_opt.data.blocks import Blocks
+    from fsdp_opt.data.pairs import Pairs
+    from fsdp_opt.engine import loss as loss_module
+    from fsdp_opt.engine.dpo import pair_logps
+    from fsdp_opt.engine.evaluation import evaluate_loss
+    from fsdp_opt.runtime.distributed import DistEnv
+
+    torch.manual_seed(0)
+    config = OPTConfig(num_hidden_layers=1, hidden_size=16, ffn_dim=32, num_attention_heads=2, vocab_size=50,
+                       max_position_embeddings=32, dropout=0.0)  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config).eval()
+    env = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
+    rows: list[int] = []
+    for name in ("_chunk_loss", "_chunk_logps"):
+        real = getattr(loss_module, name)
+        monkeypatch.setattr(loss_module, name, lambda h, *a, real=real: rows.append(h.shape[0]) or real(h, *a))
+
+    # two rows of 12 tokens, the second with 2 of padding; answers from position 8 and 5
+    ids = torch.randint(3, 50, (2, 12), dtype=torch.int32)
+    ids[1, 10:] = 1
+    targets = torch.zeros(2, 12, dtype=torch.bool)
+    targets[0, 8:], targets[1, 5:10] = True, True
+    blocks = Blocks(ids, torch.tensor([12, 10]), pad_id=1, targets=targets)
+    got = evaluate_loss(model, blocks, 2, env)
+    with torch.no_grad():
+        logits = model(input_ids=ids.long(), attention_mask=(torch.arange(12) < torch.tensor([[12], [10]])).long()).logits
+    logp = torch.log_softmax(logits.double(), -1)
+    picked = [logp[r, t - 1, ids[r, t]] for r in range(2) for t in range(1, 12) if targets[r, t]]
+    assert got["tokens"] == len(picked) == 9 and rows == [9]
+    assert abs(got["loss"] + float(sum(picked)) / 9) <= 1e-5, got
+
+    # one pair, chosen and rejected: a 6-token prompt, answers of 3 and 2 tokens, one row each (--packing pad)
+    rows.clear()
+    prompt = torch.randint(3, 50, (6,)).tolist()
+    answers = [torch.randint(3, 50, (3,)).tolist(), torch.randint(3, 50, (2,)).tolist()]
+    seqs = [prompt + a for a in answers]
+    pairs = Pairs(seqs, [[k >= 6 for k in range(len(q))] for q in seqs], [0], 0, 16, "pad", "sdpa")
+    scores = pair_logps(model, pairs, 1, env)
+    expected = []
+    for q in seqs:
+        with torch.no_grad():
+            lp = torch.log_softmax(model(input_ids=torch.tensor([q])).logits[0].double(), -1)
+        expected.append(float(sum(lp[t - 1, q[t]] for t in range(6, len(q)))))
+    assert torch.allclose(scores.double(), torch.tensor(expected, dtype=torch.float64), atol=1e-5), (scores, expected)
+    assert rows == [5]  # the answers' 3 + 2 tokens, not the 18 positions of the two rows
+
+
 def test_chunks_are_refused_where_logits_are_not_a_plain_projection():
     from transformers import Gemma2Config
 

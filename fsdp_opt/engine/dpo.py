@@ -1,7 +1,8 @@
 """Direct Preference Optimization (--method dpo): a pair's loss from the summed log-probabilities of its answers.
 
-A sequence's log-probability is the sum of its answer tokens' log-probabilities, in fp32 from the logits (a chunk of
-tokens at a time with --loss_chunk_tokens). With the policy's (pi) and the reference's (ref):
+A sequence's log-probability is the sum of its answer tokens' log-probabilities, in fp32 from the logits of the answer
+tokens alone where the model's output layer is a plain projection (engine/loss.py HeadLoss; a chunk of tokens at a
+time with --loss_chunk_tokens). With the policy's (pi) and the reference's (ref):
 
     loss = -log sigmoid(beta * ((pi_chosen - ref_chosen) - (pi_rejected - ref_rejected)))
 
@@ -178,10 +179,11 @@ def _rank_micro(pairs: Pairs, batch_size: int, env: DistEnv) -> tuple[list[list[
 
 
 @torch.no_grad()
-def pair_logps(model: nn.Module, pairs: Pairs, batch_size: int, env: DistEnv,
-               head: HeadLoss | None = None) -> torch.Tensor:  # fmt: skip
+def pair_logps(model: nn.Module, pairs: Pairs, batch_size: int, env: DistEnv) -> torch.Tensor:
     """[2 x pairs] summed answer log-probabilities of every pair (chosen, rejected), in eval mode; every rank runs the
-    same number of forwards and gets the whole result."""
+    same number of forwards and gets the whole result. The output layer runs at the answer tokens only where the model
+    allows it (HeadLoss), as in a training step: a pair's prompt never gets its vocabulary-wide logits."""
+    head = HeadLoss.for_run(model, 0)
     was_training = model.training
     model.eval()
     found = torch.zeros(pairs.sequences, dtype=torch.float32, device=env.device)

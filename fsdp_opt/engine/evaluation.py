@@ -5,13 +5,14 @@ loss and target tokens are all-reduced."""
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from fsdp_opt.data.blocks import IGNORE_INDEX, Blocks, model_inputs
-from fsdp_opt.engine.loss import causal_lm_loss_sum
+from fsdp_opt.engine.loss import HeadLoss, causal_lm_loss_sum
 from fsdp_opt.runtime.distributed import DistEnv
 
 
@@ -25,15 +26,19 @@ def rank_batches(num_blocks: int, batch_size: int, rank: int, world_size: int) -
 
 @torch.no_grad()
 def evaluate_loss(model: nn.Module, blocks: Blocks, batch_size: int, env: DistEnv) -> dict[str, float]:
-    """{"loss": token-mean loss, "perplexity": exp(loss), "tokens": target tokens} over all of `blocks`."""
+    """{"loss": token-mean loss, "perplexity": exp(loss), "tokens": target tokens} over all of `blocks`. The output
+    layer runs at the target tokens only where the model allows it (engine/loss.py HeadLoss), as in training."""
+    head = HeadLoss.for_run(model, 0)
     was_training = model.training
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=env.device)
     try:
         for index in rank_batches(len(blocks), batch_size, env.rank, env.world_size):
             batch = blocks.batch(index, env.device)
-            logits = model(**model_inputs(batch)).logits
-            totals[0] += causal_lm_loss_sum(logits, batch["labels"]).double()
+            with head.hidden_states() if head else nullcontext():
+                out = model(**model_inputs(batch)).logits
+            loss_sum = head.loss_sum(out, batch["labels"]) if head else causal_lm_loss_sum(out, batch["labels"])
+            totals[0] += loss_sum.double()
             totals[1] += (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
     finally:
         model.train(was_training)

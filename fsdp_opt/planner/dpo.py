@@ -8,7 +8,9 @@ The reference pass (full fine-tuning, or LoRA with --ref_model): before the trai
 loaded sharded with its weights frozen in the compute dtype and run forward, without gradients, over the session's
 pairs; then freed. Its peak per GPU is the sharded weights and the larger of two moments: inside the blocks (the units
 gathered around the one computing, as training gathers them, one block's forward tensors and the attention mask) and
-at the loss (the root's weights gathered, the logits with their fp32 copy and its log-softmax). Its time: a
+at the loss (the root's weights gathered, the logits with their fp32 copy and its log-softmax; where the output layer
+is a plain projection, of the answer tokens only, counted here as if every position were one, and the half-precision
+logits freed as they are copied). Its time: a
 forward of two sequences per pair, a third of a training step's work per sequence (a quarter with activation
 checkpointing, whose recompute it does not do). A LoRA run without --ref_model scores with its own model, adapters off:
 no memory beyond training's, the same forward time.
@@ -38,8 +40,9 @@ def reference_memory(shape: Shape, strategy: str, inputs: Inputs) -> dict[str, i
         "gathered_weights": c * (shape.root_params + held * shape.block_params) + gather_buffer,
         "activations": layer_bytes(shape, inputs, b, c),  # one block's forward tensors, freed as the next runs
         "attention_mask": mask_bytes(shape, Inputs(**{**inputs.__dict__, "activation_checkpointing": True}), b, c),
-        # the logits in the compute dtype, their fp32 copy and its log-softmax
-        "logits": s * b * shape.vocab * (c + 4 + 4 if c == 2 else 8),
+        # the logits in the compute dtype, their fp32 copy and its log-softmax; where the loss runs the output layer
+        # itself (HeadLoss) the half-precision product is a temporary, freed as its fp32 copy is made
+        "logits": s * b * shape.vocab * (c + 4 + 4 if c == 2 and not shape.plain_head else 8),
     }
     out["root_at_loss"] = c * shape.root_params  # the root (embeddings, head) gathered while the loss is computed
     if inputs.cuda:

@@ -185,7 +185,7 @@ def describe(c: dict[str, Any]) -> str:
         parts.append("reduce every micro-batch" if c["reduce_every_microbatch"] else "reduce on the last micro-batch")
     if c["reduce_dtype"] != "fp32":
         parts.append(f"{c['reduce_dtype']} reduce")
-    parts.append(f"loss in chunks of {c['loss_chunk_tokens']} tokens" if c["loss_chunk_tokens"] else "whole logits")
+    parts.append(f"loss in chunks of {c['loss_chunk_tokens']} tokens" if c["loss_chunk_tokens"] else "loss not chunked")
     parts.append("activation checkpointing " + ("on" if c["activation_checkpointing"] else "off"))
     if c["cpu_offload"]:
         parts.append("CPU offload")

@@ -275,8 +275,8 @@ def simulate_reference(model_name: str, inputs, strategy: str) -> dict[str, Any]
         model.eval()
         tracker = _tracker_class()(model)
         tracker.group_peaks, tracker.group_moments = {}, {}
-        with tracker, torch.no_grad():  # the reference pass's forward (engine/dpo.py pair_logps)
-            pairs.logps(model, None)
+        with tracker, torch.no_grad():  # the reference pass's forward (engine/dpo.py pair_logps), every position a target
+            pairs.logps(model, HeadLoss.for_run(model, 0, select=False))
         peak = {_label(k): v for k, v in next(iter(tracker.get_tracker_snapshot("peak").values())).items()}
     return {"peak_total": peak.pop("Total"), "at_peak": peak, "world_size": world}
 
