@@ -6,17 +6,24 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import ASSETS
-from transformers import AutoConfig, GPT2Config, LlamaConfig, OPTConfig
+from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, LlamaConfig, OPTConfig
 
 from fsdp_opt.base import ConfigError, ModelError
 from fsdp_opt.config.parse import Config, build_parser, parse_args
 from fsdp_opt.config.training import TrainConfig
+from fsdp_opt.data.blocks import Blocks
+from fsdp_opt.data.pairs import Pairs
+from fsdp_opt.engine import loss as loss_module
+from fsdp_opt.engine.dpo import pair_logps
+from fsdp_opt.engine.evaluation import evaluate_loss
 from fsdp_opt.engine.loss import HeadLoss
 from fsdp_opt.engine.optim import LossScaler, LRSchedule, build_optimizer, create_state, unscale_and_clip_
 from fsdp_opt.model.parallelize import check_no_shared_params, find_block_classes, find_blocks
 from fsdp_opt.model.shapes import flops_per_token
 from fsdp_opt.model.sources import build_meta_model, model_tag, resolve_model
+from fsdp_opt.runtime.distributed import DistEnv
 
 # ------------------------------------------------------------------ flags
 
@@ -264,8 +271,6 @@ def test_the_head_loss_at_the_targets_equals_whole_logits_loss_and_gradients(chu
     """Against a plain transformers forward and cross-entropy on the whole logits (shifted by slicing): the output
     layer run at the target positions only (rows 0 and 2 have prompts, row 1 a padded tail), whole or 7 at a time
     (chunks end mid-row, the last one is short); the token log-probabilities too, 0 where there is no target."""
-    import torch.nn.functional as F
-    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     config = OPTConfig(num_hidden_layers=2, hidden_size=32, ffn_dim=64, num_attention_heads=2, vocab_size=300,
@@ -302,7 +307,6 @@ def test_the_head_loss_at_the_targets_equals_whole_logits_loss_and_gradients(chu
 def test_the_head_loss_runs_the_output_layer_on_the_target_rows_alone_and_on_none_for_a_filler():
     """The rows the projection sees: only the positions with a target; with none (a filler micro-batch), none, yet
     the output layer still gets a gradient (zeros), as every rank's must for the same reduce-scatter."""
-    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     config = OPTConfig(num_hidden_layers=1, hidden_size=16, ffn_dim=32, num_attention_heads=2, vocab_size=50,
@@ -331,15 +335,6 @@ def test_the_head_loss_runs_the_output_layer_on_the_target_rows_alone_and_on_non
 def test_the_held_out_loss_and_the_pair_scores_run_the_output_layer_at_the_targets_alone(monkeypatch):
     """evaluate_loss (the held-out loss) and pair_logps (DPO's reference and held-out passes) give what a plain
     transformers forward gives on whole logits, while the projection sees only the positions with a target."""
-    from transformers import AutoModelForCausalLM
-
-    from fsdp_opt.data.blocks import Blocks
-    from fsdp_opt.data.pairs import Pairs
-    from fsdp_opt.engine import loss as loss_module
-    from fsdp_opt.engine.dpo import pair_logps
-    from fsdp_opt.engine.evaluation import evaluate_loss
-    from fsdp_opt.runtime.distributed import DistEnv
-
     torch.manual_seed(0)
     config = OPTConfig(num_hidden_layers=1, hidden_size=16, ffn_dim=32, num_attention_heads=2, vocab_size=50,
                        max_position_embeddings=32, dropout=0.0)  # fmt: skip
