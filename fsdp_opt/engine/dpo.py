@@ -16,7 +16,7 @@ base with its adapters switched off) and kept with the checkpoint; a step reads 
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -25,9 +25,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_opt.data.blocks import IGNORE_INDEX, model_inputs
+from fsdp_opt.data.blocks import IGNORE_INDEX
 from fsdp_opt.data.pairs import Pairs
-from fsdp_opt.engine.loss import HeadLoss, next_token_targets
+from fsdp_opt.engine.loss import HeadLoss, head_forward, next_token_targets
 from fsdp_opt.runtime.distributed import DistEnv
 
 STATS = ("loss", "rewards_chosen", "rewards_rejected", "accuracy")  # sums over pairs, in this order
@@ -51,8 +51,7 @@ def head_logps(model: nn.Module, head: HeadLoss | None, batch: dict[str, torch.T
                temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """token_logps of one forward of `model` on `batch` (with `head`, the output layer at the targets only), and the
     forward's output (the logits, or with `head` the final hidden states)."""
-    with head.hidden_states() if head else nullcontext():
-        out = model(**model_inputs(batch)).logits
+    out = head_forward(model, head, batch)
     return token_logps(out, batch["labels"], head, temperature), out
 
 

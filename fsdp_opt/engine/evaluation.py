@@ -5,14 +5,13 @@ loss and target tokens are all-reduced."""
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_opt.data.blocks import IGNORE_INDEX, Blocks, model_inputs
-from fsdp_opt.engine.loss import HeadLoss, causal_lm_loss_sum
+from fsdp_opt.data.blocks import IGNORE_INDEX, Blocks
+from fsdp_opt.engine.loss import HeadLoss, forward_loss_sum
 from fsdp_opt.runtime.distributed import DistEnv
 
 
@@ -35,10 +34,7 @@ def evaluate_loss(model: nn.Module, blocks: Blocks, batch_size: int, env: DistEn
     try:
         for index in rank_batches(len(blocks), batch_size, env.rank, env.world_size):
             batch = blocks.batch(index, env.device)
-            with head.hidden_states() if head else nullcontext():
-                out = model(**model_inputs(batch)).logits
-            loss_sum = head.loss_sum(out, batch["labels"]) if head else causal_lm_loss_sum(out, batch["labels"])
-            totals[0] += loss_sum.double()
+            totals[0] += forward_loss_sum(model, head, batch)[1].double()
             totals[1] += (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
     finally:
         model.train(was_training)

@@ -22,7 +22,7 @@ A model whose logits are more than `hidden @ W.T` (a bias, a softcap, a scale) k
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Iterator
 
 import torch
@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fsdp_opt.base import ConfigError
-from fsdp_opt.data.blocks import IGNORE_INDEX
+from fsdp_opt.data.blocks import IGNORE_INDEX, model_inputs
 from fsdp_opt.model.families import head_refusal
 
 
@@ -140,3 +140,18 @@ class HeadLoss:
         if rows is None:
             return found
         return torch.zeros(hidden.shape[0] * hidden.shape[1], dtype=found.dtype, device=found.device).index_copy(0, rows, found)
+
+
+def head_forward(model: nn.Module, head: HeadLoss | None, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One forward of `model` on `batch`: its logits, or with `head` its final hidden states (the projection left to
+    the loss)."""
+    with head.hidden_states() if head else nullcontext():
+        return model(**model_inputs(batch)).logits
+
+
+def forward_loss_sum(model: nn.Module, head: HeadLoss | None, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """head_forward's output and the summed loss of the batch's targets (with `head`, the output layer at the targets
+    only)."""
+    out = head_forward(model, head, batch)
+    loss = head.loss_sum(out, batch["labels"]) if head else causal_lm_loss_sum(out, batch["labels"])
+    return out, loss

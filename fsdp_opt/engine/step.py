@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -15,8 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_opt.config.parse import Config
-from fsdp_opt.data.blocks import Blocks, StepBatch, StepPlan, model_inputs
-from fsdp_opt.engine.loss import HeadLoss, causal_lm_loss_sum
+from fsdp_opt.data.blocks import Blocks, StepBatch, StepPlan
+from fsdp_opt.engine.loss import HeadLoss, forward_loss_sum
 from fsdp_opt.engine.optim import LossScaler, LRSchedule, global_grad_norm, unscale_and_clip_
 from fsdp_opt.runtime.distributed import (
     DistEnv,
@@ -103,12 +102,7 @@ class TokenLoss:
     @staticmethod
     def _loss_sum(s: StepRun, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward's output and the summed loss of the batch's targets."""
-        head = s.head_loss
-        with head.hidden_states() if head else nullcontext():
-            # With a head loss `.logits` holds the final hidden states: the projection runs in the loss.
-            out = s.model(**model_inputs(batch)).logits
-        loss = head.loss_sum(out, batch["labels"]) if head else causal_lm_loss_sum(out, batch["labels"])
-        return out, loss
+        return forward_loss_sum(s.model, s.head_loss, batch)
 
 
 def accumulate(s: StepRun, step: StepBatch, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:

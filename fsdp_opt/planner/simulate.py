@@ -41,7 +41,7 @@ from fsdp_opt.data.packing import document_mask, segment_positions
 from fsdp_opt.data.pairs import Pairs
 from fsdp_opt.engine.dpo import dpo_terms, micro_logps
 from fsdp_opt.engine.generation import gathered
-from fsdp_opt.engine.loss import HeadLoss, causal_lm_loss_sum
+from fsdp_opt.engine.loss import HeadLoss, forward_loss_sum
 from fsdp_opt.engine.optim import build_optimizer, create_state
 from fsdp_opt.model.adapters import Adapters
 from fsdp_opt.model.parallelize import shard_model
@@ -203,10 +203,8 @@ def simulate(model_name: str, inputs, strategy: str, *, fake: bool = True, micro
                     batch, (loss, out) = None, pairs.loss(model, head)
                 else:
                     batch = micro_batch(config.vocab_size, inputs, env.device)
-                    with head.hidden_states() if head else nullcontext():
-                        out = model(**batch).logits
-                    ids = batch["input_ids"]
-                    loss = head.loss_sum(out, ids) if head else causal_lm_loss_sum(out, ids)
+                    # the engine's forward and loss (every token a target: its own next token's label)
+                    out, loss = forward_loss_sum(model, head, {**batch, "labels": batch["input_ids"]})
                 # with the micro-batch and its output alive through backward, as in the engine's step
                 loss.backward()
                 del out, loss, batch
