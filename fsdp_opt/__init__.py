@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging as _logging
 
 from fsdp_opt.base import VERSION as __version__
-from fsdp_opt.runtime.torchao_gate import gate
+from fsdp_opt.runtime.torchao_gate import gate_before_use
 
 # transformers imports torchao (the NF4 tensor of --base_bits 4) whenever it is installed. torchao then reports the
 # compiled kernels it has for other hardware failing to load, and torch warns about how it registers its enums: none
@@ -15,5 +15,6 @@ for _name in ("torchao", "torch.utils._pytree"):
     _logging.getLogger(_name).setLevel(_logging.ERROR)
 
 # A torchao this torch or peft cannot use is hidden before transformers or peft look for it (only --base_bits 4 needs
-# it, and that flag then stops in one line naming the install that fixes it).
-gate()
+# it, and that flag then stops in one line naming the install that fixes it). The check itself waits for the first
+# import of one of them, so a command that needs neither stays light.
+gate_before_use()

@@ -40,5 +40,9 @@ install() {
   python -m pip install -q "$@"
 }
 
-python -c "import torch" 2>/dev/null || install "${TORCH_SPEC:-torch==2.13.0}"
-install -e ".${1:-}"
+# FSDP_OPT_INSTALLED=1: the virtualenv is installed already (.ci/run's install into .floors beside the suite): only
+# activate it and define install(), so no second install of the checkout runs beside the first's check.
+if [ -z "${FSDP_OPT_INSTALLED:-}" ]; then
+  python -c "import torch" 2>/dev/null || install "${TORCH_SPEC:-torch==2.13.0}"
+  install -e ".${1:-}"
+fi

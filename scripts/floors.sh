@@ -4,11 +4,27 @@
 # on 2 ranks, data loading (local, and Hub datasets by range: datasets' resolution of configs and splits, parquet
 # row groups over HfFileSystem), checkpoints through the Hub stand-in with retention, W&B, LoRA (peft) on GPT-2 and
 # Llama blocks with the adapter folder peft loads, DPO (full and LoRA, peft's adapters switched off).
+#   bash scripts/floors.sh             install the floors into .floors, then run the subset on them
+#   bash scripts/floors.sh --install   the install alone (.ci/run starts it beside the suite: mostly downloads)
+#   bash scripts/floors.sh --test      the subset alone, on the .floors an earlier --install finished
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source scripts/env.sh "[test]"
-rm -rf .floors
-install --no-deps --target .floors -r requirements-floors.txt
+phase="${1:-all}"
+if [ "$phase" = "--test" ]; then
+  FSDP_OPT_INSTALLED=1 source scripts/env.sh
+  if [ ! -e .floors/.installed ]; then
+    echo "floors: .floors is not installed (bash scripts/floors.sh --install)" >&2
+    exit 1
+  fi
+else
+  source scripts/env.sh "[test]"
+  rm -rf .floors
+  install --no-deps --target .floors -r requirements-floors.txt
+  touch .floors/.installed
+  if [ "$phase" = "--install" ]; then
+    exit 0
+  fi
+fi
 export PYTHONPATH="$PWD/.floors"
 python - <<'PY'
 import datasets, huggingface_hub, matplotlib, peft, transformers, wandb

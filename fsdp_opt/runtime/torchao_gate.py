@@ -6,18 +6,22 @@ peft raises at adapter injection when it is older than it accepts. A torchao tha
 one) would then stop every run, full fine-tuning and LoRA alike. Such a torchao is hidden from this process
 (`sys.modules["torchao"] = None`, which makes `importlib.util.find_spec` answer None for transformers and peft) and
 only `--base_bits 4` refuses to start, naming the `pip install` line that fixes it.
+
+`import fsdp_opt` only arms the gate (`gate_before_use`): it runs just before the first import of transformers, peft
+or torchao in the process, so a command that needs none of them (the demo's parent, `--help`) does not pay for
+importing torch and torchao (about 4 s of CPU).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
 import importlib.metadata
 import importlib.util
 import re
 import sys
+import threading
 import warnings
-
-import torch
 
 from fsdp_opt.base import ConfigError
 
@@ -31,6 +35,9 @@ TORCHAO_MIN = (0, 16, 0)
 TORCHAO_FOR_TORCH: tuple[tuple[tuple[int, int], str], ...] = (((2, 11), "0.18.0"), ((0, 0), "0.16.0"))
 
 hidden_reason: str | None = None  # why an installed torchao was hidden, if it was
+
+# The libraries that import torchao (transformers when a model class loads, peft at import), and torchao itself.
+USERS = ("transformers", "peft", "torchao")
 
 
 def version_tuple(text: str) -> tuple[int, ...]:
@@ -79,23 +86,53 @@ def hide_torchao(reason: str) -> None:
     hidden_reason = reason
 
 
+def torch_version() -> str:
+    """The running torch's version ('2.13.0+cpu'); imports torch, which the gate's callers import next anyway."""
+    return importlib.import_module("torch").__version__
+
+
 def gate() -> str | None:
-    """Hide an installed torchao this process cannot use; returns why, or None. Runs at `import fsdp_opt`."""
+    """Hide an installed torchao this process cannot use; returns why, or None."""
     version = installed_torchao()
     if version is None or "torchao" in sys.modules and sys.modules["torchao"] is None:
         return hidden_reason
     if importlib.util.find_spec("torchao") is None:
         return None
-    reason = unusable_reason(version, torch.__version__)
+    reason = unusable_reason(version, torch_version())
     if reason:
         hide_torchao(reason)
     return reason
 
 
+class GateOnFirstImport(importlib.abc.MetaPathFinder):
+    """A finder placed first on sys.meta_path: at the first import of one of USERS it takes itself off, runs the gate,
+    and lets the import go on through the usual finders (it never finds a module itself)."""
+
+    lock = threading.Lock()
+
+    def find_spec(self, name, path=None, target=None):  # noqa: ANN001, ANN201 - importlib's signature
+        if name.partition(".")[0] in USERS:
+            with self.lock:
+                if self in sys.meta_path:
+                    sys.meta_path.remove(self)
+                    gate()
+        return None
+
+
+def gate_before_use() -> None:
+    """Run the gate now if one of USERS is imported already, else just before the first import of one (`import
+    fsdp_opt` calls this)."""
+    if any(name in sys.modules for name in USERS):
+        gate()
+    elif not any(isinstance(f, GateOnFirstImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, GateOnFirstImport())
+
+
 def check_for_nf4(flag: str = "--base_bits 4") -> None:
     """Raise a ConfigError naming the install line when torchao cannot give an NF4 base."""
-    line = install_line(torch.__version__)
+    torch = torch_version()
+    line = install_line(torch)
     if hidden_reason is not None:
-        raise ConfigError(f"{flag}: {hidden_reason}; install the one for torch {torch.__version__.split('+')[0]}: {line}")
+        raise ConfigError(f"{flag}: {hidden_reason}; install the one for torch {torch.split('+')[0]}: {line}")
     if installed_torchao() is None:
-        raise ConfigError(f"{flag}: needs torchao, not installed; for torch {torch.__version__.split('+')[0]}: {line}")
+        raise ConfigError(f"{flag}: needs torchao, not installed; for torch {torch.split('+')[0]}: {line}")

@@ -7,7 +7,7 @@ import torch
 
 from fsdp_opt.planner.steptime import describe_prediction
 from fsdp_opt.runtime.distributed import print0
-from fsdp_opt.runtime.torchao_gate import hidden_reason, install_line
+from fsdp_opt.runtime import torchao_gate
 from fsdp_opt.tracking.progress import format_summary
 from fsdp_opt.train.session import Session
 
@@ -45,9 +45,9 @@ def print_summary(s: Session, classes: set[type], units: int, n_params: int) -> 
         )
     )
     print0("config: " + " ".join(f"--{k} {v}" for k, v in s.flags().items() if v is not None))
-    if hidden_reason:
-        print0(f"note: {hidden_reason}: it is not used (only --base_bits 4 needs torchao; for this torch: "
-               f"{install_line(torch.__version__)})")  # fmt: skip
+    if torchao_gate.hidden_reason:
+        print0(f"note: {torchao_gate.hidden_reason}: it is not used (only --base_bits 4 needs torchao; for this torch: "
+               f"{torchao_gate.install_line(torch.__version__)})")  # fmt: skip
 
 
 PACKING_WORDS = {
