@@ -130,9 +130,9 @@ def gate_before_use() -> None:
 
 def check_for_nf4(flag: str = "--base_bits 4") -> None:
     """Raise a ConfigError naming the install line when torchao cannot give an NF4 base."""
-    torch = torch_version()
-    line = install_line(torch)
+    version = torch_version()
+    line = install_line(version)
     if hidden_reason is not None:
-        raise ConfigError(f"{flag}: {hidden_reason}; install the one for torch {torch.split('+')[0]}: {line}")
+        raise ConfigError(f"{flag}: {hidden_reason}; install the one for torch {version.split('+')[0]}: {line}")
     if installed_torchao() is None:
-        raise ConfigError(f"{flag}: needs torchao, not installed; for torch {torch.split('+')[0]}: {line}")
+        raise ConfigError(f"{flag}: needs torchao, not installed; for torch {version.split('+')[0]}: {line}")

@@ -37,6 +37,22 @@ def env_with(tmp: Path, shadow: Path) -> dict[str, str]:
     return env
 
 
+def test_the_gate_waits_for_the_first_library_that_imports_torchao():
+    """`import fsdp_opt` imports neither torch nor torchao: it puts the gate's finder first on sys.meta_path, and the
+    first import of transformers (or peft, or torchao) runs the gate and takes the finder off."""
+    probe = (
+        "import sys, fsdp_opt\n"
+        "from fsdp_opt.runtime.torchao_gate import GateOnFirstImport\n"
+        "armed = lambda: any(isinstance(f, GateOnFirstImport) for f in sys.meta_path)\n"
+        "print('torch' in sys.modules, 'torchao' in sys.modules, armed())\n"
+        "import transformers\n"
+        "print('torch' in sys.modules, armed())\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["False", "False", "True", "True", "False"], proc.stdout
+
+
 def test_install_line_names_the_torchao_built_for_this_torch():
     # torchao 0.16.0 was built against torch 2.10 and is the oldest peft 0.19 accepts; 0.17/0.18 need torch >= 2.11.
     assert torchao_for("2.10.0+cu128") == "0.16.0"
