@@ -10,6 +10,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 phase="${1:-all}"
+case "$phase" in
+  all | --install | --test) ;;
+  *)
+    echo "floors.sh: unknown argument $phase (none, --install or --test)" >&2
+    exit 2
+    ;;
+esac
 if [ "$phase" = "--test" ]; then
   FSDP_OPT_INSTALLED=1 source scripts/env.sh
   if [ ! -e .floors/.installed ]; then
