@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -16,6 +18,8 @@ from pathlib import Path
 import pytest
 from hubserver import HubServer
 from launcher import Zygote
+
+from fsdp_opt import demo
 
 # The loopback Hub (tests/hubserver.py) speaks LFS, not Xet: set before anything imports huggingface_hub.
 os.environ["HF_HUB_DISABLE_XET"] = "1"
@@ -197,12 +201,46 @@ def wheel_venv(tmp_path_factory, request) -> Path:
 
 def run_demo(venv: Path, flags: list[str], cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess:
     """`python -m fsdp_opt.demo FLAGS` as a user of the installed package runs it: the wheel's virtualenv, a folder
-    of the user's own (the demo's outputs land in cwd/outputs/), nothing of the checkout on the path."""
+    of the user's own (the demo's outputs land in cwd/outputs/), nothing of the checkout on the path.
+
+    With FSDP_OPT_DEMO_FORKED=1 (the session of tests/test_kernels.py, after the suite's own run of each demo from the
+    wheel): the demo's code in this process and its commands forked from the launcher's server (run_demo_forked)."""
+    if os.environ.get("FSDP_OPT_DEMO_FORKED") == "1":
+        return run_demo_forked(flags, cwd, timeout)
     env = sandbox_env(cwd)
     env.pop("PYTHONPATH")
     env["PATH"] = f"{venv / 'bin'}:{env['PATH']}"
     return subprocess.run([str(venv / "bin" / "python"), "-m", "fsdp_opt.demo", *flags], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+def run_demo_forked(flags: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """The demo as run_demo runs it, with each command it starts (the training under torchrun, the evaluation, the
+    export) forked from the launcher's server instead of started fresh: the same steps, without the imports of about
+    a dozen fresh processes. For a session whose question is what the demos learn under another CPU kernel (the
+    server, started in that session, runs under its kernel); whether the installed package launches its own commands
+    is the suite's run of the demo from the wheel."""
+    out, err = io.StringIO(), io.StringIO()
+    env = sandbox_env(cwd)
+
+    def call(cmd: list[str]) -> int:
+        print("$ python " + " ".join(cmd[1:]), flush=True)
+        if cmd[1:3] == ["-m", "torch.distributed.run"]:  # python -m torch.distributed.run ... -m MODULE ARGS
+            at = cmd.index("-m", 3)
+            nproc = int(next(a for a in cmd[3:at] if a.startswith("--nproc_per_node=")).partition("=")[2])
+            target, args = cmd[at : at + 2], cmd[at + 2 :]
+        else:  # python -m MODULE ARGS
+            nproc, target, args = 0, cmd[1:3], cmd[3:]
+        proc = launch(target, args, cwd, nproc, timeout, env)
+        out.write(proc.stdout)
+        err.write(proc.stderr)
+        return proc.returncode
+
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out):
+        patch.setattr(demo, "echo_and_call", call)
+        patch.chdir(cwd)
+        code = demo.main(list(flags))
+    return subprocess.CompletedProcess(["fsdp_opt.demo", *flags], code, out.getvalue(), err.getvalue())
 
 
 def row_pieces(tokenizer, texts, max_length: int) -> list[list[int]]:

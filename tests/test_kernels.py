@@ -22,8 +22,11 @@ def test_the_learned_behaviour_holds_under_the_default_kernel(tmp_path, wheel_ve
     env.update(
         ATEN_CPU_CAPABILITY=KERNEL,
         TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
-        # the demos' virtualenv this session built from the same checkout (tests/conftest.py: wheel_venv)
+        # the demos' virtualenv this session built from the same checkout (tests/conftest.py: wheel_venv), so the
+        # nested session builds none; its demos run their commands forked from its own launcher server, started
+        # under this kernel (conftest.run_demo_forked): the suite's own run of each demo has launched it from the wheel
         FSDP_OPT_WHEEL_VENV=str(wheel_venv),
+        FSDP_OPT_DEMO_FORKED="1",
     )
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-m", "learns", "--basetemp",
