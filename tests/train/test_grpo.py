@@ -214,6 +214,54 @@ def test_greedy_completions_are_transformers_generate_and_the_first_loss_is_the_
     assert first["kl"] is not None and first["kl"] > 0
 
 
+def test_generation_and_the_update_in_fp16_as_on_a_t4(tmp_path, setup_files):
+    """--precision fp16 (a T4's compute dtype; CPU runs it too): the gathered model generates in fp16 and the steps
+    train with the loss scaled. Sampled: every completion is within --max_completion_length and ends at its first
+    EOS, the losses are finite, the weights move. Greedy (--top_k 1): the completions are, but for a near tie that
+    fp16's rounding may flip, the ones transformers' generate makes from the model in fp32."""
+    f = setup_files
+    base = ["--model", str(f["policy"]), "--dataset", str(f["data"]), "--method", "grpo", "--reward",
+            f"{f['rewards']}:variety", "--num_generations", "2", "--max_completion_length", str(LENGTH), "--max_length",
+            "64", "--batch_size", "4", "--end_idx", str(PROMPTS), "--precision", "fp16", "--wandb_mode", "disabled",
+            "--seed", "6", "--lr", "1e-2", "--save_optimizer", "false"]  # fmt: skip
+    runs = []
+    for name, extra in (("sampled", []), ("greedy", ["--top_k", "1"])):
+        (tmp_path / name).mkdir()
+        runs.append((base + extra + ["--output_dir", str(tmp_path / name / "out")], tmp_path / name, None))
+    for proc in run_cli_concurrently(runs, timeout=300, nproc=2):
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        assert "fp16 compute" in proc.stdout and "generation on the model gathered once" in proc.stdout
+    out = tmp_path / "sampled" / "out"
+    steps = read_jsonl(out / "metrics.jsonl")
+    assert len(steps) == 2 and all(math.isfinite(s["loss"]) and s["loss_scale"] > 1 for s in steps), steps
+    assert all(not s["skipped"] and s["grad_norm"] > 0 for s in steps), steps  # the rewards differ within groups
+    tok = AutoTokenizer.from_pretrained(f["policy"])
+    lines = read_jsonl(out / "completions.jsonl")
+    assert len(lines) == 2 * PROMPTS
+    for line in lines:
+        ids = line["completion_ids"]
+        assert 0 < len(ids) <= LENGTH and tok.eos_token_id not in ids[:-1], ids
+    policy = AutoModelForCausalLM.from_pretrained(f["policy"], dtype=torch.float32).eval()
+    (saved,) = out.glob("*-epoch-1.pt")
+    trained = torch.load(saved, weights_only=True)["MODEL_STATE"]
+    assert any(not torch.equal(trained[k].float(), v) for k, v in policy.state_dict().items() if k in trained)
+
+    by_row = dict(enumerate(rows()))
+    same = 0
+    first = [l for l in read_jsonl(tmp_path / "greedy" / "out" / "completions.jsonl") if l["step"] == 1]
+    for line in first:
+        ids = torch.tensor([tok(by_row[line["row"]]["prompt"])["input_ids"]])
+        with torch.no_grad():
+            made = policy.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                   max_new_tokens=LENGTH, eos_token_id=tok.eos_token_id,
+                                   pad_token_id=tok.pad_token_id)[0, ids.shape[1] :].tolist()  # fmt: skip
+        if tok.eos_token_id in made:
+            made = made[: made.index(tok.eos_token_id) + 1]
+        same += line["completion_ids"] == made
+    print(f"fp16 greedy completions equal to fp32 generate: {same} of {len(first)}")
+    assert len(first) == 8 and same >= 6, same
+
+
 def _steps(out: Path) -> list[tuple]:
     return [(r["step"], r["loss"], r["reward"], r["tokens"], r["slice"]) for r in read_jsonl(out / "metrics.jsonl")]
 
