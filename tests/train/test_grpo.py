@@ -157,6 +157,15 @@ def test_a_step_is_trls_loss_and_gradient_on_the_same_completions(tmp_path, setu
     assert max(g.abs().max().item() for g in grads.values()) > 1e-3  # the gradients are not all zero
 
 
+def greedy_alone(model, tok, prompt: str) -> list[int]:  # noqa: ANN001
+    """transformers' greedy `generate` of one prompt alone, up to and including its first EOS."""
+    ids = torch.tensor([tok(prompt)["input_ids"]])
+    with torch.no_grad():
+        made = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=LENGTH,
+                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[0, ids.shape[1] :].tolist()  # fmt: skip
+    return made[: made.index(tok.eos_token_id) + 1] if tok.eos_token_id in made else made
+
+
 def test_greedy_completions_are_transformers_generate_and_the_first_loss_is_the_jsonl_recomputed(tmp_path, setup_files):
     """--top_k 1: every completion in completions.jsonl is what transformers' generate (greedy) makes from the same
     model for its prompt alone. Sampled, with a KL term to another model: the first step's loss is the one computed
@@ -177,13 +186,7 @@ def test_greedy_completions_are_transformers_generate_and_the_first_loss_is_the_
     greedy = read_jsonl(tmp_path / "greedy" / "out" / "completions.jsonl")
     assert len(greedy) == 2 * PROMPTS
     for line in greedy:
-        ids = torch.tensor([tok(by_row[line["row"]]["prompt"])["input_ids"]])
-        with torch.no_grad():
-            out = policy.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                  max_new_tokens=LENGTH, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # fmt: skip
-        made = out[0, ids.shape[1] :].tolist()
-        if tok.eos_token_id in made:
-            made = made[: made.index(tok.eos_token_id) + 1]
+        made = greedy_alone(policy, tok, by_row[line["row"]]["prompt"])
         assert line["completion_ids"] == made, (line["row"], line["completion_ids"], made)
 
     # the first step, recomputed from what completions.jsonl says it trained on
@@ -250,14 +253,7 @@ def test_generation_and_the_update_in_fp16_as_on_a_t4(tmp_path, setup_files):
     same = 0
     first = [l for l in read_jsonl(tmp_path / "greedy" / "out" / "completions.jsonl") if l["step"] == 1]
     for line in first:
-        ids = torch.tensor([tok(by_row[line["row"]]["prompt"])["input_ids"]])
-        with torch.no_grad():
-            made = policy.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                   max_new_tokens=LENGTH, eos_token_id=tok.eos_token_id,
-                                   pad_token_id=tok.pad_token_id)[0, ids.shape[1] :].tolist()  # fmt: skip
-        if tok.eos_token_id in made:
-            made = made[: made.index(tok.eos_token_id) + 1]
-        same += line["completion_ids"] == made
+        same += line["completion_ids"] == greedy_alone(policy, tok, by_row[line["row"]]["prompt"])
     print(f"fp16 greedy completions equal to fp32 generate: {same} of {len(first)}")
     assert len(first) == 8 and same >= 6, same
 
