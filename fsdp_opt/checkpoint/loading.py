@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
 from fsdp_opt.base import CheckpointError, first_line
 from fsdp_opt.checkpoint.names import MODEL_KEY, SUFFIX
 from fsdp_opt.checkpoint.read import _load_weights_only, read_checkpoint
-from fsdp_opt.checkpoint.state import _storage, _tensors, model_options, model_state
+from fsdp_opt.checkpoint.state import _tensors, model_options, model_state, storages
 from fsdp_opt.engine.optim import create_state
 from fsdp_opt.runtime.distributed import DistEnv, broadcast_object, min_over_ranks
 from fsdp_opt.runtime.hostmem import drop_pages, file_ranges
@@ -63,7 +63,7 @@ def load_into(
 
 def payload_storages(payload: dict[str, Any]) -> set[int]:
     """Where the loaded checkpoint's tensors live (their storages in the memory-mapped file)."""
-    return {_storage(t) for t in _tensors(payload) if t.numel()}
+    return {a for t in _tensors(payload) if t.numel() for a in storages(t)}
 
 
 def detach_from_payload(model: nn.Module, optimizer: torch.optim.Optimizer | None, loaded: set[int]) -> int:
@@ -76,11 +76,11 @@ def detach_from_payload(model: nn.Module, optimizer: torch.optim.Optimizer | Non
     copied = 0
     for state in optimizer.state.values() if optimizer is not None else ():
         for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.numel() and _storage(value) in loaded:
+            if isinstance(value, torch.Tensor) and value.numel() and not loaded.isdisjoint(storages(value)):
                 state[key] = value.clone()
                 copied += 1
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if t.numel() and _storage(t) in loaded:  # load_state_dict copies into the shards; never expected
+        if t.numel() and not loaded.isdisjoint(storages(t)):  # load_state_dict copies into the shards; never expected
             raise RuntimeError(f"{name} still shares memory with the loaded checkpoint")
     return copied
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fsdp_opt.model.parallelize import REPLICATED, shard_group
 
@@ -172,24 +173,30 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(v)
 
 
-def _storage(t: torch.Tensor) -> int:
-    return (t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr()
+def storages(t: torch.Tensor) -> list[int]:
+    """The addresses of the storages that hold a tensor's data: a DTensor's local shard's, and a wrapper subclass's
+    inner tensors' (torchao's NF4 base keeps its bytes and scales in plain tensors and has no storage of its own)."""
+    t = t.to_local() if isinstance(t, DTensor) else t
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return [a for name in names for a in storages(getattr(t, name))]
+    return [t.untyped_storage().data_ptr()]
 
 
 def copy_live_tensors(payload: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
     """Copy every tensor of a gathered payload that is the training state itself, so the steps that run while it is
     written cannot change it. (On CPU the full optimizer state dict hands out AdamW's live 0-dim `step` tensors.)
     Returns how many were copied."""
-    live = {_storage(t) for t in model.parameters() if t.numel()}
+    live = {a for t in model.parameters() if t.numel() for a in storages(t)}
     for state in optimizer.state.values() if optimizer is not None else ():
-        live |= {_storage(v) for v in state.values() if isinstance(v, torch.Tensor) and v.numel()}
+        live |= {a for v in state.values() if isinstance(v, torch.Tensor) and v.numel() for a in storages(v)}
 
     def walk(obj: Any) -> int:
         copied = 0
         items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
         for key, value in items:
             if isinstance(value, torch.Tensor):
-                if value.numel() and _storage(value) in live:
+                if value.numel() and not live.isdisjoint(storages(value)):
                     obj[key] = value.clone()
                     copied += 1
             elif isinstance(value, (dict, list)):
