@@ -40,11 +40,13 @@ from fsdp_opt.planner.inputs import NCCL_BUFFER_BYTES, Inputs
 from fsdp_opt.planner.memory import memory, peak_bytes
 from fsdp_opt.planner.search import Space, cheapest_change, change_line
 from fsdp_opt.planner.steptime import Rates, candidates
-from fsdp_opt.runtime.gpus import describe, from_a_child_process, from_nvidia_smi, precision_for
+from fsdp_opt.runtime.gpus import contexts_held, describe, from_a_child_process, from_nvidia_smi, precision_for
 
 BLOCKS_PER_ROW_512 = 0.15  # python-docs rows packed into 512-token blocks by the built-in tokenizer (about)
 
 DOC_ROWS = 754  # rows of python-docs
+
+CONTEXT_WORDS = {True: "yes (a bug)", False: "none", None: "not known (the CUDA driver did not answer)"}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -161,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     free = [g["free_after_context_gib"] for g in gpus if "free_after_context_gib" in g]
     figures["usable_gib"] = min(free) - NCCL_BUFFER_BYTES / GIB if free and nproc > 1 else min(free) if free else None
     figures["links"] = link_speeds(nproc, cuda, work) if nproc > 1 else []
-    figures["cuda_context_in_this_process"] = bool(cuda and torch.cuda.is_initialized())
+    held = contexts_held() if cuda else [False]
+    figures["cuda_context_in_this_process"] = None if held is None else any(held)
     print("\n".join(render(figures)))
     if a.json:
         Path(a.json).write_text(json.dumps(figures, indent=1))
@@ -291,7 +294,7 @@ def render(f: dict[str, Any]) -> list[str]:
         + (f": the plan's {gib(f['plan_peak_bytes'])} "
            + ("fits" if f["plan_peak_bytes"] / GIB <= f["usable_gib"] else "does NOT fit") if f.get("usable_gib") else "")
         + " |",
-        f"| CUDA context in gpu_check's own process | {'yes (a bug)' if f.get('cuda_context_in_this_process') else 'none'} |",
+        f"| CUDA context in gpu_check's own process | {CONTEXT_WORDS[f.get('cuda_context_in_this_process')]} |",
     ]
     g = f.get("grpo")
     if g:

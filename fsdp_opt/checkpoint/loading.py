@@ -21,8 +21,9 @@ from torch.distributed.checkpoint.state_dict import (
 from fsdp_opt.base import CheckpointError, first_line
 from fsdp_opt.checkpoint.names import MODEL_KEY, SUFFIX
 from fsdp_opt.checkpoint.read import _load_weights_only, read_checkpoint
-from fsdp_opt.checkpoint.state import _tensors, model_options, model_state, storages
+from fsdp_opt.checkpoint.state import _tensors, model_options, model_state
 from fsdp_opt.engine.optim import create_state
+from fsdp_opt.model.parallelize import storages
 from fsdp_opt.runtime.distributed import DistEnv, broadcast_object, min_over_ranks
 from fsdp_opt.runtime.hostmem import drop_pages, file_ranges
 

@@ -12,9 +12,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from fsdp_opt.model.parallelize import REPLICATED, shard_group
+from fsdp_opt.model.parallelize import REPLICATED, shard_group, storages
 
 
 def rng_state() -> dict[str, Any]:
@@ -171,16 +170,6 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
     elif isinstance(obj, (list, tuple)):
         for v in obj:
             yield from _tensors(v)
-
-
-def storages(t: torch.Tensor) -> list[int]:
-    """The addresses of the storages that hold a tensor's data: a DTensor's local shard's, and a wrapper subclass's
-    inner tensors' (torchao's NF4 base keeps its bytes and scales in plain tensors and has no storage of its own)."""
-    t = t.to_local() if isinstance(t, DTensor) else t
-    if is_traceable_wrapper_subclass(t):
-        names, _ = t.__tensor_flatten__()
-        return [a for name in names for a in storages(getattr(t, name))]
-    return [t.untyped_storage().data_ptr()]
 
 
 def copy_live_tensors(payload: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:

@@ -18,11 +18,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fsdp_opt.base import CheckpointError, ConfigError
 from fsdp_opt.config.training import LoraConfig
 from fsdp_opt.model.nf4 import load_quantized, quantize_base, store_base
-from fsdp_opt.model.parallelize import block_linear_names
+from fsdp_opt.model.parallelize import block_linear_names, storages
 from fsdp_opt.model.sources import load_full_state_dict, load_model_config, resolve_model
 from fsdp_opt.runtime.distributed import broadcast_object
 
@@ -232,3 +233,33 @@ def merged_state(adapter_dir: Path, info: dict[str, Any], seed: int) -> dict[str
 
     model = PeftModel.from_pretrained(load_base(info, seed), str(adapter_dir))
     return model.merge_and_unload().state_dict()
+
+
+@torch.no_grad()
+def merge_adapters(model: nn.Module, copies: set[int]) -> list[nn.Module]:
+    """Each LoRA layer's adapters added into its base weight (peft's merge), so that its forward is one matmul, not
+    three: a decoding step is bound by the host's kernel launches, and opt-1.3b's 144 adapted layers nearly tripled
+    it (benchmarks/decode_step.py). Only where the base weight is a plain floating tensor that lives in `copies` (the
+    gathered copies FSDP drops at reshard: the weights it keeps are never changed); the NF4 base is left as it is.
+    Returns the merged layers, for `unmerge_adapters`."""
+    from peft.tuners.lora import LoraLayer
+
+    merged = []
+    for m in model.modules():
+        if not isinstance(m, LoraLayer) or m.merged or m.disable_adapters:
+            continue
+        weight = m.get_base_layer().weight
+        if is_traceable_wrapper_subclass(weight) or not weight.is_floating_point():
+            continue
+        if not set(storages(weight)) <= copies:
+            continue
+        m.merge(adapter_names=[ADAPTER])
+        merged.append(m)
+    return merged
+
+
+@torch.no_grad()
+def unmerge_adapters(layers: list[nn.Module]) -> None:
+    """The adapters taken back out of the weights `merge_adapters` changed (peft's unmerge)."""
+    for m in layers:
+        m.unmerge()

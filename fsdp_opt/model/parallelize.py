@@ -18,7 +18,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fsdp_opt.base import ConfigError, ModelError
 from fsdp_opt.config.choices import DTYPES, shard_count
@@ -329,3 +330,31 @@ def shard_group(t: Any) -> Any:
     if not shard_dims:
         return REPLICATED
     return t.device_mesh.get_group(shard_dims[0]) if len(shard_dims) == 1 else None
+
+
+def storages(t: torch.Tensor) -> list[int]:
+    """The addresses of the storages that hold a tensor's data: a DTensor's local shard's, and a wrapper subclass's
+    inner tensors' (torchao's NF4 base keeps its bytes and scales in plain tensors and has no storage of its own)."""
+    t = t.to_local() if isinstance(t, DTensor) else t
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return [a for name in names for a in storages(getattr(t, name))]
+    return [t.untyped_storage().data_ptr()]
+
+
+def fsdp_params(unit: nn.Module) -> list[Any]:
+    """An FSDP2 unit's own parameters as FSDP holds them (each with its sharded DTensor)."""
+    state = unit._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None) or [g for g in [getattr(state, "_fsdp_param_group", None)] if g]
+    return [fp for g in groups for fp in g.fsdp_params]
+
+
+def gathered_copies(model: nn.Module) -> set[int]:
+    """Where the gathered copies of the FSDP units' parameters live while the units are unsharded (FSDP2's all-gather
+    buffers, dropped at reshard), less anything a sharded parameter also lives in: weights that may be changed for
+    the time the model stays gathered without changing the weights FSDP keeps."""
+    params = [fp for m in model.modules() if isinstance(m, FSDPModule) for fp in fsdp_params(m)]
+    sharded = {a for fp in params for a in storages(fp.sharded_param)}
+    copies = {a for fp in params if getattr(fp, "_unsharded_param", None) is not None
+              for a in storages(fp._unsharded_param)}  # fmt: skip
+    return copies - sharded

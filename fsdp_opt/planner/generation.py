@@ -13,8 +13,9 @@ Memory per GPU while generating (the optimizer state stays; the gradients are fr
 - a reference model kept beside the policy (--beta > 0 with --ref_model or full fine-tuning): sharded, compute dtype.
 
 Time: the prompts' prefill from FLOPs (2 N per token at --tflops); each decoding step reads the gathered weights and
-the KV cache from GPU memory (--hbm_gbps, 320 GB/s on a T4) or computes its tokens, whichever is longer; on the shards,
-each decoding step also all-gathers the whole model over the link (--link_gbps). Then the reference's forward over
+the KV cache from GPU memory (--hbm_gbps, 320 GB/s on a T4), computes its tokens, or waits for the host to launch its
+kernels, whichever is longest (HOST_S_PER_BLOCK and the rest below: on a GPU a small batch's step is the host's);
+on the shards, each decoding step also all-gathers the whole model over the link (--link_gbps). Then the reference's forward over
 the completions (--beta > 0) and the training step at the layout's micro-batches.
 """
 
@@ -26,10 +27,20 @@ from typing import Any
 from fsdp_opt.base import gib
 from fsdp_opt.model.shapes import Shape
 from fsdp_opt.planner.inputs import CUDA_CONTEXT_BYTES, FRAGMENTATION, NCCL_BUFFER_BYTES, Inputs, shard_factor
-from fsdp_opt.planner.lora import adapter_params, block_base_bytes
+from fsdp_opt.planner.lora import adapter_params, block_base_bytes, chosen
 from fsdp_opt.planner.steptime import Rates, forward_time
 
 LOGIT_COPIES = 2  # a decoding step's fp32 scores and the processed ones
+
+# The host's time in one decoding step (transformers' generate, eager: Python and kernel launches), which the GPU's
+# own work runs under. Fitted to the trainer's own GRPO steps on the H200 machine lent to this project (its host CPU;
+# opt-1.3b, 24 blocks of 6 linear layers, LoRA rank 16, fp16, 8 completions of 128 tokens, 1 rank): 20.8 ms a step
+# with the adapters merged into the gathered 16-bit base, 36.9 ms with them beside it, 66.6 ms on the NF4 base.
+# benchmarks/decode_step.py shows the host's share does not grow with the weights: opt-350m's step took what
+# opt-1.3b's did. A slower host CPU (Kaggle's) takes longer than these.
+HOST_S_PER_BLOCK = 0.87e-3  # a block (its adapters merged, or none)
+HOST_S_PER_ADAPTER = 0.11e-3  # a LoRA layer whose adapters run beside its weight (the NF4 base, or on the shards)
+HOST_S_PER_NF4 = 0.21e-3  # an NF4 weight's dequantization before its matmul
 
 
 def requests_per_rank(global_batch: int, generations: int, gpus: int) -> int:
@@ -78,6 +89,12 @@ def prefill_bytes(shape: Shape, requests: int, length: int, c: int) -> int:
     return ((3 if shape.gated_mlp else 2) * width + 8 * shape.hidden) * requests * length * c
 
 
+def host_seconds_per_step(blocks: int, adapters: int = 0, nf4: int = 0) -> float:
+    """The host's time to run one decoding step of `blocks` blocks, with `adapters` layers running LoRA beside their
+    weights and `nf4` weights dequantized."""
+    return blocks * HOST_S_PER_BLOCK + adapters * HOST_S_PER_ADAPTER + nf4 * HOST_S_PER_NF4
+
+
 def generation_time(shape: Shape, strategy: str, inputs: Inputs, requests: int, completion_length: int,
                     rates: Rates | None = None, gathered: bool = True) -> dict[str, float]:  # fmt: skip
     """Seconds of one rank's generation in a step: the prefill of its prompts, then the decoding steps."""
@@ -88,11 +105,15 @@ def generation_time(shape: Shape, strategy: str, inputs: Inputs, requests: int, 
     weights = c * shape.params
     prefill = requests * prompt * 2.0 * shape.flop_params / (rates.tflops * 1e12)
     kv_per_token = shape.layers * 2 * shape.kv_dim * c
+    nf4 = inputs.lora_rank > 0 and inputs.base_bits == 4
+    merged = gathered and not nf4  # engine/generation.py merges a 16-bit base's adapters when gathered
+    adapters = shape.layers * len(chosen(shape, inputs.lora_targets)) if inputs.lora_rank and not merged else 0
+    host = host_seconds_per_step(shape.layers, adapters, shape.layers * len(shape.linears) if nf4 else 0)
     decode = 0.0
-    for t in range(completion_length):  # each step reads the weights and the cache so far, or computes its tokens
+    for t in range(completion_length):  # each step reads the weights and the cache so far, computes, or waits
         read = (weights + requests * (prompt + t) * kv_per_token) / (rates.hbm_gbps * 1e9)
         compute = requests * 2.0 * shape.flop_params / (rates.tflops * 1e12)
-        decode += max(read, compute)
+        decode += max(read, compute, host)
     gather = 0.0
     if not gathered and f > 1:  # every decoding step (and the prefill) gathers the whole model over the link
         gather = (completion_length + 1) * (f - 1) / f * weights / (rates.link_gbps * 1e9)

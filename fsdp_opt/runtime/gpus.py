@@ -8,6 +8,7 @@ T4, which only emulates bf16.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import shutil
 import subprocess
@@ -68,6 +69,29 @@ def from_a_child_process() -> list[dict[str, Any]]:
         return json.loads(out.stdout.strip().splitlines()[-1])
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return []
+
+
+def contexts_held(lib: Any = None) -> list[bool] | None:
+    """Whether this process holds a CUDA context on each GPU, as the driver answers (`cuDevicePrimaryCtxGetState`:
+    the contexts torch makes), asking creates none. None where no driver answers. `torch.cuda.is_initialized()` is no
+    answer: importing transformers with torchao beside it initialises torch's CUDA state (torchao asks the compute
+    capability at import) and makes no context, as the H200 machine showed (4 MiB used on the GPU, none by it)."""
+    try:
+        lib = lib or ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    count = ctypes.c_int()
+    if lib.cuInit(0) != 0 or lib.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return None
+    held = []
+    for i in range(count.value):
+        device, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+        if lib.cuDeviceGet(ctypes.byref(device), i) != 0:
+            return None
+        if lib.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags), ctypes.byref(active)) != 0:
+            return None
+        held.append(bool(active.value))
+    return held
 
 
 def describe(gpus: list[dict[str, Any]]) -> list[str]:

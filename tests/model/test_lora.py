@@ -418,3 +418,17 @@ def test_lora_on_gpt2_and_llama_blocks(tmp_path, arch, layers_adapted, strategy)
         with model.disable_adapter():
             plain = model(input_ids=ids).logits
     assert (adapted - plain).abs().max().item() > 1e-4
+
+
+@pytest.mark.parametrize("nproc,precision", [(1, "fp16"), (2, "fp32"), (2, "fp16")])
+def test_generation_merges_the_adapters_into_the_gathered_copies_only(tmp_path, nproc, precision):
+    """GRPO generates with each LoRA layer's adapters merged into the gathered copy of its weight (one matmul a layer:
+    a decoding step is bound by its kernel launches). Inside, the logits are the unmerged model's within rounding and
+    greedy completions are those generated on the shards (nothing merged); after, every layer is unmerged, and the
+    logits and every sharded weight are what they were, bit for bit."""
+    proc = launch([str(ROOT / "tests" / "workers" / "merged_generation.py"), precision], [], tmp_path, nproc=nproc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["layers"] == 12 and r["merged"] == 12 and r["cleared"], r  # 2 blocks x 6 linear layers
+    assert r["inside_max_diff"] <= (2e-3 if precision == "fp16" else 1e-5), r
+    assert r["after_equal"] and r["weights_equal"] and r["same_completions"], r

@@ -164,3 +164,30 @@ def test_lora_makes_opt_6_7b_fit_two_t4_and_full_fine_tuning_does_not():
     assert plan["host_ram"]["fits"] and plan["checkpoints"]["full_with_optimizer"] < 0.5e9
     bad = plan_cli(["--base_bits", "4"])
     assert bad.returncode == 2 and bad.stderr.strip() == "error: --base_bits 4: only with --lora_rank (a 4-bit base is frozen)"
+
+
+def test_a_decoding_step_on_a_gpu_is_the_hosts_launch_time_where_reading_the_weights_is_shorter():
+    """GRPO's decoding time on 2 x T4, opt-1.3b, LoRA rank 16. A T4 reads the gathered fp16 weights in 8 ms; the
+    host's launches of a step take longer (the lent H200 showed 20.8 ms a step where its weights took 0.55 ms to
+    read), so each step costs the host's time: per block, more for each adapted layer whose adapters are not merged
+    (the NF4 base; generation on the shards), more again for each NF4 weight. The gathered 16-bit base merges its
+    adapters: the same time as full fine-tuning's."""
+    from fsdp_opt.planner.generation import HOST_S_PER_ADAPTER, HOST_S_PER_BLOCK, HOST_S_PER_NF4, generation_time
+
+    shape = Shape.of(model_config("facebook/opt-1.3b"))
+    steps = 128
+
+    def decode(**kw) -> float:
+        gathered = kw.pop("gathered", True)
+        inputs = Inputs(gpus=2, max_length=384, precision="fp16", **kw)
+        return generation_time(shape, "FULL_SHARD", inputs, 16, steps, gathered=gathered)["decode_s"]
+
+    read = 2 * shape.params / 320e9  # one step reading the fp16 weights at a T4's 320 GB/s
+    assert read < shape.layers * HOST_S_PER_BLOCK
+    full, merged = decode(), decode(lora_rank=16)
+    assert full == pytest.approx(steps * shape.layers * HOST_S_PER_BLOCK, rel=0.02) and merged == full
+    adapted = shape.layers * len(shape.linears)  # 24 blocks x 6 linear layers
+    nf4 = decode(lora_rank=16, base_bits=4)
+    assert nf4 - full == pytest.approx(steps * adapted * (HOST_S_PER_ADAPTER + HOST_S_PER_NF4), rel=1e-6)
+    on_shards = decode(lora_rank=16, gathered=False)  # adapters beside the weights there
+    assert on_shards - decode(gathered=False) == pytest.approx(steps * adapted * HOST_S_PER_ADAPTER, rel=1e-6)

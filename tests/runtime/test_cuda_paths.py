@@ -137,3 +137,42 @@ def test_the_child_process_reads_each_gpu_and_its_free_memory(tmp_path, monkeypa
     assert gpu["name"] == "Tesla T4" and gpu["capability"] == "7.5" and gpu["index"] == 0
     assert gpu["memory_gib"] == 15828320256 / 2**30
     assert abs(gpu["free_after_context_gib"] - (15828320256 / 2**30 - 0.3)) < 1e-9
+
+
+class StandInDriver:
+    """libcuda's four calls that `contexts_held` makes, answering for GPUs whose primary contexts are `active`."""
+
+    def __init__(self, active: list[int], init_error: int = 0) -> None:
+        self.active, self.init_error, self.asked = active, init_error, []
+
+    def cuInit(self, flags):  # noqa: N802, ANN001, ANN201
+        return self.init_error
+
+    def cuDeviceGetCount(self, count):  # noqa: N802, ANN001, ANN201
+        count._obj.value = len(self.active)
+        return 0
+
+    def cuDeviceGet(self, device, ordinal):  # noqa: N802, ANN001, ANN201
+        device._obj.value = 100 + ordinal  # a handle, not the ordinal
+        return 0
+
+    def cuDevicePrimaryCtxGetState(self, device, flags, active):  # noqa: N802, ANN001, ANN201
+        self.asked.append(device.value)
+        active._obj.value = self.active[device.value - 100]
+        return 0
+
+
+def test_whether_a_process_holds_a_cuda_context_is_the_drivers_answer():
+    """gpu_check's context row asks the driver for each GPU's primary context (torch.cuda.is_initialized() said yes on
+    the H200 machine where importing transformers beside torchao had made none). A driver that does not answer, or no
+    driver at all (this machine), gives None: "not known", never "none"."""
+    from fsdp_opt.gpu_check import CONTEXT_WORDS
+    from fsdp_opt.runtime.gpus import contexts_held
+
+    driver = StandInDriver([0, 1])
+    assert contexts_held(driver) == [False, True] and driver.asked == [100, 101]
+    assert contexts_held(StandInDriver([0, 0])) == [False, False]
+    assert contexts_held(StandInDriver([1], init_error=100)) is None  # CUDA_ERROR_NO_DEVICE
+    if not torch.cuda.is_available():  # no driver, or one with no GPU: no answer
+        assert contexts_held() is None
+    assert CONTEXT_WORDS[None].startswith("not known") and CONTEXT_WORDS[False] == "none"

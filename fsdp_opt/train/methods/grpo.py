@@ -135,7 +135,8 @@ class Grpo(Method):
         s.loss = GroupLoss(self.settings, s.blocks, s.tokenizer, self._reference(s) if m.uses_reference else None)
         if s.layout.prediction is not None:  # the step's prediction with its generation and reference forward added
             inputs = Inputs(gpus=env.world_size, nodes=env.num_nodes, max_length=self.config.data.max_length,
-                            precision=s.precision, lora_rank=self.config.lora.lora_rank)  # fmt: skip
+                            precision=s.precision, lora_rank=self.config.lora.lora_rank,
+                            lora_targets=self.config.lora.lora_targets, base_bits=self.config.lora.base_bits)  # fmt: skip
             s.layout = dataclasses.replace(s.layout, prediction=with_generation(
                 s.layout.prediction, Shape.of(s.model_config), s.layout.strategy, inputs, s.plan.global_batch,
                 m.num_generations, m.max_completion_length, m.uses_reference, gather))
