@@ -342,11 +342,15 @@ def storages(t: torch.Tensor) -> list[int]:
     return [t.untyped_storage().data_ptr()]
 
 
+def fsdp_groups(unit: nn.Module) -> list[Any]:
+    """An FSDP2 unit's parameter groups (one, or several in torch versions that split them)."""
+    state = unit._get_fsdp_state()
+    return getattr(state, "_fsdp_param_groups", None) or [g for g in [getattr(state, "_fsdp_param_group", None)] if g]
+
+
 def fsdp_params(unit: nn.Module) -> list[Any]:
     """An FSDP2 unit's own parameters as FSDP holds them (each with its sharded DTensor)."""
-    state = unit._get_fsdp_state()
-    groups = getattr(state, "_fsdp_param_groups", None) or [g for g in [getattr(state, "_fsdp_param_group", None)] if g]
-    return [fp for g in groups for fp in g.fsdp_params]
+    return [fp for g in fsdp_groups(unit) for fp in g.fsdp_params]
 
 
 def gathered_copies(model: nn.Module) -> set[int]:

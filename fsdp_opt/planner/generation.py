@@ -14,9 +14,9 @@ Memory per GPU while generating (the optimizer state stays; the gradients are fr
 
 Time: the prompts' prefill from FLOPs (2 N per token at --tflops); each decoding step reads the gathered weights and
 the KV cache from GPU memory (--hbm_gbps, 320 GB/s on a T4), computes its tokens, or waits for the host to launch its
-kernels, whichever is longest (HOST_S_PER_BLOCK and the rest below: on a GPU a small batch's step is the host's);
-on the shards, each decoding step also all-gathers the whole model over the link (--link_gbps). Then the reference's forward over
-the completions (--beta > 0) and the training step at the layout's micro-batches.
+kernels, whichever is longest (HOST_S_PER_BLOCK and the rest below: on a GPU a small batch's step is the host's); on
+the shards, each decoding step also all-gathers the whole model over the link (--link_gbps). Then the reference's
+forward over the completions (--beta > 0) and the training step at the layout's micro-batches.
 """
 
 from __future__ import annotations
