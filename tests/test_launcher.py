@@ -14,7 +14,10 @@ from conftest import launch
 SCRIPT = """
 import os, sys, time
 rank = int(os.environ["RANK"])
-print(f"rank {rank} of {os.environ['WORLD_SIZE']}, local {os.environ['LOCAL_RANK']}, cwd {os.getcwd()}", flush=True)
+# one write of the whole line: unbuffered (PYTHONUNBUFFERED), print() writes the text and its newline apart, and
+# the two ranks' lines can interleave on the shared pipe (one line "rank 1 ...rank 0 ...", then two newlines)
+sys.stdout.write(f"rank {rank} of {os.environ['WORLD_SIZE']}, local {os.environ['LOCAL_RANK']}, cwd {os.getcwd()}\\n")
+sys.stdout.flush()
 if sys.argv[1] == "fail":
     if rank == 1:
         print("rank 1 fails", file=sys.stderr, flush=True)

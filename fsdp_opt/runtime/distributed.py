@@ -121,19 +121,19 @@ def end_process(main: Callable[[], int | None]) -> None:
     try:
         code = main()
     except torch.OutOfMemoryError as exc:
-        print(oom_line(str(exc)), file=sys.stderr)
+        say(oom_line(str(exc)))
         code = 1
     except ModuleNotFoundError as exc:
         if not exc.name or exc.name.split(".")[0] == "fsdp_opt":
             raise  # the package itself incomplete: a bug, with its traceback
-        print(f"error: rank {env_rank()}: the package {exc.name.split('.')[0]!r} is not installed in this Python "
-              f"({sys.executable}): pip install -r requirements.txt installs what fsdp-opt needs", file=sys.stderr)  # fmt: skip
+        say(f"error: rank {env_rank()}: the package {exc.name.split('.')[0]!r} is not installed in this Python "
+            f"({sys.executable}): pip install -r requirements.txt installs what fsdp-opt needs")  # fmt: skip
         code = 1
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
             code = exc.code
         else:  # sys.exit("message"): Python prints the message and exits with 1
-            print(exc.code, file=sys.stderr)
+            say(str(exc.code))
             code = 1
     sys.stdout.flush()
     sys.stderr.flush()
@@ -147,6 +147,13 @@ def oom_line(message: str) -> str:
     return (f"error: rank {env_rank()}: out of GPU memory ({said[:300]}). The run does not fit its GPUs: "
             "--batch_size auto picks a layout that fits (python -m fsdp_opt.plan with the same flags shows the peak), "
             "or train LoRA adapters (--lora_rank 16), on more GPUs, or with --cpu_offload")
+
+
+def say(line: str) -> None:
+    """One line on stderr in one write: under PYTHONUNBUFFERED, print() writes the text and its newline apart, and
+    two ranks' lines could interleave."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def print0(*args: Any, sep: str = " ", end: str = "\n", file: Any = None) -> None:
@@ -236,11 +243,11 @@ def fail(message: str, code: int = 2) -> None:
     PRINT_WAIT_S prints the line itself: rank 0 did not meet the error."""
     rank = env_rank()
     if rank == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
+        say(f"error: {message}")
     else:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         time.sleep(PRINT_WAIT_S)
-        print(f"error: (rank {rank}) {message}", file=sys.stderr, flush=True)
+        say(f"error: (rank {rank}) {message}")
     teardown_quietly()
     sys.exit(code)
 
