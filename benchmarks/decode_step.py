@@ -35,6 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402 - after the repository is on the path
+from peft import LoraConfig, get_peft_model  # noqa: E402
+from transformers import AutoModelForCausalLM, GenerationConfig  # noqa: E402
+from transformers.utils import logging  # noqa: E402
 
 from fsdp_opt.engine.generation import Sampling, completion_keys, processors  # noqa: E402
 from fsdp_opt.model.sources import load_model_config, resolve_model  # noqa: E402
@@ -57,8 +60,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build(name: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
     config = load_model_config(resolve_model(name))
     torch.manual_seed(0)
     with torch.device(device):
@@ -90,8 +91,6 @@ def forward_loop(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> 
 
 @torch.no_grad()
 def generate_round(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, sampled: bool) -> float:
-    from transformers import GenerationConfig
-
     config = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, eos_token_id=None,
                               pad_token_id=0, use_cache=True, num_beams=1)  # fmt: skip
     keys = completion_keys(0, 1, list(range(len(ids))), [0] * len(ids))
@@ -103,8 +102,6 @@ def generate_round(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, s
 
 
 def with_lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
-    from peft import LoraConfig, get_peft_model
-
     names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.05, target_modules=sorted(names & set(LINEAR)))
     return get_peft_model(model, config).eval()
@@ -113,8 +110,6 @@ def with_lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers renaming past_key_values: the loop's
-    from transformers.utils import logging
-
     logging.set_verbosity_error()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")

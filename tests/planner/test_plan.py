@@ -11,6 +11,7 @@ from conftest import make_local_model, plan_cli
 from fsdp_opt.base import GIB, parse_size
 from fsdp_opt.model.shapes import Shape, model_config
 from fsdp_opt.model.sources import OPT_FAMILY
+from fsdp_opt.planner.generation import HOST_S_PER_ADAPTER, HOST_S_PER_BLOCK, HOST_S_PER_NF4, generation_time
 from fsdp_opt.planner.inputs import Inputs
 from fsdp_opt.planner.memory import memory, peak_bytes, reduce_every_microbatch_needed
 
@@ -172,8 +173,6 @@ def test_a_decoding_step_on_a_gpu_is_the_hosts_launch_time_where_reading_the_wei
     read), so each step costs the host's time: per block, more for each adapted layer whose adapters are not merged
     (the NF4 base; generation on the shards), more again for each NF4 weight. The gathered 16-bit base merges its
     adapters: the same time as full fine-tuning's."""
-    from fsdp_opt.planner.generation import HOST_S_PER_ADAPTER, HOST_S_PER_BLOCK, HOST_S_PER_NF4, generation_time
-
     shape = Shape.of(model_config("facebook/opt-1.3b"))
     steps = 128
 

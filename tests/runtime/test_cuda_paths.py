@@ -12,12 +12,14 @@ import torch
 from conftest import ROOT, plan_cli
 
 from fsdp_opt.base import GIB, ConfigError
+from fsdp_opt.gpu_check import CONTEXT_WORDS
 from fsdp_opt.model.shapes import Shape, model_config
 from fsdp_opt.planner import lora as planner_lora
 from fsdp_opt.planner.inputs import CUDA_CONTEXT_BYTES, NCCL_BUFFER_BYTES, Inputs
 from fsdp_opt.planner.lora import components
 from fsdp_opt.planner.memory import mask_bytes, memory
 from fsdp_opt.runtime.distributed import backend_for, cuda_index
+from fsdp_opt.runtime.gpus import contexts_held
 
 
 def test_the_cuda_group_is_not_bound_to_a_device():
@@ -166,9 +168,6 @@ def test_whether_a_process_holds_a_cuda_context_is_the_drivers_answer():
     """gpu_check's context row asks the driver for each GPU's primary context (torch.cuda.is_initialized() said yes on
     the H200 machine where importing transformers beside torchao had made none). A driver that does not answer, or no
     driver at all (this machine), gives None: "not known", never "none"."""
-    from fsdp_opt.gpu_check import CONTEXT_WORDS
-    from fsdp_opt.runtime.gpus import contexts_held
-
     driver = StandInDriver([0, 1])
     assert contexts_held(driver) == [False, True] and driver.asked == [100, 101]
     assert contexts_held(StandInDriver([0, 0])) == [False, False]

@@ -12,6 +12,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from peft.tuners.lora import LoraLayer
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import OPTConfig, OPTForCausalLM
 
@@ -55,8 +56,6 @@ def sharded() -> list[torch.Tensor]:
 
 
 def lora_layers() -> list[torch.nn.Module]:
-    from peft.tuners.lora import LoraLayer
-
     return [m for m in model.modules() if isinstance(m, LoraLayer)]
 
 
