@@ -45,7 +45,8 @@ BREAKING = {
     "seed": "the data order changes",
     **dict.fromkeys(("num_generations", "max_completion_length", "temperature", "top_p", "top_k", "epsilon",
                      "epsilon_high", "loss_type", "scale_rewards", "mask_truncated_completions", "reward",
-                     "reward_weights"), "another loss trains"),  # fmt: skip
+                     "reward_weights", "num_iterations", "steps_per_generation", "delta", "importance_sampling_level"),
+                    "another loss trains"),  # fmt: skip
 }
 # Not compared: where this session is in the chain, and how this machine lays a step out.
 NOT_COMPARED = {
@@ -55,6 +56,8 @@ NOT_COMPARED = {
     "batch_size", "accum_steps", "global_batch", "sharding_strategy", "precision", "activation_checkpointing",
     "cpu_offload", "reduce_every_microbatch", "reduce_dtype", "compile", "prefetch", "max_gpu_memory", "tflops",
     "link_gbps", "loss_chunk_tokens", "attn_implementation", "async_save", "pad_to_max_length",
+    # how this machine decodes: the same completions, up to the last bits of a float
+    "decoding",
     # the LoRA identity has its own check, with its own message (model/adapters.check_resume)
     "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "base_bits",
 }  # fmt: skip

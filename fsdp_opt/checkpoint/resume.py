@@ -93,10 +93,12 @@ def restore(
     if same_slice and len(rngs) == env.world_size:
         set_rng_state(rngs[env.rank])
     if same_slice:
-        state = TrainState(ts["global_step"], ts["epoch"], ts["offset"])
+        state = TrainState(ts["global_step"], ts["epoch"], ts["offset"], int(ts.get("within", 0)))
         if state.offset >= num_samples:
-            state.epoch, state.offset = state.epoch + 1, 0
+            state.epoch, state.offset, state.within = state.epoch + 1, 0, 0
         where = f"epoch {state.epoch}, sample {state.offset} of {num_samples}"
+        if state.within:
+            where += f", step {state.within + 1} of the generation there"
     else:
         state = TrainState(ts["global_step"], config.train.initial_epoch, 0)
         where = f"the first batch of slice [{config.data.start_idx}, {end_idx})"

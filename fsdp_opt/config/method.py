@@ -46,6 +46,8 @@ METHODS = tuple(METHOD_TRAITS)
 DEFAULT_METHOD = METHODS[0]
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")  # --loss_type: what a GRPO step's loss is divided by
 SCALE_REWARDS = ("group", "batch", "none")  # --scale_rewards: the std an advantage is divided by
+IMPORTANCE_LEVELS = ("token", "sequence")  # --importance_sampling_level: where the probability ratio is taken
+DECODING = ("static", "graphs", "generate")  # --decoding: how completions are decoded (engine/decoding.py)
 
 
 def traits(method: str) -> Traits:
@@ -96,6 +98,36 @@ class MethodConfig:
         choices=SCALE_REWARDS,
     )
     mask_truncated_completions: bool = flag(False, "--method grpo: a completion that never ends carries no loss.")
+    num_iterations: int = flag(
+        1,
+        "--method grpo: how many times each generation is trained on (TRL's num_iterations, mu). Above 1 the "
+        "log-probabilities the completions were sampled with are kept, the probability ratio moves off 1 and "
+        "--epsilon clips it.",
+    )
+    steps_per_generation: int | None = flag(
+        None,
+        "--method grpo: the micro-steps one generation feeds (TRL's); default --accum_steps, so that one generation "
+        "feeds one optimizer step; twice that, two (the generation's prompts sampled at once, then trained a step's "
+        "worth at a time). A multiple of --accum_steps.",
+    )
+    delta: float | None = flag(
+        None,
+        "--method grpo: the two-sided clip's upper bound on the probability ratio (TRL's delta, INTELLECT-2; off by "
+        "default); above 1 + --epsilon_high.",
+    )
+    importance_sampling_level: str = flag(
+        "token",
+        "--method grpo: the probability ratio per token (token), or per completion (sequence: the exp of the mean of "
+        "its tokens' log-ratios, GSPO).",
+        choices=IMPORTANCE_LEVELS,
+    )
+    decoding: str = flag(
+        "static",
+        "--method grpo: how completions are decoded. static: all of a rank's completions as one batch with a KV cache "
+        "sized once; graphs: the same, each decoding step captured once as a CUDA graph and replayed per token (CUDA "
+        "only; off by default: no GPU has measured it yet, docs/grpo.md); generate: transformers' generate.",
+        choices=DECODING,
+    )
     reward: str | None = flag(
         None,
         "--method grpo: the reward functions, comma-separated (or the flag repeated): a built-in (accuracy, format, "
@@ -118,7 +150,9 @@ class MethodConfig:
         if self.ref_model is not None and not self.uses_reference:
             raise ConfigError(f"--ref_model {self.ref_model}: only with --method dpo, or grpo with --beta above 0")
         if not t.generates:
-            given = [f for f in ("reward", "reward_weights") if getattr(self, f) is not None]
+            given = [f for f in ("reward", "reward_weights", "steps_per_generation", "delta") if getattr(self, f) is not None]
+            given += [f for f, default in (("num_iterations", 1), ("importance_sampling_level", "token"),
+                                           ("decoding", "static")) if getattr(self, f) != default]  # fmt: skip
             if given:
                 raise ConfigError(f"--{given[0]}: only with --method grpo")
             return
@@ -135,6 +169,13 @@ class MethodConfig:
             raise ConfigError(f"--top_k {self.top_k}: must be 0 (off) or more")
         if not 0 <= self.epsilon < 1 or (self.epsilon_high is not None and self.epsilon_high < 0):
             raise ConfigError(f"--epsilon {self.epsilon}: must be in [0, 1) (and --epsilon_high 0 or more)")
+        if self.num_iterations < 1:
+            raise ConfigError(f"--num_iterations {self.num_iterations}: must be 1 or more")
+        if self.steps_per_generation is not None and self.steps_per_generation < 1:
+            raise ConfigError(f"--steps_per_generation {self.steps_per_generation}: must be 1 or more")
+        if self.delta is not None and not self.delta > 1 + self.clip_high:
+            raise ConfigError(f"--delta {self.delta}: must be above 1 + --epsilon_high ({1 + self.clip_high:g}): it "
+                              "bounds the ratio from above where the clip does not")  # fmt: skip
         if not self.reward:
             raise ConfigError("--reward: --method grpo needs at least one reward function (a built-in: accuracy, "
                               "format, length; or path/to/file.py:function)")  # fmt: skip

@@ -254,6 +254,19 @@ def blocks_from(encoded: Encoded, max_length: int, pad_id: int, packing: str, at
 
 
 @dataclass(frozen=True)
+class GenerationSlot:
+    """Where a step stands in the generation it trains on (--method grpo): a generation's prompts are sampled at
+    once, then trained a step's worth (a slice) at a time, each slice --num_iterations times, passes in order."""
+
+    begin: int  # the epoch's position where the generation's prompts start
+    index: int  # this step's place among the generation's steps (0: the step that samples it)
+    count: int  # the generation's steps: its slices x --num_iterations
+    slice: int  # the step's worth of its prompts this step trains
+    iteration: int  # the pass over the generation (0-based)
+    prompts: tuple[torch.Tensor, ...]  # this rank's prompts of each slice, in order
+
+
+@dataclass(frozen=True)
 class StepBatch:
     """One optimizer step as this rank sees it."""
 
@@ -266,10 +279,17 @@ class StepBatch:
     end_offset: int  # samples of this epoch consumed once the step is done
     units: int | None = None  # what the step's loss is a mean over, when not its target tokens (--method dpo: pairs)
     by_source: dict[str, list[int]] | None = None  # a mixture's step: the rows and tokens each source gave it
+    generation: GenerationSlot | None = None  # a step that trains on sampled completions: its generation
 
     @property
     def loss_units(self) -> int:
         return self.target_tokens if self.units is None else self.units
+
+    @property
+    def within_after(self) -> int:
+        """The generation's steps done once this step is (0: the generation is done, or there is none)."""
+        g = self.generation
+        return 0 if g is None or g.index + 1 == g.count else g.index + 1
 
 
 def source_counts(tally: torch.Tensor) -> dict[str, list[int]]:
@@ -302,14 +322,16 @@ class StepPlan:
         self._lengths = blocks.lengths
         self._by_source = blocks.by_source
 
-    def steps_per_epoch(self, start_offset: int = 0) -> int:
+    def steps_per_epoch(self, start_offset: int = 0, within: int = 0) -> int:
         return -(-(self.num_samples - start_offset) // self.global_batch)
 
     def epoch_order(self, epoch: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(self.num_samples, generator=g)
 
-    def steps(self, epoch: int, start_offset: int = 0) -> Iterator[StepBatch]:
+    def steps(self, epoch: int, start_offset: int = 0, within: int = 0) -> Iterator[StepBatch]:
+        """The epoch's steps from `start_offset` (`within`: the steps done of a generation, for plans that have
+        generations; here always 0)."""
         order = self.epoch_order(epoch)
         first_step = start_offset // self.global_batch
         for k, begin in enumerate(range(start_offset, self.num_samples, self.global_batch)):

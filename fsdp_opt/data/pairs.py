@@ -169,14 +169,14 @@ class PairPlan:
         micro, per_step = self.micro_batches(epoch), self.world_size * self.accum_steps
         return [micro[i : i + per_step] for i in range(0, len(micro), per_step)]
 
-    def steps_per_epoch(self, start_offset: int = 0) -> int:
+    def steps_per_epoch(self, start_offset: int = 0, within: int = 0) -> int:
         done, count = 0, 0
         for step in self._steps(0 if not self._epochs else next(iter(self._epochs))):
             done += sum(len(m) for m in step)
             count += done > start_offset
         return count
 
-    def steps(self, epoch: int, start_offset: int = 0) -> Iterator[StepBatch]:
+    def steps(self, epoch: int, start_offset: int = 0, within: int = 0) -> Iterator[StepBatch]:
         done = 0
         for k, step in enumerate(self._steps(epoch)):
             pairs = [p for m in step for p in m]

@@ -20,7 +20,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from fsdp_opt.base import ConfigError, DataError
-from fsdp_opt.data.blocks import StepBatch, count_by_source
+from fsdp_opt.data.blocks import GenerationSlot, StepBatch, count_by_source
 from fsdp_opt.data.formats import Rows
 from fsdp_opt.data.packing import MaskPattern
 from fsdp_opt.data.tokens import encode_prompts
@@ -109,35 +109,67 @@ def check_groups(global_batch: int, generations: int) -> int:
     return global_batch // generations
 
 
+def generation_slices(steps_per_generation: int | None, accum_steps: int | None) -> int:
+    """The optimizer steps' worth of prompts one generation takes: --steps_per_generation in steps of --accum_steps
+    (None: not decided yet, --batch_size auto; checked again once it is)."""
+    if accum_steps is None:
+        return 1
+    spg = steps_per_generation or accum_steps
+    if spg % accum_steps:
+        raise ConfigError(f"--steps_per_generation {spg}: must be a multiple of --accum_steps ({accum_steps}), so that "
+                          "a generation feeds whole optimizer steps")  # fmt: skip
+    return spg // accum_steps
+
+
 class PromptPlan:
     """The steps of each epoch over prompts: StepPlan's interface (data/blocks.py), with prompts for samples. A
     step's `micro_batches` holds one entry, this rank's prompts: its micro-batches of completions are laid out once
-    they are generated (engine/grpo.py)."""
+    they are generated (engine/grpo.py).
+
+    A generation takes `slices` steps' worth of prompts (--steps_per_generation / --accum_steps) and feeds
+    slices x `iterations` optimizer steps (--num_iterations): its slices in order, then again. The position a
+    checkpoint keeps is the generation's start until its last step is done (with the steps done of it, `within`),
+    then its end."""
 
     def __init__(self, prompts: Prompts, *, batch_size: int, accum_steps: int, rank: int, world_size: int, seed: int,
-                 generations: int) -> None:  # fmt: skip
+                 generations: int, slices: int = 1, iterations: int = 1) -> None:  # fmt: skip
         self.prompts = prompts
         self.num_samples = len(prompts)
         self.batch_size, self.accum_steps, self.generations = batch_size, accum_steps, generations
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.global_batch = batch_size * world_size * accum_steps  # completions per step
         self.per_step = check_groups(self.global_batch, generations)
+        self.slices, self.iterations = slices, iterations
+        self.per_generation = self.per_step * slices
 
     def epoch_order(self, epoch: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(self.num_samples, generator=g)
 
-    def steps_per_epoch(self, start_offset: int = 0) -> int:
-        return -(-(self.num_samples - start_offset) // self.per_step)
+    def _generation_steps(self, begin: int) -> int:
+        taken = min(self.per_generation, self.num_samples - begin)
+        return -(-taken // self.per_step) * self.iterations
 
-    def steps(self, epoch: int, start_offset: int = 0) -> Iterator[StepBatch]:
+    def steps_per_epoch(self, start_offset: int = 0, within: int = 0) -> int:
+        return sum(self._generation_steps(b) for b in range(start_offset, self.num_samples, self.per_generation)) - within
+
+    def steps(self, epoch: int, start_offset: int = 0, within: int = 0) -> Iterator[StepBatch]:
         order = self.epoch_order(epoch)
-        first_step = start_offset // self.per_step
-        for k, begin in enumerate(range(start_offset, self.num_samples, self.per_step)):
-            taken = order[begin : begin + self.per_step]
-            yield StepBatch(epoch=epoch, step_in_epoch=first_step + k, micro_batches=[taken[self.rank :: self.world_size]],
-                            samples=taken.numel(), target_tokens=0, seen_tokens=0, end_offset=begin + taken.numel(),
-                            units=1, by_source=self.prompts.source_totals(taken))  # fmt: skip
+        first_step = start_offset // self.per_step * self.iterations + within
+        k = 0
+        for begin in range(start_offset, self.num_samples, self.per_generation):
+            taken = order[begin : begin + self.per_generation]
+            parts = [taken[j : j + self.per_step] for j in range(0, taken.numel(), self.per_step)]
+            mine = tuple(part[self.rank :: self.world_size] for part in parts)
+            count = len(parts) * self.iterations
+            for index in range(within if begin == start_offset else 0, count):
+                iteration, j = divmod(index, len(parts))
+                slot = GenerationSlot(begin=begin, index=index, count=count, slice=j, iteration=iteration, prompts=mine)
+                yield StepBatch(epoch=epoch, step_in_epoch=first_step + k, micro_batches=[mine[j]],
+                                samples=parts[j].numel(), target_tokens=0, seen_tokens=0,
+                                end_offset=begin + taken.numel() if index == count - 1 else begin, units=1,
+                                by_source=self.prompts.source_totals(parts[j]), generation=slot)  # fmt: skip
+                k += 1
 
 
 def row_key(row: dict[str, Any]) -> str:

@@ -37,6 +37,7 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 
+from fsdp_opt.engine.decoding import Decoder, supports_static
 from fsdp_opt.model.adapters import merge_adapters, unmerge_adapters
 from fsdp_opt.model.parallelize import fsdp_groups, gathered_copies
 
@@ -180,11 +181,11 @@ class Generated:
 @torch.no_grad()
 def generate(model: nn.Module, prompts: Sequence[Sequence[int]], keys: torch.Tensor, sampling: Sampling, *,
              eos_ids: Sequence[int], pad_id: int, device: torch.device, stop: str | None = None, tokenizer=None,
-             synced: bool = False, batch_size: int = 0) -> Generated:  # noqa: ANN001  # fmt: skip
+             synced: bool = False, batch_size: int = 0, decoder: Decoder | None = None) -> Generated:  # noqa: ANN001  # fmt: skip
     """Completions of each prompt (left-padded into batches of `batch_size` requests, 0: all at once), each drawn
-    with its own key. `synced`: every rank runs every decoding step (generation on shards)."""
-    from transformers import GenerationConfig, StoppingCriteriaList
-
+    with its own key. With a `decoder` (engine/decoding.py), each batch decodes with a static KV cache (replayed as a
+    CUDA graph when it captures); without one, or `synced` (generation on the shards: every rank runs every decoding
+    step), transformers' generate decodes."""
     stop_ids = tokenizer(stop, add_special_tokens=False)["input_ids"] if stop and tokenizer is not None else []
     ids_out: list[list[int]] = []
     ended_out: list[bool] = []
@@ -195,24 +196,39 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], keys: torch.Ten
         if not chunk:  # a rank with no prompt still runs the synced steps of the others
             chunk, chunk_keys = [[pad_id]], torch.zeros(1, dtype=torch.int64)
         longest = max(len(p) for p in chunk)
-        input_ids = torch.full((len(chunk), longest), pad_id, dtype=torch.long)
-        attention = torch.zeros((len(chunk), longest), dtype=torch.long)
-        for i, p in enumerate(chunk):
-            input_ids[i, longest - len(p) :] = torch.tensor(p, dtype=torch.long)
-            attention[i, longest - len(p) :] = 1
-        config = GenerationConfig(do_sample=False, max_new_tokens=sampling.max_new_tokens, eos_token_id=list(eos_ids),
-                                  pad_token_id=pad_id, use_cache=True, num_beams=1)  # fmt: skip
-        stopping = StoppingCriteriaList([StopOnTokens(stop_ids, longest)]) if stop_ids else None
-        out = model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device), generation_config=config,
-                             logits_processor=processors(sampling, chunk_keys, longest), stopping_criteria=stopping,
-                             synced_gpus=synced)  # fmt: skip
+        warp = processors(sampling, chunk_keys, longest)
+        if decoder is not None and not synced and supports_static(model):
+            rows = decoder.decode(model, chunk, lambda ids, logits: warp(ids, logits).argmax(dim=-1),
+                                  max_new_tokens=sampling.max_new_tokens, eos_ids=eos_ids, pad_id=pad_id, device=device,
+                                  stop_ids=stop_ids)  # fmt: skip
+        else:
+            rows = _hf_generate(model, chunk, warp, sampling, eos_ids, pad_id, device, stop_ids, synced)
         if start >= len(prompts):
             break
-        for row in out[:, longest:].tolist():
+        for row in rows:
             kept, done = cut(row, eos_ids, stop, tokenizer)
             ids_out.append(kept)
             ended_out.append(done)
     return Generated(ids_out, ended_out)
+
+
+def _hf_generate(model: nn.Module, chunk: list[Sequence[int]], warp, sampling: Sampling, eos_ids: Sequence[int],
+                 pad_id: int, device: torch.device, stop_ids: Sequence[int], synced: bool) -> list[list[int]]:  # noqa: ANN001  # fmt: skip
+    """transformers' generate (its dynamic KV cache) of one left-padded batch: each row's generated tokens."""
+    from transformers import GenerationConfig, StoppingCriteriaList
+
+    longest = max(len(p) for p in chunk)
+    input_ids = torch.full((len(chunk), longest), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(chunk), longest), dtype=torch.long)
+    for i, p in enumerate(chunk):
+        input_ids[i, longest - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+        attention[i, longest - len(p) :] = 1
+    config = GenerationConfig(do_sample=False, max_new_tokens=sampling.max_new_tokens, eos_token_id=list(eos_ids),
+                              pad_token_id=pad_id, use_cache=True, num_beams=1)  # fmt: skip
+    stopping = StoppingCriteriaList([StopOnTokens(stop_ids, longest)]) if stop_ids else None
+    out = model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device), generation_config=config,
+                         logits_processor=warp, stopping_criteria=stopping, synced_gpus=synced)  # fmt: skip
+    return out[:, longest:].tolist()
 
 
 def cut(tokens: list[int], eos_ids: Sequence[int], stop: str | None, tokenizer) -> tuple[list[int], bool]:  # noqa: ANN001

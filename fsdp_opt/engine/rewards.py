@@ -92,11 +92,16 @@ READS_ENDED = (length, choice)
 @dataclass
 class Reward:
     """One reward function: its name as given, the function, and a fingerprint of its source (the chain pins it:
-    a changed rule is drift)."""
+    a changed rule is drift). `label` names it in the metrics: a built-in's name, else the function's own (as TRL
+    names a reward function), made unique among the run's."""
 
     name: str
     fn: Callable[..., list]
     source: str  # sha256 of its source: its file's or module's (a built-in's: this package's code of the function)
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        self.label = self.label or (self.name if self.name in BUILTINS else self.name.rsplit(":", 1)[-1])
 
     def pin(self) -> dict[str, str]:
         return {"name": self.name, "source": self.source}
@@ -147,6 +152,11 @@ def load(name: str) -> Reward:
 def load_all(names: Sequence[str], weights: str | None) -> tuple[list[Reward], list[float]]:
     """--reward and --reward_weights, checked."""
     rewards = [load(n) for n in names]
+    seen: dict[str, int] = {}
+    for r in rewards:  # two functions of one name (from two files): the second is label_2
+        seen[r.label] = seen.get(r.label, 0) + 1
+        if seen[r.label] > 1:
+            r.label = f"{r.label}_{seen[r.label]}"
     if weights is None:
         return rewards, [1.0] * len(rewards)
     try:
@@ -160,9 +170,10 @@ def load_all(names: Sequence[str], weights: str | None) -> tuple[list[Reward], l
 
 def score(rewards: Sequence[Reward], prompts: Sequence[Any], completions: Sequence[Any],
           completion_ids: Sequence[Sequence[int]], columns: dict[str, list], rows: Sequence[int],
-          ended: Sequence[bool]) -> list[list[float]]:  # fmt: skip
+          ended: Sequence[bool], places: Sequence[int] | None = None) -> list[list[float]]:  # fmt: skip
     """[completion][function]: each function's reward of each completion (NaN for None). A function that raises,
-    returns the wrong count or a non-number stops the run in one line naming it and the row."""
+    returns the wrong count or a non-number stops the run in one line naming it, the row and the completion's place
+    in its group (`places`: each completion's; None: one completion per row, as the held-out prompts have)."""
     out = [[math.nan] * len(rewards) for _ in completions]
     if not completions:
         return out
@@ -176,8 +187,8 @@ def score(rewards: Sequence[Reward], prompts: Sequence[Any], completions: Sequen
         except ConfigError:
             raise
         except Exception as exc:  # noqa: BLE001 - the user's function: which, and on which row
-            row = _failing_row(reward, prompts, completions, completion_ids, kwargs, rows)
-            raise ConfigError(f"--reward {reward.name}: it raised on {row} ({type(exc).__name__}: "
+            where = _failing(reward, prompts, completions, completion_ids, kwargs, rows, places)
+            raise ConfigError(f"--reward {reward.name}: it raised on {where} ({type(exc).__name__}: "
                               f"{first_line(exc)})") from None  # fmt: skip
         got = list(got) if got is not None else []
         if len(got) != len(completions):
@@ -187,18 +198,25 @@ def score(rewards: Sequence[Reward], prompts: Sequence[Any], completions: Sequen
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(float(value)):
-                raise ConfigError(f"--reward {reward.name}: it returned {value!r} for row {rows[i]} (a float or None "
-                                  "per completion)")  # fmt: skip
+                raise ConfigError(f"--reward {reward.name}: it returned {value!r} for {_which(rows, places, i)} (a "
+                                  "float or None per completion)")  # fmt: skip
             out[i][j] = float(value)
     return out
 
 
-def _failing_row(reward: Reward, prompts, completions, completion_ids, kwargs: dict, rows) -> str:  # noqa: ANN001
-    """The first row whose completion alone makes the function raise (else the rows of the batch)."""
+def _which(rows: Sequence[int], places: Sequence[int] | None, i: int) -> str:
+    """Completion i in words: its row, and its place in the row's group when there is a group."""
+    return f"row {rows[i]}" + (f" (completion {places[i] + 1} of its group)" if places is not None else "")
+
+
+def _failing(reward: Reward, prompts, completions, completion_ids, kwargs: dict, rows, places) -> str:  # noqa: ANN001
+    """The first completion that makes the function raise when it is called on that completion alone; where none
+    does, the batch's rows (the function raises on the batch as a whole)."""
     for i in range(len(completions)):
         one = {k: [v[i]] if isinstance(v, list) and len(v) == len(completions) else v for k, v in kwargs.items()}
         try:
             reward.fn(prompts=[prompts[i]], completions=[completions[i]], completion_ids=[completion_ids[i]], **one)
         except Exception:  # noqa: BLE001
-            return f"row {rows[i]}"
-    return f"rows {min(rows)} to {max(rows)}"
+            return _which(rows, places, i)
+    return (f"the batch of rows {min(rows)} to {max(rows)} ({len(completions)} completions; no one of them alone "
+            "makes it raise)")  # fmt: skip

@@ -119,7 +119,7 @@ def accumulate(s: StepRun, step: StepBatch, scale: float = 1.0) -> tuple[torch.T
 def first_batch_loss(s: StepRun) -> torch.Tensor:
     """The mean loss of this session's first micro-batch (summed over ranks), in eval mode: no dropout draws, so the
     training that follows is the same with or without this forward. Every rank calls it."""
-    first = next(iter(s.plan.steps(s.state.epoch, s.state.offset)), None)
+    first = next(iter(s.plan.steps(s.state.epoch, s.state.offset, s.state.within)), None)
     s.model.eval()
     try:
         with torch.no_grad():
@@ -196,6 +196,8 @@ class TrainState:
     global_step: int = 0
     epoch: int = 0  # 0-based epoch of the slice that `offset` points into
     offset: int = 0  # samples of that epoch already consumed
+    within: int = 0  # steps done of the generation that starts at `offset` (--method grpo, reused generations)
 
     def state_dict(self) -> dict[str, int]:
-        return {"global_step": self.global_step, "epoch": self.epoch, "offset": self.offset}
+        position = {"global_step": self.global_step, "epoch": self.epoch, "offset": self.offset}
+        return {**position, "within": self.within} if self.within else position

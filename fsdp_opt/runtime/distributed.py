@@ -195,6 +195,17 @@ def broadcast_object(obj: T, src: int = 0) -> T:
     return box[0]
 
 
+def scatter_object(items: list[Any] | None, src: int = 0) -> Any:
+    """items[r] from rank `src` to each rank r (None on every rank when `src` gives None)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return items[0] if items else None
+    if not broadcast_object(items is not None, src):
+        return None
+    box: list[Any] = [None]
+    dist.scatter_object_list(box, items if dist.get_rank() == src else None, src=src)
+    return box[0]
+
+
 def all_ranks_ok(fn: Callable[[], T]) -> T:
     """Run `fn` on every rank; if it raises ConfigError on any rank, raise that error on all of them.
 

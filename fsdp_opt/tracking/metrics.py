@@ -49,9 +49,14 @@ GRPO_FIELDS = (
     "completion_length_max",
     "truncated",  # share of completions that reached --max_completion_length without an end
     "zero_std_groups",  # share of completions whose group's rewards are all the same (no advantage)
-    "kl",  # mean k3 KL to the reference per completion token (None when --beta is 0)
-    "generation_share",  # the step's time spent generating
-    "generated_tokens_per_second",  # completion tokens generated per second of generation, all ranks
+    "kl",  # mean KL term (k3, times the ratio) per completion token (None when --beta is 0)
+    "generation_share",  # the step's time spent sampling (0 in a step that trains a generation sampled before)
+    "generated_tokens_per_second",  # completion tokens generated per second of its generation's sampling, all ranks
+    "iteration",  # the pass over the step's generation it trains (1 .. --num_iterations)
+    # the clip's share of the step's completion tokens (of its completions at --importance_sampling_level sequence)
+    "clip_ratio/low_mean",  # clipped below: ratio < 1 - eps where A < 0
+    "clip_ratio/high_mean",  # clipped above: ratio > 1 + eps_high, A > 0
+    "clip_ratio/region_mean",  # either
 )
 COMPLETIONS_FILE = "completions.jsonl"  # --method grpo: one line per completion: step, row, prompt, completion, ...
 

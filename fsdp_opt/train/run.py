@@ -25,7 +25,7 @@ from fsdp_opt.checkpoint.save import BackgroundWriter
 from fsdp_opt.config.choices import AUTO, DTYPES, shard_count
 from fsdp_opt.config.parse import Config
 from fsdp_opt.data.pin import PIN_KEY, packed_as, pinned_revision, with_range
-from fsdp_opt.data.prompts import check_groups
+from fsdp_opt.data.prompts import check_groups, generation_slices
 from fsdp_opt.data.resolve import DataSource
 from fsdp_opt.data.sources import check_exists
 from fsdp_opt.engine.fp16watch import Fp16Overflow, overflow_probe
@@ -192,7 +192,7 @@ def record_changes(s: Session, payload: dict[str, Any], changes: list[dict[str, 
     """Rank 0: the global batch checked too (it is known once the layout is), then the chain's record of changes:
     the checkpoint's, and this session's at its first global step."""
     ts = payload.get("train_state") or {}
-    moved = global_batch_change(payload.get("global_batch"), s.plan.global_batch, mid_range=bool(ts.get("offset")))
+    moved = global_batch_change(payload.get("global_batch"), s.plan.global_batch, mid_range=bool(ts.get("offset") or ts.get("within")))
     if moved is not None:
         print0(drift_line(moved))
         refuse_if_breaking([moved], s.config.checkpoint.allow_changes, Path(payload["_path"]).name)
@@ -221,6 +221,7 @@ def check_flags(config: Config, env: DistEnv) -> Checked:
     auto = config.train.batch_size == AUTO
     if config.method.traits.generates:  # a step's completions: whole groups of --num_generations
         check_groups(config.train.samples_per_step(env.world_size), config.method.num_generations)
+        generation_slices(config.method.steps_per_generation, None if auto else config.train.accum_for(env.world_size))
     return Checked(source, precision, None if auto else config.train.accum_for(env.world_size))
 
 
@@ -342,7 +343,7 @@ def train(s: Session, stop: StopControl) -> bool:
     epochs = 1 if s.config.data.range_size is not None else tc.num_epochs
     for epoch in range(first_epoch, first_epoch + epochs):
         s.state.epoch = epoch
-        progress = Progress(s.env.is_main, s.plan.steps_per_epoch(s.state.offset), f"epoch {epoch + 1}")
+        progress = Progress(s.env.is_main, s.plan.steps_per_epoch(s.state.offset, s.state.within), f"epoch {epoch + 1}")
         try:
             reason = run_epoch(s, epoch, stop, progress)
         finally:
@@ -350,7 +351,7 @@ def train(s: Session, stop: StopControl) -> bool:
         if reason:
             _stop_early(s, reason)
             return False
-        s.state.epoch, s.state.offset = epoch + 1, 0
+        s.state.epoch, s.state.offset, s.state.within = epoch + 1, 0, 0
         if s.chain is not None:
             s.chain.ranges_done += 1
         save(s, epoch_end=True)
@@ -360,7 +361,7 @@ def train(s: Session, stop: StopControl) -> bool:
 def run_epoch(s: Session, epoch: int, stop: StopControl, progress: Progress) -> str | None:
     """The steps of one epoch from the saved position; returns the agreed reason to stop early, if any."""
     cc = s.config.checkpoint
-    for step in s.plan.steps(epoch, s.state.offset):
+    for step in s.plan.steps(epoch, s.state.offset, s.state.within):
         reason = stop.check(save_estimate(s), write_failed=bool(s.ckpt_writer and s.ckpt_writer.error))
         if reason == WRITE_FAILED:
             raise_if_write_failed(s)
@@ -370,7 +371,7 @@ def run_epoch(s: Session, epoch: int, stop: StopControl, progress: Progress) -> 
         record = train_step(s, step)
         s.step_seconds.append(time.perf_counter() - step_started)
         stop.observe_step(s.step_seconds[-1])
-        s.state.offset = step.end_offset
+        s.state.offset, s.state.within = step.end_offset, step.within_after
         s.count_step(step)
         record["elapsed"] = round(stop.elapsed(), 3)
         record["skipped_rate"], warning, overflow = s.skip_watch.observe(record["skipped"], record["loss_scale"])

@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-import fsdp_opt.engine.grpo as grpo
+import fsdp_opt.engine.rollout as rollout
 from fsdp_opt.config.parse import parse_args
 from fsdp_opt.engine.generation import Generated
 from fsdp_opt.engine.step import accumulate
@@ -32,7 +32,7 @@ def main() -> None:
         pairs = [(int(prompts.index[p]), g) for p in mine for g in range(s.config.method.num_generations)]
         return Generated([given["completions"][f"{r}:{g}"] for r, g in pairs], [given["ended"][f"{r}:{g}"] for r, g in pairs])
 
-    grpo.generate = injected
+    rollout.generate = injected
     s.optimizer.zero_grad(set_to_none=True)
     s.loss.prepare(s, step)
     _, sums = accumulate(s, step, 1.0)

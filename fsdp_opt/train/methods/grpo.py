@@ -15,18 +15,20 @@ from fsdp_opt.base import ConfigError
 from fsdp_opt.checkpoint.drift import line as drift_line
 from fsdp_opt.config.parse import Config
 from fsdp_opt.data.formats import RowSpec, Rows
-from fsdp_opt.data.prompts import PromptPlan, prompts_from_rows
+from fsdp_opt.data.prompts import PromptPlan, generation_slices, prompts_from_rows
 from fsdp_opt.data.tokens import end_of_turn
 from fsdp_opt.engine.dpo import adapters_off, head_logps
 from fsdp_opt.engine.generation import Sampling
-from fsdp_opt.engine.grpo import GroupLoss, GroupSettings, held_out_rewards
+from fsdp_opt.engine.grpo import GroupLoss
+from fsdp_opt.engine.groups import GroupSettings
+from fsdp_opt.engine.rollout import Generation, held_out_rewards
 from fsdp_opt.engine.loss import HeadLoss
 from fsdp_opt.engine.rewards import load_all
 from fsdp_opt.model.sources import without_dropout
 from fsdp_opt.model.shapes import Shape
 from fsdp_opt.planner.generation import gathered_fits, with_generation
 from fsdp_opt.planner.inputs import Inputs
-from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, cap_gpu_memory, print0
+from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, cap_gpu_memory, print0, scatter_object
 from fsdp_opt.tracking.metrics import COMPLETIONS_FILE, GRPO_FIELDS
 from fsdp_opt.train import reference
 from fsdp_opt.train.methods.base import Method, words
@@ -45,6 +47,9 @@ class Grpo(Method):
         self.settings: GroupSettings | None = None
         self.tokenizer = None
         self.written = 0  # completions.jsonl lines this session
+        self.restored: Generation | None = None  # a checkpoint's generation, this rank's part (saved between its steps)
+        self.loss: GroupLoss | None = None
+        self.env: DistEnv | None = None
 
     # ------------------------------------------------------------ rows -> sequences
 
@@ -68,9 +73,10 @@ class Grpo(Method):
         return packing
 
     def plan(self, config: Config, env: DistEnv, sequences, batch_size: int, accum_steps: int) -> PromptPlan:  # noqa: ANN001
+        m = config.method
         return PromptPlan(sequences, batch_size=batch_size, accum_steps=accum_steps, rank=env.rank,
-                          world_size=env.world_size, seed=config.train.seed,
-                          generations=config.method.num_generations)  # fmt: skip
+                          world_size=env.world_size, seed=config.train.seed, generations=m.num_generations,
+                          slices=generation_slices(m.steps_per_generation, accum_steps), iterations=m.num_iterations)  # fmt: skip
 
     def describe(self, sequences, packing_words: str, max_length: int) -> str:  # noqa: ANN001
         m = self.config.method
@@ -93,6 +99,14 @@ class Grpo(Method):
             self.check()
         saved = (payload or {}).get(self.state_key) or {} if env.is_main else {}
         all_ranks_ok(lambda: self._reward_drift(saved.get("rewards") or []) if env.is_main else None)
+        self.restored = self._restore_generation(saved.get("generation"), env)
+
+    def _restore_generation(self, saved: dict[str, Any] | None, env: DistEnv) -> Generation | None:
+        """The generation a checkpoint was saved inside (rank 0 holds it): each rank's own part, on the number of
+        ranks that made it; on another number it is sampled again (one line, engine/grpo.py)."""
+        parts = saved["ranks"] if saved and len(saved["ranks"]) == env.world_size else None
+        mine = scatter_object(parts if env.is_main else None)
+        return Generation.from_state(mine) if mine is not None else None
 
     def _reward_drift(self, saved: list[dict[str, str]]) -> None:
         """Rank 0, resuming: a reward function whose source changed since the checkpoint is drift (its rule changed
@@ -131,8 +145,11 @@ class Grpo(Method):
             epsilon=m.epsilon, epsilon_high=m.clip_high, beta=m.beta, loss_type=m.loss_type,
             scale_rewards=m.scale_rewards, mask_truncated=m.mask_truncated_completions, rewards=self.rewards,
             weights=self.weights, seed=self.config.train.seed, eos_ids=sorted(eos), stop=stop, gather=gather,
+            delta=m.delta, level=m.importance_sampling_level, decoding=self._decoding(s, gather),
         )  # fmt: skip
-        s.loss = GroupLoss(self.settings, s.blocks, s.tokenizer, self._reference(s) if m.uses_reference else None)
+        self.loss = s.loss = GroupLoss(self.settings, s.blocks, s.tokenizer,
+                                       self._reference(s) if m.uses_reference else None, restored=self.restored)  # fmt: skip
+        self.restored, self.env = None, env
         if s.layout.prediction is not None:  # the step's prediction with its generation and reference forward added
             inputs = Inputs(gpus=env.world_size, nodes=env.num_nodes, max_length=self.config.data.max_length,
                             precision=s.precision, lora_rank=self.config.lora.lora_rank,
@@ -140,6 +157,18 @@ class Grpo(Method):
             s.layout = dataclasses.replace(s.layout, prediction=with_generation(
                 s.layout.prediction, Shape.of(s.model_config), s.layout.strategy, inputs, s.plan.global_batch,
                 m.num_generations, m.max_completion_length, m.uses_reference, gather))
+
+    def _decoding(self, s, gather: bool) -> str:  # noqa: ANN001
+        """--decoding as this run can have it: graphs need a CUDA device; generation on the shards runs
+        transformers' generate (every rank in every decoding step)."""
+        chosen = self.config.method.decoding
+        if chosen == "graphs" and s.env.device.type != "cuda":
+            print0(f"{self.name}: --decoding graphs: CUDA graphs need a CUDA device (this run is on "
+                   f"{s.env.device.type}): decoding with the static cache, unreplayed")  # fmt: skip
+            return "static"
+        if chosen != "generate" and not gather and s.env.world_size > 1:
+            return "generate"
+        return chosen
 
     def _gathered_fits(self, s) -> bool:  # noqa: ANN001
         env, c = s.env, self.config
@@ -192,14 +221,33 @@ class Grpo(Method):
         m = self.config.method
         ref = f"beta {m.beta:g}, reference: {self.ref_name}" if m.uses_reference else "beta 0 (no reference model)"
         where = "the model gathered once" if self.settings.gather else "the shards (layer by layer)"
+        how = {"static": "a static KV cache", "graphs": "a static KV cache, each step replayed as a CUDA graph",
+               "generate": "transformers' generate"}[self.settings.decoding]  # fmt: skip
+        reuse = ""
+        slices = s.plan.slices if hasattr(s.plan, "slices") else 1
+        if m.num_iterations > 1 or slices > 1:
+            reuse = (f"; each generation feeds {slices * m.num_iterations} steps ({slices} step(s) of prompts, trained "
+                     f"{m.num_iterations} time(s); ratio per {m.importance_sampling_level})")  # fmt: skip
         return (f"{self.name}, {m.num_generations} completions per prompt, loss {m.loss_type}, {ref}, rewards: "
-                f"{', '.join(r.name for r in self.rewards)}; generation on {where}")  # fmt: skip
+                f"{', '.join(r.label for r in self.rewards)}; generation on {where}, decoded with {how}{reuse}")  # fmt: skip
 
     def state(self) -> dict[str, Any] | None:
-        return {"rewards": [r.pin() for r in self.rewards], "ref_model": self.ref_name}
+        """The rewards' pins and the reference; saved between the steps of a generation, the generation itself
+        (every rank's part: every rank calls this, as every rank saves)."""
+        out: dict[str, Any] = {"rewards": [r.pin() for r in self.rewards], "ref_model": self.ref_name}
+        if self.loss is not None and self.loss.pending:
+            mine = self.loss.generation.state()
+            parts = [mine]
+            if self.env.world_size > 1:
+                parts = [None] * self.env.world_size
+                torch.distributed.all_gather_object(parts, mine)
+            out["generation"] = {"ranks": parts}
+        return out
 
     def after_step(self, s, record: dict[str, Any]) -> None:  # noqa: ANN001
-        """completions.jsonl: every completion of the step, gathered to rank 0."""
+        """completions.jsonl: every completion the step trains for the first time, gathered to rank 0."""
+        if s.loss.slot is None or s.loss.slot.iteration > 0:
+            return
         mine = s.loss.current.records if s.loss.current else []
         everyone = [mine]
         if s.env.world_size > 1:
@@ -219,15 +267,15 @@ class Grpo(Method):
 
     @property
     def eval_logged(self) -> tuple[str, ...]:  # type: ignore[override]
-        return ("reward", *(f"reward_{r.name}" for r in self.rewards))
+        return ("reward", *(f"reward_{r.label}" for r in self.rewards))
 
     def evaluate(self, s) -> dict[str, Any]:  # noqa: ANN001
         """One greedy completion of each held-out prompt: the mean reward, in total and per function."""
         started = time.perf_counter()
-        result = held_out_rewards(s.model, s.eval_blocks, s.tokenizer, self.settings, s.env)
+        result = held_out_rewards(s.model, s.eval_blocks, s.tokenizer, self.settings, s.env, decoder=s.loss.decoder)
         result.pop("samples")
         result["seconds"] = round(time.perf_counter() - started, 3)
-        per = ", ".join(f"{r.name} {result[f'reward_{r.name}']:.3f}" for r in self.rewards)
+        per = ", ".join(f"{r.label} {result[f'reward_{r.label}']:.3f}" for r in self.rewards)
         print0(f"eval at step {s.state.global_step}: mean reward {result['reward']:.4f} ({per}) of a greedy completion "
                f"of each of rows {s.eval_label} ({result['prompts']} prompts, {result['seconds']:.1f} s)")  # fmt: skip
         return result

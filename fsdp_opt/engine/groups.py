@@ -1,0 +1,90 @@
+"""GRPO's groups (--method grpo): the settings a step reads, rewards into advantages (TRL 1.16's rule), and the
+reward statistics that span ranks."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fsdp_opt.engine.generation import Sampling
+from fsdp_opt.engine.rewards import Reward
+
+
+@dataclass
+class GroupSettings:
+    """What a GRPO step needs of the flags, decided once."""
+
+    generations: int
+    sampling: Sampling
+    epsilon: float
+    epsilon_high: float
+    beta: float
+    loss_type: str
+    scale_rewards: str
+    mask_truncated: bool
+    rewards: list[Reward]
+    weights: list[float]
+    seed: int
+    eos_ids: list[int]
+    stop: str | None  # the chat template's end-of-turn text, where it is several tokens
+    gather: bool = True  # generate on the model gathered once (else on its shards)
+    generation_batch: int = 0  # requests generated at once per rank (0: all)
+    delta: float | None = None  # the two-sided clip's upper bound on the ratio (TRL's delta)
+    level: str = "token"  # --importance_sampling_level
+    decoding: str = "static"  # --decoding
+
+
+def advantages(
+    rewards: torch.Tensor, generations: int, scale: str, batch_std: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n] advantages of n = groups x G total rewards (NaN: no reward), and [n] whether each one's group has zero
+    std. `batch_std`: the std over the generation's rewards on all ranks (--scale_rewards batch)."""
+    grouped = rewards.view(-1, generations)
+    mean = torch.nanmean(grouped, dim=1, keepdim=True)
+    count = (~torch.isnan(grouped)).sum(1, keepdim=True)
+    var = torch.nanmean((grouped - mean) ** 2, dim=1, keepdim=True) * count / (count - 1).clamp(min=1)
+    group_std = torch.where(count > 1, var.sqrt(), torch.full_like(var, math.nan))
+    adv = grouped - mean
+    if scale == "group":
+        adv = adv / (group_std + 1e-4)
+    elif scale == "batch":
+        adv = adv / ((batch_std if batch_std is not None else math.nan) + 1e-4)
+    zero = torch.isclose(group_std, torch.zeros_like(group_std)).expand_as(grouped)
+    return torch.nan_to_num(adv, nan=0.0).reshape(-1), zero.reshape(-1)
+
+
+def nan_stats(values: torch.Tensor) -> torch.Tensor:
+    """[count, sum, sum of squares] of the non-NaN values (for a std over ranks)."""
+    ok = ~torch.isnan(values)
+    v = values[ok].double()
+    return torch.stack([ok.sum().double(), v.sum(), (v * v).sum()])
+
+
+def std_of(stats: torch.Tensor) -> float:
+    count, total, squares = (float(x) for x in stats)
+    if count < 2:
+        return math.nan
+    return math.sqrt(max(0.0, (squares - total * total / count) / (count - 1)))
+
+
+def weighted_rewards(per_func: torch.Tensor, weights: list[float]) -> torch.Tensor:
+    """[n] each completion's reward: the weighted sum of its functions' rewards, NaN where every one is None."""
+    summed = (per_func * torch.tensor(weights, dtype=torch.float32)).nansum(dim=1)
+    return torch.where(torch.isnan(per_func).all(dim=1), torch.full_like(summed, math.nan), summed)
+
+
+def reduce_sum(t: torch.Tensor, env) -> torch.Tensor:  # noqa: ANN001
+    if env.world_size > 1:
+        t = t.to(env.device)
+        dist.all_reduce(t)
+    return t.cpu()
+
+
+def reduce_max(t: torch.Tensor, env) -> torch.Tensor:  # noqa: ANN001
+    if env.world_size > 1:
+        t = t.to(env.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.cpu()
