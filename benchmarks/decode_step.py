@@ -1,5 +1,6 @@
 """What one decoding step of GRPO's generation costs on one device, taken apart: the model's forward alone, then
-transformers' generate around it, then the run's sampler, then LoRA adapters, side by side in one process.
+transformers' generate around it, then the run's sampler, then LoRA adapters, then the run's own decoding (a static
+KV cache; each step replayed as a CUDA graph) and transformers' static-cache generate, side by side in one process.
 
     python benchmarks/decode_step.py --model random:facebook/opt-1.3b --json decode.json     # on a GPU
     python benchmarks/decode_step.py --model tiny-opt --new_tokens 8                          # on CPU
@@ -13,7 +14,11 @@ FSDP: gpu_check's GRPO launch gives the gathered model's figure under FSDP2 to s
   generate       transformers' generate (greedy, its KV cache, no end of text: every completion runs its length);
   sampler        generate with the run's counter-based draw (engine/generation.py's logits processors);
   sampler_lora   the same on the model with LoRA adapters of rank `--lora_rank` on every linear layer of the blocks
-                 (peft, eval mode), as --method grpo --lora_rank generates.
+                 (peft, eval mode), as --method grpo --lora_rank generates without merging them;
+  static         the run's decoding (engine/decoding.py, --decoding static): one batch, a static KV cache, the sampler;
+  graphs         the same, each step replayed as a CUDA graph (--decoding graphs; on CPU: skipped);
+  hf_static      transformers' generate with cache_implementation="static" (on a GPU it compiles the step and replays
+                 it as CUDA graphs): the peer (fsdp_opt/decodebench.py has these three, for gpu_check).
 
 Reported per way: milliseconds per decoding step (the round's seconds less its prefill, over the tokens) and
 generated tokens/s. Beside them: the milliseconds a step would take if it only read the weights at the device's
@@ -36,14 +41,14 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402 - after the repository is on the path
 from peft import LoraConfig, get_peft_model  # noqa: E402
-from transformers import AutoModelForCausalLM, GenerationConfig  # noqa: E402
+from transformers import GenerationConfig  # noqa: E402
 from transformers.utils import logging  # noqa: E402
 
+from fsdp_opt.decodebench import build, measure, sync  # noqa: E402
 from fsdp_opt.engine.generation import Sampling, completion_keys, processors  # noqa: E402
-from fsdp_opt.model.sources import load_model_config, resolve_model  # noqa: E402
 from fsdp_opt.runtime.gpus import MEMORY_GBPS  # noqa: E402
 
-WAYS = ("forward", "generate", "sampler", "sampler_lora")
+WAYS = ("forward", "generate", "sampler", "sampler_lora", "static", "graphs", "hf_static")
 LINEAR = ("q_proj", "k_proj", "v_proj", "out_proj", "o_proj", "fc1", "fc2", "gate_proj", "up_proj", "down_proj")
 
 
@@ -57,19 +62,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--json", default=None, help="write the report here")
     return p.parse_args(argv)
-
-
-def build(name: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    config = load_model_config(resolve_model(name))
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model.eval()
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @torch.no_grad()
@@ -122,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     gbps = next((v for k, v in MEMORY_GBPS.items() if k in name), None)
 
-    rounds: dict[str, list[float]] = {w: [] for w in WAYS}
+    rounds: dict[str, list[float]] = {w: [] for w in WAYS[:4]}
     prefills: list[float] = []
     forward_loop(model, ids, 4)  # warm-up: kernels, allocator
     for way in WAYS[:3]:
@@ -133,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                 rounds[way].append(decode)
             else:
                 rounds[way].append(generate_round(model, ids, args.new_tokens, way == "sampler"))
+    ours = measure(model, ids, args.new_tokens, ("static", "graphs", "hf_static"), args.repeat)
     lora = with_lora(model, args.lora_rank)
     generate_round(lora, ids, 4, True)  # warm-up
     rounds["sampler_lora"] = [generate_round(lora, ids, args.new_tokens, True) for _ in range(max(1, args.repeat))]
@@ -143,6 +136,11 @@ def main(argv: list[str] | None = None) -> int:
                     "prompts": args.prompts, "prompt_length": args.prompt_length, "new_tokens": args.new_tokens,
                     "lora_rank": args.lora_rank, "weights_bytes": weights, "prefill_s": prefill, "ways": {}}  # fmt: skip
     for way in WAYS:
+        if way in ours:  # the whole rounds decodebench measured (a skipped way says why)
+            r = ours[way]
+            report["ways"][way] = r if "skipped" in r else {
+                **r, "ms_per_step": 1e3 * max(0.0, r["round_s"] - prefill) / steps}
+            continue
         seconds = statistics.median(rounds[way])
         decode = seconds if way == "forward" else max(0.0, seconds - prefill)
         report["ways"][way] = {"round_s": seconds, "ms_per_step": 1e3 * decode / steps,
@@ -154,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     print("| --- | --- | --- |")
     for way in WAYS:
         r = report["ways"][way]
-        print(f"| {way} | {r['ms_per_step']:.2f} | {r['tokens_per_s']:,.0f} |")
+        print(f"| {way} | {r['ms_per_step']:.2f} | {r['tokens_per_s']:,.0f} |" if "skipped" not in r
+              else f"| {way} | - ({r['skipped']}) | - |")
     if gbps:
         print(f"reading the weights once at {gbps:.0f} GB/s: {report['weights_read_ms_per_step']:.2f} ms per step")
     if args.json:

@@ -113,6 +113,8 @@ def grpo_start(out: Path, nproc: int) -> list[str] | None:
     chat = out.parent / "demo-chat"
     trained = sorted(chat.glob("*-epoch-2.pt"))
     if not trained:
+        print(f"demo: --grpo starts from the chat demo's model; {chat}/ has none, so the chat demo trains first (about a "
+              "minute on 2 CPU cores), then GRPO (about 30 s, and a minute of evaluation around it)", flush=True)  # fmt: skip
         if main(["--chat", "--nproc", str(nproc), "--output_dir", str(chat)]) != 0:
             return None
         trained = sorted(chat.glob("*-epoch-2.pt"))

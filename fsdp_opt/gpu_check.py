@@ -14,7 +14,9 @@ it times NCCL's all-gather and reduce-scatter with peer-to-peer on and off (NCCL
 plan's peak against the usable memory and `max_memory_allocated`/`max_memory_reserved`, useful tokens/s, MFU, the
 predicted against the measured step time, skipped fp16 steps, the save and load times and the link, with the device
 named. Then a short GRPO launch (--grpo_steps): generation on the gathered model in the compute dtype, then the
-update, with generated tokens/s and the step's time against the plan.
+update, with generated tokens/s and the step's time against the plan; and beside it, in a process of its own on one
+GPU at the same shape and batch (fsdp_opt/decodebench.py), transformers' static-cache generate (the peer), the run's
+decoding alone (static, and as CUDA graphs) and the bound of reading the weights once a step.
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="then GRPO steps (--method grpo, LoRA rank 16 on a GPU): generation on the gathered model in "
                         "the compute dtype, then the update; 0 skips them")
     p.add_argument("--num_generations", type=int, default=8, help="the GRPO launch's completions per prompt")
+    p.add_argument("--decoding", default="static", choices=["static", "graphs", "generate"],
+                   help="the GRPO launch's --decoding (graphs: each decoding step replayed as a CUDA graph)")
     p.add_argument("--max_completion_length", type=int, default=128, help="the GRPO launch's completion tokens")
     p.add_argument("--json", default=None, help="also write the figures here")
     return p.parse_args(argv)
@@ -158,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             print(grpo.pop("output"), file=sys.stderr)
             print(f"error: the GRPO launch failed: {grpo['error']}; its output is above", file=sys.stderr)
             return 1
+        grpo["peer"] = decode_peer(a, spec, nproc, cuda, work)
         figures["grpo"] = grpo
     figures["gpus"] = gpus
     free = [g["free_after_context_gib"] for g in gpus if "free_after_context_gib" in g]
@@ -182,7 +187,7 @@ def grpo_launch(a: argparse.Namespace, spec: str, nproc: int, cuda: bool, work: 
             "--reward", "length", "--num_generations", str(g), "--max_completion_length", str(length),
             "--max_length", str(length + 256), "--batch_size", str(g), "--accum_steps", "1", "--start_idx", "0",
             "--end_idx", str(a.grpo_steps * nproc), "--num_epochs", "1", "--output_dir", str(out),
-            "--device", "cuda" if cuda else "cpu"]  # fmt: skip
+            "--device", "cuda" if cuda else "cpu", "--decoding", a.decoding]  # fmt: skip
     if cuda:
         args += ["--precision", a.precision, "--max_gpu_memory", a.gpu_memory, "--lora_rank", "16"]
     proc = _launch(nproc, args, work)
@@ -199,10 +204,26 @@ def grpo_launch(a: argparse.Namespace, spec: str, nproc: int, cuda: bool, work: 
         "completion_length": median([r["completion_length"] for r in later]),
         "step_time_measured_s": _grab(r"step time: measured ([\d.]+) s", proc.stdout),
         "step_time_predicted_s": _grab(r"predicted ([\d.]+) s \(", proc.stdout),
-        "where": _grab(r"generation on ([^\n]+)", proc.stdout, str),
+        "where": _grab(r"generation on ([^,\n]+)", proc.stdout, str),
+        "decoding": _grab(r"decoded with ([^;\n]+)", proc.stdout, str),
         "max_memory_allocated_gib": _grab(r"GPU memory peak on rank 0: ([\d.]+) GiB allocated", proc.stdout),
         "plan_generation_peak_bytes": _grpo_plan_peak(a, spec, nproc, cuda),
     }  # fmt: skip
+
+
+def decode_peer(a: argparse.Namespace, spec: str, nproc: int, cuda: bool, work: Path) -> dict[str, Any]:
+    """transformers' static-cache generate, the run's decoding alone and the weight-read bound at the GRPO launch's
+    shape and batch (one rank's completions, fp16 on a GPU), by fsdp_opt.decodebench in a process of its own (this
+    one never makes a CUDA context)."""
+    out = work / "decode_peer.json"
+    requests = requests_per_rank(a.num_generations * nproc, a.num_generations, nproc)
+    cmd = [sys.executable, "-m", "fsdp_opt.decodebench", "--model", spec, "--prompts", str(requests), "--prompt_length",
+           "64", "--new_tokens", str(a.max_completion_length), "--repeat", "2", "--device", "cuda" if cuda else "cpu",
+           "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0 or not out.exists():
+        return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
+    return json.loads(out.read_text())
 
 
 def _grpo_plan_peak(a: argparse.Namespace, spec: str, nproc: int, cuda: bool) -> int | None:
@@ -302,12 +323,26 @@ def render(f: dict[str, Any]) -> list[str]:
                  if g["step_time_measured_s"] and g["step_time_predicted_s"] else None)  # fmt: skip
         lines += [
             f"| GRPO ({g['steps']} steps, {g['completions_per_step']} completions of up to {g['max_completion_length']} "
-            f"tokens a step{', LoRA rank 16' if g['lora_rank'] else ''}): generation on | {g['where'] or '-'} |",
+            f"tokens a step{', LoRA rank 16' if g['lora_rank'] else ''}): generation on | {g['where'] or '-'}"
+            + (f", decoded with {g['decoding']}" if g.get("decoding") else "") + " |",
             f"| GRPO generated tokens/s (median, all ranks) | {num(g['generated_tokens_per_s'], '{:,.0f}')} "
             f"(generation {num(g['generation_share'], '{:.0%}')} of the step) |",
             f"| GRPO step time: measured / predicted | {num(g['step_time_measured_s'], '{:.3f}')} s / "
             f"{num(g['step_time_predicted_s'], '{:.3f}')} s ({num(ratio)}x) |",
         ]
+        peer = g.get("peer") or {}
+        if "ways" in peer:
+            ways = peer["ways"]
+            rate = lambda w: "-" if "skipped" in ways.get(w, {"skipped": 1}) else f"{ways[w]['tokens_per_s']:,.0f}"  # noqa: E731
+            per_gpu = g["generated_tokens_per_s"] / f["ranks"] if g["generated_tokens_per_s"] else None
+            lines += [
+                f"| GRPO generated tokens/s per GPU: the run / transformers' static-cache generate ({peer['prompts']} "
+                f"completions) | {num(per_gpu, '{:,.0f}')} / {rate('hf_static')} |",
+                f"| decoding alone, tokens/s: static / CUDA graphs / the weights read once a step | {rate('static')} / "
+                f"{rate('graphs')} / {num(peer.get('weight_read_bound_tokens_per_s'), '{:,.0f}')} |",
+            ]
+        elif peer:
+            lines.append(f"| decoding peer | failed: {peer.get('error')} |")
         if g.get("plan_generation_peak_bytes"):
             lines.append(f"| GRPO max_memory_allocated (rank 0) / plan of generation | "
                          f"{num(g['max_memory_allocated_gib'])} GiB / {gib(g['plan_generation_peak_bytes'])} |")

@@ -15,9 +15,10 @@ from dataclasses import replace
 
 from fsdp_opt.base import ConfigError, gib, parse_size
 from fsdp_opt.config.choices import PACKING_MODES, STRATEGIES, T4_MEMORY
-from fsdp_opt.config.method import METHODS, traits
+from fsdp_opt.config.method import DECODING, METHODS, traits
 from fsdp_opt.config.flags import OneLineParser, parse_batch, parse_bool
 from fsdp_opt.config.training import TrainConfig
+from fsdp_opt.data.prompts import generation_slices
 from fsdp_opt.data.resolve import DataSource
 from fsdp_opt.data.sources import data_on_disk
 from fsdp_opt.model.catalog import SHAPES
@@ -81,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--beta", type=float, default=0.0,
                    help="--method grpo: the KL weight; above 0 a reference model's forward (a model of its own for full "
                         "fine-tuning or with --ref_model, kept beside the policy)")
+    p.add_argument("--decoding", default="static", choices=DECODING,
+                   help="--method grpo: the trainer's --decoding; the plan prints the unreplayed and the graph figures "
+                        "beside each other, and the step at this one")
+    p.add_argument("--num_iterations", type=int, default=1, help="--method grpo: the trainer's --num_iterations")
+    p.add_argument("--steps_per_generation", type=int, default=None,
+                   help="--method grpo: the trainer's --steps_per_generation (default --accum_steps)")
     p.add_argument("--ref_model", default=None,
                    help="the trainer's --ref_model: with LoRA, the reference is then a model of its own (of the same "
                         "shape) instead of the base with the adapters off")
@@ -181,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
             base_bits=a.base_bits, reduce_dtype="fp16" if a.reduce_dtype == "fp16" else "fp32",
             cpu_offload=a.cpu_offload, method=a.method, ref_model=a.ref_model is not None,
             generations=a.num_generations, completion_length=a.max_completion_length, beta=a.beta,
+            decoding=a.decoding, iterations=a.num_iterations,
+            generation_slices=generation_slices(a.steps_per_generation, accum) if traits(a.method).generates else 1,
         )  # fmt: skip
         if a.lora_rank < 0:
             raise ConfigError(f"--lora_rank {a.lora_rank}: must be 0 (full fine-tuning) or more")

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import threading
 from pathlib import Path
 
@@ -88,6 +89,18 @@ def fast_launcher(env: dict[str, str]) -> Zygote | None:
         if _zygote is None:
             _zygote = Zygote(sandbox_env(Path(os.environ.get("TMPDIR", "/tmp"))))
     return _zygote if _zygote.serves(env) else None
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: ANN001
+    """FSDP_OPT_REPORT_KERNEL=1 (the nested session of tests/test_kernels.py): the CPU kernels this session's process
+    and the runs it starts (forked from the launcher's server, as the training runs are) dispatch to."""
+    if os.environ.get("FSDP_OPT_REPORT_KERNEL") != "1":
+        return
+    import torch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run = launch([str(ROOT / "tests" / "workers" / "cpu_capability.py")], [], Path(tmp))
+    terminalreporter.write_line(f"kernels: session {torch.backends.cpu.get_cpu_capability()}, runs {run.stdout.strip()}")
 
 
 def pytest_sessionfinish(session, exitstatus):  # noqa: ANN001

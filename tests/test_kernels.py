@@ -27,6 +27,7 @@ def test_the_learned_behaviour_holds_under_the_default_kernel(tmp_path, wheel_ve
         # under this kernel (conftest.run_demo_forked): the suite's own run of each demo has launched it from the wheel
         FSDP_OPT_WHEEL_VENV=str(wheel_venv),
         FSDP_OPT_DEMO_FORKED="1",
+        FSDP_OPT_REPORT_KERNEL="1",  # the session says which kernels it and its runs dispatched to (conftest.py)
     )
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-m", "learns", "--basetemp",
@@ -38,3 +39,5 @@ def test_the_learned_behaviour_holds_under_the_default_kernel(tmp_path, wheel_ve
     passed = re.findall(r"^PASSED (\S+)", proc.stdout, flags=re.M)
     assert all(any(p.startswith(entry) for p in passed) for entry in LEARNS), (LEARNS, passed)
     assert not re.search(r"^(SKIPPED|XFAIL|XPASS)", proc.stdout, flags=re.M), proc.stdout[-3000:]
+    # and they ran under the kernel set here: the session's process and the runs it forked
+    assert f"kernels: session {KERNEL.upper()}, runs cpu capability: {KERNEL.upper()}" in proc.stdout, proc.stdout[-3000:]

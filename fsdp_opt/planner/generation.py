@@ -17,6 +17,17 @@ the KV cache from GPU memory (--hbm_gbps, 320 GB/s on a T4), computes its tokens
 kernels, whichever is longest (HOST_S_PER_BLOCK and the rest below: on a GPU a small batch's step is the host's); on
 the shards, each decoding step also all-gathers the whole model over the link (--link_gbps). Then the reference's
 forward over the completions (--beta > 0) and the training step at the layout's micro-batches.
+
+The graph path (--decoding graphs, engine/decoding.py) replaces the host's launches of a step by one replay: a step
+is then the GPU's own time, reading or computing, plus each block's kernels run back to back (GRAPH_S_PER_BLOCK) and
+the sampler launched after it (SAMPLER_S), once per generation a capture (CAPTURE_S). Its memory adds the graph's
+pool: one decoding step's transient tensors. Those constants come from one measurement of a plain CUDA graph around an
+eager decoding step (Qwen2.5-1.5B's shape, fp16, 8 completions, one H200: captured in 26 ms, 4.66 ms a step), not
+from this package's graph path, which no GPU has run yet: the plan prints the eager figure beside it.
+
+A generation fed to more than one step (--steps_per_generation, --num_iterations) is sampled once: a step's share of
+it, of the reference's forward and of the forward that keeps the old log-probabilities is the generation's over its
+steps.
 """
 
 from __future__ import annotations
@@ -41,6 +52,11 @@ LOGIT_COPIES = 2  # a decoding step's fp32 scores and the processed ones
 HOST_S_PER_BLOCK = 0.87e-3  # a block (its adapters merged, or none)
 HOST_S_PER_ADAPTER = 0.11e-3  # a LoRA layer whose adapters run beside its weight (the NF4 base, or on the shards)
 HOST_S_PER_NF4 = 0.21e-3  # an NF4 weight's dequantization before its matmul
+# The graph path (--decoding graphs): estimates from a plain CUDA graph around Qwen2.5-1.5B's eager step on an H200
+# (4.66 ms a step where its weights take 0.73 ms to read, over 28 blocks); not yet measured on this package's path.
+GRAPH_S_PER_BLOCK = 0.14e-3  # a block's kernels replayed back to back (the GPU's launch gaps, not the host's)
+SAMPLER_S = 0.15e-3  # the sampler's kernels after each replay (temperature, top-k, top-p, the counter's draw)
+CAPTURE_S = 26e-3  # one capture per generation (the gathered weights move between generations)
 
 
 def requests_per_rank(global_batch: int, generations: int, gpus: int) -> int:
@@ -96,8 +112,9 @@ def host_seconds_per_step(blocks: int, adapters: int = 0, nf4: int = 0) -> float
 
 
 def generation_time(shape: Shape, strategy: str, inputs: Inputs, requests: int, completion_length: int,
-                    rates: Rates | None = None, gathered: bool = True) -> dict[str, float]:  # fmt: skip
-    """Seconds of one rank's generation in a step: the prefill of its prompts, then the decoding steps."""
+                    rates: Rates | None = None, gathered: bool = True, graphs: bool = False) -> dict[str, float]:  # fmt: skip
+    """Seconds of one rank's generation in a step: the prefill of its prompts, then the decoding steps (each a CUDA
+    graph's replay with `graphs`, on the gathered model)."""
     rates = rates or Rates()
     c = 4 if inputs.precision == "fp32" else 2
     f = shard_factor(strategy, inputs)
@@ -109,11 +126,15 @@ def generation_time(shape: Shape, strategy: str, inputs: Inputs, requests: int, 
     merged = gathered and not nf4  # engine/generation.py merges a 16-bit base's adapters when gathered
     adapters = shape.layers * len(chosen(shape, inputs.lora_targets)) if inputs.lora_rank and not merged else 0
     host = host_seconds_per_step(shape.layers, adapters, shape.layers * len(shape.linears) if nf4 else 0)
-    decode = 0.0
+    replayed = graphs and gathered
+    decode = CAPTURE_S + 2 * host if replayed else 0.0  # the capture and its warm-up steps
     for t in range(completion_length):  # each step reads the weights and the cache so far, computes, or waits
         read = (weights + requests * (prompt + t) * kv_per_token) / (rates.hbm_gbps * 1e9)
         compute = requests * 2.0 * shape.flop_params / (rates.tflops * 1e12)
-        decode += max(read, compute, host)
+        if replayed:
+            decode += max(read, compute) + shape.layers * GRAPH_S_PER_BLOCK + SAMPLER_S
+        else:
+            decode += max(read, compute, host)
     gather = 0.0
     if not gathered and f > 1:  # every decoding step (and the prefill) gathers the whole model over the link
         gather = (completion_length + 1) * (f - 1) / f * weights / (rates.link_gbps * 1e9)
@@ -124,57 +145,97 @@ def generation_time(shape: Shape, strategy: str, inputs: Inputs, requests: int, 
             "tokens_per_second": requests * completion_length / seconds if seconds else 0.0}  # fmt: skip
 
 
+def graph_pool_bytes(shape: Shape, requests: int, c: int) -> int:
+    """The CUDA graph's own memory (--decoding graphs): one decoding step's transient tensors, one token per
+    completion (a block's, as the prefill counts them, and the step's logits in the compute dtype)."""
+    return prefill_bytes(shape, requests, 1, c) + requests * shape.vocab * c
+
+
 def grpo_plan(shape: Shape, strategy: str, inputs: Inputs, samples: int, generations: int, completion_length: int,
-              beta: float, reference_model: bool, training_s: float | None, rates: Rates | None = None) -> dict[str, Any]:  # fmt: skip
-    """The generation phase (gathered once, and layer by layer beside it), the reference's forward and the step."""
-    requests = requests_per_rank(samples, generations, inputs.gpus)
+              beta: float, reference_model: bool, training_s: float | None, rates: Rates | None = None,
+              decoding: str = "static", steps_per_generation: int = 1, iterations: int = 1) -> dict[str, Any]:  # fmt: skip
+    """The generation phase (gathered once, and layer by layer beside it; decoded unreplayed and as CUDA graphs), the
+    reference's forward and the step. A generation of `steps_per_generation` steps' prompts, trained `iterations`
+    times, costs each of its steps its share."""
+    requests = requests_per_rank(samples * steps_per_generation, generations, inputs.gpus)
+    graphs = decoding == "graphs"
     out: dict[str, Any] = {"requests_per_rank": requests, "generations": generations,
-                           "completion_length": completion_length, "strategy": strategy}  # fmt: skip
+                           "completion_length": completion_length, "strategy": strategy, "decoding": decoding,
+                           "steps_per_generation": steps_per_generation * iterations}  # fmt: skip
+    c = 4 if inputs.precision == "fp32" else 2
     for name, gathered in (("gathered", True), ("layer_by_layer", False)):
         memory = generation_memory(shape, strategy, inputs, requests, gathered, reference_model)
+        if graphs and gathered:
+            memory["graph_pool"] = graph_pool_bytes(shape, requests, c)
         peak = sum(memory.values())
-        time = generation_time(shape, strategy, inputs, requests, completion_length, rates, gathered)
+        time = generation_time(shape, strategy, inputs, requests, completion_length, rates, gathered, graphs)
         out[name] = {"components": memory, "peak_bytes": peak, "fits": peak <= inputs.gpu_memory, **time}
-    reference_s = 0.0
-    if beta > 0:  # the reference's forward over the step's completions (one rank's share)
-        reference_s = forward_time(shape, strategy, inputs, samples, rates)["seconds"]
+    eager = generation_time(shape, strategy, inputs, requests, completion_length, rates, True, False)
+    replayed = generation_time(shape, strategy, inputs, requests, completion_length, rates, True, True)
+    out["eager"], out["graphs"] = eager, replayed
+    shared = steps_per_generation * iterations
+    reference_s = old_s = 0.0
+    if beta > 0:  # the reference's forward over the generation's completions (one rank's share)
+        reference_s = forward_time(shape, strategy, inputs, samples * steps_per_generation, rates)["seconds"]
+    if shared > 1:  # the policy's own log-probabilities at sampling time
+        old_s = forward_time(shape, strategy, inputs, samples * steps_per_generation, rates)["seconds"]
     generation = out["gathered"] if out["gathered"]["fits"] else out["layer_by_layer"]
     training = training_s or 0.0  # None: the training step fits no layout
-    out.update(reference_s=reference_s, training_s=training_s, uses="gathered" if out["gathered"]["fits"] else
-               "layer_by_layer", step_s=generation["seconds"] + reference_s + training)  # fmt: skip
-    out["layer_by_layer_step_s"] = out["layer_by_layer"]["seconds"] + reference_s + training
+    per_step = lambda g: (g + reference_s + old_s) / shared + training  # noqa: E731
+    out.update(reference_s=reference_s / shared, old_logps_s=old_s / shared, training_s=training_s,
+               uses="gathered" if out["gathered"]["fits"] else "layer_by_layer", step_s=per_step(generation["seconds"]))  # fmt: skip
+    out["layer_by_layer_step_s"] = per_step(out["layer_by_layer"]["seconds"])
+    out["eager_step_s"], out["graphs_step_s"] = per_step(eager["seconds"]), per_step(replayed["seconds"])
     out["fits"] = training_s is not None and (out["gathered"]["fits"] or out["layer_by_layer"]["fits"])
     return out
 
 
 def with_generation(prediction: dict[str, Any], shape: Shape, strategy: str, inputs: Inputs, samples: int,
-                    generations: int, completion_length: int, reference_forward: bool, gathered: bool) -> dict[str, Any]:  # fmt: skip
-    """A run's step-time prediction (the training step's, planner/layout.py) with the generation phase and the
-    reference's forward added, at the prediction's own rates: what a GRPO step's measured time is held against."""
+                    generations: int, completion_length: int, reference_forward: bool, gathered: bool,
+                    graphs: bool = False, steps_per_generation: int = 1, iterations: int = 1) -> dict[str, Any]:  # fmt: skip
+    """A run's step-time prediction (the training step's, planner/layout.py) with its share of the generation phase,
+    the reference's forward and the old log-probabilities' forward added, at the prediction's own rates: what a GRPO
+    step's measured time (the mean over a generation's steps) is held against."""
     rates = Rates(tflops=prediction["tflops"], link_gbps=prediction["link_gbps"],
                   hbm_gbps=prediction.get("hbm_gbps", Rates().hbm_gbps))  # fmt: skip
-    requests = requests_per_rank(samples, generations, inputs.gpus)
-    generation = generation_time(shape, strategy, inputs, requests, completion_length, rates, gathered)
-    reference_s = forward_time(shape, strategy, inputs, samples, rates)["seconds"] if reference_forward else 0.0
-    return {**prediction, "training_s": prediction["step_s"], "generation_s": generation["seconds"],
-            "reference_s": reference_s, "step_s": prediction["step_s"] + generation["seconds"] + reference_s}  # fmt: skip
+    requests = requests_per_rank(samples * steps_per_generation, generations, inputs.gpus)
+    generation = generation_time(shape, strategy, inputs, requests, completion_length, rates, gathered, graphs)
+    rows = samples * steps_per_generation
+    reference_s = forward_time(shape, strategy, inputs, rows, rates)["seconds"] if reference_forward else 0.0
+    shared = steps_per_generation * iterations
+    old_s = forward_time(shape, strategy, inputs, rows, rates)["seconds"] if shared > 1 else 0.0
+    share = (generation["seconds"] + reference_s + old_s) / shared
+    return {**prediction, "training_s": prediction["step_s"], "generation_s": generation["seconds"] / shared,
+            "reference_s": reference_s / shared, "old_logps_s": old_s / shared, "step_s": prediction["step_s"] + share,
+            "shared_steps": shared}  # fmt: skip
 
 
 def grpo_lines(g: dict[str, Any], gpu_memory: int) -> list[str]:
     """The plan's lines on a GRPO step."""
     a, b = g["gathered"], g["layer_by_layer"]
     uses = "the model gathered once" if g["uses"] == "gathered" else "the shards, layer by layer (gathered does not fit)"
-    return [
+    shared = g["steps_per_generation"]
+    pool = a["components"].get("graph_pool")
+    lines = [
         f"grpo generation ({g['requests_per_rank']} completions of up to {g['completion_length']} tokens per GPU), "
         f"gathered once: {gib(a['peak_bytes'])} per GPU of {gib(gpu_memory)} ({'fits' if a['fits'] else 'does NOT fit'}: "
-        f"KV cache {gib(a['components']['kv_cache'])}, model {gib(a['components']['gathered_weights'])}), "
-        f"{a['seconds']:.2f} s ({a['tokens_per_second']:,.0f} tokens/s per GPU)",
+        f"KV cache {gib(a['components']['kv_cache'])}, model {gib(a['components']['gathered_weights'])}"
+        + (f", CUDA graph {gib(pool)}" if pool else "") + f"), {a['seconds']:.2f} s ({a['tokens_per_second']:,.0f} "
+        "tokens/s per GPU)",
+        f"grpo decoding (--decoding): unreplayed (static, generate) {g['eager']['decode_s']:.2f} s "
+        f"({g['eager']['tokens_per_second']:,.0f} tokens/s per GPU, the host's launches); as CUDA graphs (graphs) "
+        f"{g['graphs']['decode_s']:.2f} s ({g['graphs']['tokens_per_second']:,.0f} tokens/s, estimated: not measured "
+        f"on a GPU yet); a step {g['eager_step_s']:.2f} s against {g['graphs_step_s']:.2f} s",
         f"grpo generation layer by layer: {gib(b['peak_bytes'])} per GPU ({'fits' if b['fits'] else 'does NOT fit'}), "
         f"{b['seconds']:.2f} s ({b['tokens_per_second']:,.0f} tokens/s per GPU)",
-        f"grpo step ({g['strategy']}): generation on {uses}, reference {g['reference_s']:.2f} s, training "
+        f"grpo step ({g['strategy']}, --decoding {g['decoding']}): generation on {uses}, reference {g['reference_s']:.2f} s, "
+        + (f"old log-probabilities {g['old_logps_s']:.2f} s, " if shared > 1 else "")
+        + (f"each generation feeding {shared} steps, " if shared > 1 else "")
+        + "training "
         + (f"{g['training_s']:.2f} s: {g['step_s']:.2f} s per step (layer by layer: {g['layer_by_layer_step_s']:.2f} s)"
            if g["training_s"] is not None else "does NOT fit"),
-    ]
+    ]  # fmt: skip
+    return lines
 
 
 def gathered_fits(model_config, device_type: str, gpus: int, nodes: int, max_length: int, generations: int,

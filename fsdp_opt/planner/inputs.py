@@ -45,6 +45,9 @@ class Inputs:
     generations: int = 8  # --method grpo: --num_generations
     completion_length: int = 256  # --method grpo: --max_completion_length
     beta: float = 0.0  # --method grpo: the KL weight (> 0: a reference model's forward, kept beside the policy)
+    decoding: str = "static"  # --method grpo: --decoding (graphs: each decoding step a CUDA graph's replay)
+    iterations: int = 1  # --method grpo: --num_iterations
+    generation_slices: int = 1  # --method grpo: the steps' worth of prompts a generation takes (--steps_per_generation)
 
 
 def shard_factor(strategy: str, inputs: Inputs) -> int:

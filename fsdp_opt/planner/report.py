@@ -107,7 +107,8 @@ def make_plan(model: str, inputs: Inputs, *, disk: int, host_memory: int, keep_l
         training_s = given["step_s"] if given else recommended["predicted_step_time_s"] if recommended else None
         own_reference = inputs.beta > 0 and (not inputs.lora_rank or inputs.ref_model)
         plan[inputs.method] = grpo_plan(shape, strategy, inputs, samples, inputs.generations, inputs.completion_length,
-                                        inputs.beta, own_reference, training_s, rates)  # fmt: skip
+                                        inputs.beta, own_reference, training_s, rates, inputs.decoding,
+                                        inputs.generation_slices, inputs.iterations)  # fmt: skip
     plan["recommended_line"] = recommended_line(recommended, given if samples == inputs.batch_size * inputs.accum_steps * inputs.gpus else None, samples)
     return plan
 

@@ -268,6 +268,9 @@ def describe_prediction(p: dict[str, Any] | None) -> str:
             f"overlapped), optimizer {p['optimizer_s']:.2f} s")  # fmt: skip
     if "generation_s" in p:  # --method grpo (planner/generation.py with_generation)
         line += f"; generation {p['generation_s']:.2f} s, reference forward {p['reference_s']:.2f} s"
+        if p.get("shared_steps", 1) > 1:
+            line += (f", old log-probabilities {p['old_logps_s']:.2f} s (each a step's share of a generation that "
+                     f"feeds {p['shared_steps']} steps)")  # fmt: skip
     return line
 
 
@@ -276,8 +279,10 @@ def step_time_line(step_seconds: list[float], predicted: dict[str, Any] | None) 
     times = sorted(step_seconds[1:] or step_seconds)
     if not times:
         return None
-    measured = times[(len(times) - 1) // 2]
-    line = f"step time: measured {measured:.3f} s (median of {len(times)})"
+    measured, how = times[(len(times) - 1) // 2], "median"
+    if predicted is not None and predicted.get("shared_steps", 1) > 1:  # a generation's steps differ: their mean
+        measured, how = sum(times) / len(times), "mean"
+    line = f"step time: measured {measured:.3f} s ({how} of {len(times)})"
     if predicted is not None:
         line += f", predicted {predicted['step_s']:.3f} s ({measured / predicted['step_s']:.2f}x)"
     return line

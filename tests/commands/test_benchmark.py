@@ -245,13 +245,16 @@ def test_head_loss_benchmark_runs_both_arms_to_the_same_loss(tmp_path):
 
 
 def test_decode_step_benchmark_takes_a_decoding_step_apart(tmp_path):
-    """benchmarks/decode_step.py on CPU at a few tokens: the four ways (the forward alone, generate, the run's
-    sampler, LoRA adapters beside the weights) each report a step's milliseconds and tokens/s; no time is asserted."""
+    """benchmarks/decode_step.py on CPU at a few tokens: the ways (the forward alone, generate, the run's sampler, LoRA
+    adapters beside the weights, the run's static-cache decoding, transformers' static-cache generate) each report a
+    step's milliseconds and tokens/s, and the CUDA graph path says it needs CUDA; no time is asserted."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "decode_step.py"), "--model", "tiny-opt", "--new_tokens", "6",
            "--prompts", "2", "--prompt_length", "8", "--repeat", "1", "--json", str(tmp_path / "decode.json")]  # fmt: skip
     proc = subprocess.run(cmd, cwd=tmp_path, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "decode.json").read_text())
-    assert list(report["ways"]) == ["forward", "generate", "sampler", "sampler_lora"] and report["device"] == "cpu"
+    ways = ["forward", "generate", "sampler", "sampler_lora", "static", "graphs", "hf_static"]
+    assert list(report["ways"]) == ways and report["device"] == "cpu"
+    assert report["ways"].pop("graphs") == {"skipped": "CUDA graphs need a CUDA device"}
     assert all(w["ms_per_step"] > 0 and w["tokens_per_s"] > 0 for w in report["ways"].values())
-    assert report["weights_read_ms_per_step"] is None and "| sampler_lora |" in proc.stdout
+    assert report["weights_read_ms_per_step"] is None and "| sampler_lora |" in proc.stdout and "| hf_static |" in proc.stdout

@@ -33,6 +33,12 @@ def test_gpu_check_trains_saves_resumes_and_reports(tmp_path):
     assert g["steps"] == 3 and g["completions_per_step"] == 16 and g["generated_tokens_per_s"] > 0
     assert g["where"] == "the model gathered once" and 0 < g["generation_share"] < 1
     assert "| GRPO generated tokens/s (median, all ranks) |" in proc.stdout
+    # beside it, on one device at the same batch: transformers' static-cache generate and the run's decoding alone
+    peer = g["peer"]
+    assert peer["prompts"] == 8 and peer["new_tokens"] == 16 and peer["device"] == "cpu"
+    assert peer["ways"]["hf_static"]["tokens_per_s"] > 0 and peer["ways"]["static"]["tokens_per_s"] > 0
+    assert peer["ways"]["graphs"] == {"skipped": "CUDA graphs need a CUDA device"}
+    assert "| GRPO generated tokens/s per GPU: the run / transformers' static-cache generate" in proc.stdout
 
 
 def test_random_shapes_and_the_gpu_cap_flag_refuse_bad_input(tmp_path):

@@ -11,7 +11,16 @@ from conftest import make_local_model, plan_cli
 from fsdp_opt.base import GIB, parse_size
 from fsdp_opt.model.shapes import Shape, model_config
 from fsdp_opt.model.sources import OPT_FAMILY
-from fsdp_opt.planner.generation import HOST_S_PER_ADAPTER, HOST_S_PER_BLOCK, HOST_S_PER_NF4, generation_time
+from fsdp_opt.planner.generation import (
+    CAPTURE_S,
+    GRAPH_S_PER_BLOCK,
+    HOST_S_PER_ADAPTER,
+    HOST_S_PER_BLOCK,
+    HOST_S_PER_NF4,
+    SAMPLER_S,
+    generation_time,
+    grpo_plan,
+)
 from fsdp_opt.planner.inputs import Inputs
 from fsdp_opt.planner.memory import memory, peak_bytes, reduce_every_microbatch_needed
 
@@ -190,3 +199,29 @@ def test_a_decoding_step_on_a_gpu_is_the_hosts_launch_time_where_reading_the_wei
     assert nf4 - full == pytest.approx(steps * adapted * (HOST_S_PER_ADAPTER + HOST_S_PER_NF4), rel=1e-6)
     on_shards = decode(lora_rank=16, gathered=False)  # adapters beside the weights there
     assert on_shards - decode(gathered=False) == pytest.approx(steps * adapted * HOST_S_PER_ADAPTER, rel=1e-6)
+
+
+def test_the_graph_path_replaces_the_hosts_launches_and_a_shared_generation_costs_its_steps_a_share():
+    """--decoding graphs in the plan (2 x T4, opt-1.3b, 16 completions of 128 tokens): each decoding step costs the
+    GPU's read of the weights and cache plus each block's kernels back to back and the sampler, once per generation a
+    capture, written out here from the constants; the host's launches no longer count. A generation fed to 2 x 2
+    steps (--steps_per_generation, --num_iterations) is sampled once for twice the prompts: a step's share is a
+    quarter of it, beside the forward that keeps the old log-probabilities."""
+    shape = Shape.of(model_config("facebook/opt-1.3b"))
+    inputs = Inputs(gpus=2, max_length=384, precision="fp16")
+    steps, requests, prompt = 128, 16, 384 - 128
+    graphs = generation_time(shape, "FULL_SHARD", inputs, requests, steps, gathered=True, graphs=True)["decode_s"]
+    eager = generation_time(shape, "FULL_SHARD", inputs, requests, steps, gathered=True)["decode_s"]
+    kv = shape.layers * 2 * shape.kv_dim * 2
+    by_hand = CAPTURE_S + 2 * shape.layers * HOST_S_PER_BLOCK + sum(
+        (2 * shape.params + requests * (prompt + t) * kv) / 320e9 + shape.layers * GRAPH_S_PER_BLOCK + SAMPLER_S
+        for t in range(steps))  # fmt: skip
+    assert graphs == pytest.approx(by_hand, rel=1e-3) and graphs < eager
+    once = grpo_plan(shape, "FULL_SHARD", inputs, 16, 8, steps, 0.0, False, 1.0, decoding="graphs")
+    shared = grpo_plan(shape, "FULL_SHARD", inputs, 16, 8, steps, 0.0, False, 1.0, decoding="graphs",
+                       steps_per_generation=2, iterations=2)  # fmt: skip
+    assert shared["requests_per_rank"] == 2 * once["requests_per_rank"] and once["old_logps_s"] == 0
+    generation = shared["gathered"]["seconds"]
+    assert shared["step_s"] == pytest.approx(1.0 + generation / 4 + shared["old_logps_s"], rel=1e-9)
+    assert "graph_pool" in shared["gathered"]["components"] and "graph_pool" not in shared["layer_by_layer"]["components"]
+    assert shared["graphs_step_s"] < shared["eager_step_s"]

@@ -156,7 +156,9 @@ class Grpo(Method):
                             lora_targets=self.config.lora.lora_targets, base_bits=self.config.lora.base_bits)  # fmt: skip
             s.layout = dataclasses.replace(s.layout, prediction=with_generation(
                 s.layout.prediction, Shape.of(s.model_config), s.layout.strategy, inputs, s.plan.global_batch,
-                m.num_generations, m.max_completion_length, m.uses_reference, gather))
+                m.num_generations, m.max_completion_length, m.uses_reference, gather,
+                graphs=self.settings.decoding == "graphs", steps_per_generation=s.plan.slices,
+                iterations=m.num_iterations))
 
     def _decoding(self, s, gather: bool) -> str:  # noqa: ANN001
         """--decoding as this run can have it: graphs need a CUDA device; generation on the shards runs
@@ -224,7 +226,7 @@ class Grpo(Method):
         how = {"static": "a static KV cache", "graphs": "a static KV cache, each step replayed as a CUDA graph",
                "generate": "transformers' generate"}[self.settings.decoding]  # fmt: skip
         reuse = ""
-        slices = s.plan.slices if hasattr(s.plan, "slices") else 1
+        slices = s.plan.slices
         if m.num_iterations > 1 or slices > 1:
             reuse = (f"; each generation feeds {slices * m.num_iterations} steps ({slices} step(s) of prompts, trained "
                      f"{m.num_iterations} time(s); ratio per {m.importance_sampling_level})")  # fmt: skip
