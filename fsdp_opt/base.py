@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Iterator
 
-VERSION = "0.4.1"  # the package's version: pyproject.toml reads it; checkpoints and model cards record it; CHANGELOG.md
+VERSION = "0.5.0"  # the package's version: pyproject.toml reads it; checkpoints and model cards record it; CHANGELOG.md
 
 GIB = 2**30
 MIB = 2**20

@@ -3,7 +3,8 @@
 # go into .floors, ahead of the test environment on PYTHONPATH, and a subset of the tests runs on them: the engine
 # on 2 ranks, data loading (local, and Hub datasets by range: datasets' resolution of configs and splits, parquet
 # row groups over HfFileSystem), checkpoints through the Hub stand-in with retention, W&B, LoRA (peft) on GPT-2 and
-# Llama blocks with the adapter folder peft loads, DPO (full and LoRA, peft's adapters switched off).
+# Llama blocks with the adapter folder peft loads, DPO (full and LoRA, peft's adapters switched off), GRPO's
+# static-cache decoding (transformers before its cache kept its own position takes cache_position).
 #   bash scripts/floors.sh             install the floors into .floors, then run the subset on them
 #   bash scripts/floors.sh --install   the install alone (.ci/run starts it beside the suite: mostly downloads)
 #   bash scripts/floors.sh --test      the subset alone, on the .floors an earlier --install finished
@@ -55,4 +56,7 @@ python -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist worksteal -p no:cacheprovid
     "tests/train/test_dpo.py::test_the_first_step_is_the_dpo_loss_of_the_pairs_alone_full_and_lora[strings]" \
     "tests/hub/test_retention.py::test_a_purge_the_hub_refused_is_finished_by_the_next_session" \
     "tests/data/test_packing.py::test_each_row_in_a_packed_block_has_the_losses_it_has_alone" \
+    "tests/engine/test_decoding.py::test_the_static_path_decodes_what_transformers_generate_does[opt]" \
+    "tests/engine/test_decoding.py::test_the_static_path_decodes_what_transformers_generate_does[mistral]" \
+    "tests/engine/test_decoding.py::test_the_graph_paths_bookkeeping_decodes_what_the_static_path_does[llama]" \
     tests/data/test_data.py tests/data/test_sources.py

@@ -11,7 +11,8 @@ replayed as one CUDA graph (--decoding graphs).
   host launches one graph instead of every kernel. A graph holds the addresses it was captured with: it is captured
   again when the batch's shape or the gathered weights' addresses change (a new generation usually gathers into new
   memory). Where capture fails (a model whose step cannot be captured), one line says why, and the step runs
-  unreplayed. `torch.cuda.CUDAGraph` around the eager step needs nothing a T4 lacks (no Triton).
+  unreplayed. A model with sliding-window layers is not captured: transformers' static cache keeps a sliding layer's
+  place in Python, which a replay would not move. `torch.cuda.CUDAGraph` around the eager step needs nothing a T4 lacks (no Triton).
 - **The sampler after the step**, as transformers' generate runs it: the step's last logits in fp32 through the run's
   processors (temperature, top-k, top-p, the counter's draw: engine/generation.py), a finished row's next token the
   pad. A completion stays a function of (seed, step, row, place in its group), whatever path decoded it.
@@ -44,11 +45,33 @@ class DecodeStats:
     capture_seconds: float = 0.0
 
 
+class CudaGraphs:
+    """How a step is captured and replayed on a CUDA device: warm-up steps on a side stream (as capture requires: the
+    libraries' lazy setup runs there), then `torch.cuda.CUDAGraph` around one step."""
+
+    devices = ("cuda",)
+
+    def capture(
+        self, step: Callable[[], torch.Tensor], device: torch.device
+    ) -> tuple[Callable[[], None], torch.Tensor]:
+        """(replay, the step's output tensor, which each replay writes again)."""
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        return graph.replay, out  # the bound method keeps the graph (and its memory pool) alive
+
+
 @dataclass
 class _Graph:
     """A captured decoding step: its static inputs and output, the cache it writes, and what it was captured for."""
 
-    graph: torch.cuda.CUDAGraph
+    replay: Callable[[], None]
     cache: object  # transformers' StaticCache
     tokens: torch.Tensor  # [B, 1] the step's input tokens
     positions: torch.Tensor  # [B, 1]
@@ -62,6 +85,7 @@ class Decoder:
     """One rank's decoding across a run's generations: --decoding's path, and a captured graph kept while it fits."""
 
     graphs: bool = False
+    backend: CudaGraphs = field(default_factory=CudaGraphs)  # how a step is captured (a test's stand-in on CPU)
     last: DecodeStats = field(default_factory=DecodeStats)
     _graph: _Graph | None = None
     _refused: str | None = None  # why capture failed, once said: the rest of the run decodes unreplayed
@@ -91,7 +115,8 @@ class Decoder:
             seq[i, prompt_len - len(p) : prompt_len] = torch.tensor(list(p), dtype=torch.long, device=device)
             mask[i, : prompt_len - len(p)] = 0
         takes = _forward_takes(model)
-        stats = DecodeStats(path="graphs" if self.graphs and device.type == "cuda" and not self._refused else "static")
+        replayable = self.graphs and device.type in self.backend.devices and not self._refused
+        stats = DecodeStats(path="graphs" if replayable else "static")
         graph = self._graph_for(model, takes, batch, prompt_len, max_new_tokens, mask, device, stats, say)
         if graph is None:
             stats.path = "static"
@@ -125,7 +150,7 @@ class Decoder:
                 graph.positions.copy_(step_positions)
                 if graph.cache_position is not None:
                     graph.cache_position.fill_(here)
-                graph.graph.replay()
+                graph.replay()
                 logits = graph.logits
             else:
                 logits = _step(
@@ -155,7 +180,9 @@ class Decoder:
         self._graph = None  # its memory pool goes before another is captured
         started = time.perf_counter()
         try:
-            self._graph = capture(model, takes, batch, prompt_len + new_tokens, prompt_len, mask, device, key)
+            self._graph = capture(
+                self.backend, model, takes, batch, prompt_len + new_tokens, prompt_len, mask, device, key
+            )
         except Exception as e:  # noqa: BLE001 - any failure to capture leaves the eager step, which is correct
             self._refused = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
             say(
@@ -205,6 +232,7 @@ def _step(
 
 
 def capture(
+    backend: CudaGraphs,
     model: nn.Module,
     takes: set[str],
     batch: int,
@@ -214,10 +242,14 @@ def capture(
     device: torch.device,
     key: tuple,
 ) -> _Graph:
-    """The decoding step captured as a CUDA graph on a cache of its own. Warm-up steps first (on a side stream, as
-    capture requires: the libraries' lazy setup runs there), then the capture; the cache is reset after, so what the
-    warm-up wrote is gone before the prefill."""
+    """The decoding step captured on a cache of its own, its inputs static tensors the loop fills before each replay.
+    The cache is reset after, so what the warm-up wrote is gone before the prefill."""
     cache = new_cache(model, length)
+    if any(getattr(layer, "is_sliding", False) for layer in getattr(cache, "layers", ())):
+        raise NotImplementedError(
+            "its sliding-window layers keep where they are in Python, and a replayed graph would keep the place it "
+            "was captured at"
+        )
     tokens = torch.zeros((batch, 1), dtype=torch.long, device=device)
     positions = torch.full((batch, 1), prompt_len, dtype=torch.long, device=device)
     cache_position = torch.tensor([prompt_len], dtype=torch.long, device=device) if "cache_position" in takes else None
@@ -225,14 +257,6 @@ def capture(
     # the first forward allocates the cache (transformers does at its first write); emptied again before the warm-up
     _step(model, takes, cache, tokens, positions, mask, where)
     cache.reset()
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            _step(model, takes, cache, tokens, positions, mask, where)
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        logits = _step(model, takes, cache, tokens, positions, mask, where)
+    replay, logits = backend.capture(lambda: _step(model, takes, cache, tokens, positions, mask, where), device)
     cache.reset()
-    return _Graph(graph, cache, tokens, positions, cache_position, logits, key)
+    return _Graph(replay, cache, tokens, positions, cache_position, logits, key)

@@ -103,3 +103,59 @@ def test_the_counter_sampler_draws_from_the_warped_distribution():
     p_value = float(torch.special.gammaincc(torch.tensor((len(index) - 1) / 2.0), torch.tensor(chi2 / 2.0)))
     print(f"support {len(index)} tokens; chi-square {chi2:.2f} on {len(index) - 1} degrees of freedom, p = {p_value:.3f}")
     assert p_value > 1e-3 and math.isfinite(chi2)
+
+
+class Rerun:
+    """A stand-in for CUDA graphs on CPU (none exist here): capture runs the step once and keeps its output tensor;
+    each replay runs the step again on the static inputs as they are now and writes that same tensor, as a replayed
+    graph does. What it checks is the decoder's side of the graph path: the static inputs filled before each replay,
+    the cache reset after capture, the graph kept while the shapes and the weights' addresses hold."""
+
+    devices = ("cpu",)
+
+    def __init__(self, fail: bool = False) -> None:
+        self.captures, self.fail = 0, fail
+
+    def capture(self, step, device):  # noqa: ANN001, ANN201
+        if self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        self.captures += 1
+        out = step()
+        return lambda: out.copy_(step()), out
+
+
+@pytest.mark.parametrize("kind", ["opt", "llama", "qwen2"])
+def test_the_graph_paths_bookkeeping_decodes_what_the_static_path_does(kind):
+    """--decoding graphs with a stand-in capture (Rerun): the completions equal the unreplayed static path's, greedy
+    and sampled; a second generation of the same shapes on the same weights replays the kept graph; weights at new
+    addresses (as each gathering of the model may put them) are captured again; a capture that fails is said in one
+    line, and that decoder decodes unreplayed from then on. A model with sliding-window layers is not captured (one
+    line): the cache keeps those layers' place in Python, which a replay would not move."""
+    model = tiny(kind)
+    keys = completion_keys(5, 2, list(range(len(PROMPTS))), [1] * len(PROMPTS))
+    backend = Rerun()
+    decoder = Decoder(graphs=True, backend=backend)
+    for sampling in (Sampling(10, top_k=1), Sampling(10, temperature=1.2, top_p=0.95)):
+        replayed = generate(model, PROMPTS, keys, sampling, eos_ids=[2], pad_id=1, device=CPU, decoder=decoder)
+        static = generate(model, PROMPTS, keys, sampling, eos_ids=[2], pad_id=1, device=CPU, decoder=Decoder())
+        assert replayed.ids == static.ids and replayed.ended == static.ended, kind
+        assert decoder.last.path == "graphs"
+    assert backend.captures == 1 and not decoder.last.captured  # the second generation replayed the kept graph
+    with torch.no_grad():
+        for p in model.parameters():  # new storage for every weight, the same values
+            p.data = p.data.clone()
+    generate(model, PROMPTS, keys, Sampling(4), eos_ids=[2], pad_id=1, device=CPU, decoder=decoder)
+    assert backend.captures == 2 and decoder.last.captured
+    said: list[str] = []
+    refusing = Decoder(graphs=True, backend=Rerun(fail=True))
+    for _ in range(2):
+        made = refusing.decode(model, PROMPTS, lambda ids, logits: logits.argmax(-1), max_new_tokens=4, eos_ids=[2],
+                               pad_id=1, device=CPU, say=said.append)  # fmt: skip
+        assert refusing.last.path == "static" and len(made) == len(PROMPTS)
+    assert len(said) == 1 and "could not be captured as a CUDA graph (RuntimeError: operation not permitted" in said[0]
+    windowed, said = tiny("gemma2"), []
+    sliding = Decoder(graphs=True, backend=Rerun())
+    made = sliding.decode(windowed, PROMPTS, lambda ids, logits: logits.argmax(-1), max_new_tokens=4, eos_ids=[2],
+                          pad_id=1, device=CPU, say=said.append)  # fmt: skip
+    assert sliding.last.path == "static" and sliding.backend.captures == 0 and len(made) == len(PROMPTS)
+    assert len(said) == 1 and "sliding-window layers" in said[0], said
