@@ -91,21 +91,25 @@ def fast_launcher(env: dict[str, str]) -> Zygote | None:
     return _zygote if _zygote.serves(env) else None
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: ANN001
-    """FSDP_OPT_REPORT_KERNEL=1 (the nested session of tests/test_kernels.py): the CPU kernels this session's process
-    and the runs it starts (forked from the launcher's server, as the training runs are) dispatch to."""
-    if os.environ.get("FSDP_OPT_REPORT_KERNEL") != "1":
-        return
-    import torch
-
-    with tempfile.TemporaryDirectory() as tmp:
-        run = launch([str(ROOT / "tests" / "workers" / "cpu_capability.py")], [], Path(tmp))
-    terminalreporter.write_line(f"kernels: session {torch.backends.cpu.get_cpu_capability()}, runs {run.stdout.strip()}")
+_KERNELS: list[str] = []  # FSDP_OPT_REPORT_KERNEL=1: what pytest_sessionfinish found, for the terminal summary
 
 
 def pytest_sessionfinish(session, exitstatus):  # noqa: ANN001
+    if os.environ.get("FSDP_OPT_REPORT_KERNEL") == "1" and not os.environ.get("PYTEST_XDIST_WORKER"):
+        # the nested session of tests/test_kernels.py: the CPU kernels this process and the runs it starts (forked
+        # from the launcher's server, as its training runs were) dispatch to; asked before the server closes
+        import torch
+
+        with tempfile.TemporaryDirectory() as tmp:
+            run = launch([str(ROOT / "tests" / "workers" / "cpu_capability.py")], [], Path(tmp))
+        _KERNELS.append(f"kernels: session {torch.backends.cpu.get_cpu_capability()}, runs {run.stdout.strip()}")
     if _zygote is not None:
         _zygote.close()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: ANN001
+    for line in _KERNELS:
+        terminalreporter.write_line(line)
 
 
 def launch(target: list[str], args: list[str], tmp: Path, nproc: int = 0, timeout: float = 300,

@@ -23,18 +23,22 @@ every response by route (e.g. sent["dataset-resolve"]: what the dataset download
 Storage is counted as the Hub counts it: an LFS object keeps counting after the file that used it is deleted or
 replaced, until it is permanently deleted. Use it with HF_HUB_DISABLE_XET=1, so the client takes the LFS path.
 `fail(route, times, status)` makes the next matching requests fail, to test retries. A 503 or 429 says
-`Retry-After: 0`, as a Hub that asks for an immediate retry would: huggingface_hub's own backoff then waits 1 s a try
-(without it, 1 + 2 + 4 + 8 + 8 s for every call it retries).
+`Retry-After: 0` unless told another (`retry_after`), as a Hub that asks for an immediate retry would: huggingface_hub's
+own backoff then waits 1 s a try (without it, 1 + 2 + 4 + 8 + 8 s for every call it retries). `kind="reset"` closes
+the connection instead of answering (a connection reset mid-request), `kind="timeout"` holds the request `delay`
+seconds and then closes it unanswered (a Hub that stopped answering).
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import gzip
 import hashlib
 import json
 import re
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -100,6 +104,17 @@ class Repo:
         return sum(o.size for o in self.lfs.values()) + sum(b.size for b in self.tree.values() if b.sha256 is None)
 
 
+@dataclass(frozen=True)
+class Fault:
+    """One injected failure: an HTTP status (with Retry-After for 429 and 503), or a connection closed unanswered
+    (reset, or after `delay` seconds: timeout)."""
+
+    status: int = 503
+    kind: str = "status"  # status | reset | timeout
+    retry_after: str | None = None
+    delay: float = 0.0
+
+
 @dataclass
 class Request:
     method: str
@@ -117,7 +132,7 @@ class HubServer:
         self.requests: list[Request] = []
         self.commit_bodies: list[bytes] = []
         self.broken_refs: list[str] = []  # files at the head whose LFS object was permanently deleted: must stay empty
-        self._failures: dict[str, list[int]] = {}
+        self._failures: dict[str, list[Fault]] = {}
         self._lock = threading.Lock()
         self._own_dir = storage_dir is None
         self.storage = Path(storage_dir or tempfile.mkdtemp(prefix="hubserver-"))
@@ -164,11 +179,12 @@ class HubServer:
 
     # ------------------------------------------------------------ test controls
 
-    def fail(self, route: str, times: int, status: int = 503) -> None:
+    def fail(self, route: str, times: int, status: int = 503, *, kind: str = "status", retry_after: str | None = None,
+             delay: float = 0.0) -> None:  # fmt: skip
         """The next `times` requests to `route` (create, preupload, commit, info, tree, resolve, lfs-batch,
-        lfs-upload, lfs-files, lfs-delete) get `status`."""
+        lfs-upload, lfs-files, lfs-delete) get `status`, or are closed unanswered (`kind` reset or timeout)."""
         with self._lock:
-            self._failures.setdefault(route, []).extend([status] * times)
+            self._failures.setdefault(route, []).extend([Fault(status, kind, retry_after, delay)] * times)
 
     def clear_failures(self) -> None:
         with self._lock:
@@ -232,10 +248,18 @@ class HubServer:
             pending = self._failures.get(route)
             injected = pending.pop(0) if pending else None
         streamed = route == "lfs-upload" and injected is None and handler is not None
-        body = b"" if streamed else _read_body(h)
+        reset = injected is not None and injected.kind == "reset"  # closed mid-request: its body never read
+        body = b"" if streamed or reset else _read_body(h)
+        if injected is not None and injected.kind != "status":  # the request read, then no answer: closed
+            time.sleep(injected.delay)
+            self.requests.append(Request(method, path, route, 0, h.headers.get("Authorization")))
+            h.close_connection = True
+            with contextlib.suppress(OSError):
+                h.connection.shutdown(socket.SHUT_RDWR)
+            return
         if injected is not None:
-            status, payload = injected, json.dumps({"error": "injected failure"}).encode()
-            headers = {"Retry-After": "0"} if status in (429, 503) else {}
+            status, payload = injected.status, json.dumps({"error": "injected failure"}).encode()
+            headers = {"Retry-After": injected.retry_after or "0"} if status in (429, 503) else {}
         elif handler is None:
             status, headers, payload = 404, {}, json.dumps({"error": f"no route {method} {path}"}).encode()
         else:
