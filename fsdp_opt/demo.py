@@ -114,7 +114,7 @@ def grpo_start(out: Path, nproc: int) -> list[str] | None:
     trained = sorted(chat.glob("*-epoch-2.pt"))
     if not trained:
         print(f"demo: --grpo starts from the chat demo's model; {chat}/ has none, so the chat demo trains first (about a "
-              "minute on 2 CPU cores), then GRPO (about 30 s, and a minute of evaluation around it)", flush=True)  # fmt: skip
+              "minute on 2 CPU cores), then GRPO (under a minute, with its evaluation before and after)", flush=True)  # fmt: skip
         if main(["--chat", "--nproc", str(nproc), "--output_dir", str(chat)]) != 0:
             return None
         trained = sorted(chat.glob("*-epoch-2.pt"))
