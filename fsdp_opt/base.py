@@ -31,6 +31,16 @@ class CheckpointError(ConfigError):
     """A checkpoint file is missing, damaged or does not belong to this run."""
 
 
+# The training command's exit codes: 0 done; 1 out of GPU memory, a package missing, or a bug (with its traceback);
+# 2 a user error (one line); 3 the session trained and saved, but its newest checkpoint did not reach the Hub repo;
+# 130 interrupted.
+EXIT_NOT_PUSHED = 3
+
+
+class NotPushedError(Exception):
+    """The session's newest checkpoint is not on the Hub after --hub_wait (it is kept locally): exit EXIT_NOT_PUSHED."""
+
+
 def parse_size(text: str | int | float, flag: str) -> int:
     """'15GiB', '20GB', '31G', '512MiB' or a byte count -> bytes (GB = 1e9, GiB = 2**30; bare G means GiB)."""
     if isinstance(text, (int, float)):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from fsdp_opt.base import ConfigError
+from fsdp_opt.base import EXIT_NOT_PUSHED, ConfigError, NotPushedError
 from fsdp_opt.config.parse import build_parser, parse_args
 from fsdp_opt.runtime.distributed import end_process, fail
 
@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
         run(config)
     except ConfigError as exc:
         fail(str(exc))
+    except NotPushedError as exc:  # rank 0 alone meets it (the uploads are its): the other ranks have ended
+        fail(str(exc), code=EXIT_NOT_PUSHED)
     except KeyboardInterrupt:
         fail("interrupted", code=130)
     return 0

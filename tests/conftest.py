@@ -530,3 +530,17 @@ def make_family_model(dest: Path, model_type: str, bos: bool, seed: int = 0, tem
     AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **settings)).save_pretrained(dest)
     tokenizer.save_pretrained(dest)
     return dest
+
+
+def wandb_records(run_dir: Path) -> list[dict]:
+    """The records of an offline W&B run folder, as `wandb leet inspect --json` reads them back."""
+    files = sorted(run_dir.glob("run-*.wandb"))
+    assert len(files) == 1, list(run_dir.iterdir())
+    cli = Path(sys.executable).parent / "wandb"
+    # The reader is the test environment's own wandb, not the one under test (scripts/floors.sh puts an older wandb
+    # on PYTHONPATH, whose CLI cannot print the records as JSON).
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([str(cli), "leet", "inspect", "--json", str(files[0])], capture_output=True, text=True,
+                          timeout=120, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.strip().startswith("{")]

@@ -113,6 +113,7 @@ class Fault:
     kind: str = "status"  # status | reset | timeout
     retry_after: str | None = None
     delay: float = 0.0
+    match: bytes | None = None  # only a request whose body holds these bytes (a commit of one path, say)
 
 
 @dataclass
@@ -180,11 +181,12 @@ class HubServer:
     # ------------------------------------------------------------ test controls
 
     def fail(self, route: str, times: int, status: int = 503, *, kind: str = "status", retry_after: str | None = None,
-             delay: float = 0.0) -> None:  # fmt: skip
+             delay: float = 0.0, match: bytes | None = None) -> None:  # fmt: skip
         """The next `times` requests to `route` (create, preupload, commit, info, tree, resolve, lfs-batch,
-        lfs-upload, lfs-files, lfs-delete) get `status`, or are closed unanswered (`kind` reset or timeout)."""
+        lfs-upload, lfs-files, lfs-delete) get `status`, or are closed unanswered (`kind` reset or timeout); with
+        `match`, only those whose body holds it (not for lfs-upload, whose body is streamed)."""
         with self._lock:
-            self._failures.setdefault(route, []).extend([Fault(status, kind, retry_after, delay)] * times)
+            self._failures.setdefault(route, []).extend([Fault(status, kind, retry_after, delay, match)] * times)
 
     def clear_failures(self) -> None:
         with self._lock:
@@ -246,13 +248,21 @@ class HubServer:
         route, handler, args = self._route(method, url.path)  # matched before unquoting: a revision may hold "%2F"
         with self._lock:
             pending = self._failures.get(route)
-            injected = pending.pop(0) if pending else None
+            injected = pending[0] if pending else None
+            if injected is not None and injected.match is None:
+                pending.pop(0)
         streamed = route == "lfs-upload" and injected is None and handler is not None
-        reset = injected is not None and injected.kind == "reset"  # closed mid-request: its body never read
+        reset = injected is not None and injected.kind == "reset" and injected.match is None  # its body never read
         body = b"" if streamed or reset else _read_body(h)
+        if injected is not None and injected.match is not None:  # a fault for some bodies only
+            with self._lock:
+                if injected.match in body and pending and pending[0] is injected:
+                    pending.pop(0)
+                else:
+                    injected = None
         if injected is not None and injected.kind != "status":  # the request read, then no answer: closed
-            time.sleep(injected.delay)
             self.requests.append(Request(method, path, route, 0, h.headers.get("Authorization")))
+            time.sleep(injected.delay)
             h.close_connection = True
             with contextlib.suppress(OSError):
                 h.connection.shutdown(socket.SHUT_RDWR)

@@ -18,6 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_opt.base import ConfigError
+from fsdp_opt.config.parse import Config
+from fsdp_opt.model.adapters import KEY
+from fsdp_opt.runtime.distributed import print0
 
 CHANGES_KEY = "settings_changes"  # of a checkpoint's payload: every change the chain has taken, oldest first
 
@@ -122,3 +125,17 @@ def refuse_if_breaking(changes: list[dict[str, Any]], allow: bool, checkpoint: s
         listed = "; ".join(f"--{c['flag']} {_shown(c['from'])} -> {_shown(c['to'])} ({c['breaks']})" for c in breaking)
         raise ConfigError(f"--resume_file {checkpoint}: {listed}. Use the checkpoint's value, or --allow_changes "
                           "to go on anyway (the chain is then no longer one exact run)")  # fmt: skip
+
+
+def settings_drift(config: Config, payload: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Rank 0, resuming: each flag changed since the checkpoint, one line each; an exactness-breaking change stops
+    the run here, before anything is built, unless --allow_changes."""
+    if payload is None:
+        return []
+    # A LoRA checkpoint's base is checked by its fingerprint (model.adapters.check_resume), a stronger test than a name
+    saved = {k: v for k, v in (payload.get("config") or {}).items() if not (k == "model" and payload.get(KEY))}
+    changes = compare(saved, config.flat())
+    for change in changes:
+        print0(line(change))
+    refuse_if_breaking(changes, config.checkpoint.allow_changes, Path(payload["_path"]).name)
+    return changes

@@ -78,7 +78,7 @@ class RepoWriter:
         ]
         if self.lease is not None:
             # one writer: a session whose lease was taken over writes nothing more; each push renews the lease
-            if self.lease.lost or (self.lease.held and not self.lease.still_held()):
+            if self.lease.lost or (self.lease.held and self.lease.held_by_another()):
                 self.lease.held, self.lease.lost = False, True
                 raise LeaseLost(f"the lease on {self.store.repo_id} was taken over by another session; this one "
                                 "writes nothing more to the repo")  # fmt: skip

@@ -296,6 +296,19 @@ class HubLease(Lease):
         current = self.current()
         return current is not None and current.session == self.holder.session
 
+    def held_by_another(self) -> bool:
+        """Whether the repo's lease file now names another session (a takeover: this one must write nothing more).
+        A lease file that cannot be read back whole is not taken for one: that raises a network error, and the push
+        that asked is retried (the cause of a push once lost with its checkpoint whole on disk, never explained)."""
+        if LEASE_FILE not in self.store.files():
+            return False
+        with tempfile.TemporaryDirectory() as tmp:
+            raw = self.store.fetch(LEASE_FILE, Path(tmp) / LEASE_FILE).read_bytes()
+        current = Holder.from_bytes(raw)
+        if current is None:
+            raise ConnectionError(f"the chain's lease file in {self.where} read back unreadable ({len(raw)} bytes)")
+        return current.session != self.holder.session
+
     def renew_op(self):  # noqa: ANN201
         """The lease, moved on, as one more operation of a push's commit."""
         self.renew()

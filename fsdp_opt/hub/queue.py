@@ -19,6 +19,8 @@ class Upload:
     entry: dict[str, Any] = field(default_factory=dict)
     status: str = "waiting"  # waiting, uploading, done, failed, superseded
     error: str = ""
+    transient: bool = False  # failed for a reason worth another round (the network, the Hub's 5xx, a timeout)
+    rounds: int = 0  # the rounds of retries it has been given
     seconds: float = 0.0
     commit: str | None = None
     weights: Path | None = None  # its weights file, made for the push when --hub_keep_full is on
@@ -124,6 +126,19 @@ class UploadQueue:
             self._closing = True
             self._cond.notify_all()
 
+    def retryable(self) -> bool:
+        with self._cond:
+            return bool(self._retryable())
+
+    def _retryable(self) -> list[Upload]:
+        pushed = max((self._step(j) for j in self.jobs if j.status == "done" and j.kind != "export"), default=-1)
+        return [j for j in self.jobs if j.status == "failed" and j.transient and j.path.exists()
+                and (j.kind == "export" or self._step(j) > pushed)]  # fmt: skip
+
+    @staticmethod
+    def _step(job: Upload) -> int:
+        return int(job.entry.get("global_step", -1))
+
     # -------------------------------------------------------- the upload thread
 
     def next(self) -> Upload | None:
@@ -138,10 +153,21 @@ class UploadQueue:
                     return None
                 self._cond.wait()
 
-    def failed(self, job: Upload, error: str) -> None:
+    def failed(self, job: Upload, error: str, transient: bool = False) -> None:
         with self._cond:
-            job.status, job.error = "failed", error
+            job.status, job.error, job.transient = "failed", error, transient
             self._cond.notify_all()
+
+    def again(self) -> list[Upload]:
+        """The uploads that failed for a passing reason, their checkpoint still on disk, waiting once more; not a
+        checkpoint older than one the Hub has from this session (that one is what a resume reads; pushed after it,
+        the older one would take its place as the newest the repo keeps)."""
+        with self._cond:
+            jobs = self._retryable()
+            for job in jobs:
+                job.status, job.rounds = "waiting", job.rounds + 1
+            self._cond.notify_all()
+        return jobs
 
     def done(self, job: Upload, commit: str, seconds: float) -> None:
         with self._cond:

@@ -17,6 +17,7 @@ import json
 import tempfile
 import time
 from datetime import datetime, timezone
+from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any, Callable
 
@@ -37,6 +38,10 @@ CARD_FILE = "README.md"
 METRICS_IN_REPO = "metrics.jsonl"  # every session's step log, appended to in turn
 
 MAX_BACKOFF = 60.0
+MAX_RETRY_AFTER = 600.0  # the longest a Retry-After header is waited for
+# Every Hub call's client: a connection within CONNECT_S, and no read or write of a request waiting longer than IO_S
+# for the other side (huggingface_hub's own client waits forever: a Hub that stops answering would hang the push).
+CONNECT_S, IO_S = 30.0, 300.0
 
 
 def now_iso() -> str:
@@ -48,13 +53,15 @@ def status_code(exc: BaseException) -> int | None:
     return getattr(response, "status_code", None)
 
 
-def is_transient(exc: BaseException) -> bool:
-    """Worth another try: a network error, a timeout, a 5xx or a 429. Not: a 4xx, a missing local file."""
+def is_transient(exc: BaseException, conflicts: bool = False) -> bool:
+    """Worth another try: a network error (a reset connection), a timeout, a 5xx, a 429 or a 408; with `conflicts`
+    (a commit that names no parent: a push), a 409 or 412, another commit having landed at the same time. Not: any
+    other 4xx (401, 403, a 404 of the repo, a quota refused), a missing local file."""
     if isinstance(exc, (FileNotFoundError, IsADirectoryError, PermissionError, ValueError, TypeError)):
         return False
     code = status_code(exc)
     if code is not None:
-        return code >= 500 or code == 429
+        return code >= 500 or code in (408, 429) or (conflicts and code in (409, 412))
     # httpx's network errors (huggingface_hub's client: ConnectError, ReadError, ...) derive from its TransportError,
     # not from OSError.
     transport = any(c.__name__ == "TransportError" and c.__module__.startswith("httpx") for c in type(exc).__mro__)
@@ -68,19 +75,47 @@ def describe(exc: BaseException) -> str:
     return f"HTTP {code}: {first}" if code else f"{type(exc).__name__}: {first}"
 
 
-def with_retries(fn: Callable[[], Any], retries: int, backoff: float, on_retry: Callable[[int, float, BaseException], None] | None = None) -> Any:
-    """Run fn; on a transient error wait backoff, 2*backoff, 4*backoff ... (at most 60 s) and try again."""
+def retry_after(exc: BaseException) -> float | None:
+    """The seconds a response's Retry-After asks for (a number, or an HTTP date), at most MAX_RETRY_AFTER."""
+    headers = getattr(getattr(exc, "response", None), "headers", None)
+    value = headers.get("Retry-After") if headers is not None else None
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            seconds = parsedate_to_datetime(value).timestamp() - time.time()
+        except (TypeError, ValueError):
+            return None
+    return min(MAX_RETRY_AFTER, max(0.0, seconds))
+
+
+def with_retries(fn: Callable[[], Any], retries: int, backoff: float,
+                 on_retry: Callable[[int, float, BaseException], None] | None = None, conflicts: bool = False) -> Any:  # fmt: skip
+    """Run fn; on a transient error wait what the response's Retry-After says, else backoff, 2*backoff, 4*backoff ...
+    (at most 60 s), and try again; a permanent error ends the retrying at once."""
     for attempt in range(retries + 1):
         try:
             return fn()
         except Exception as exc:  # noqa: BLE001 - classified just below
-            if attempt == retries or not is_transient(exc):
+            if attempt == retries or not is_transient(exc, conflicts):
                 raise
-            delay = min(MAX_BACKOFF, backoff * 2**attempt)
+            asked = retry_after(exc)
+            delay = asked if asked is not None else min(MAX_BACKOFF, backoff * 2**attempt)
             if on_retry is not None:
                 on_retry(attempt + 1, delay, exc)
             time.sleep(delay)
     raise AssertionError("unreachable")
+
+
+def set_timeouts(connect: float, io: float) -> None:
+    """Timeouts on huggingface_hub's shared HTTP client (it has none: a request the Hub never answers would wait
+    forever), so a hung call fails, and is retried, as any network error is."""
+    from huggingface_hub.utils import get_session
+
+    client = get_session()
+    client.timeout = type(client.timeout)(io, connect=connect)
 
 
 # ---------------------------------------------------------------- reading the repo
@@ -89,12 +124,14 @@ def with_retries(fn: Callable[[], Any], retries: int, backoff: float, on_retry: 
 class HubStore:
     """One repo on the Hub (rank 0 only)."""
 
-    def __init__(self, repo_id: str, retries: int = 3, backoff: float = 2.0, endpoint: str | None = None) -> None:
+    def __init__(self, repo_id: str, retries: int = 3, backoff: float = 2.0, endpoint: str | None = None,
+                 io_timeout: float = IO_S) -> None:  # fmt: skip
         from huggingface_hub import HfApi
 
         self.repo_id = repo_id
         self.api = HfApi(endpoint=endpoint)  # endpoint None: HF_ENDPOINT or huggingface.co
         self.retries, self.backoff = retries, backoff
+        set_timeouts(CONNECT_S, io_timeout)
 
     def _call(self, fn: Callable[[], Any]) -> Any:
         return with_retries(fn, self.retries, self.backoff)

@@ -3,6 +3,12 @@
 The Uploader joins the two halves: the queue (`queue.UploadQueue`: jobs and their states, asked by the training
 thread) and the repo (`commits.RepoWriter`: one commit per upload, then retention), with a thread between them that
 makes each job's weights file (--hub_keep_full), pushes it with retries and reports how it ended.
+
+What is retried: every call of a push (the preupload, each LFS upload, the commit) that fails for a passing reason:
+a network error or a reset connection, no answer within IO_S, a 5xx, a 429 (after the Retry-After it gives), a 408,
+and a 409 or 412 (another commit at the same time). --hub_retries times with a doubling wait, at first; an upload that
+still failed gets further rounds at the session's end, until --hub_wait is spent. A refusal (401, 403, a 404 of the
+repo, a quota) ends the retrying at once, with the Hub's reason.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from fsdp_opt.checkpoint.room import bytes_on_disk
 from fsdp_opt.checkpoint.weightsfile import weights_name
 from fsdp_opt.hub.commits import RepoWriter
 from fsdp_opt.hub.queue import Upload, UploadQueue
-from fsdp_opt.hub.store import METRICS_IN_REPO, HubStore, describe, with_retries
+from fsdp_opt.hub.store import METRICS_IN_REPO, HubStore, describe, is_transient, with_retries
 
 
 def _try(fn: Callable[[], Any], fallback: Any) -> Any:
@@ -103,12 +109,25 @@ class Uploader:
     def repo_ready(self) -> bool:
         return self.repo.repo_ready
 
-    def finish(self, timeout: float, every: float = 10.0) -> list[Upload]:
-        """Wait up to `timeout` s for pending uploads, printing what is left; return those not uploaded."""
+    def finish(self, timeout: float, every: float = 10.0, pause: float = 30.0) -> list[Upload]:
+        """Wait up to `timeout` s for pending uploads, printing what is left, and give those that failed for a
+        passing reason further rounds (`pause` s apart) while the time lasts; return those not uploaded."""
         deadline = time.monotonic() + timeout
         self.queue.close()
         next_note = 0.0
-        while self._thread.is_alive() and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            if not self._thread.is_alive():
+                again = [j for j in self.queue.not_uploaded() if j.status == "failed" and j.transient]
+                if not again or not self.queue.retryable():  # nothing, or only checkpoints older than one pushed
+                    break
+                wait = min(pause * 2 ** min(again[0].rounds, 3), max(0.0, deadline - time.monotonic() - 1.0))
+                self.log(f"hub: {len(again)} upload(s) failed for a passing reason ({again[0].error}): trying again in "
+                         f"{wait:.0f} s, --hub_wait leaves {deadline - time.monotonic():.0f} s")  # fmt: skip
+                time.sleep(wait)
+                if time.monotonic() >= deadline - 1.0 or not self.queue.again():
+                    break
+                self._thread = threading.Thread(target=self._work, name="hub-uploads", daemon=True)
+                self._thread.start()
             left = self.queue.pending()
             if left and time.monotonic() >= next_note:
                 size = sum(bytes_on_disk(j.path) for j in left) / 2**20
@@ -125,10 +144,14 @@ class Uploader:
                     job.weights = self._make_weights(job)
                     job.weights_seconds = time.monotonic() - started
                 job.bytes = bytes_on_disk(job.path) + (bytes_on_disk(job.weights) if job.weights is not None else 0)
-                commit = with_retries(lambda: self.repo.push(job), self.retries, self.backoff, self._note_retry(job))
+                commit = with_retries(lambda: self.repo.push(job), self.retries, self.backoff, self._note_retry(job),
+                                      conflicts=True)  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - a failed upload never stops training
-                self.queue.failed(job, describe(exc))
-                self.log(f"hub: upload of {job.name} failed ({job.error}); the local copy is kept: {job.path.resolve()}")
+                passing = is_transient(exc, conflicts=True)
+                self.queue.failed(job, describe(exc), passing)
+                then = "tried again at the session's end" if passing else "the Hub refused it: not tried again"
+                self.log(f"hub: upload of {job.name} failed ({job.error}; {then}); the local copy is kept: "
+                         f"{job.path.resolve()}")  # fmt: skip
                 continue
             finally:
                 if job.weights is not None:

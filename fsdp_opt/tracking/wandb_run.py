@@ -123,6 +123,10 @@ class WandbRun:
 
         self._safely("artifact", log)
 
+    def summarize(self, values: dict[str, Any]) -> None:
+        """Keys of the run's summary (what W&B shows on the run's page after it ends)."""
+        self._safely("summary", lambda: self.run.summary.update(values))
+
     def finish(self) -> None:
         self._safely("finish", lambda: self.run.finish())
         self.run = None

@@ -4,6 +4,7 @@ export at the end of training."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +41,32 @@ def start_uploader(s: Session) -> Any:
     return uploader
 
 
-def finish_outside(s: Session) -> None:
-    """After the process group is gone (no collective can time out): rank 0 waits for uploads, closes W&B."""
+@dataclass
+class NotOnHub:
+    """The session's newest checkpoint, which did not reach the Hub: its name, where it is kept, why, and what a
+    session on another machine would resume from."""
+
+    name: str
+    path: Path
+    why: str
+    resume_from: str | None  # the newest checkpoint the repo has (None: none)
+
+    def line(self, repo: str) -> str:
+        then = (f"a session on another machine resumes from {self.resume_from}, the newest the repo has"
+                if self.resume_from else "a session on another machine finds no checkpoint there and starts the chain "
+                "again")  # fmt: skip
+        return (f"the checkpoint {self.name} did not reach {repo} ({self.why}); it is kept whole here: {self.path}. "
+                f"Without it {then}; to go on from it, run the next session with this file in its --output_dir, or "
+                f"push it and give --resume_file {self.name} (docs/checkpoints.md: when the Hub stays down)")
+
+
+def finish_outside(s: Session) -> NotOnHub | None:
+    """After the process group is gone (no collective can time out): rank 0 waits for uploads (retrying those that
+    failed for a passing reason while --hub_wait lasts), closes W&B. Returns the session's newest checkpoint when it
+    is not on the Hub."""
     if s.ckpt_writer is not None:
         s.ckpt_writer.wait()  # a write still in flight after an error: it finishes (or fails) before the uploads end
+    lost = None
     if s.uploader is not None:
         failed = s.uploader.finish(s.config.hub.hub_wait_seconds)
         log_pushed(s)
@@ -60,8 +83,25 @@ def finish_outside(s: Session) -> None:
         if storage:
             print0(f"hub: {s.config.hub.hf_repo} holds {storage['bytes'] / 1e9:,.2f} GB: {storage['full_checkpoints']} "
                    f"full checkpoint(s), {storage['weights_files']} weights file(s) (--hub_keep_full {s.config.hub.keep_full})")  # fmt: skip
+        lost = newest_not_on_hub(s, failed)
+        if lost is not None and s.wandb is not None:
+            s.wandb.summarize({"hub/not_pushed": lost.name, "hub/kept_at": str(lost.path),
+                               "hub/resume_from": lost.resume_from or "none"})  # fmt: skip
     if s.wandb is not None:
         s.wandb.finish()
+    return lost
+
+
+def newest_not_on_hub(s: Session, failed: list) -> NotOnHub | None:  # noqa: ANN001
+    """The session's newest checkpoint, when the Hub does not have it (its upload failed, or did not end in time)."""
+    path = s.last_saved_path
+    job = next((j for j in failed if path is not None and j.name == path.name), None)
+    if job is None:
+        return None
+    why = f"the upload failed: {job.error}" if job.status == "failed" else "its upload did not end within --hub_wait"
+    pushed = s.uploader.index.get("checkpoints") or {}
+    newest = max(pushed, key=lambda n: pushed[n].get("global_step", -1), default=None)
+    return NotOnHub(job.name, job.path.resolve(), why, newest)
 
 
 def release_lease(lease: Lease) -> None:

@@ -14,10 +14,10 @@ from typing import Any
 
 from torch import nn
 
-from fsdp_opt.base import ConfigError
+from fsdp_opt.base import ConfigError, NotPushedError
 from fsdp_opt.checkpoint.atomic import remove_stale_temp
 from fsdp_opt.checkpoint.chain import CHAIN_KEY
-from fsdp_opt.checkpoint.drift import CHANGES_KEY, compare, global_batch_change, refuse_if_breaking
+from fsdp_opt.checkpoint.drift import CHANGES_KEY, global_batch_change, refuse_if_breaking, settings_drift
 from fsdp_opt.checkpoint.drift import line as drift_line
 from fsdp_opt.checkpoint.read import check_compatible
 from fsdp_opt.checkpoint.resume import restore
@@ -70,7 +70,7 @@ def run(config: Config) -> None:
     freeze_imported()
     env = init_distributed(config.parallel.device)
     configure_allocator(cpu_device=env.device.type == "cpu")
-    session, lease = None, None
+    session, lease, lost = None, None, None
     try:
         # --start_idx auto: this session's range; and the chain's lease. None: the chain is done, or another session
         # holds the lease.
@@ -89,10 +89,11 @@ def run(config: Config) -> None:
         barrier()
     finally:
         teardown()
-        if session is not None:
-            finish_outside(session)
+        lost = finish_outside(session) if session is not None else None
         if lease is not None:  # after the last uploads, which renew it
             release_lease(lease)
+    if lost is not None:  # the session trained, but its newest checkpoint is not on the Hub: the last line says so
+        raise NotPushedError(lost.line(config.hub.hf_repo))
 
 
 # ---------------------------------------------------------------- setup
@@ -172,20 +173,6 @@ def setup(config: Config, env: DistEnv, checked: Checked | None = None, lease: L
     start_side_work(session, built, run_id, inputs.bf16_pretrained)
     release_host_memory()  # every rank: what reading the weights (and a checkpoint) left, so the steps start clean
     return session
-
-
-def settings_drift(config: Config, payload: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """Rank 0, resuming: each flag changed since the checkpoint, one line each; an exactness-breaking change stops
-    the run here, before anything is built, unless --allow_changes."""
-    if payload is None:
-        return []
-    # A LoRA checkpoint's base is checked by its fingerprint (model.adapters.check_resume), a stronger test than a name
-    saved = {k: v for k, v in (payload.get("config") or {}).items() if not (k == "model" and payload.get(KEY))}
-    changes = compare(saved, config.flat())
-    for change in changes:
-        print0(drift_line(change))
-    refuse_if_breaking(changes, config.checkpoint.allow_changes, Path(payload["_path"]).name)
-    return changes
 
 
 def record_changes(s: Session, payload: dict[str, Any], changes: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -25,21 +25,9 @@ from conftest import (
     read_jsonl,
     run_cli,
     saved_names,
+    wandb_records,
 )
 from hubserver import HubServer
-
-
-def wandb_records(run_dir: Path) -> list[dict]:
-    files = sorted(run_dir.glob("run-*.wandb"))
-    assert len(files) == 1, list(run_dir.iterdir())
-    cli = Path(sys.executable).parent / "wandb"
-    # The reader is the test environment's own wandb, not the one under test (scripts/floors.sh puts an older wandb
-    # on PYTHONPATH, whose CLI cannot print the records as JSON).
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([str(cli), "leet", "inspect", "--json", str(files[0])], capture_output=True, text=True,
-                          timeout=120, env=env)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.strip().startswith("{")]
 
 
 def offline_runs(out_dir: Path) -> list[Path]:
@@ -167,17 +155,21 @@ def test_sessions_chain_through_the_hub(tmp_path):
 
 
 def test_failed_uploads_never_stop_training(tmp_path):
-    """A Hub that always fails: training finishes, exit 0, every local checkpoint is kept and reported."""
+    """A Hub that always fails (503): training finishes, every local checkpoint is kept and reported; the uploads are
+    tried again at the end while --hub_wait lasts, and the session then ends with exit 3 (its newest checkpoint is
+    not on the Hub)."""
     with HubServer(token=HF_TOK) as server:
         server.fail("commit", 1000)
         proc = run_cli(
             COMMON + ["--start_idx", "0", "--end_idx", "32", "--batch_size", "2", "--save_every_steps", "4",
                       "--keep_last", "1", "--hf_repo", "me/run", "--hub_public", "--hub_retries", "1", "--wandb_mode", "disabled",
-                      "--output_dir", "out"],
+                      "--output_dir", "out", "--hub_wait", "4s"],
             tmp_path, nproc=2, env=hub_env(tmp_path, server, "a"),
         )  # fmt: skip
         assert server.repos["me/run"].files == {} and not server.repos["me/run"].private
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # rank 0 exits 3 (under torchrun, as here, the launcher's own code is 1 and its report names rank 0's 3)
+    assert proc.returncode != 0 and "rank 0: exit 3" in proc.stderr, proc.stdout + proc.stderr
+    assert "upload(s) failed for a passing reason (HTTP 503" in proc.stdout
     saved = saved_names(proc.stdout)
     assert len(saved) >= 3
     assert sorted(p.name for p in (tmp_path / "out").glob("*.pt")) == sorted(saved)  # --keep_last deleted nothing
@@ -284,7 +276,8 @@ def test_sharded_checkpoints_through_the_hub(tmp_path):
 
 
 def test_exit_wait_is_bounded(tmp_path):
-    """A Hub that never answers: the run ends after --hub_wait and names the local file left behind."""
+    """A Hub that never answers: the run ends after --hub_wait, not 0 (3): its last line names the local file left
+    behind and what a session elsewhere would resume from."""
     with HubServer(token=HF_TOK) as server:
         server.gate.clear()  # every commit hangs
         started = time.monotonic()
@@ -295,10 +288,13 @@ def test_exit_wait_is_bounded(tmp_path):
         )  # fmt: skip
         took = time.monotonic() - started
         server.gate.set()
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.returncode == 3, proc.stdout + proc.stderr
     name = saved_names(proc.stdout)[-1]
     assert "hub: waiting for 1 upload(s)" in proc.stdout
     assert f"warning: upload of {name} to me/run did not finish in --hub_wait; the local copy is kept: {tmp_path / 'out' / name}" in proc.stdout
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: the checkpoint {name} did not reach me/run (its upload did not end within --hub_wait)")
+    assert f"kept whole here: {tmp_path / 'out' / name}" in last
     assert took < 60
 
 

@@ -77,9 +77,9 @@ def test_chain_of_four_slices_keeps_the_policy(tmp_path):
                 # still holds slice 1's full checkpoint, byte for byte.
                 before = dict(server.repos["me/run"].files)
                 server.fail("lfs-batch", 1000)
-                failed = session(i, "s2-failed", nproc=0, extra=["--hub_retries", "0"])
+                failed = session(i, "s2-failed", nproc=0, extra=["--hub_retries", "0", "--hub_wait", "2s"])
                 server.clear_failures()
-                assert failed.returncode == 0, failed.stdout + failed.stderr
+                assert failed.returncode == 3, failed.stdout + failed.stderr  # its newest checkpoint is not on the Hub
                 assert "warning: upload of" in failed.stdout and "retired" not in failed.stdout
                 assert server.repos["me/run"].files == before
             proc = session(i, f"s{i}", nproc=2 if i % 2 == 0 else 0)
