@@ -6,11 +6,13 @@ torchrun --standalone --nproc_per_node=gpu -m fsdp_opt --num_epochs 1 \
 
 from __future__ import annotations
 
+import os
 import sys
 
 from fsdp_opt.base import EXIT_NOT_PUSHED, ConfigError, NotPushedError
 from fsdp_opt.config.parse import build_parser, parse_args
-from fsdp_opt.runtime.distributed import end_process, fail
+from fsdp_opt.launch import launch, split_flag, under_a_launcher, workers
+from fsdp_opt.runtime.distributed import LAUNCHED, end_process, fail
 
 DESCRIPTION = "Fine-tune a Hugging Face causal LM with PyTorch FSDP2 on a slice [start_idx, end_idx) of a dataset."
 
@@ -35,8 +37,24 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> None:
-    """`python fsdp_finetune.py`, `python -m fsdp_opt` and torchrun with either: --help, or train and end the process."""
+    """`python fsdp_finetune.py`, `python -m fsdp_opt` and torchrun with either: --help, or train and end the process;
+    with --nproc_per_node (and no launcher around it), start the workers first (fsdp_opt/launch.py)."""
     if "-h" in sys.argv[1:] or "--help" in sys.argv[1:]:
         build_parser(description=DESCRIPTION).print_help()
         sys.exit(0)
-    end_process(main)
+    end_process(lambda: launch_or_train(sys.argv[1:]))
+
+
+def launch_or_train(argv: list[str]) -> int:
+    try:
+        nproc, flags = split_flag(argv)
+        if nproc is not None and under_a_launcher():
+            raise ConfigError(f"--nproc_per_node {nproc}: this process was started by a launcher already (torchrun); "
+                              "give the number of workers to one of the two")  # fmt: skip
+        n = workers(nproc) if nproc is not None else None
+    except ConfigError as exc:
+        fail(str(exc))
+    if n is None:
+        return main(flags)
+    os.environ[LAUNCHED] = "1"  # the workers leave their error line to this process, which prints it last
+    return launch(n, flags)

@@ -104,6 +104,12 @@ def torchrun(nproc: int | str, target: str, args: list[str], module: bool = Fals
     return shlex.join(cmd)
 
 
+def launch(nproc: int | str, args: list[str]) -> str:
+    """The training command starting its own workers (`python -m fsdp_opt --nproc_per_node N`: fsdp_opt/launch.py),
+    shell-quoted, with this kernel's Python: a failure ends with the tool's own line and exit code."""
+    return shlex.join([sys.executable, "-m", "fsdp_opt", "--nproc_per_node", str(nproc), *args])
+
+
 def python_module(module: str, args: list[str]) -> str:
     """`python -m module args`, shell-quoted, with this kernel's Python."""
     return shlex.join([sys.executable, "-m", module, *args])

@@ -106,10 +106,11 @@ plan_cmd = nb.python_module("fsdp_opt.plan", nb.flags(
 # %% [markdown]
 # ## 3. Train this session's range
 #
-# One process per GPU under `torchrun`. The run prints where the chain stands: ranges done, this range, rows left
-# and the sessions left at the measured rate. `--time_limit` is what is left of the session less
-# `reserve_minutes`: before it runs out the run saves, pushes and exits cleanly, and the next session finishes the
-# range.
+# One process per GPU, started by the training command itself (`python -m fsdp_opt --nproc_per_node gpu`: as
+# `torchrun --standalone` would, but a failure ends with the tool's own line). The run prints where the chain stands:
+# ranges done, this range, rows left and the sessions left at the measured rate. `--time_limit` is what is left of
+# the session less `reserve_minutes`: before it runs out the run saves, pushes and exits cleanly, and the next
+# session finishes the range.
 
 # %%
 limit = nb.time_limit(session_hours, reserve_minutes)
@@ -118,7 +119,7 @@ args = nb.flags(
     num_epochs=num_epochs, batch_size=batch_size, accum_steps=accum_steps, max_length=max_length, hf_repo=hf_repo,
     output_dir=output_dir, time_limit=limit, disk_budget=disk_budget,
 ) + shlex.split(extra_flags)  # fmt: skip
-train_cmd = nb.torchrun(nproc, "fsdp_opt", args, module=True)  # the training command of the package
+train_cmd = nb.launch(nproc, args)  # the training command of the package, starting its workers
 print(train_cmd)
 
 # %%

@@ -11,7 +11,7 @@ from conftest import ROOT
 PACKAGE = ROOT / "fsdp_opt"
 # Bottom to top. A module may import its own layer and those below it, never one above.
 LAYERS = ["base", "config", "runtime", "data", "model", "engine", "checkpoint", "tracking", "hub", "planner", "train"]
-COMMANDS = {"__init__", "__main__", "cli", "plan", "evaluate", "export", "gpu_check", "commbench", "decodebench", "calibrate",
+COMMANDS = {"__init__", "__main__", "cli", "plan", "evaluate", "export", "gpu_check", "commbench", "decodebench", "launch", "calibrate",
             "demo", "notebook",
             "docs"}
 MAX_LINES = 400

@@ -59,8 +59,8 @@ NOT_COMPARED = {
     "batch_size", "accum_steps", "global_batch", "sharding_strategy", "precision", "activation_checkpointing",
     "cpu_offload", "reduce_every_microbatch", "reduce_dtype", "compile", "prefetch", "max_gpu_memory", "tflops",
     "link_gbps", "loss_chunk_tokens", "attn_implementation", "async_save", "pad_to_max_length",
-    # how this machine decodes: the same completions, up to the last bits of a float
-    "decoding",
+    # how this machine decodes: the same completions, up to the last bits of a float; how its workers start
+    "decoding", "nproc_per_node",
     # the LoRA identity has its own check, with its own message (model/adapters.check_resume)
     "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "base_bits",
 }  # fmt: skip

@@ -330,6 +330,12 @@ class ParallelConfig:
     )
     link_gbps: float = flag(T4_LINK_GBPS, "GB/s between GPUs for the step-time prediction (2 T4s on PCIe 3 through NCCL: 3.2).")
     device: str = flag("auto", "auto (CUDA when available), cuda or cpu.", type=str.lower, choices=DEVICES)
+    nproc_per_node: str | None = flag(
+        None,
+        "python -m fsdp_opt only: start this many workers on this machine (a number, or gpu: one per GPU), as torchrun "
+        "--standalone does, and end with the failed worker's own error line and exit code (no torchrun report after "
+        "it). Under torchrun, leave it to torchrun.",
+    )
 
     def __post_init__(self) -> None:
         if self.prefetch < 0:

@@ -59,7 +59,7 @@ def described(source: dict[str, Any] | None) -> str:
         return f"revision {source['revision'] or 'unknown'}"
     if source["kind"] == "mixture":
         return "a mixture, weights " + ":".join(map(str, source["weights"])) + ", of " + "; ".join(
-            f"{s['dataset']} ({described(s['identity'])})" for s in source["sources"])
+            f"{s['dataset']} ({described(s['identity'])})" if "identity" in s else s["dataset"] for s in source["sources"])
     return source["name"]
 
 

@@ -98,6 +98,16 @@ def open_source(src: DataSource, pin: dict[str, Any] | None = None) -> Table:
     return _hub(src, pin)
 
 
+def mixture_definition(src: DataSource) -> dict[str, Any] | None:
+    """A mixture file's definition as the chain's data pin records it, less each source's own identity: its weights
+    and each source's names (what data/pin.py mixture_changed compares), read from the file alone. None: not a
+    mixture."""
+    if not is_mixture_file(src.dataset):
+        return None
+    mix = _mixture_file(src)
+    return {"kind": "mixture", "weights": list(mix.weights), "sources": [ms.record() for ms in mix.sources]}
+
+
 def _mixture_file(src: DataSource) -> Mixture:
     """The mixture file --dataset names; the flags that name one dataset's config, split or files belong in it."""
     for flag, value in (("--dataset_config", src.config), ("--dataset_files", src.files),

@@ -308,6 +308,22 @@ def newest_pin(newest: tuple[str, int, Path | None], repo_id: str | None, retrie
         return None
 
 
+def resume_pin(name: str, out_dir: Path, repo_id: str | None, retries: int = 3) -> dict[str, Any] | None:
+    """--resume_file's data pin without reading the checkpoint whole or downloading it: a local file's (mapped), or
+    the repo's index entry for the name ("latest": the newest one's). None when neither says, or on any error (a
+    shortcut only: the run checks the pin again once it has read the checkpoint)."""
+    try:
+        if name == "latest":
+            newest = newest_checkpoint(out_dir, repo_id, retries)
+            return newest_pin(newest, repo_id, retries) if newest else None
+        for path in (Path(name), out_dir / name):
+            if path.exists():
+                return newest_pin((path.name, 0, path), None)
+        return newest_pin((Path(name).name, 0, None), repo_id, retries) if repo_id else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def find_resume(name: str, out_dir: Path, repo_id: str | None, retries: int = 3, flag: str = "--resume_file") -> Path:
     """--resume_file: a path, then a name in output_dir, then a checkpoint of --hf_repo (downloaded to output_dir).
 

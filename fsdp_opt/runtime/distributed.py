@@ -7,6 +7,7 @@ CPU tensors (and all object collectives), chosen automatically.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -121,12 +122,12 @@ def end_process(main: Callable[[], int | None]) -> None:
     try:
         code = main()
     except torch.OutOfMemoryError as exc:
-        say(oom_line(str(exc)))
+        say_error(oom_line(str(exc)))
         code = 1
     except ModuleNotFoundError as exc:
         if not exc.name or exc.name.split(".")[0] == "fsdp_opt":
             raise  # the package itself incomplete: a bug, with its traceback
-        say(f"error: rank {env_rank()}: the package {exc.name.split('.')[0]!r} is not installed in this Python "
+        say_error(f"error: rank {env_rank()}: the package {exc.name.split('.')[0]!r} is not installed in this Python "
             f"({sys.executable}): pip install -r requirements.txt installs what fsdp-opt needs")  # fmt: skip
         code = 1
     except SystemExit as exc:
@@ -154,6 +155,27 @@ def say(line: str) -> None:
     two ranks' lines could interleave."""
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
+
+
+# Set by `python -m fsdp_opt --nproc_per_node N` (fsdp_opt/launch.py) for the workers it starts: it prints a worker's
+# error line itself, last.
+LAUNCHED = "FSDP_OPT_LAUNCHED"
+
+
+def say_error(line: str) -> None:
+    """A worker's error line: on stderr, and into torch elastic's error file where its launcher gave one (torchrun's
+    report then shows it as the root cause; this package's launcher prints it last, instead of the worker)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    recorded = False
+    if path:
+        try:
+            with open(path, "w") as f:
+                json.dump({"message": line, "timestamp": int(time.time())}, f)
+            recorded = True
+        except OSError:
+            pass
+    if not (recorded and os.environ.get(LAUNCHED) == "1"):
+        say(line)
 
 
 def print0(*args: Any, sep: str = " ", end: str = "\n", file: Any = None) -> None:
@@ -254,11 +276,11 @@ def fail(message: str, code: int = 2) -> None:
     PRINT_WAIT_S prints the line itself: rank 0 did not meet the error."""
     rank = env_rank()
     if rank == 0:
-        say(f"error: {message}")
+        say_error(f"error: {message}")
     else:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         time.sleep(PRINT_WAIT_S)
-        say(f"error: (rank {rank}) {message}")
+        say_error(f"error: (rank {rank}) {message}")
     teardown_quietly()
     sys.exit(code)
 

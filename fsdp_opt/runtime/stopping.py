@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any
 
-from fsdp_opt.runtime.distributed import max_over_ranks
+from fsdp_opt.runtime.distributed import LAUNCHED, max_over_ranks
 
 REASONS = ("", "received SIGTERM", "received SIGINT", "time limit", "a checkpoint write failed")
 
@@ -88,6 +88,8 @@ def resume_command(name: str, argv: list[str] | None = None, program: str | None
 
 def _launcher(target: str) -> str:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    if local and os.environ.get(LAUNCHED) == "1":  # started by `python -m fsdp_opt --nproc_per_node N`
+        return f"python -m fsdp_opt --nproc_per_node {local}"
     return (
         f"torchrun --standalone --nproc_per_node={local} {target}"
         if local and int(os.environ.get("WORLD_SIZE", "1")) == local

@@ -45,6 +45,7 @@ class WandbRun:
     def __init__(self, *, enabled: bool, project: str, mode: str, run_id: str | None, config: dict[str, Any], out_dir: Path):
         self.run = None
         self.run_id = run_id
+        self._start: tuple[str, str, dict[str, Any], Path] | None = None
         if not enabled:
             return
         mode = wandb_mode(mode)
@@ -54,32 +55,43 @@ class WandbRun:
             print("note: --wandb_mode online without a W&B API key (WANDB_API_KEY or `wandb login`); logging offline")
             mode = "offline"
         try:
-            import wandb
+            import wandb  # noqa: F401 - only whether it is there
         except ImportError:
             print("warning: wandb is not installed; W&B logging is off")
             return
         self.run_id = run_id or new_run_id()
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for attempt in (mode, "offline") if mode == "online" else (mode,):
-            try:
-                settings = wandb.Settings(console="off", silent=True, x_disable_stats=True, init_timeout=float(os.environ.get("WANDB_INIT_TIMEOUT", 60)))
-                self.run = wandb.init(
-                    project=project, id=self.run_id, resume="allow", mode=attempt, dir=str(out_dir), config=config, settings=settings
-                )
-                break
-            except Exception as exc:  # noqa: BLE001 - no network, bad key: never fatal
-                first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        # Started with the first thing it logs (the first step's record): a session that stops before it trains (a
+        # user error in its first step, say) leaves no W&B run behind, online or in the output folder.
+        self._start = (project, mode, config, out_dir)
+
+    def _started(self) -> bool:
+        if self.run is None and self._start is not None:
+            import wandb
+
+            project, mode, config, out_dir = self._start
+            self._start = None
+            out_dir.mkdir(parents=True, exist_ok=True)
+            for attempt in (mode, "offline") if mode == "online" else (mode,):
                 try:
-                    wandb.teardown()  # a failed start leaves W&B's service half-open; the next start needs a fresh one
-                except Exception:  # noqa: BLE001
-                    pass
-                print(f"warning: W&B {attempt} start failed ({type(exc).__name__}: {first})"
-                      + ("; logging offline instead" if attempt == "online" else "; W&B logging is off"))  # fmt: skip
-        if self.run is not None:
-            print(f"W&B run {self.run_id} ({attempt}) in project {project}; files under {out_dir / 'wandb'}")
+                    settings = wandb.Settings(console="off", silent=True, x_disable_stats=True, init_timeout=float(os.environ.get("WANDB_INIT_TIMEOUT", 60)))
+                    self.run = wandb.init(
+                        project=project, id=self.run_id, resume="allow", mode=attempt, dir=str(out_dir), config=config, settings=settings
+                    )
+                    break
+                except Exception as exc:  # noqa: BLE001 - no network, bad key: never fatal
+                    first = (str(exc).splitlines() or [type(exc).__name__])[0]
+                    try:
+                        wandb.teardown()  # a failed start leaves W&B's service half-open; the next start needs a fresh one
+                    except Exception:  # noqa: BLE001
+                        pass
+                    print(f"warning: W&B {attempt} start failed ({type(exc).__name__}: {first})"
+                          + ("; logging offline instead" if attempt == "online" else "; W&B logging is off"))  # fmt: skip
+            if self.run is not None:
+                print(f"W&B run {self.run_id} ({attempt}) in project {project}; files under {out_dir / 'wandb'}")
+        return self.run is not None
 
     def _safely(self, what: str, fn) -> None:
-        if self.run is None:
+        if not self._started():
             return
         try:
             fn()
@@ -128,8 +140,9 @@ class WandbRun:
         self._safely("summary", lambda: self.run.summary.update(values))
 
     def finish(self) -> None:
-        self._safely("finish", lambda: self.run.finish())
-        self.run = None
+        if self.run is not None:  # never started (nothing logged): nothing to finish, nothing written
+            self._safely("finish", lambda: self.run.finish())
+        self._start, self.run = None, None
 
 
 def new_run_id() -> str:

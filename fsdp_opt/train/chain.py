@@ -19,14 +19,14 @@ from fsdp_opt.config.choices import AUTO
 from fsdp_opt.config.parse import Config
 from fsdp_opt.data.pin import packed_as, pinned_revision, with_range
 from fsdp_opt.data.resolve import DataSource
-from fsdp_opt.data.sources import open_source
+from fsdp_opt.data.sources import mixture_definition, open_source
 from fsdp_opt.engine.step import TrainState
 from fsdp_opt.hub.lease import TRIES as LEASE_TRIES
 from fsdp_opt.hub.lease import FileLease, HubLease, Lease, Outcome, hold_seconds, new_holder
 from fsdp_opt.hub.store import HubStore, newest_checkpoint, newest_pin
 from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, broadcast_object, print0
 from fsdp_opt.runtime.stopping import StopControl
-from fsdp_opt.train.inputs import SliceData, read_slice
+from fsdp_opt.train.inputs import SliceData, read_slice, refuse_changed_mixture
 from fsdp_opt.train.saving import save_estimate
 from fsdp_opt.train.session import Session, seed_dropout, step_plan
 
@@ -61,6 +61,8 @@ def first_range(config: Config, env: DistEnv) -> Config | None:
         # The split's length: from the chain's record of it where it has one (no card, no footers read), else from
         # the split's metadata; a split stored as parquet is not downloaded for it.
         pin = newest_pin(newest, hc.hf_repo, hc.hub_retries) if newest else None
+        # a mixture redefined since: refused now, before the lease or the data's own lines
+        refuse_changed_mixture(dc.dataset, pin, mixture_definition(DataSource.of(dc)))
         src = DataSource.of(dc, dc.dataset_revision or pinned_revision(pin, DataSource.of(dc)))
         rows = len(open_source(src, pin))
         return next_range(newest[0] if newest else None, rows, dc.range_size, config.train.num_epochs), rows, newest

@@ -4,21 +4,24 @@ the held-out rows of --eval_rows). Rank 0 reads first (downloads), the other ran
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from fsdp_opt.base import ConfigError, DataError
+from fsdp_opt.config.choices import AUTO
 from fsdp_opt.config.parse import Config
 from fsdp_opt.config.training import DataConfig
 from fsdp_opt.data.formats import RowSpec, Rows, held_out_rows, held_out_split, mixed, resolve_spec, select_rows
 from fsdp_opt.data.mixture import MixtureTable
 from fsdp_opt.data.pin import described, mixture_changed, rows_digest, tokens_digest
 from fsdp_opt.data.resolve import DataSource
-from fsdp_opt.data.sources import held_out_mixture, open_source
+from fsdp_opt.data.sources import held_out_mixture, mixture_definition, open_source
 from fsdp_opt.data.table import Table
 from fsdp_opt.data.tokens import read_template
 from fsdp_opt.engine.fp16watch import trained_in_bf16
+from fsdp_opt.hub.store import resume_pin
 from fsdp_opt.model.families import bos_note, mask_pattern, untested_note
 from fsdp_opt.model.sources import ModelSource, load_model_config, load_tokenizer, max_positions
 from fsdp_opt.runtime.distributed import all_ranks_ok, broadcast_object, env_rank, print0, rank0_first
@@ -177,6 +180,30 @@ def held_label(held: Rows | None, split: str | None, after: int) -> str:
     return f"[0, {held.end_idx}) of split {split}" if split else f"[{after}, {held.end_idx})"
 
 
+def refuse_changed_mixture(dataset: str, pin: dict[str, Any] | None, source: dict[str, Any] | None) -> None:
+    """A chain that trained ranges of a mixture, resumed with another definition of it (its weights, its sources):
+    one line. Asked before the lease is taken (with the definition the file gives), and again with the data read."""
+    if not (pin or {}).get("ranges"):  # nothing trained yet: nothing to hold the mixture to
+        return
+    changed = mixture_changed(pin.get("source"), source)
+    if changed:
+        raise DataError(f"--dataset {dataset}: the mixture is not the one this chain trained on: {changed}, which "
+                        "moves rows from one source to another. Restore the mixture file, or start a new chain")  # fmt: skip
+
+
+def refuse_changed_mixture_now(config: Config) -> None:
+    """Rank 0, before the chain's lease is taken or the data described: a session that resumes a mixture by name
+    (--resume_file) against the pin its checkpoint records, with the definition the mixture file gives. (--start_idx
+    auto asks the same where it reads the newest checkpoint.)"""
+    dc, cc, hc = config.data, config.checkpoint, config.hub
+    if not cc.resume_file or dc.start_idx == AUTO:
+        return
+    definition = mixture_definition(DataSource.of(dc))
+    if definition is not None:
+        pin = resume_pin(cc.resume_file, Path(cc.output_dir), hc.hf_repo, hc.hub_retries)
+        refuse_changed_mixture(dc.dataset, pin, definition)
+
+
 def check_pin(config: Config, method: Method, pin: dict[str, Any] | None, data: SliceData,
               tokenizer: PreTrainedTokenizerBase, model_config: PretrainedConfig,
               resumed: tuple[int, int] | None) -> dict[str, Any]:  # fmt: skip
@@ -191,10 +218,7 @@ def check_pin(config: Config, method: Method, pin: dict[str, Any] | None, data: 
     if not pin:
         return source
     trained = pin.get("ranges", [])
-    changed = mixture_changed(pin.get("source"), source)
-    if changed and trained:
-        raise DataError(f"--dataset {dc.dataset}: the mixture is not the one this chain trained on: {changed}, which "
-                        "moves rows from one source to another. Restore the mixture file, or start a new chain")  # fmt: skip
+    refuse_changed_mixture(dc.dataset, pin, source)
     if source != pin.get("source"):
         spec, _ = data_spec(dc, table, method)
         for r in trained:

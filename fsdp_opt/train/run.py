@@ -60,7 +60,7 @@ from fsdp_opt.tracking.wandb_run import WandbRun
 from fsdp_opt.train.publish import export_final, finish_outside, log_pushed, release_lease, start_uploader
 from fsdp_opt.train.saving import raise_if_write_failed, save, save_estimate, uses_async_save, wait_for_writes
 from fsdp_opt.train.chain import claim, next_in_session, start_status
-from fsdp_opt.train.inputs import Loaded, check_pin, read_inputs
+from fsdp_opt.train.inputs import Loaded, check_pin, read_inputs, refuse_changed_mixture_now
 from fsdp_opt.train.methods import Method, method_for
 from fsdp_opt.train.session import Session, seed_dropout, step_plan
 from fsdp_opt.train.summary import print_summary
@@ -204,6 +204,7 @@ def check_flags(config: Config, env: DistEnv) -> Checked:
     # the dataset is there, and what the method names (reward functions): before the chain's lease is taken or
     # anything is built
     all_ranks_ok(lambda: check_exists(DataSource.of(config.data), config.data.eval_split) if env.is_main else None)
+    all_ranks_ok(lambda: refuse_changed_mixture_now(config) if env.is_main else None)
     method_for(config).check()
     auto = config.train.batch_size == AUTO
     if config.method.traits.generates:  # a step's completions: whole groups of --num_generations

@@ -252,6 +252,8 @@ def test_a_range_far_into_a_mixture_trains_as_a_file_of_its_rows_and_the_chain_k
     assert_clean_failure(third, f"--dataset {mix}: the mixture is not the one this chain trained on: its weights "
                          "changed (5:3:2 -> 5:4:2)")  # fmt: skip
     assert sorted(p.name for p in chain.iterdir()) == before
+    # refused before the chain's lease is taken and before the data is described under the new weights
+    assert not [l for l in third.stdout.splitlines() if l.startswith(("chain:", "data:"))], third.stdout
 
 
 @pytest.mark.parametrize("flags, text, needle", [
