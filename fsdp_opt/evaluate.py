@@ -78,7 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: from the first held-out rows: a text row's first words; a row's prompt or its "
                         "conversation up to the first answer, through the chat template")  # fmt: skip
     p.add_argument("--num_prompts", type=int, default=3, help="held-out rows whose prompts the models answer (0: none)")
-    p.add_argument("--max_new_tokens", type=int, default=40)
+    p.add_argument("--max_new_tokens", type=int, default=40,
+                   help="tokens of each sample answer shown (a GRPO run's --reward report shows the completions it "
+                        "scored instead, of the run's --max_completion_length)")
     p.add_argument("--do_sample", action="store_true", help="sample (default: greedy)")
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top_p", type=float, default=0.95)

@@ -235,7 +235,8 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
                                                    packing=packing, attention=model_config._attn_implementation,
                                                    pattern=pattern))  # fmt: skip
     ref_name = method.before_scoring(blocks, env, precision, tokenizer, args.batch_size, model_name,
-                                     args.ref_model or trained.get("reference"), args.sharding_strategy, args.seed)  # fmt: skip
+                                     args.ref_model or trained.get("reference"), args.sharding_strategy, args.seed,
+                                     model_config=model_config)  # fmt: skip
     asked = [generation_prompt(r, spec, tokenizer) for r in held_out.rows[: args.num_prompts]]
     if args.prompts:
         asked = [(p, False, "") for p in args.prompts]
@@ -243,9 +244,8 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
     rendered = bool(asked) and asked[0][1]
     stop = end_of_turn(tokenizer) if rendered else None
     candidates = ([] if args.no_base else [{"name": f"base ({model_name})", "kind": "base"}]) + entries
-    print0(f"evaluating {len(candidates)} model(s) on rows [{start}, {end}) ({where}) of {dataset}: {len(blocks)} blocks of "
-           f"{max_length} tokens ({packing}), loss on {'every token' if train_on == 'all' else 'the answers'}, "
-           f"{env.world_size} rank(s), {precision}")  # fmt: skip
+    print0(f"evaluating {len(candidates)} model(s) on rows [{start}, {end}) ({where}) of {dataset}: "
+           f"{method.scored_what(blocks, packing, max_length, train_on)}, {env.world_size} rank(s), {precision}")
 
     models, samples = [], [{"prompt": p, "answer": a, "outputs": {}} for p, _, a in asked]
     for entry in candidates:
@@ -265,9 +265,14 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
         payload = None
         tie_and_check(model)
         result = method.score(model, blocks, args.batch_size, env)
-        texts_out = generate(model, tokenizer, prompts, env, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
-                             temperature=args.temperature, top_p=args.top_p, seed=args.seed, rendered=rendered,
-                             stop=stop)  # fmt: skip
+        scored = result.pop("samples", None)  # completions the score was taken on (GRPO): those are shown
+        if scored is not None and not args.prompts:
+            by_row = {x["row"]: x["completion"] for x in scored}
+            texts_out = [by_row.get(int(r), "(not scored: no room for a completion)") for r in held_out.indices[: len(prompts)]]
+        else:
+            texts_out = generate(model, tokenizer, prompts, env, max_new_tokens=args.max_new_tokens,
+                                 do_sample=args.do_sample, temperature=args.temperature, top_p=args.top_p,
+                                 seed=args.seed, rendered=rendered, stop=stop)  # fmt: skip
         print0(f"  {entry['name']}: {method.score_line(result)}")
         models.append({"name": entry["name"], "kind": entry["kind"], "path": entry.get("path"), **result})
         for sample, text in zip(samples, texts_out):

@@ -571,3 +571,48 @@ def test_lora_grpo_with_a_kl_term_references_the_base_with_the_adapters_off(tmp_
     second = read_jsonl(out / "metrics.jsonl")[1]["kl"]
     print(f"the second step's KL: the run's {second:.6e}, peft's adapters on and off {total / tokens:.6e}")
     assert abs(second - total / tokens) <= 1e-4 * abs(second), (second, total / tokens)
+
+
+def test_evaluate_reports_the_reward_training_reported_and_shows_the_completions_it_scored(tmp_path):
+    """A model whose generation config ends a completion at a second token too (eos_token_id [2, X], X a token its
+    greedy completions reach): training's held-out reward at its save and `python -m fsdp_opt.evaluate --reward`'s for
+    that checkpoint are the same number, and the completions evaluate shows for the base are transformers' greedy
+    generate with the same ends and length, decoded: the ones it scored."""
+    sharp = make_chat_llama(tmp_path / "sharp", seed=4, initializer_range=0.1)
+    tok = AutoTokenizer.from_pretrained(sharp)
+    asks = [f"Say {' and '.join(WORDS[k % 12 : k % 12 + 1 + k % 3])} {'twice' if k % 2 else 'once'}:" for k in range(16)]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": a}) + "\n" for a in asks))
+    base = AutoModelForCausalLM.from_pretrained(sharp, dtype=torch.float32).eval()
+    firsts = [greedy_alone(base, tok, a) for a in asks[8:]]
+    x = next(c[1] for c in firsts if len(c) > 2 and c[1] != tok.eos_token_id)  # a token greedy decoding reaches
+    config = json.loads((sharp / "config.json").read_text())
+    (sharp / "config.json").write_text(json.dumps({**config, "eos_token_id": [tok.eos_token_id, x]}))
+    flags = ["--model", str(sharp), "--dataset", str(tmp_path / "prompts.jsonl"), "--method", "grpo", "--reward",
+             "length", "--num_generations", "2", "--max_completion_length", str(LENGTH), "--max_length", "64",
+             "--batch_size", "4", "--end_idx", "8", "--eval_rows", "8", "--precision", "fp32", "--wandb_mode",
+             "disabled", "--seed", "3", "--output_dir", str(tmp_path / "out")]  # fmt: skip
+    proc = run_cli(flags, tmp_path, nproc=2)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    trained = read_jsonl(tmp_path / "out" / "eval.jsonl")[-1]["reward"]
+    report_path = tmp_path / "report.json"
+    proc = launch(["-m", "fsdp_opt.evaluate"], ["--checkpoints", "latest", "--output_dir", str(tmp_path / "out"),
+                                                 "--reward", "length", "--eval_rows", "8", "--num_prompts", "4",
+                                                 "--device", "cpu", "--json", str(report_path)], tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    base_row, tuned_row = report["models"]
+    print(f"held-out reward: training {trained}, evaluate {tuned_row['reward']} (base {base_row['reward']})")
+    assert tuned_row["reward"] == trained
+    assert "one greedy completion each of up to 8 tokens, scored by length" in proc.stdout
+    assert "loss on" not in proc.stdout.split("evaluating", 1)[1].splitlines()[0]
+    ends = [tok.eos_token_id, x]
+    for sample, ask in zip(report["samples"], asks[8:12]):
+        ids = torch.tensor([tok(ask)["input_ids"]])
+        with torch.no_grad():
+            made = base.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=LENGTH, eos_token_id=ends, pad_token_id=tok.pad_token_id)[0, ids.shape[1] :]  # fmt: skip
+        made = made.tolist()
+        cut = next((i + 1 for i, t in enumerate(made) if t in ends), len(made))
+        shown = next(v for k, v in sample["outputs"].items() if k.startswith("base"))
+        assert shown == tok.decode(made[:cut], skip_special_tokens=True), (ask, shown, made)
+    assert any(x in greedy for greedy in firsts)  # the second end matters to at least one completion

@@ -120,9 +120,14 @@ class Method:
     # ------------------------------------------------------------ python -m fsdp_opt.evaluate
 
     def before_scoring(self, held, env: DistEnv, precision: str, tokenizer, batch_size: int, model_name: str,
-                       reference_name: str | None, strategy: str, seed: int) -> str | None:  # noqa: ANN001  # fmt: skip
+                       reference_name: str | None, strategy: str, seed: int, model_config=None) -> str | None:  # noqa: ANN001  # fmt: skip
         """Before the models are scored on the held-out sequences: what they are scored against (the name), if any."""
         return None
+
+    def scored_what(self, sequences: Any, packing: str, max_length: int, train_on: str) -> str:
+        """What `python -m fsdp_opt.evaluate` scores the models on, in words."""
+        return (f"{len(sequences)} blocks of {max_length} tokens ({packing}), loss on "
+                f"{'every token' if train_on == 'all' else 'the answers'}")  # fmt: skip
 
     def score(self, model, held, batch_size: int, env: DistEnv) -> dict[str, Any]:  # noqa: ANN001
         """One model's result on the held-out sequences (every rank)."""

@@ -106,7 +106,7 @@ class Dpo(Method):
                                       data.blocks, data.eval_blocks))  # fmt: skip
 
     def before_scoring(self, held, env: DistEnv, precision: str, tokenizer, batch_size: int, model_name: str,
-                       reference_name: str | None, strategy: str, seed: int) -> str | None:  # noqa: ANN001  # fmt: skip
+                       reference_name: str | None, strategy: str, seed: int, model_config=None) -> str | None:  # noqa: ANN001  # fmt: skip
         """The reference's log-probabilities of the held-out pairs, once, before the models (a LoRA run's
         adapters-off reference is its base)."""
         name = reference_name or model_name

@@ -34,6 +34,24 @@ from fsdp_opt.train import reference
 from fsdp_opt.train.methods.base import Method, words
 
 
+def end_rules(tokenizer, model_config, conversational: bool) -> tuple[list[int], str | None]:  # noqa: ANN001
+    """Where a completion ends, the same in training and in `python -m fsdp_opt.evaluate`: the tokenizer's end of text,
+    the model's generation config's (as the model built from its config has it), and the chat template's end of turn
+    (an end-of-text token where it is one token; else a stop text)."""
+    from transformers import GenerationConfig
+
+    eos = {i for i in [tokenizer.eos_token_id] if i is not None}
+    config_eos = GenerationConfig.from_model_config(model_config).eos_token_id if model_config is not None else None
+    eos |= set(config_eos if isinstance(config_eos, list) else [config_eos] if config_eos is not None else [])
+    stop = end_of_turn(tokenizer) if conversational else None
+    if stop:
+        ids = tokenizer(stop, add_special_tokens=False)["input_ids"]
+        if len(ids) == 1:  # one token: an end-of-text token like the others
+            eos.add(ids[0])
+            stop = None
+    return sorted(eos), stop
+
+
 class Grpo(Method):
     fields = GRPO_FIELDS
     shown = ("reward",)
@@ -126,15 +144,7 @@ class Grpo(Method):
     def after_model(self, s) -> None:  # noqa: ANN001
         m, env = self.config.method, s.env
         self.tokenizer = s.tokenizer
-        eos = {i for i in [s.tokenizer.eos_token_id] if i is not None}
-        config_eos = getattr(getattr(s.model, "generation_config", None), "eos_token_id", None)
-        eos |= set(config_eos if isinstance(config_eos, list) else [config_eos] if config_eos is not None else [])
-        stop = end_of_turn(s.tokenizer) if s.blocks.conversational else None
-        if stop:
-            ids = s.tokenizer(stop, add_special_tokens=False)["input_ids"]
-            if len(ids) == 1:  # one token: an end-of-text token like the others
-                eos.add(ids[0])
-                stop = None
+        eos, stop = end_rules(s.tokenizer, s.model_config, s.blocks.conversational)
         gather = all_ranks_ok(lambda: self._gathered_fits(s))
         if not gather:
             print0(f"{self.name}: the model gathered whole and its KV cache do not fit beside training: completions are "
@@ -144,7 +154,7 @@ class Grpo(Method):
             sampling=Sampling(m.max_completion_length, m.temperature, m.top_p, m.top_k),
             epsilon=m.epsilon, epsilon_high=m.clip_high, beta=m.beta, loss_type=m.loss_type,
             scale_rewards=m.scale_rewards, mask_truncated=m.mask_truncated_completions, rewards=self.rewards,
-            weights=self.weights, seed=self.config.train.seed, eos_ids=sorted(eos), stop=stop, gather=gather,
+            weights=self.weights, seed=self.config.train.seed, eos_ids=eos, stop=stop, gather=gather,
             delta=m.delta, level=m.importance_sampling_level, decoding=self._decoding(s, gather),
         )  # fmt: skip
         self.loss = s.loss = GroupLoss(self.settings, s.blocks, s.tokenizer,
@@ -288,13 +298,12 @@ class Grpo(Method):
     # ------------------------------------------------------------ python -m fsdp_opt.evaluate
 
     def before_scoring(self, held, env: DistEnv, precision: str, tokenizer, batch_size: int, model_name: str,
-                       reference_name: str | None, strategy: str, seed: int) -> str | None:  # noqa: ANN001  # fmt: skip
+                       reference_name: str | None, strategy: str, seed: int, model_config=None) -> str | None:  # noqa: ANN001  # fmt: skip
         if not self.rewards:
             self.check()
         self.tokenizer = tokenizer
         m = self.config.method
-        stop = end_of_turn(tokenizer) if held.conversational else None
-        eos = sorted({tokenizer.eos_token_id})
+        eos, stop = end_rules(tokenizer, model_config, held.conversational)  # as training ends a completion
         self.settings = GroupSettings(generations=m.num_generations, sampling=Sampling(m.max_completion_length),
                                       epsilon=m.epsilon, epsilon_high=m.clip_high, beta=0.0, loss_type=m.loss_type,
                                       scale_rewards=m.scale_rewards, mask_truncated=False, rewards=self.rewards,
@@ -302,9 +311,20 @@ class Grpo(Method):
         return None
 
     def score(self, model, held, batch_size: int, env: DistEnv) -> dict[str, Any]:  # noqa: ANN001
+        """The held-out reward, and (under `samples`) the completions it scored, every rank's, in row order: the
+        report shows those, not completions of another length."""
         result = held_out_rewards(model, held, self.tokenizer, self.settings, env)
-        result.pop("samples")  # the report shows the completions side by side (its samples)
+        everyone = [result["samples"]]
+        if env.world_size > 1:
+            everyone = [None] * env.world_size
+            torch.distributed.all_gather_object(everyone, result["samples"])
+        result["samples"] = sorted((x for part in everyone for x in part), key=lambda x: x["row"])
         return result
+
+    def scored_what(self, sequences, packing: str, max_length: int, train_on: str) -> str:  # noqa: ANN001
+        m = self.config.method
+        return (f"{len(sequences)} prompts, one greedy completion each of up to {m.max_completion_length} tokens, scored "
+                f"by {', '.join(r.label for r in self.rewards)}")  # fmt: skip
 
     def score_line(self, result: dict[str, Any]) -> str:
         per = ", ".join(f"{k[len('reward_'):]} {v:.3f}" for k, v in result.items() if k.startswith("reward_"))
