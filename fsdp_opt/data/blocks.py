@@ -306,6 +306,13 @@ def count_by_source(sources: torch.Tensor, n: int, tokens: torch.Tensor | None =
     return out
 
 
+def epoch_order(seed: int, epoch: int, n: int) -> torch.Tensor:
+    """The order of an epoch's n samples (blocks, pairs, prompts): from the seed and the epoch alone, never the rank
+    count or the time."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(n, generator=g)
+
+
 class StepPlan:
     """The global batches of each epoch, and this rank's share of each."""
 
@@ -326,8 +333,7 @@ class StepPlan:
         return -(-(self.num_samples - start_offset) // self.global_batch)
 
     def epoch_order(self, epoch: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(self.num_samples, generator=g)
+        return epoch_order(self.seed, epoch, self.num_samples)
 
     def steps(self, epoch: int, start_offset: int = 0, within: int = 0) -> Iterator[StepBatch]:
         """The epoch's steps from `start_offset` (`within`: the steps done of a generation, for plans that have

@@ -21,7 +21,7 @@ from typing import Iterator, Sequence
 import torch
 
 from fsdp_opt.base import DataError
-from fsdp_opt.data.blocks import StepBatch, count_by_source
+from fsdp_opt.data.blocks import StepBatch, count_by_source, epoch_order
 from fsdp_opt.data.formats import Rows, RowSpec
 from fsdp_opt.data.packing import MaskPattern
 from fsdp_opt.data.sequences import fits, pack
@@ -151,8 +151,7 @@ class PairPlan:
                                 "--batch_size 2 or more")  # fmt: skip
 
     def epoch_order(self, epoch: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(self.num_samples, generator=g)
+        return epoch_order(self.seed, epoch, self.num_samples)
 
     def micro_batches(self, epoch: int) -> list[list[int]]:
         """The epoch's pairs, in its order, laid into micro-batches: as many as fit each."""

@@ -20,7 +20,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from fsdp_opt.base import ConfigError, DataError
-from fsdp_opt.data.blocks import GenerationSlot, StepBatch, count_by_source
+from fsdp_opt.data.blocks import GenerationSlot, StepBatch, count_by_source, epoch_order
 from fsdp_opt.data.formats import Rows
 from fsdp_opt.data.packing import MaskPattern
 from fsdp_opt.data.tokens import encode_prompts
@@ -143,8 +143,7 @@ class PromptPlan:
         self.per_generation = self.per_step * slices
 
     def epoch_order(self, epoch: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(self.num_samples, generator=g)
+        return epoch_order(self.seed, epoch, self.num_samples)
 
     def _generation_steps(self, begin: int) -> int:
         taken = min(self.per_generation, self.num_samples - begin)

@@ -28,6 +28,7 @@ from torch import nn
 from fsdp_opt.data.blocks import IGNORE_INDEX
 from fsdp_opt.data.pairs import Pairs
 from fsdp_opt.engine.loss import HeadLoss, head_forward, next_token_targets
+from fsdp_opt.engine.microbatches import run_micro_batches
 from fsdp_opt.runtime.distributed import DistEnv
 
 STATS = ("loss", "rewards_chosen", "rewards_rejected", "accuracy")  # sums over pairs, in this order
@@ -98,22 +99,20 @@ class PairLoss:
         pass
 
     def accumulate(self, s, step, scale: float) -> torch.Tensor:  # noqa: ANN001
-        model, env = s.model, s.env
+        env = s.env
         weight = scale / max(1, step.loss_units)
         stats = torch.zeros(len(STATS), device=env.device, dtype=torch.float32)
-        n_micro = len(step.micro_batches)
-        for i, members in enumerate(step.micro_batches):
-            if not s.reduce_each_microbatch:
-                model.set_requires_gradient_sync(i == n_micro - 1)
-            pi, out = micro_logps(model, s.blocks, members, env.device, s.head_loss)
-            if members:
-                terms = dpo_terms(pi, self.reference[self._seqs(members)].to(env.device), self.beta)
-                loss = terms[0].sum()
-                stats += terms.sum(1).detach()
-            else:  # a filler micro-batch: no pair, but the same backward (and collectives) as every rank's, the
-                # output layer's included (its log-probabilities of no tokens)
-                loss = pi.sum() * 0.0
-            (loss * weight).backward()
+
+        def loss_of(i: int):  # noqa: ANN202
+            members = step.micro_batches[i]
+            pi, out = micro_logps(s.model, s.blocks, members, env.device, s.head_loss)
+            if not members:  # a filler micro-batch: no pair, but the same backward (and collectives) as every rank's,
+                # the output layer's included (its log-probabilities of no tokens)
+                return pi.sum() * 0.0 * weight, None, out
+            terms = dpo_terms(pi, self.reference[self._seqs(members)].to(env.device), self.beta)
+            return terms[0].sum() * weight, terms.sum(1).detach(), out
+
+        run_micro_batches(s.model, len(step.micro_batches), loss_of, sync_each=s.reduce_each_microbatch, sums=stats)
         return stats
 
     def first_loss(self, s, first) -> torch.Tensor:  # noqa: ANN001

@@ -41,6 +41,7 @@ from fsdp_opt.engine.decoding import Decoder
 from fsdp_opt.engine.dpo import head_logps, token_logps
 from fsdp_opt.engine.groups import GroupSettings
 from fsdp_opt.engine.loss import next_token_targets
+from fsdp_opt.engine.microbatches import run_micro_batches
 from fsdp_opt.engine.rollout import (
     Generation,
     Slice,
@@ -160,27 +161,24 @@ class GroupLoss:
     def accumulate(self, s, step: StepBatch, scale: float) -> torch.Tensor:  # noqa: ANN001
         c, cfg, env = self.current, self.s, s.env
         sums = torch.zeros(len(self.names), device=env.device, dtype=torch.float32)
-        n_micro = len(c.micro)
-        for i, members in enumerate(c.micro):
-            if not s.reduce_each_microbatch:
-                s.model.set_requires_gradient_sync(i == n_micro - 1)
+
+        def loss_of(i: int) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+            members = c.micro[i]
             batch, slot = pack_members(c, members, self.prompts, env.device)
             logp, _ = head_logps(s.model, s.head_loss, batch, cfg.sampling.temperature)
             if not members:  # a filler micro-batch: the same backward (and collectives) as every rank's, the output
                 # layer's included (its log-probabilities of no tokens)
-                (logp.sum() * 0.0).backward()
-                continue
+                return logp.sum() * 0.0, None, None
             on, owner = completion_positions(batch["labels"], slot)
             member_adv = c.advantages[torch.tensor(members, dtype=torch.long)]
             reference = c.reference[i] if c.reference else None
             old = c.old[i] if c.old else None
             loss, kl, clips = policy_terms(logp, old, member_adv, on, owner, cfg, reference)
             total = (loss * self._weights(on, owner, members, c, i)).sum()
-            (total * scale).backward()
-            sums[0] += total.detach()
-            if kl is not None:
-                sums[1] += kl.sum().detach()
-            sums[2:] += clips
+            kl_sum = kl.sum().detach() if kl is not None else total.new_zeros(())
+            return total * scale, torch.cat([total.detach().reshape(1), kl_sum.reshape(1), clips]), None
+
+        run_micro_batches(s.model, len(c.micro), loss_of, sync_each=s.reduce_each_microbatch, sums=sums)
         return sums
 
     def _weights(self, on: torch.Tensor, owner: torch.Tensor, members: list[int], c: Slice, micro: int) -> torch.Tensor:

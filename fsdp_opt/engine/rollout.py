@@ -89,6 +89,36 @@ class Generation:
         return cls(**{**saved, "slices": slices})
 
 
+def decode(
+    model,
+    cfg: GroupSettings,
+    prompts: list[list[int]],
+    keys: torch.Tensor,
+    sampling: Sampling,
+    pad_id: int,  # noqa: ANN001
+    env,
+    tokenizer,
+    decoder: Decoder | None,
+    batch_size: int = 0,
+) -> Generated:  # noqa: ANN001
+    """This rank's completions of `prompts`, on the model gathered once (or its shards), each drawn with its key."""
+    with gathered(model, cfg.gather):
+        return generate(
+            model,
+            prompts,
+            keys,
+            sampling,
+            eos_ids=cfg.eos_ids,
+            pad_id=pad_id,
+            device=env.device,
+            stop=cfg.stop,
+            tokenizer=tokenizer,
+            synced=not cfg.gather and env.world_size > 1,
+            batch_size=batch_size,
+            decoder=decoder,
+        )
+
+
 def completion_text(tokenizer, ids: list[int], ended: bool, stop: str | None) -> str:  # noqa: ANN001
     """A completion's text as the reward functions get it: without special tokens, and without the template's
     end-of-turn marker where that is plain text."""
@@ -145,21 +175,18 @@ def sample_generation(
     at_step = s.state.global_step - slot.index  # the generation's first step: its keys, whenever it is sampled
     keys = completion_keys(cfg.seed, at_step, rows, places)
     sampling_started = time.perf_counter()
-    with gathered(s.model, cfg.gather):
-        made = generate(
-            s.model,
-            [prompts.ids[p] for p, _ in requests],
-            keys,
-            cfg.sampling,
-            eos_ids=cfg.eos_ids,
-            pad_id=prompts.pad_id,
-            device=env.device,
-            stop=cfg.stop,
-            tokenizer=tokenizer,
-            synced=not cfg.gather and env.world_size > 1,
-            batch_size=cfg.generation_batch,
-            decoder=decoder,
-        )
+    made = decode(
+        s.model,
+        cfg,
+        [prompts.ids[p] for p, _ in requests],
+        keys,
+        cfg.sampling,
+        prompts.pad_id,
+        env,
+        tokenizer,
+        decoder,
+        cfg.generation_batch,
+    )
     sampling = time.perf_counter() - sampling_started
     texts = [completion_text(tokenizer, ids, ended, cfg.stop) for ids, ended in zip(made.ids, made.ended)]
     completions = [[{"role": "assistant", "content": t}] for t in texts] if prompts.conversational else texts
@@ -328,21 +355,18 @@ def held_out_rewards(
         decoder = Decoder()
     greedy = Sampling(settings.sampling.max_new_tokens, top_k=1)
     keys = torch.zeros(len(mine), dtype=torch.int64)
-    with gathered(model, settings.gather):
-        made: Generated = generate(
-            model,
-            [prompts.ids[p] for p in mine],
-            keys,
-            greedy,
-            eos_ids=settings.eos_ids,
-            pad_id=prompts.pad_id,
-            device=env.device,
-            stop=settings.stop,
-            tokenizer=tokenizer,
-            synced=not settings.gather and env.world_size > 1,
-            batch_size=batch_size,
-            decoder=decoder,
-        )
+    made = decode(
+        model,
+        settings,
+        [prompts.ids[p] for p in mine],
+        keys,
+        greedy,
+        prompts.pad_id,
+        env,
+        tokenizer,
+        decoder,
+        batch_size,
+    )
     texts = [completion_text(tokenizer, ids, e, settings.stop) for ids, e in zip(made.ids, made.ended)]
     completions = [[{"role": "assistant", "content": t}] for t in texts] if prompts.conversational else texts
     rows = [int(prompts.index[p]) for p in mine]

@@ -16,6 +16,7 @@ from torch import nn
 from fsdp_opt.config.parse import Config
 from fsdp_opt.data.blocks import Blocks, StepBatch, StepPlan
 from fsdp_opt.engine.loss import HeadLoss, forward_loss_sum
+from fsdp_opt.engine.microbatches import run_micro_batches
 from fsdp_opt.engine.optim import LossScaler, LRSchedule, global_grad_norm, unscale_and_clip_
 from fsdp_opt.runtime.distributed import (
     DistEnv,
@@ -73,19 +74,15 @@ class TokenLoss:
         pass
 
     def accumulate(self, s: StepRun, step: StepBatch, scale: float) -> torch.Tensor:
-        model, env = s.model, s.env
         weight = scale / max(1, step.target_tokens)
-        loss_sum = torch.zeros(1, device=env.device, dtype=torch.float32)
-        n_micro = len(step.micro_batches)
-        for i, index in enumerate(step.micro_batches):
-            if not s.reduce_each_microbatch:
-                model.set_requires_gradient_sync(i == n_micro - 1)
-            batch = s.blocks.batch(index, env.device)
-            out, loss = self._loss_sum(s, batch)
+        loss_sum = torch.zeros(1, device=s.env.device, dtype=torch.float32)
+
+        def loss_of(i: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
+            out, loss = self._loss_sum(s, s.blocks.batch(step.micro_batches[i], s.env.device))
             # NOTE: the output stays referenced through backward, as the memory plan and its simulation count it
-            (loss * weight).backward()
-            loss_sum += loss.detach()
-            del out
+            return loss * weight, loss.detach(), out
+
+        run_micro_batches(s.model, len(step.micro_batches), loss_of, sync_each=s.reduce_each_microbatch, sums=loss_sum)
         return loss_sum
 
     def first_loss(self, s: StepRun, first: StepBatch | None) -> torch.Tensor:

@@ -42,6 +42,7 @@ from fsdp_opt.data.pairs import Pairs
 from fsdp_opt.engine.dpo import dpo_terms, micro_logps
 from fsdp_opt.engine.generation import gathered
 from fsdp_opt.engine.loss import HeadLoss, forward_loss_sum
+from fsdp_opt.engine.microbatches import run_micro_batches
 from fsdp_opt.engine.optim import build_optimizer, create_state
 from fsdp_opt.model.adapters import Adapters
 from fsdp_opt.model.parallelize import shard_model
@@ -193,23 +194,27 @@ def simulate(model_name: str, inputs, strategy: str, *, fake: bool = True, micro
         head = HeadLoss.for_run(model, inputs.loss_chunk_tokens, select=False)
         tracker = _tracker_class()(model)
         tracker.group_peaks, tracker.group_moments = {}, {}
-        accumulated = 0
+        accumulated = [0]
+
+        def loss_of(i: int) -> tuple[torch.Tensor, None, tuple]:
+            tracker.reset_mod_stats()  # the tracker follows one forward per module between resets
+            if pairs is not None:  # the engine's pair loss, from the engine's packed pairs
+                loss, out = pairs.loss(model, head)
+                return loss, None, (out,)
+            batch = micro_batch(config.vocab_size, inputs, env.device)
+            # the engine's forward and loss (every token a target: its own next token's label)
+            out, loss = forward_loss_sum(model, head, {**batch, "labels": batch["input_ids"]})
+            # with the micro-batch and its output alive through backward, as in the engine's step
+            return loss, None, (out, batch)
+
+        def after(i: int) -> None:
+            if i < micro - 1:
+                accumulated[0] = max(accumulated[0], accumulated_gradient_bytes(model))
+
         with tracker:
-            for i in range(micro):
-                if not inputs.reduce_every_microbatch:
-                    model.set_requires_gradient_sync(i == micro - 1)
-                tracker.reset_mod_stats()  # the tracker follows one forward per module between resets
-                if pairs is not None:  # the engine's pair loss, from the engine's packed pairs
-                    batch, (loss, out) = None, pairs.loss(model, head)
-                else:
-                    batch = micro_batch(config.vocab_size, inputs, env.device)
-                    # the engine's forward and loss (every token a target: its own next token's label)
-                    out, loss = forward_loss_sum(model, head, {**batch, "labels": batch["input_ids"]})
-                # with the micro-batch and its output alive through backward, as in the engine's step
-                loss.backward()
-                del out, loss, batch
-                if i < micro - 1:
-                    accumulated = max(accumulated, accumulated_gradient_bytes(model))
+            # the engine's own loop over micro-batches: its gradient sync, its backward
+            run_micro_batches(model, micro, loss_of, sync_each=inputs.reduce_every_microbatch, after=after)
+        accumulated = accumulated[0]
         peak = {_label(k): v for k, v in next(iter(tracker.get_tracker_snapshot("peak").values())).items()}
     groups = dict(tracker.group_peaks)
     groups["optimizer"] = optimizer_bytes
