@@ -39,7 +39,7 @@ from torch import nn
 
 from fsdp_opt.engine.decoding import Decoder, supports_static
 from fsdp_opt.model.adapters import merge_adapters, unmerge_adapters
-from fsdp_opt.model.parallelize import fsdp_groups, gathered_copies
+from fsdp_opt.model.gathering import forward_hooks_off, fsdp_groups, fsdp_units, gathered_copies
 
 MASK32 = 0xFFFFFFFF
 
@@ -131,17 +131,12 @@ def processors(sampling: Sampling, keys: torch.Tensor, prompt_length: int):  # n
     return out
 
 
-def fsdp_units(model: nn.Module) -> list[nn.Module]:
-    from torch.distributed.fsdp import FSDPModule
-
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
 @contextmanager
 def gathered(model: nn.Module, gather: bool = True) -> Iterator[None]:
     """Every FSDP unit unsharded once for the block inside (and resharded after), in eval mode, LoRA adapters merged
-    into the gathered copies of a 16-bit base's weights (taken out again before resharding, which drops the copies);
-    without `gather`, only eval mode (each forward gathers as it runs)."""
+    into the gathered copies of a 16-bit base's weights (taken out again before resharding, which drops the copies),
+    FSDP's forward hooks off (model/gathering.py: a decoding step then runs the plain model, and a CUDA graph can
+    capture it); without `gather`, only eval mode (each forward gathers as it runs)."""
     was_training = model.training
     model.eval()
     units = fsdp_units(model) if gather else []
@@ -154,7 +149,8 @@ def gathered(model: nn.Module, gather: bool = True) -> Iterator[None]:
             u.unshard()
         if units:  # LoRA: the adapters added into the gathered copies of the weights (a 16-bit base)
             merged = merge_adapters(model, gathered_copies(model))
-        yield
+        with forward_hooks_off(model, units):  # every unit stays gathered: FSDP's forward hooks have nothing to do
+            yield
     finally:
         unmerge_adapters(merged)
         for u in units:

@@ -340,25 +340,3 @@ def storages(t: torch.Tensor) -> list[int]:
         names, _ = t.__tensor_flatten__()
         return [a for name in names for a in storages(getattr(t, name))]
     return [t.untyped_storage().data_ptr()]
-
-
-def fsdp_groups(unit: nn.Module) -> list[Any]:
-    """An FSDP2 unit's parameter groups (one, or several in torch versions that split them)."""
-    state = unit._get_fsdp_state()
-    return getattr(state, "_fsdp_param_groups", None) or [g for g in [getattr(state, "_fsdp_param_group", None)] if g]
-
-
-def fsdp_params(unit: nn.Module) -> list[Any]:
-    """An FSDP2 unit's own parameters as FSDP holds them (each with its sharded DTensor)."""
-    return [fp for g in fsdp_groups(unit) for fp in g.fsdp_params]
-
-
-def gathered_copies(model: nn.Module) -> set[int]:
-    """Where the gathered copies of the FSDP units' parameters live while the units are unsharded (FSDP2's all-gather
-    buffers, dropped at reshard), less anything a sharded parameter also lives in: weights that may be changed for
-    the time the model stays gathered without changing the weights FSDP keeps."""
-    params = [fp for m in model.modules() if isinstance(m, FSDPModule) for fp in fsdp_params(m)]
-    sharded = {a for fp in params for a in storages(fp.sharded_param)}
-    copies = {a for fp in params if getattr(fp, "_unsharded_param", None) is not None
-              for a in storages(fp._unsharded_param)}  # fmt: skip
-    return copies - sharded

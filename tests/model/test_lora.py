@@ -424,11 +424,14 @@ def test_lora_on_gpt2_and_llama_blocks(tmp_path, arch, layers_adapted, strategy)
 def test_generation_merges_the_adapters_into_the_gathered_copies_only(tmp_path, nproc, precision):
     """GRPO generates with each LoRA layer's adapters merged into the gathered copy of its weight (one matmul a layer:
     a decoding step is bound by its kernel launches). Inside, the logits are the unmerged model's within rounding and
-    greedy completions are those generated on the shards (nothing merged); after, every layer is unmerged, and the
-    logits and every sharded weight are what they were, bit for bit."""
+    greedy completions are those generated on the shards (nothing merged), computed with FSDP's forward hooks off;
+    after, every layer is unmerged, the hooks are back, and the logits and every sharded weight are what they were,
+    bit for bit."""
     proc = launch([str(ROOT / "tests" / "workers" / "merged_generation.py"), precision], [], tmp_path, nproc=nproc)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["layers"] == 12 and r["merged"] == 12 and r["cleared"], r  # 2 blocks x 6 linear layers
     assert r["inside_max_diff"] <= (2e-3 if precision == "fp16" else 1e-5), r
     assert r["after_equal"] and r["weights_equal"] and r["same_completions"], r
+    before, inside, after = r["hooks"]
+    assert before == after and before >= 2 * 3 and inside == before - 2 * 3, r  # 3 units, FSDP's 2 hooks each: off

@@ -5,7 +5,8 @@ the root), in fp32 or with fp16 compute. Rank 0 prints one JSON line:
 - how many LoRA layers were merged inside `gathered`, and whether every layer's flag was cleared after;
 - the largest difference between the logits inside (merged) and the logits before it (adapters beside the base);
 - whether the logits after it, and every sharded parameter, are bit for bit what they were before;
-- whether greedy completions inside equal those of the same model unmerged (generation on the shards)."""
+- whether greedy completions inside equal those of the same model unmerged (generation on the shards);
+- the FSDP units' forward hooks before, inside (FSDP's taken off: the model stays gathered) and after."""
 
 import json
 import sys
@@ -19,7 +20,7 @@ from transformers import OPTConfig, OPTForCausalLM
 from fsdp_opt.config.training import LoraConfig
 from fsdp_opt.engine.generation import Sampling, gathered, generate
 from fsdp_opt.model.adapters import inject
-from fsdp_opt.model.parallelize import fsdp_params
+from fsdp_opt.model.gathering import fsdp_params
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -65,11 +66,18 @@ def complete() -> list[list[int]]:
     return made.ids
 
 
-before, weights = logits(), sharded()
+def hooks() -> int:
+    """The forward hooks the FSDP units hold (FSDP2's pre- and post-forward hooks among them)."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    return sum(len(u._forward_pre_hooks) + len(u._forward_hooks) for u in units)
+
+
+before, weights, hooks_before = logits(), sharded(), hooks()
 with gathered(model, gather=False):  # on the shards: nothing is merged
     unmerged_completions = complete()
 with gathered(model):
     merged = sum(m.merged for m in lora_layers())
+    hooks_inside = hooks()
     inside = logits()
     merged_completions = complete()
 after = logits()
@@ -81,6 +89,7 @@ result = {
     "after_equal": torch.equal(after, before),
     "weights_equal": all(torch.equal(a, b) for a, b in zip(weights, sharded())),
     "same_completions": merged_completions == unmerged_completions,
+    "hooks": [hooks_before, hooks_inside, hooks()],
 }
 if rank == 0:
     print(json.dumps(result))
