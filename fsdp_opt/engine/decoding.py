@@ -7,12 +7,13 @@ replayed as one CUDA graph (--decoding graphs).
   everywhere else (causality hides what is not written yet). A decoding step then has the same shapes and reads and
   writes the same addresses every time: what a CUDA graph needs.
 - **Graphs.** On a CUDA device, --decoding graphs captures the step (the model's forward on one new token per row:
-  hundreds of kernels launched from Python through FSDP's and peft's hooks) once and replays it per token, so the
-  host launches one graph instead of every kernel. A graph holds the addresses it was captured with: it is captured
-  again when the batch's shape or the gathered weights' addresses change (a new generation usually gathers into new
-  memory). Where capture fails (a model whose step cannot be captured), one line says why, and the step runs
-  unreplayed. A model with sliding-window layers is not captured: transformers' static cache keeps a sliding layer's
-  place in Python, which a replay would not move. `torch.cuda.CUDAGraph` around the eager step needs nothing a T4 lacks (no Triton).
+  hundreds of kernels launched from Python; FSDP's hooks are off while the model is gathered, model/gathering.py)
+  once and replays it per token, so the host launches one graph instead of every kernel. A graph holds the addresses
+  it was captured with: it is captured again when the batch's shape or the gathered weights' addresses change (a new
+  generation usually gathers into new memory). Where capture fails (a model whose step cannot be captured), one line
+  says why, and the step runs unreplayed. A model with sliding-window layers is not captured: transformers' static
+  cache keeps a sliding layer's place in Python, which a replay would not move. `torch.cuda.CUDAGraph` around the
+  eager step needs nothing a T4 lacks (no Triton).
 - **The sampler after the step**, as transformers' generate runs it: the step's last logits in fp32 through the run's
   processors (temperature, top-k, top-p, the counter's draw: engine/generation.py), a finished row's next token the
   pad. A completion stays a function of (seed, step, row, place in its group), whatever path decoded it.
