@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from fsdp_opt.base import ConfigError, gib, parse_size
 from fsdp_opt.config.choices import PACKING_MODES, STRATEGIES, T4_MEMORY
-from fsdp_opt.config.method import DECODING, METHODS, traits
+from fsdp_opt.config.method import DECODING, GENERATION, METHODS, REFERENCE_PASS, spec
 from fsdp_opt.config.flags import OneLineParser, parse_batch, parse_bool
 from fsdp_opt.config.training import TrainConfig
 from fsdp_opt.data.prompts import generation_slices
@@ -184,12 +184,12 @@ def main(argv: list[str] | None = None) -> int:
             activation_checkpointing=a.activation_checkpointing, attn_implementation=a.attn_implementation,
             packing=a.packing, reduce_every_microbatch=a.reduce_every_microbatch, prefetch=a.prefetch,
             loss_chunk_tokens=a.loss_chunk_tokens, cuda=not a.cpu, lora_rank=a.lora_rank, lora_targets=a.lora_targets,
-            lora_dropout=a.lora_dropout if a.lora_dropout is not None else 0.05 if traits(a.method).dropout else 0.0,
+            lora_dropout=a.lora_dropout if a.lora_dropout is not None else 0.05 if spec(a.method).dropout else 0.0,
             base_bits=a.base_bits, reduce_dtype="fp16" if a.reduce_dtype == "fp16" else "fp32",
             cpu_offload=a.cpu_offload, method=a.method, ref_model=a.ref_model is not None,
             generations=a.num_generations, completion_length=a.max_completion_length, beta=a.beta,
             decoding=a.decoding, iterations=a.num_iterations,
-            generation_slices=generation_slices(a.steps_per_generation, accum) if traits(a.method).generates else 1,
+            generation_slices=generation_slices(a.steps_per_generation, accum) if GENERATION in spec(a.method).phases else 1,
         )  # fmt: skip
         if a.lora_rank < 0:
             raise ConfigError(f"--lora_rank {a.lora_rank}: must be 0 (full fine-tuning) or more")
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                      + ("fits" if with_runtime <= inputs.gpu_memory and plan["strategies"][strategy]["fits"]
                         else "does NOT fit" if with_runtime > inputs.gpu_memory and not plan["strategies"][strategy]["fits"]
                         else "the two disagree")]  # fmt: skip
-    ref = plan.get(a.method) if traits(a.method).reference == "always" else None
+    ref = plan.get(a.method) if REFERENCE_PASS in spec(a.method).phases else None
     if simulate and ref and not ref["own_model"]:
         got = simulate_reference(a.model, inputs, ref["strategy"])
         planned = ref["total_bytes"] - ref["components"].get("runtime", 0)
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         text += ["", f"dpo reference pass ({ref['strategy']}), simulated (fake tensors, rank 0 of {got['world_size']}): "
                      f"{gib(got['peak_total'])} at its peak; planned {gib(planned)} (its total less runtime): plan / "
                      f"simulated {planned / got['peak_total']:.2f}"]  # fmt: skip
-    grpo = plan.get(a.method) if traits(a.method).generates else None
+    grpo = plan.get(a.method) if GENERATION in spec(a.method).phases else None
     if simulate and grpo:
         strategy = simulate[0]  # the generation phase on the first strategy --simulate names
         got = sim_generation(a.model, inputs, strategy, grpo["requests_per_rank"])

@@ -124,7 +124,7 @@ def test_the_checks_see_a_circle_and_an_upward_import(tmp_path, monkeypatch):
 
 
 # The method registry: the only modules that may ask which method a run trains (config/method.py names the methods
-# and their traits; train/methods/ holds their objects). Everywhere else asks a method's traits or calls its object.
+# and their specs; train/methods/ holds their objects). Everywhere else asks a method's spec or calls its object.
 REGISTRY = ("fsdp_opt/config/method.py", "fsdp_opt/train/methods/")
 # isinstance/hasattr on these would ask which method's sequences a module holds
 METHOD_SEQUENCES = {"Pairs", "PairPlan", "Prompts", "PromptPlan"}
@@ -168,7 +168,7 @@ def test_no_module_outside_the_method_registry_names_a_method():
         found = naming_a_method(path, names)
         if found:
             bad[rel] = found
-    assert not bad, f"modules that ask which method they run (use its traits or its object): {bad}"
+    assert not bad, f"modules that ask which method they run (use its spec or its object): {bad}"
 
 
 def test_the_registry_check_finds_each_way_of_naming_a_method(tmp_path):

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_opt.base import ConfigError
+from fsdp_opt.config.method import method_flags
 from fsdp_opt.config.parse import Config
 from fsdp_opt.model.adapters import KEY
 from fsdp_opt.runtime.distributed import print0
@@ -34,8 +35,6 @@ BREAKING = {
     "chosen_column": "other tokens train",
     "rejected_column": "other tokens train",
     "method": "another loss trains",
-    "beta": "another loss trains",
-    "ref_model": "another loss trains",
     "text_column": "other tokens train",
     "data_format": "other tokens train",
     "prompt_column": "other tokens train",
@@ -46,10 +45,8 @@ BREAKING = {
     "max_length": "the blocks change",
     "packing": "the blocks change",
     "seed": "the data order changes",
-    **dict.fromkeys(("num_generations", "max_completion_length", "temperature", "top_p", "top_k", "epsilon",
-                     "epsilon_high", "loss_type", "scale_rewards", "mask_truncated_completions", "reward",
-                     "reward_weights", "num_iterations", "steps_per_generation", "delta", "importance_sampling_level"),
-                    "another loss trains"),  # fmt: skip
+    # each method's own flags, as its spec classes them (config/method.py)
+    **{flag: kind for flag, kind in method_flags().items() if kind is not None},
 }
 # Not compared: where this session is in the chain, and how this machine lays a step out.
 NOT_COMPARED = {
@@ -59,8 +56,10 @@ NOT_COMPARED = {
     "batch_size", "accum_steps", "global_batch", "sharding_strategy", "precision", "activation_checkpointing",
     "cpu_offload", "reduce_every_microbatch", "reduce_dtype", "compile", "prefetch", "max_gpu_memory", "tflops",
     "link_gbps", "loss_chunk_tokens", "attn_implementation", "async_save", "pad_to_max_length",
-    # how this machine decodes: the same completions, up to the last bits of a float; how its workers start
-    "decoding", "nproc_per_node",
+    # how its workers start
+    "nproc_per_node",
+    # each method's flags of how this machine runs it (config/method.py: the same results, up to the last bits)
+    *(flag for flag, kind in method_flags().items() if kind is None),
     # the LoRA identity has its own check, with its own message (model/adapters.check_resume)
     "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "base_bits",
 }  # fmt: skip

@@ -1,8 +1,9 @@
 """Flags of the training method (--method and each method's settings), and the methods' registry as the layers below
-the run read it: what each method asks of the data, the model and the plan (`Traits`), by method name.
+the run read it: each method's spec (`MethodSpec`), by method name: what it asks of the data, the model and the plan,
+its own flags with what changing one mid-chain breaks, its metrics fields, the phases the planner adds for it.
 
 The run's method objects (train/methods/) are the only other place a method is named: everything else asks a
-method's traits or its object, never its name (tests/test_layout.py holds the code to that).
+method's spec or its object, never its name (tests/test_layout.py holds the code to that).
 """
 
 from __future__ import annotations
@@ -13,9 +14,16 @@ from fsdp_opt.base import ConfigError
 from fsdp_opt.config.flags import flag
 
 
+LOSS = "another loss trains"  # a method flag's drift class: changed mid-chain, it breaks the chain's exactness
+MACHINE = None  # a method flag of how this machine runs the method: not compared (checkpoint/drift.py)
+# The phases the planner adds to a step for a method (planner/report.py, plan.py)
+REFERENCE_PASS = "reference_pass"  # a reference model scores the slice once, before training (its memory and time)
+GENERATION = "generation"  # each step first samples completions from the policy (the model gathered once, decoding)
+
+
 @dataclass(frozen=True)
-class Traits:
-    """What a method asks of the run, for the code that must not ask its name."""
+class MethodSpec:
+    """What a method is to the layers that must not ask its name: the planner, drift, metrics, the card, evaluate."""
 
     rows: tuple[str, ...]  # the row formats (--data_format) it trains on
     what: str  # the rows, in words ("preference pairs (prompt, chosen, rejected)")
@@ -27,22 +35,63 @@ class Traits:
     concat: bool  # whether --packing concat suits (rows joined into one document each)
     answers_only: bool  # the loss reads the answers' tokens only (--train_on all does not suit)
     generates: bool  # a step samples completions from the policy before its forward
+    flags: tuple[tuple[str, str | None], ...] = ()  # its own flags (of MethodConfig) and their drift class
+    fields: tuple[str, ...] = ()  # metrics.jsonl fields beyond the common ones (tracking/metrics METRICS_FIELDS)
+    phases: tuple[str, ...] = ()  # what the planner adds to its step
 
 
-SFT = Traits(rows=("text", "prompt_completion", "messages"), what="text, prompt/completion or chat rows",
-             sequences_per_row=1, reference="never", beta=0.0, beta_means="unused", dropout=True, concat=True,
-             answers_only=False, generates=False)  # fmt: skip
-DPO = Traits(rows=("preference",), what="preference rows (prompt, chosen, rejected)", sequences_per_row=2,
-             reference="always", beta=0.1, beta_means="the strength of the pull toward the reference (DPO's beta)",
-             dropout=False, concat=False, answers_only=True, generates=False)  # fmt: skip
-GRPO = Traits(rows=("prompt",), what="prompt rows (a prompt column; the other columns go to the rewards)",
-              sequences_per_row=1, reference="beta", beta=0.0,
-              beta_means="the weight of the KL term against the reference (0: no reference model, TRL's default)",
-              dropout=False, concat=False, answers_only=True, generates=True)  # fmt: skip
+# --method dpo's metrics fields (means over the step's pairs, all ranks); its `loss` is the mean pair loss and `tokens`
+# the answers' tokens.
+DPO_FIELDS = (
+    "pairs",  # preference pairs in the step
+    "rewards_chosen",  # beta x (policy - reference) summed log-probability of the chosen answer
+    "rewards_rejected",  # the same of the rejected answer
+    "margin",  # rewards_chosen - rewards_rejected
+    "accuracy",  # share of pairs whose chosen reward is the higher (a tie counts half)
+)
+# --method grpo's, and `reward_<function>` for each reward function (its mean over the step's completions); its `loss`
+# is the step's GRPO loss, `tokens` the completions' tokens that carry it.
+GRPO_FIELDS = (
+    "completions",  # completions sampled in the step, all ranks
+    "reward",  # mean reward (the weighted sum of the functions'), completions with a reward
+    "reward_std",  # its std over the step (Bessel's correction)
+    "completion_length",  # mean tokens of a completion (its end included)
+    "completion_length_max",
+    "truncated",  # share of completions that reached --max_completion_length without an end
+    "zero_std_groups",  # share of completions whose group's rewards are all the same (no advantage)
+    "kl",  # mean KL term (k3, times the ratio) per completion token (None when --beta is 0)
+    "generation_share",  # the step's time spent sampling (0 in a step that trains a generation sampled before)
+    "generated_tokens_per_second",  # completion tokens generated per second of its generation's sampling, all ranks
+    "iteration",  # the pass over the step's generation it trains (1 .. --num_iterations)
+    # the clip's share of the step's completion tokens (of its completions at --importance_sampling_level sequence)
+    "clip_ratio/low_mean",  # clipped below: ratio < 1 - eps where A < 0
+    "clip_ratio/high_mean",  # clipped above: ratio > 1 + eps_high, A > 0
+    "clip_ratio/region_mean",  # either
+)
+GRPO_FLAGS = (
+    *((f, LOSS) for f in ("beta", "ref_model", "num_generations", "max_completion_length", "temperature", "top_p",
+                          "top_k", "epsilon", "epsilon_high", "loss_type", "scale_rewards",
+                          "mask_truncated_completions", "reward", "reward_weights", "num_iterations",
+                          "steps_per_generation", "delta", "importance_sampling_level")),
+    ("decoding", MACHINE),  # the same completions, up to the last bits of a float
+)  # fmt: skip
 
-# --method: the registry's names, with their traits
-METHOD_TRAITS: dict[str, Traits] = {"sft": SFT, "dpo": DPO, "grpo": GRPO}
-METHODS = tuple(METHOD_TRAITS)
+SFT = MethodSpec(rows=("text", "prompt_completion", "messages"), what="text, prompt/completion or chat rows",
+                 sequences_per_row=1, reference="never", beta=0.0, beta_means="unused", dropout=True, concat=True,
+                 answers_only=False, generates=False)  # fmt: skip
+DPO = MethodSpec(rows=("preference",), what="preference rows (prompt, chosen, rejected)", sequences_per_row=2,
+                 reference="always", beta=0.1, beta_means="the strength of the pull toward the reference (DPO's beta)",
+                 dropout=False, concat=False, answers_only=True, generates=False,
+                 flags=(("beta", LOSS), ("ref_model", LOSS)), fields=DPO_FIELDS, phases=(REFERENCE_PASS,))  # fmt: skip
+GRPO = MethodSpec(rows=("prompt",), what="prompt rows (a prompt column; the other columns go to the rewards)",
+                  sequences_per_row=1, reference="beta", beta=0.0,
+                  beta_means="the weight of the KL term against the reference (0: no reference model, TRL's default)",
+                  dropout=False, concat=False, answers_only=True, generates=True, flags=GRPO_FLAGS,
+                  fields=GRPO_FIELDS, phases=(GENERATION,))  # fmt: skip
+
+# --method: the registry's names, with their specs
+METHOD_SPECS: dict[str, MethodSpec] = {"sft": SFT, "dpo": DPO, "grpo": GRPO}
+METHODS = tuple(METHOD_SPECS)
 DEFAULT_METHOD = METHODS[0]
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")  # --loss_type: what a GRPO step's loss is divided by
 SCALE_REWARDS = ("group", "batch", "none")  # --scale_rewards: the std an advantage is divided by
@@ -50,8 +99,13 @@ IMPORTANCE_LEVELS = ("token", "sequence")  # --importance_sampling_level: where 
 DECODING = ("static", "graphs", "generate")  # --decoding: how completions are decoded (engine/decoding.py)
 
 
-def traits(method: str) -> Traits:
-    return METHOD_TRAITS[method]
+def spec(method: str) -> MethodSpec:
+    return METHOD_SPECS[method]
+
+
+def method_flags() -> dict[str, str | None]:
+    """Every method's own flags and their drift class (a flag two methods share has one class)."""
+    return {f: kind for s in METHOD_SPECS.values() for f, kind in s.flags}
 
 
 @dataclass
@@ -138,7 +192,7 @@ class MethodConfig:
     reward_weights: str | None = flag(None, "--method grpo: a weight per reward function, comma-separated (default 1 each).")
 
     def __post_init__(self) -> None:
-        t = traits(self.method)
+        t = spec(self.method)
         if isinstance(self.reward, list):  # repeated, comma-separated or both: one comma-separated value
             self.reward = ",".join(n.strip() for given in self.reward for n in given.split(",") if n.strip()) or None
         if self.beta is None:
@@ -181,13 +235,13 @@ class MethodConfig:
                               "format, length; or path/to/file.py:function)")  # fmt: skip
 
     @property
-    def traits(self) -> Traits:
-        return traits(self.method)
+    def spec(self) -> MethodSpec:
+        return spec(self.method)
 
     @property
     def uses_reference(self) -> bool:
         """Whether the run scores against a reference model (DPO always; GRPO with a KL term)."""
-        r = self.traits.reference
+        r = self.spec.reference
         return r == "always" or (r == "beta" and bool(self.beta and self.beta > 0))
 
     @property

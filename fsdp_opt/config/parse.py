@@ -12,7 +12,7 @@ from fsdp_opt.base import VERSION, ConfigError
 from fsdp_opt.config.choices import AUTO
 from fsdp_opt.config.flags import OneLineParser, parse_bool
 from fsdp_opt.config.storage import CheckpointConfig, HubConfig, WandbConfig
-from fsdp_opt.config.method import METHOD_TRAITS, SFT, MethodConfig, traits
+from fsdp_opt.config.method import METHOD_SPECS, SFT, MethodConfig, spec
 from fsdp_opt.config.training import DataConfig, LoraConfig, ModelConfig, ParallelConfig, TrainConfig
 
 SECTIONS: dict[str, type] = {
@@ -111,12 +111,12 @@ def check_auto_flags(config: Config) -> None:
 
 def check_method_flags(config: Config) -> None:
     """--method against the data flags, as typed (the format found from the columns is checked with the data)."""
-    dc, name, t = config.data, config.method.method, config.method.traits
+    dc, name, t = config.data, config.method.method, config.method.spec
     if dc.data_format != "auto" and dc.data_format not in t.rows:
-        owner = next((m for m, other in METHOD_TRAITS.items() if dc.data_format in other.rows and other.rows != SFT.rows),
+        owner = next((m for m, other in METHOD_SPECS.items() if dc.data_format in other.rows and other.rows != SFT.rows),
                      None)  # fmt: skip
         if owner is not None and t.rows == SFT.rows:
-            raise ConfigError(f"--data_format {dc.data_format}: {traits(owner).what.split(' (')[0]} train with "
+            raise ConfigError(f"--data_format {dc.data_format}: {spec(owner).what.split(' (')[0]} train with "
                               f"--method {owner}")  # fmt: skip
         raise ConfigError(f"--method {name}: trains on {t.what}, not --data_format {dc.data_format}")
     if t.answers_only and dc.train_on == "all":

@@ -14,7 +14,7 @@ from fsdp_opt.base import gib
 from fsdp_opt.config.choices import STRATEGIES
 from fsdp_opt.model.shapes import Shape, model_config
 from fsdp_opt.planner.disk import disk_and_hub, disk_line
-from fsdp_opt.config.method import traits
+from fsdp_opt.config.method import GENERATION, REFERENCE_PASS, spec
 from fsdp_opt.planner.dpo import reference_line, reference_pass
 from fsdp_opt.planner.generation import grpo_lines, grpo_plan
 from fsdp_opt.planner.host import host_memory as host_phases
@@ -96,12 +96,12 @@ def make_plan(model: str, inputs: Inputs, *, disk: int, host_memory: int, keep_l
             shape, host_memory, save_optimizer, saved,
         ),
     }
-    if traits(inputs.method).reference == "always":  # a pass of the reference before training, keyed by the method
+    if REFERENCE_PASS in spec(inputs.method).phases:  # a pass of the reference before training, keyed by the method
         strategy = next((s for s in ("FULL_SHARD", "HYBRID_SHARD", "SHARD_GRAD_OP", "NO_SHARD") if s in strategies))
         own = bool(inputs.lora_rank) and not inputs.ref_model
         plan[inputs.method] = reference_pass(shape, strategy, inputs, rates, own)
         plan[inputs.method]["strategy"] = strategy
-    if traits(inputs.method).generates:  # GRPO: the generation phase beside the training step, keyed by the method
+    if GENERATION in spec(inputs.method).phases:  # GRPO: the generation phase beside the training step, keyed by the method
         # the flags given where they fit (what the command runs), else the recommended layout
         strategy = given["strategy"] if given else recommended["sharding_strategy"] if recommended else "FULL_SHARD"
         training_s = given["step_s"] if given else recommended["predicted_step_time_s"] if recommended else None
@@ -147,10 +147,10 @@ def render(plan: dict[str, Any]) -> str:
                      "reduce-scattered, so they are not added to them)")
 
     lines += ["", *render_configurations(plan), plan["recommended_line"], plan["gpu_count_line"]]
-    ref = plan.get(i["method"]) if traits(i["method"]).reference == "always" else None
+    ref = plan.get(i["method"]) if REFERENCE_PASS in spec(i["method"]).phases else None
     if ref:
         lines.append(reference_line(ref, ref["strategy"], i["gpu_memory"]))
-    if traits(i["method"]).generates and plan.get(i["method"]):
+    if GENERATION in spec(i["method"]).phases and plan.get(i["method"]):
         lines += grpo_lines(plan[i["method"]], i["gpu_memory"])
     if plan.get("fits_with_line"):
         lines.append(plan["fits_with_line"])

@@ -35,7 +35,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp_opt.base import GIB, MIB
 from fsdp_opt.config.choices import DTYPES, shard_count
-from fsdp_opt.config.method import traits
+from fsdp_opt.config.method import spec
 from fsdp_opt.config.training import LoraConfig
 from fsdp_opt.data.packing import document_mask, segment_positions
 from fsdp_opt.data.pairs import Pairs
@@ -178,7 +178,7 @@ def simulate(model_name: str, inputs, strategy: str, *, fake: bool = True, micro
     shard_model(model, env, strategy=strategy, precision=inputs.precision,
                     activation_checkpointing=inputs.activation_checkpointing, prefetch=inputs.prefetch)  # fmt: skip
     micro = min(micro_batches, inputs.accum_steps)
-    pairs = DpoMicroBatch(config.vocab_size, inputs, env.device) if traits(inputs.method).sequences_per_row == 2 else None
+    pairs = DpoMicroBatch(config.vocab_size, inputs, env.device) if spec(inputs.method).sequences_per_row == 2 else None
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext()
     with mode:
         model.to_empty(device=env.device)

@@ -29,35 +29,7 @@ METRICS_FIELDS = (
     "slice",  # the rows this session trains, "start-end"
     "skipped_rate",  # share of the last 20 steps (fewer at the start) skipped for a non-finite gradient (fp16 overflow)
 )
-# --method dpo appends these (means over the step's pairs, all ranks); its `loss` is the mean pair loss and `tokens`
-# the answers' tokens.
-DPO_FIELDS = (
-    "pairs",  # preference pairs in the step
-    "rewards_chosen",  # beta x (policy - reference) summed log-probability of the chosen answer
-    "rewards_rejected",  # the same of the rejected answer
-    "margin",  # rewards_chosen - rewards_rejected
-    "accuracy",  # share of pairs whose chosen reward is the higher (a tie counts half)
-)
-
-# --method grpo appends these, and `reward_<function>` for each reward function (its mean over the step's
-# completions); its `loss` is the step's GRPO loss, `tokens` the completions' tokens that carry it.
-GRPO_FIELDS = (
-    "completions",  # completions sampled in the step, all ranks
-    "reward",  # mean reward (the weighted sum of the functions'), completions with a reward
-    "reward_std",  # its std over the step (Bessel's correction)
-    "completion_length",  # mean tokens of a completion (its end included)
-    "completion_length_max",
-    "truncated",  # share of completions that reached --max_completion_length without an end
-    "zero_std_groups",  # share of completions whose group's rewards are all the same (no advantage)
-    "kl",  # mean KL term (k3, times the ratio) per completion token (None when --beta is 0)
-    "generation_share",  # the step's time spent sampling (0 in a step that trains a generation sampled before)
-    "generated_tokens_per_second",  # completion tokens generated per second of its generation's sampling, all ranks
-    "iteration",  # the pass over the step's generation it trains (1 .. --num_iterations)
-    # the clip's share of the step's completion tokens (of its completions at --importance_sampling_level sequence)
-    "clip_ratio/low_mean",  # clipped below: ratio < 1 - eps where A < 0
-    "clip_ratio/high_mean",  # clipped above: ratio > 1 + eps_high, A > 0
-    "clip_ratio/region_mean",  # either
-)
+# A method's own fields follow these (its spec's `fields`: config/method.py).
 COMPLETIONS_FILE = "completions.jsonl"  # --method grpo: one line per completion: step, row, prompt, completion, ...
 
 
@@ -69,7 +41,7 @@ class MetricsWriter:
         self.enabled = enabled
 
     def write(self, record: dict[str, Any], method_fields: tuple[str, ...] = ()) -> None:
-        """`method_fields`: those the run's method adds (DPO_FIELDS, GRPO_FIELDS), which the record must hold too."""
+        """`method_fields`: those the run's method adds (its spec's `fields`), which the record must hold too."""
         if not self.enabled:
             return
         missing = [f for f in (*METRICS_FIELDS, *method_fields) if f not in record]

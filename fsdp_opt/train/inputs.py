@@ -103,7 +103,7 @@ def _row_spec(dc: DataConfig, column_names, data_format: str, method: Method) ->
     return resolve_spec(column_names, data_format, text_column=dc.text_column, prompt_column=dc.prompt_column,
                         completion_column=dc.completion_column, messages_column=dc.messages_column,
                         chosen_column=dc.chosen_column, rejected_column=dc.rejected_column,
-                        prefer=method.traits.rows)  # fmt: skip
+                        prefer=method.spec.rows)  # fmt: skip
 
 
 def read_slice(config: Config, tokenizer: PreTrainedTokenizerBase, model_config: PretrainedConfig, method: Method,

@@ -3,14 +3,14 @@ registry. The run and the step call the object; nothing outside this package and
 
 from __future__ import annotations
 
-from fsdp_opt.config.method import METHOD_TRAITS
+from fsdp_opt.config.method import METHOD_SPECS
 from fsdp_opt.config.parse import Config
 from fsdp_opt.train.methods.base import Method
 from fsdp_opt.train.methods.dpo import Dpo
 from fsdp_opt.train.methods.grpo import Grpo
 
 REGISTRY: dict[str, type[Method]] = {"sft": Method, "dpo": Dpo, "grpo": Grpo}
-assert set(REGISTRY) <= set(METHOD_TRAITS)
+assert set(REGISTRY) <= set(METHOD_SPECS)
 
 
 def method_for(config: Config) -> Method:

@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from fsdp_opt.base import ConfigError
-from fsdp_opt.config.method import METHOD_TRAITS
+from fsdp_opt.config.method import METHOD_SPECS
 from fsdp_opt.config.parse import Config
 from fsdp_opt.data.blocks import StepPlan, rows_to_blocks
 from fsdp_opt.data.formats import RowSpec, Rows
@@ -31,14 +31,18 @@ from fsdp_opt.runtime.distributed import DistEnv, print0
 class Method:
     """--method sft, and what every method does unless it says otherwise."""
 
-    fields: tuple[str, ...] = ()  # metrics.jsonl fields beyond METRICS_FIELDS (tracking/metrics)
     shown: tuple[str, ...] = ()  # fields the progress bar shows beside the loss
     state_key: str | None = None  # where its state goes in a checkpoint's payload
 
     def __init__(self, config: Config) -> None:
         self.config = config
         self.name = config.method.method
-        self.traits = config.method.traits
+        self.spec = config.method.spec
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """metrics.jsonl fields beyond METRICS_FIELDS (tracking/metrics): the spec's."""
+        return self.spec.fields
 
     def check(self) -> None:
         """What the method's flags name is there (every rank): before anything is taken or built."""
@@ -48,10 +52,10 @@ class Method:
     def check_rows(self, spec: RowSpec) -> None:
         """The rows' format (found from the columns) against the formats this method trains on: one line if not. A
         mixture's sources may differ in format: each must be one of them."""
-        if all(p.format in self.traits.rows for p in spec.parts or (spec,)):
+        if all(p.format in self.spec.rows for p in spec.parts or (spec,)):
             return
-        owner = next((m for m, t in METHOD_TRAITS.items() if spec.format in t.rows), None)
-        then = f": train them with --method {owner}" if owner else f"; it trains on {self.traits.what}"
+        owner = next((m for m, t in METHOD_SPECS.items() if spec.format in t.rows), None)
+        then = f": train them with --method {owner}" if owner else f"; it trains on {self.spec.what}"
         raise ConfigError(f"--method {self.name}: the rows are {words(spec)}{then}")
 
     def sequences(self, rows: Rows, spec: RowSpec, tokenizer, *, train_on: str, max_length: int, packing: str,

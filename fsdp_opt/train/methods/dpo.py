@@ -14,13 +14,11 @@ from fsdp_opt.data.pairs import PairPlan, pairs_from_rows
 from fsdp_opt.engine.dpo import PairLoss, Reference, evaluate_pairs
 from fsdp_opt.model.sources import without_dropout
 from fsdp_opt.runtime.distributed import DistEnv, print0
-from fsdp_opt.tracking.metrics import DPO_FIELDS
 from fsdp_opt.train import reference
 from fsdp_opt.train.methods.base import Method, words
 
 
 class Dpo(Method):
-    fields = DPO_FIELDS
     shown = ("margin", "accuracy")
     state_key = "dpo"
     eval_logged = ("loss", "rewards_chosen", "rewards_rejected", "margin", "accuracy")
@@ -33,7 +31,7 @@ class Dpo(Method):
         self.kept: dict[str, Any] | None = None
 
     def check_rows(self, spec: RowSpec) -> None:
-        if spec.format not in self.traits.rows:
+        if spec.format not in self.spec.rows:
             raise ConfigError(f"--method {self.name}: the rows are {words(spec)}, not preference pairs; name the "
                               "answers' columns with --chosen_column and --rejected_column")  # fmt: skip
 

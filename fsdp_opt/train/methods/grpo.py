@@ -29,7 +29,7 @@ from fsdp_opt.model.shapes import Shape
 from fsdp_opt.planner.generation import gathered_fits, with_generation
 from fsdp_opt.planner.inputs import Inputs
 from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, cap_gpu_memory, print0, scatter_object
-from fsdp_opt.tracking.metrics import COMPLETIONS_FILE, GRPO_FIELDS
+from fsdp_opt.tracking.metrics import COMPLETIONS_FILE
 from fsdp_opt.train import reference
 from fsdp_opt.train.methods.base import Method, words
 
@@ -53,7 +53,6 @@ def end_rules(tokenizer, model_config, conversational: bool) -> tuple[list[int],
 
 
 class Grpo(Method):
-    fields = GRPO_FIELDS
     shown = ("reward",)
     state_key = "grpo"
 
@@ -77,7 +76,7 @@ class Grpo(Method):
                                                                    self.config.method.reward_weights))  # fmt: skip
 
     def check_rows(self, spec: RowSpec) -> None:
-        if spec.format not in self.traits.rows:
+        if spec.format not in self.spec.rows:
             raise ConfigError(f"--method {self.name}: the rows are {words(spec)}, not prompts; name the prompt's "
                               "column with --prompt_column (--data_format prompt)")  # fmt: skip
 
