@@ -23,12 +23,14 @@ Built-ins:
 from __future__ import annotations
 
 import hashlib
+import ast
 import importlib
 import importlib.util
 import inspect
 import math
 import re
 import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -106,8 +108,38 @@ class Reward:
     def pin(self) -> dict[str, str]:
         return {"name": self.name, "source": self.source}
 
+    def same_rule(self, pinned: str) -> bool:
+        """Whether a checkpoint's pin of this function names the rule it has now: its syntax tree's fingerprint, or
+        (a pin of a version before it) its source text's."""
+        if pinned == self.source:
+            return True
+        return not pinned.startswith("ast:") and pinned == _text_digest(self.fn if self.name in BUILTINS else
+                                                                          inspect.getmodule(self.fn))  # fmt: skip
+
 
 def _digest(obj: Any) -> str:
+    """A function's or a module's rule, fingerprinted: sha256 of its parsed source (Python's syntax tree, which
+    comments, blank lines, layout and trailing commas do not change: a formatter's pass is no new rule), "ast:" first;
+    its text's where it does not parse alone."""
+    try:
+        tree = _canonical(ast.parse(textwrap.dedent(inspect.getsource(obj))))
+    except (OSError, TypeError, SyntaxError):
+        return _text_digest(obj)
+    return "ast:" + hashlib.sha256(tree.encode()).hexdigest()[:16]
+
+
+def _canonical(node: Any) -> str:
+    """A syntax tree as text, its empty fields left out (a newer Python adds fields, empty for the code of an older
+    one: the same rule reads the same on either)."""
+    if isinstance(node, ast.AST):
+        fields = [f"{k}={_canonical(v)}" for k, v in ast.iter_fields(node) if v is not None and v != []]
+        return f"({type(node).__name__} {' '.join(fields)})"
+    if isinstance(node, list):
+        return "[" + ",".join(_canonical(x) for x in node) + "]"
+    return repr(node)
+
+
+def _text_digest(obj: Any) -> str:
     """sha256 of a function's or a module's source text (its repr where the source cannot be read)."""
     try:
         text = inspect.getsource(obj)

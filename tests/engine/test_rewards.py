@@ -3,6 +3,7 @@ reward functions named by file and module, their pins; math-verify missing is on
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 
@@ -83,3 +84,24 @@ def test_accuracy_without_math_verify_is_refused_when_named():
             "except ConfigError as e:\n    print(e)\n")  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip() == '--reward accuracy: math-verify is not installed (pip install "math-verify>=0.8")'
+
+
+def test_a_rule_is_pinned_by_its_syntax_not_its_layout(tmp_path):
+    """A reward file reformatted (comments, blank lines, a call spread over lines with a trailing comma: what a
+    formatter does) pins the same rule; a changed constant does not; a checkpoint's pin from before the syntax
+    fingerprint (the source text's sha256) still names the rule it pinned. Built-ins pin the same way."""
+    rules = tmp_path / "layout.py"
+    rules.write_text("def mine(completions, **kw):\n    return [min(1.0, len(c) / 10) for c in completions]\n")
+    first = load(f"{rules}:mine")
+    legacy = hashlib.sha256(rules.read_text().encode()).hexdigest()[:16]
+    rules.write_text("# a note\n\n\ndef mine(completions, **kw):  # the length, in tens\n    return [\n"
+                     "        min(\n            1.0,\n            len(c) / 10,\n        )\n        for c in completions\n    ]\n")  # fmt: skip
+    second = load(f"{rules}:mine")
+    assert second.source == first.source and second.source.startswith("ast:")
+    assert second.same_rule(first.source) and not first.same_rule("ast:0000000000000000")
+    rules.write_text("def mine(completions, **kw):\n    return [min(1.0, len(c) / 20) for c in completions]\n")
+    third = load(f"{rules}:mine")
+    assert third.source != first.source and not third.same_rule(first.source)
+    rules.write_text("def mine(completions, **kw):\n    return [min(1.0, len(c) / 10) for c in completions]\n")
+    assert load(f"{rules}:mine").same_rule(legacy)  # the pin a checkpoint of an earlier version holds
+    assert load("length").source.startswith("ast:")

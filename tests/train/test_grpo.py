@@ -616,3 +616,26 @@ def test_evaluate_reports_the_reward_training_reported_and_shows_the_completions
         shown = next(v for k, v in sample["outputs"].items() if k.startswith("base"))
         assert shown == tok.decode(made[:cut], skip_special_tokens=True), (ask, shown, made)
     assert any(x in greedy for greedy in firsts)  # the second end matters to at least one completion
+
+
+def test_a_changed_reward_rule_stops_the_chain_and_a_reformatted_one_does_not(tmp_path, setup_files):
+    """A session resumed with its reward file's rule changed is refused in one line (--allow_changes goes on); with the
+    file only reformatted (comments, layout), it resumes."""
+    f = setup_files
+    rules = tmp_path / "rules.py"
+    rules.write_text("def short(completions, **kwargs):\n    return [1.0 / (1 + len(c)) for c in completions]\n")
+    args = ["--model", str(f["policy"]), "--dataset", str(f["data"]), "--method", "grpo", "--reward", f"{rules}:short",
+            "--num_generations", "2", "--max_completion_length", "4", "--max_length", "64", "--batch_size", "2",
+            "--precision", "fp32", "--wandb_mode", "disabled", "--output_dir", str(tmp_path / "out"),
+            "--save_optimizer", "false"]  # fmt: skip
+    first = run_cli(args + ["--end_idx", "4"], tmp_path, nproc=2)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    (saved,) = saved_names(first.stdout)
+    more = args + ["--start_idx", "4", "--end_idx", "8", "--resume_file", saved]
+    rules.write_text("def short(completions, **kwargs):\n    return [1.0 / (2 + len(c)) for c in completions]\n")
+    changed = run_cli(more, tmp_path, nproc=2)
+    assert_clean_failure(changed, f"--reward {rules}:short: its source changed since the checkpoint")
+    rules.write_text("# shorter is better\n\n\ndef short(\n    completions,\n    **kwargs,\n):\n"
+                     "    return [1.0 / (1 + len(c)) for c in completions]  # one over the length\n")  # fmt: skip
+    reformatted = run_cli(more, tmp_path, nproc=2)
+    assert reformatted.returncode == 0, reformatted.stdout[-2000:] + reformatted.stderr[-3000:]

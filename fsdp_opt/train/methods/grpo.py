@@ -129,7 +129,7 @@ class Grpo(Method):
         """Rank 0, resuming: a reward function whose source changed since the checkpoint is drift (its rule changed
         the objective): one line, refused unless --allow_changes."""
         before = {r["name"]: r["source"] for r in saved}
-        changed = [r.name for r in self.rewards if r.name in before and before[r.name] != r.source]
+        changed = [r.name for r in self.rewards if r.name in before and not r.same_rule(before[r.name])]
         for name in changed:
             print0(drift_line({"flag": "reward", "from": f"{name} (source {before[name]})",
                                "to": f"{name} (source {self.source_of(name)})", "breaks": "another loss trains"}))  # fmt: skip
