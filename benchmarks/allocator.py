@@ -53,8 +53,21 @@ def command(threshold: str | None, out: Path, end_idx: int, epochs: int) -> tupl
         env["MALLOC_MMAP_THRESHOLD_"] = threshold
     args = list(DEMO_ARGS)
     args[args.index("--num_epochs") + 1] = str(epochs)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "fsdp_finetune.py"),
-           *args, "--end_idx", str(end_idx), "--device", "cpu", "--output_dir", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(ROOT / "fsdp_finetune.py"),
+        *args,
+        "--end_idx",
+        str(end_idx),
+        "--device",
+        "cpu",
+        "--output_dir",
+        str(out),
+    ]
     return cmd, env
 
 
@@ -80,9 +93,14 @@ def launch(threshold: str | None, out: Path, end_idx: int, epochs: int, together
         steps.append(float(re.search(r"step time: measured ([\d.]+) s", text).group(1)))
         peaks.append([float(x) for x in re.search(r"host RAM peak per rank: ([\d., ]+) GiB", text).group(1).split(",")])
         losses.append(read_metrics(out / str(k))[-1]["loss"])
-    return {"step_s": statistics.median(steps), "wall_s": wall, "user_s": after.ru_utime - before.ru_utime,
-            "sys_s": after.ru_stime - before.ru_stime, "peak_rss_gib": [max(x[r] for x in peaks) for r in range(2)],
-            "losses": losses}  # fmt: skip
+    return {
+        "step_s": statistics.median(steps),
+        "wall_s": wall,
+        "user_s": after.ru_utime - before.ru_utime,
+        "sys_s": after.ru_stime - before.ru_stime,
+        "peak_rss_gib": [max(x[r] for x in peaks) for r in range(2)],
+        "losses": losses,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -95,22 +113,32 @@ def main(argv: list[str] | None = None) -> None:
                 for i, (name, threshold) in enumerate(ARMS.items()):
                     out = Path(tmp) / f"r{r}-{together}-{i}"
                     runs[name][mode].append(launch(threshold, out, args.end_idx, args.num_epochs, together))
-    arms = {name: {mode: {key: statistics.median(x[key] for x in rs) for key in ("step_s", "wall_s", "user_s", "sys_s")}
-                   | {"peak_rss_gib": [max(x["peak_rss_gib"][k] for x in rs) for k in range(2)], "launches": rs}
-                   for mode, rs in by_mode.items()} for name, by_mode in runs.items()}  # fmt: skip
+    arms = {
+        name: {
+            mode: {key: statistics.median(x[key] for x in rs) for key in ("step_s", "wall_s", "user_s", "sys_s")}
+            | {"peak_rss_gib": [max(x["peak_rss_gib"][k] for x in rs) for k in range(2)], "launches": rs}
+            for mode, rs in by_mode.items()
+        }
+        for name, by_mode in runs.items()
+    }
     cpu, gpu = arms.values()
     losses = {loss for by_mode in runs.values() for rs in by_mode.values() for x in rs for loss in x["losses"]}
-    report = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", "arms": arms,
-              "step_ratio": {m: gpu[m]["step_s"] / cpu[m]["step_s"] for m in modes},
-              "wall_ratio": {m: gpu[m]["wall_s"] / cpu[m]["wall_s"] for m in modes},
-              "same_losses": len(losses) == 1}  # fmt: skip
+    report = {
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "arms": arms,
+        "step_ratio": {m: gpu[m]["step_s"] / cpu[m]["step_s"] for m in modes},
+        "wall_ratio": {m: gpu[m]["wall_s"] / cpu[m]["wall_s"] for m in modes},
+        "same_losses": len(losses) == 1,
+    }
     print("| threshold | way | step (median) | wall | user CPU s | system CPU s | peak RSS per rank |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, by_mode in arms.items():
         for mode, a in by_mode.items():
             peaks = ", ".join(f"{p:.2f}" for p in a["peak_rss_gib"])
-            print(f"| {name} | {mode} | {a['step_s']:.3f} s | {a['wall_s']:.1f} s | {a['user_s']:.1f} | {a['sys_s']:.1f} "
-                  f"| {peaks} GiB |")  # fmt: skip
+            print(
+                f"| {name} | {mode} | {a['step_s']:.3f} s | {a['wall_s']:.1f} s | {a['user_s']:.1f} | {a['sys_s']:.1f} "
+                f"| {peaks} GiB |"
+            )
     for m in modes:
         print(f"1 MiB / 32 MiB, {m}: step time {report['step_ratio'][m]:.2f}, wall {report['wall_ratio'][m]:.2f}")
     print(f"the same last loss in every launch: {report['same_losses']}")

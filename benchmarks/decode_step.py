@@ -83,8 +83,15 @@ def forward_loop(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> 
 
 @torch.no_grad()
 def generate_round(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, sampled: bool) -> float:
-    config = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, eos_token_id=None,
-                              pad_token_id=0, use_cache=True, num_beams=1)  # fmt: skip
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        eos_token_id=None,
+        pad_token_id=0,
+        use_cache=True,
+        num_beams=1,
+    )
     keys = completion_keys(0, 1, list(range(len(ids))), [0] * len(ids))
     extra = {"logits_processor": processors(Sampling(new_tokens), keys, ids.shape[1])} if sampled else {}
     start = time.perf_counter()
@@ -132,28 +139,46 @@ def main(argv: list[str] | None = None) -> int:
 
     prefill = statistics.median(prefills)
     steps = args.new_tokens - 1  # the first token comes from the prefill
-    report: dict = {"model": args.model, "device": name, "dtype": str(dtype).removeprefix("torch."),
-                    "prompts": args.prompts, "prompt_length": args.prompt_length, "new_tokens": args.new_tokens,
-                    "lora_rank": args.lora_rank, "weights_bytes": weights, "prefill_s": prefill, "ways": {}}  # fmt: skip
+    report: dict = {
+        "model": args.model,
+        "device": name,
+        "dtype": str(dtype).removeprefix("torch."),
+        "prompts": args.prompts,
+        "prompt_length": args.prompt_length,
+        "new_tokens": args.new_tokens,
+        "lora_rank": args.lora_rank,
+        "weights_bytes": weights,
+        "prefill_s": prefill,
+        "ways": {},
+    }
     for way in WAYS:
         if way in ours:  # the whole rounds decodebench measured (a skipped way says why)
             r = ours[way]
-            report["ways"][way] = r if "skipped" in r else {
-                **r, "ms_per_step": 1e3 * max(0.0, r["round_s"] - prefill) / steps}
+            report["ways"][way] = (
+                r if "skipped" in r else {**r, "ms_per_step": 1e3 * max(0.0, r["round_s"] - prefill) / steps}
+            )
             continue
         seconds = statistics.median(rounds[way])
         decode = seconds if way == "forward" else max(0.0, seconds - prefill)
-        report["ways"][way] = {"round_s": seconds, "ms_per_step": 1e3 * decode / steps,
-                               "tokens_per_s": args.prompts * args.new_tokens / (seconds + (prefill if way == "forward" else 0))}  # fmt: skip
+        report["ways"][way] = {
+            "round_s": seconds,
+            "ms_per_step": 1e3 * decode / steps,
+            "tokens_per_s": args.prompts * args.new_tokens / (seconds + (prefill if way == "forward" else 0)),
+        }
     report["weights_read_ms_per_step"] = 1e3 * weights / (gbps * 1e9) if gbps else None
-    print(f"{args.model} on {name} ({report['dtype']}), {args.prompts} completions of {args.new_tokens} tokens after "
-          f"{args.prompt_length}-token prompts; prefill {1e3 * prefill:.1f} ms")  # fmt: skip
+    print(
+        f"{args.model} on {name} ({report['dtype']}), {args.prompts} completions of {args.new_tokens} tokens after "
+        f"{args.prompt_length}-token prompts; prefill {1e3 * prefill:.1f} ms"
+    )
     print("| way | ms per decoding step | tokens/s |")
     print("| --- | --- | --- |")
     for way in WAYS:
         r = report["ways"][way]
-        print(f"| {way} | {r['ms_per_step']:.2f} | {r['tokens_per_s']:,.0f} |" if "skipped" not in r
-              else f"| {way} | - ({r['skipped']}) | - |")
+        print(
+            f"| {way} | {r['ms_per_step']:.2f} | {r['tokens_per_s']:,.0f} |"
+            if "skipped" not in r
+            else f"| {way} | - ({r['skipped']}) | - |"
+        )
     if gbps:
         print(f"reading the weights once at {gbps:.0f} GB/s: {report['weights_read_ms_per_step']:.2f} ms per step")
     if args.json:

@@ -42,8 +42,11 @@ WAYS = ("gathered", "layer_by_layer")
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="random:facebook/opt-125m",
-                   help="random:<built-in shape> (random weights, offline), tiny-opt, or a local model folder")
+    p.add_argument(
+        "--model",
+        default="random:facebook/opt-125m",
+        help="random:<built-in shape> (random weights, offline), tiny-opt, or a local model folder",
+    )
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--prompts", type=int, default=8, help="completions each rank generates at once")
     p.add_argument("--prompt_length", type=int, default=64)
@@ -111,8 +114,9 @@ def worker(args: argparse.Namespace) -> int:
         counter.take()
         start = time.perf_counter()
         with gathered(model, gather=way == "gathered"):
-            made = generate(model, prompts, keys, sampling, eos_ids=[], pad_id=pad, device=env.device,
-                            synced=way != "gathered")  # fmt: skip
+            made = generate(
+                model, prompts, keys, sampling, eos_ids=[], pad_id=pad, device=env.device, synced=way != "gathered"
+            )
         if env.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
@@ -128,9 +132,15 @@ def worker(args: argparse.Namespace) -> int:
             rounds[way].append(seconds)
             made[way], gathers[way] = ids, calls
     tokens = sum(len(c) for c in made["gathered"])
-    result = {way: {"seconds": statistics.median(rounds[way]), "rounds_s": rounds[way],
-                    "tokens_per_second_per_rank": tokens / statistics.median(rounds[way]),
-                    "all_gathers_per_round": gathers[way]} for way in WAYS}  # fmt: skip
+    result = {
+        way: {
+            "seconds": statistics.median(rounds[way]),
+            "rounds_s": rounds[way],
+            "tokens_per_second_per_rank": tokens / statistics.median(rounds[way]),
+            "all_gathers_per_round": gathers[way],
+        }
+        for way in WAYS
+    }
     result["tokens_per_rank"] = tokens
     same = torch.tensor([int(made["gathered"] == made["layer_by_layer"])], device=env.device)
     torch.distributed.all_reduce(same, op=torch.distributed.ReduceOp.MIN)
@@ -161,8 +171,11 @@ def predicted(args: argparse.Namespace) -> dict[str, float] | None:
     inputs = Inputs(gpus=args.nproc, max_length=args.prompt_length + args.new_tokens, precision="fp16")
     once = generation_time(shape, "FULL_SHARD", inputs, args.prompts, args.new_tokens, gathered=True)
     layered = generation_time(shape, "FULL_SHARD", inputs, args.prompts, args.new_tokens, gathered=False)
-    return {"gathered_s": once["seconds"], "layer_by_layer_s": layered["seconds"],
-            "gathered_over_layer_by_layer_tokens_per_s": layered["seconds"] / once["seconds"]}  # fmt: skip
+    return {
+        "gathered_s": once["seconds"],
+        "layer_by_layer_s": layered["seconds"],
+        "gathered_over_layer_by_layer_tokens_per_s": layered["seconds"] / once["seconds"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,8 +193,18 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             kept.append(forwarded[i])
             i += 1
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-               __file__, *kept, "--worker", "--out", str(out)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={args.nproc}",
+            __file__,
+            *kept,
+            "--worker",
+            "--out",
+            str(out),
+        ]
         env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if not out.exists():
@@ -191,13 +214,25 @@ def main(argv: list[str] | None = None) -> int:
         result = json.loads(out.read_text())
     a, b = result["gathered"], result["layer_by_layer"]
     ratio = a["tokens_per_second_per_rank"] / b["tokens_per_second_per_rank"]
-    report = {"model": args.model, "nproc": args.nproc, "prompts_per_rank": args.prompts,
-              "prompt_length": args.prompt_length, "new_tokens": args.new_tokens, **result,
-              "gathered_over_layer_by_layer_tokens_per_s": ratio, "t4_prediction": predicted(args),
-              "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
-                          "command": " ".join(["python", "benchmarks/generation.py", *(argv or sys.argv[1:])])}}  # fmt: skip
-    print(f"{args.model}, {args.nproc} ranks ({result['device']}, {result['precision']}), {args.prompts} completions "
-          f"of {args.new_tokens} tokens per rank after {args.prompt_length}-token prompts")  # fmt: skip
+    report = {
+        "model": args.model,
+        "nproc": args.nproc,
+        "prompts_per_rank": args.prompts,
+        "prompt_length": args.prompt_length,
+        "new_tokens": args.new_tokens,
+        **result,
+        "gathered_over_layer_by_layer_tokens_per_s": ratio,
+        "t4_prediction": predicted(args),
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "command": " ".join(["python", "benchmarks/generation.py", *(argv or sys.argv[1:])]),
+        },
+    }
+    print(
+        f"{args.model}, {args.nproc} ranks ({result['device']}, {result['precision']}), {args.prompts} completions "
+        f"of {args.new_tokens} tokens per rank after {args.prompt_length}-token prompts"
+    )
     print("| way | tokens/s per rank | seconds per round | all-gathers per round |")
     print("| --- | --- | --- | --- |")
     for way in WAYS:
@@ -207,8 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gathered_over_layer_by_layer_tokens_per_s: {ratio:.2f}; same completions: {result['same_completions']}")
     if report["t4_prediction"]:
         t4 = report["t4_prediction"]
-        print(f"the plan for 2 x T4 at these sizes: gathered {t4['gathered_s']:.3f} s, layer by layer "
-              f"{t4['layer_by_layer_s']:.3f} s ({t4['gathered_over_layer_by_layer_tokens_per_s']:.1f}x)")  # fmt: skip
+        print(
+            f"the plan for 2 x T4 at these sizes: gathered {t4['gathered_s']:.3f} s, layer by layer "
+            f"{t4['layer_by_layer_s']:.3f} s ({t4['gathered_over_layer_by_layer_tokens_per_s']:.1f}x)"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     return 0 if result["same_completions"] else 1

@@ -63,7 +63,9 @@ def batch(vocab: int, first_target: int, device: torch.device) -> tuple[torch.Te
     return ids.to(device), labels.to(device)
 
 
-def step(model: torch.nn.Module, head: HeadLoss | None, ids: torch.Tensor, labels: torch.Tensor) -> tuple[float, float, int]:
+def step(
+    model: torch.nn.Module, head: HeadLoss | None, ids: torch.Tensor, labels: torch.Tensor
+) -> tuple[float, float, int]:
     """One forward and backward: (seconds, loss, peak bytes the step added to the process's RSS)."""
     model.zero_grad(set_to_none=True)
     reset_peak()
@@ -85,29 +87,44 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     configure_allocator()  # freed blocks go back to the system, so a step's peak is its own
     device = torch.device(args.device)
-    results: dict = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-                     "threads": torch.get_num_threads(), "rows": ROWS, "length": LENGTH, "cases": {}}  # fmt: skip
+    results: dict = {
+        "machine": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "rows": ROWS,
+        "length": LENGTH,
+        "cases": {},
+    }
     for vocab in (int(v) for v in args.vocabs.split(",")):
         model = build(vocab, device)
         arms = {"whole logits": None, "output layer at the targets": HeadLoss.for_run(model, 0)}
         for case, first in CASES.items():
             ids, labels = batch(vocab, first, device)
             runs: dict[str, list] = {arm: [] for arm in arms}
-            for arm, head in arms.items():  # one untimed micro-batch each: the first call's one-off costs
+            for head in arms.values():  # one untimed micro-batch each: the first call's one-off costs
                 step(model, head, ids, labels)
             for _ in range(args.rounds):
                 for arm, head in arms.items():
                     runs[arm].append(step(model, head, ids, labels))
-            row = {arm: {"seconds": statistics.median(r[0] for r in rs), "loss": rs[0][1],
-                         "peak_added_mib": max(r[2] for r in rs) / 2**20} for arm, rs in runs.items()}  # fmt: skip
+            row = {
+                arm: {
+                    "seconds": statistics.median(r[0] for r in rs),
+                    "loss": rs[0][1],
+                    "peak_added_mib": max(r[2] for r in rs) / 2**20,
+                }
+                for arm, rs in runs.items()
+            }
             whole, at = row["whole logits"], row["output layer at the targets"]
             row["speedup"] = whole["seconds"] / at["seconds"]
             row["targets"] = int((labels[:, 1:] != -100).sum())
             results["cases"][f"vocab {vocab}, {case}"] = row
-            print(f"vocab {vocab:>6}, {case:<4} ({row['targets']:>3} of {ROWS * LENGTH} positions with a target): "
-                  f"whole logits {whole['seconds'] * 1e3:7.1f} ms, +{whole['peak_added_mib']:6.1f} MiB; at the targets "
-                  f"{at['seconds'] * 1e3:7.1f} ms, +{at['peak_added_mib']:6.1f} MiB; {row['speedup']:.2f}x; loss "
-                  f"{whole['loss']:.4f} / {at['loss']:.4f}", flush=True)  # fmt: skip
+            print(
+                f"vocab {vocab:>6}, {case:<4} ({row['targets']:>3} of {ROWS * LENGTH} positions with a target): "
+                f"whole logits {whole['seconds'] * 1e3:7.1f} ms, +{whole['peak_added_mib']:6.1f} MiB; at the targets "
+                f"{at['seconds'] * 1e3:7.1f} ms, +{at['peak_added_mib']:6.1f} MiB; {row['speedup']:.2f}x; loss "
+                f"{whole['loss']:.4f} / {at['loss']:.4f}",
+                flush=True,
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0

@@ -67,12 +67,29 @@ def run_hf_trainer(args: argparse.Namespace, env, out_dir: str) -> dict:
 
     cpu = env.device.type == "cpu"
     targs = TrainingArguments(
-        output_dir=out_dir, use_cpu=cpu, ddp_backend="gloo" if cpu else None, per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.accum_steps,
-        max_steps=args.warmup + args.steps, learning_rate=1e-4, fp16=precision == "fp16", bf16=precision == "bf16",
-        fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": wrap, "activation_checkpointing": True,
-                                "reshard_after_forward": True},
-        report_to=[], save_strategy="no", logging_steps=10**6, disable_tqdm=True, dataloader_num_workers=0, seed=0,
-    )  # fmt: skip
+        output_dir=out_dir,
+        use_cpu=cpu,
+        ddp_backend="gloo" if cpu else None,
+        per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.accum_steps,
+        max_steps=args.warmup + args.steps,
+        learning_rate=1e-4,
+        fp16=precision == "fp16",
+        bf16=precision == "bf16",
+        fsdp=True,
+        fsdp_config={
+            "version": 2,
+            "transformer_layer_cls_to_wrap": wrap,
+            "activation_checkpointing": True,
+            "reshard_after_forward": True,
+        },
+        report_to=[],
+        save_strategy="no",
+        logging_steps=10**6,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+    )
     trainer = FSDPTrainer(model=model, args=targs, train_dataset=Rows(), callbacks=[Clock()])
     trainer.train()
     from torch.distributed.fsdp import FSDPModule
@@ -82,7 +99,9 @@ def run_hf_trainer(args: argparse.Namespace, env, out_dir: str) -> dict:
     # One more backward without a step, as for the engine, so gradients sit next to parameters and Adam state.
     batch = {k: v.to(env.device) for k, v in blocks.batch(torch.arange(args.batch_size), env.device).items()}
     trainer.model(**batch).loss.backward()
-    state = local_state_bytes(trainer.model, trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer)
+    state = local_state_bytes(
+        trainer.model, trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
+    )
     shape = Shape.of(model_config(args.model))
     inputs = Inputs(gpus=env.world_size, nodes=env.num_nodes, precision=precision, cuda=not cpu)
     timed = times[args.warmup :]

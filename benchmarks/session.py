@@ -42,14 +42,22 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="facebook/opt-350m", help="an OPT size built with random weights, or tiny-opt")
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--rows", type=int, default=6, help="rows per session (a few steps: the minutes around training are measured)")
+    p.add_argument(
+        "--rows", type=int, default=6, help="rows per session (a few steps: the minutes around training are measured)"
+    )
     p.add_argument("--max_length", type=int, default=128)
     p.add_argument("--batch_size", type=int, default=1)
-    p.add_argument("--workdir", default=None, help="keep the model, checkpoints and Hub objects here (default: a temporary folder)")
+    p.add_argument(
+        "--workdir", default=None, help="keep the model, checkpoints and Hub objects here (default: a temporary folder)"
+    )
     p.add_argument("--json", default=None, help="write the report here")
-    p.add_argument("--kaggle_disk_mbps", type=float, default=250.0, help="assumed write and read rate of /kaggle/working")
+    p.add_argument(
+        "--kaggle_disk_mbps", type=float, default=250.0, help="assumed write and read rate of /kaggle/working"
+    )
     p.add_argument("--kaggle_upload_mbps", type=float, default=100.0, help="assumed upload rate from Kaggle to the Hub")
-    p.add_argument("--kaggle_download_mbps", type=float, default=200.0, help="assumed download rate from the Hub to Kaggle")
+    p.add_argument(
+        "--kaggle_download_mbps", type=float, default=200.0, help="assumed download rate from the Hub to Kaggle"
+    )
     return p.parse_args(argv)
 
 
@@ -131,18 +139,59 @@ def build_model(shape: str, dest: Path) -> Path:
     return dest
 
 
-def run_session(args: argparse.Namespace, model: Path | str, hub_url: str, workdir: Path, name: str, start: int,
-                resume: bool, async_save: bool) -> dict:  # fmt: skip
+def run_session(
+    args: argparse.Namespace,
+    model: Path | str,
+    hub_url: str,
+    workdir: Path,
+    name: str,
+    start: int,
+    resume: bool,
+    async_save: bool,
+) -> dict:
     """One session under torchrun; its output lines timestamped, its first metrics line watched."""
     out_dir = workdir / name
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "WANDB_", "RANK", "WORLD_SIZE", "MASTER_"))}
-    env.update(HF_ENDPOINT=hub_url, HF_TOKEN=TOKEN, HF_HUB_DISABLE_XET="1", HF_HOME=str(workdir / f"hf_home_{name}"),
-               WANDB_MODE="disabled", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           str(ROOT / "fsdp_finetune.py"), "--model", str(model), "--dataset", "python-docs", "--start_idx", str(start),
-           "--end_idx", str(start + args.rows), "--max_length", str(args.max_length), "--batch_size", str(args.batch_size),
-           "--precision", "fp32", "--hf_repo", "bench/run", "--output_dir", str(out_dir), "--keep_last", "0",
-           "--async_save", str(async_save).lower()]  # fmt: skip
+    env.update(
+        HF_ENDPOINT=hub_url,
+        HF_TOKEN=TOKEN,
+        HF_HUB_DISABLE_XET="1",
+        HF_HOME=str(workdir / f"hf_home_{name}"),
+        WANDB_MODE="disabled",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(ROOT),
+        PYTHONUNBUFFERED="1",
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={args.nproc}",
+        str(ROOT / "fsdp_finetune.py"),
+        "--model",
+        str(model),
+        "--dataset",
+        "python-docs",
+        "--start_idx",
+        str(start),
+        "--end_idx",
+        str(start + args.rows),
+        "--max_length",
+        str(args.max_length),
+        "--batch_size",
+        str(args.batch_size),
+        "--precision",
+        "fp32",
+        "--hf_repo",
+        "bench/run",
+        "--output_dir",
+        str(out_dir),
+        "--keep_last",
+        "0",
+        "--async_save",
+        str(async_save).lower(),
+    ]
     if resume:
         cmd += ["--resume_file", "latest"]
     lines: list[tuple[float, str]] = []
@@ -188,8 +237,12 @@ def summarize(lines: list[tuple[float, str]], first_metrics_s: float | None, end
     slice_rows = [r for r in rows if r["slice"] == rows[-1]["slice"]]
     first = slice_rows[0]
     step_s = first["tokens"] / first["tokens_per_second"] if first["tokens_per_second"] else 0.0
-    out: dict = {"end_s": ended, "steps": len(slice_rows), "first_step_s": step_s,
-                 "median_step_s": sorted(r["tokens"] / r["tokens_per_second"] for r in slice_rows)[len(slice_rows) // 2]}  # fmt: skip
+    out: dict = {
+        "end_s": ended,
+        "steps": len(slice_rows),
+        "first_step_s": step_s,
+        "median_step_s": sorted(r["tokens"] / r["tokens_per_second"] for r in slice_rows)[len(slice_rows) // 2],
+    }
     if first_metrics_s is not None:
         out["launch_to_first_step_s"] = first_metrics_s - step_s  # the first step starts this long after launch
     saved = _find(lines, r"^saved (\S+) \(([\d,.]+) MiB in ([\d.]+) s(?:; training waited ([\d.]+) s of it)?\)")
@@ -197,7 +250,10 @@ def summarize(lines: list[tuple[float, str]], first_metrics_s: float | None, end
         out["save_bytes"] = Path(saved[1].group(1)).stat().st_size
         out["save_s"] = float(saved[1].group(3))
         out["save_training_waited_s"] = float(saved[1].group(4)) if saved[1].group(4) else out["save_s"]
-    pushed = _find(lines, r"hub: pushed \S+ to \S+ \(.*?\): ([\d,.]+) GB in ([\d.]+) s \(its weights file made first in ([\d.]+) s\)")
+    pushed = _find(
+        lines,
+        r"hub: pushed \S+ to \S+ \(.*?\): ([\d,.]+) GB in ([\d.]+) s \(its weights file made first in ([\d.]+) s\)",
+    )
     if pushed:
         out["push_bytes"] = float(pushed[1].group(1).replace(",", "")) * 1e9
         out["push_s"] = float(pushed[1].group(2))
@@ -220,27 +276,60 @@ def summarize(lines: list[tuple[float, str]], first_metrics_s: float | None, end
 def stage_floors(fresh: dict, resumed: dict, floor: dict, params: int, model: Path | str) -> dict[str, dict]:
     """Each measured stage with its bytes and its floor on this disk: write once, read once, or copy once."""
     rate = {k: floor["bytes"] / floor[f"{k}_s"] for k in ("write", "read", "copy")}  # bytes per second
-    model_bytes = sum(f.stat().st_size for f in Path(model).glob("*.safetensors")) if Path(model).is_dir() else 4 * params
+    model_bytes = (
+        sum(f.stat().st_size for f in Path(model).glob("*.safetensors")) if Path(model).is_dir() else 4 * params
+    )
     imports = floor["launcher_import_s"] + floor["worker_import_s"]
     stages = {
-        "save, in place (fresh)": (fresh["save_s"], fresh["save_bytes"], fresh["save_bytes"] / rate["write"], "write once"),
+        "save, in place (fresh)": (
+            fresh["save_s"],
+            fresh["save_bytes"],
+            fresh["save_bytes"] / rate["write"],
+            "write once",
+        ),
         "save, in the background (resumed): training waited": (
-            resumed["save_training_waited_s"], resumed["save_bytes"], resumed["save_bytes"] / rate["write"], "write once"),
+            resumed["save_training_waited_s"],
+            resumed["save_bytes"],
+            resumed["save_bytes"] / rate["write"],
+            "write once",
+        ),
         "weights file for the Hub (read fp32, write fp16)": (
-            fresh["weights_file_s"], 6 * params, 4 * params / rate["read"] + 2 * params / rate["write"], "read + write once"),
+            fresh["weights_file_s"],
+            6 * params,
+            4 * params / rate["read"] + 2 * params / rate["write"],
+            "read + write once",
+        ),
         "push to the Hub stand-in (checkpoint + weights file)": (
-            fresh["push_s"], fresh["push_bytes"], fresh["push_bytes"] / rate["copy"], "copy once"),
+            fresh["push_s"],
+            fresh["push_bytes"],
+            fresh["push_bytes"] / rate["copy"],
+            "copy once",
+        ),
         "download on a fresh machine": (
-            resumed["download_s"], resumed["download_bytes"], resumed["download_bytes"] / rate["copy"], "copy once"),
+            resumed["download_s"],
+            resumed["download_bytes"],
+            resumed["download_bytes"] / rate["copy"],
+            "copy once",
+        ),
         "resume: read and load the checkpoint": (
-            resumed["resume_load_s"], resumed["save_bytes"], resumed["save_bytes"] / rate["read"], "read once"),
+            resumed["resume_load_s"],
+            resumed["save_bytes"],
+            resumed["save_bytes"] / rate["read"],
+            "read once",
+        ),
         "launch to the first step (fresh)": (
-            fresh["launch_to_first_step_s"], model_bytes, imports + model_bytes / rate["read"], "imports + read the model"),
+            fresh["launch_to_first_step_s"],
+            model_bytes,
+            imports + model_bytes / rate["read"],
+            "imports + read the model",
+        ),
         "launch to the first step (resumed, with the download)": (
-            resumed["launch_to_first_step_s"], resumed["download_bytes"],
+            resumed["launch_to_first_step_s"],
+            resumed["download_bytes"],
             imports + resumed["download_bytes"] / rate["copy"] + resumed["save_bytes"] / rate["read"],
-            "imports + download + read"),
-    }  # fmt: skip
+            "imports + download + read",
+        ),
+    }
     return {k: {"measured_s": m, "bytes": b, "floor_s": f, "floor": what} for k, (m, b, f, what) in stages.items()}
 
 
@@ -250,13 +339,21 @@ def plan_host(shape: str, args: argparse.Namespace) -> dict:
     from fsdp_opt.planner.inputs import Inputs
 
     s = Shape.of(model_config(shape))
-    inputs = Inputs(gpus=args.nproc, batch_size=args.batch_size, max_length=args.max_length, accum_steps=1,
-                    precision="fp32", cuda=False)  # fmt: skip
+    inputs = Inputs(
+        gpus=args.nproc,
+        batch_size=args.batch_size,
+        max_length=args.max_length,
+        accum_steps=1,
+        precision="fp32",
+        cuda=False,
+    )
     host = host_memory(s, "FULL_SHARD", inputs)
     gib = 2**30
-    return {"params": s.params,
-            "fresh": [host["peak_fresh"]["rank0"] / gib] + [host["peak_fresh"]["other"] / gib] * (args.nproc - 1),
-            "resumed": [host["peak_resumed"]["rank0"] / gib] + [host["peak_resumed"]["other"] / gib] * (args.nproc - 1)}  # fmt: skip
+    return {
+        "params": s.params,
+        "fresh": [host["peak_fresh"]["rank0"] / gib] + [host["peak_fresh"]["other"] / gib] * (args.nproc - 1),
+        "resumed": [host["peak_resumed"]["rank0"] / gib] + [host["peak_resumed"]["other"] / gib] * (args.nproc - 1),
+    }
 
 
 # ---------------------------------------------------------------- Kaggle
@@ -279,24 +376,39 @@ def kaggle_prediction(args: argparse.Namespace, stages: dict[str, dict]) -> dict
     shape = Shape.of(model_config("facebook/opt-1.3b"))
     full, weights = 12 * shape.params, 2 * shape.params
     disk, up, down = (x * 1e6 for x in (args.kaggle_disk_mbps, args.kaggle_upload_mbps, args.kaggle_download_mbps))
-    host = host_memory(shape, "FULL_SHARD", Inputs(gpus=2, batch_size=4, max_length=512, accum_steps=16, precision="fp16"))
+    host = host_memory(
+        shape, "FULL_SHARD", Inputs(gpus=2, batch_size=4, max_length=512, accum_steps=16, precision="fp16")
+    )
     waited = ratios["save, in the background (resumed): training waited"]
     resume = stages["resume: read and load the checkpoint"]
     stages = {
         "save, in place (training waits for the disk)": full / disk * ratios["save, in place (fresh)"],
         "save, in the background (training waits for the gather)": full / disk * waited,
-        "weights file for the Hub": (4 * shape.params + weights) / disk * ratios["weights file for the Hub (read fp32, write fp16)"],
-        "push (checkpoint + weights file)": (full + weights) / up * ratios["push to the Hub stand-in (checkpoint + weights file)"],
+        "weights file for the Hub": (4 * shape.params + weights)
+        / disk
+        * ratios["weights file for the Hub (read fp32, write fp16)"],
+        "push (checkpoint + weights file)": (full + weights)
+        / up
+        * ratios["push to the Hub stand-in (checkpoint + weights file)"],
         "download on a fresh machine": full / down * ratios["download on a fresh machine"],
-        "resume: read and load the checkpoint": full / disk + max(0.0, resume["measured_s"] - resume["floor_s"]) * full / resume["bytes"],
+        "resume: read and load the checkpoint": full / disk
+        + max(0.0, resume["measured_s"] - resume["floor_s"]) * full / resume["bytes"],
     }
     return {
-        "checkpoint_bytes": full, "weights_bytes": weights,
-        "assumed_mbps": {"disk": args.kaggle_disk_mbps, "upload": args.kaggle_upload_mbps, "download": args.kaggle_download_mbps},
+        "checkpoint_bytes": full,
+        "weights_bytes": weights,
+        "assumed_mbps": {
+            "disk": args.kaggle_disk_mbps,
+            "upload": args.kaggle_upload_mbps,
+            "download": args.kaggle_download_mbps,
+        },
         "stages_s": stages,
-        "host_peak_gib": {"rank0_fresh": host["peak_fresh"]["rank0"] / GIB, "rank0_resumed": host["peak_resumed"]["rank0"] / GIB,
-                          "machine": max(host["peak_fresh"]["machine"], host["peak_resumed"]["machine"]) / GIB},
-    }  # fmt: skip
+        "host_peak_gib": {
+            "rank0_fresh": host["peak_fresh"]["rank0"] / GIB,
+            "rank0_resumed": host["peak_resumed"]["rank0"] / GIB,
+            "machine": max(host["peak_fresh"]["machine"], host["peak_resumed"]["machine"]) / GIB,
+        },
+    }
 
 
 # ---------------------------------------------------------------- report
@@ -313,8 +425,10 @@ def report(args, fresh: dict, resumed: dict, floor: dict, plan: dict, kaggle: di
         "| --- | --- | --- | --- | --- |",
     ]
     for name, st in stages.items():
-        lines.append(f"| {name} | {st['measured_s']:.1f} s | {st['bytes'] / 1e9:,.2f} GB | {st['floor_s']:.1f} s "
-                     f"({st['floor']}) | {st['measured_s'] / st['floor_s']:.2f}x |")  # fmt: skip
+        lines.append(
+            f"| {name} | {st['measured_s']:.1f} s | {st['bytes'] / 1e9:,.2f} GB | {st['floor_s']:.1f} s "
+            f"({st['floor']}) | {st['measured_s'] / st['floor_s']:.2f}x |"
+        )
     lines += [
         "",
         f"saves: in place {fresh['save_s']:.1f} s (training waited all of it); in the background {resumed['save_s']:.1f} s "
@@ -334,8 +448,11 @@ def report(args, fresh: dict, resumed: dict, floor: dict, plan: dict, kaggle: di
     ]
     lines += [f"| {k} | {v / 60:.1f} |" for k, v in kaggle["stages_s"].items()]
     h = kaggle["host_peak_gib"]
-    lines += ["", f"host RAM (plan): rank 0 peaks at {h['rank0_fresh']:.1f} GiB fresh, {h['rank0_resumed']:.1f} GiB "
-                  f"resumed; the machine (2 ranks) at {h['machine']:.1f} GiB"]  # fmt: skip
+    lines += [
+        "",
+        f"host RAM (plan): rank 0 peaks at {h['rank0_fresh']:.1f} GiB fresh, {h['rank0_resumed']:.1f} GiB "
+        f"resumed; the machine (2 ranks) at {h['machine']:.1f} GiB",
+    ]
     return "\n".join(lines)
 
 
@@ -358,14 +475,31 @@ def main(argv: list[str] | None = None) -> int:
             resumed = run_session(args, model, server.url, workdir, "resumed", args.rows, resume=True, async_save=True)
         stages = stage_floors(fresh, resumed, floor, plan["params"], model)
         ratios = {k: v["measured_s"] / v["floor_s"] for k, v in stages.items()}
-        machine = {"cpu": f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}", "python": platform.python_version()}
+        machine = {
+            "cpu": f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}",
+            "python": platform.python_version(),
+        }
         kaggle = kaggle_prediction(args, stages)
         text = report(args, fresh, resumed, floor, plan, kaggle, machine, stages)
         print(text)
         if args.json:
-            Path(args.json).write_text(json.dumps({"shape": args.shape, "nproc": args.nproc, "fresh": fresh, "resumed": resumed,
-                                                   "floors": floor, "stages": stages, "ratios": ratios, "plan": plan,
-                                                   "kaggle": kaggle, "machine": machine}, indent=1))  # fmt: skip
+            Path(args.json).write_text(
+                json.dumps(
+                    {
+                        "shape": args.shape,
+                        "nproc": args.nproc,
+                        "fresh": fresh,
+                        "resumed": resumed,
+                        "floors": floor,
+                        "stages": stages,
+                        "ratios": ratios,
+                        "plan": plan,
+                        "kaggle": kaggle,
+                        "machine": machine,
+                    },
+                    indent=1,
+                )
+            )
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)

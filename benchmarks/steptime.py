@@ -31,7 +31,7 @@ from fsdp_opt.model.shapes import Shape, model_config  # noqa: E402
 from fsdp_opt.planner.inputs import Inputs  # noqa: E402
 from fsdp_opt.planner.steptime import Rates, step_time  # noqa: E402
 from fsdp_opt.runtime.distributed import end_process, init_distributed, teardown  # noqa: E402
-from fsdp_opt.train.run import setup  # noqa: E402
+from fsdp_opt.train.build import setup  # noqa: E402
 
 # name: (micro-batch, accumulation, strategy, reduce every micro-batch)
 CONFIGS = {
@@ -63,10 +63,34 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def flags(args: argparse.Namespace, name: str, out_dir: str) -> list[str]:
     b, a, strategy, every = CONFIGS[name]
-    return ["--model", args.model, "--dataset", args.dataset, "--max_length", str(args.max_length), "--packing", "concat",
-            "--batch_size", str(b), "--accum_steps", str(a), "--sharding_strategy", strategy, "--reduce_every_microbatch",
-            str(every).lower(), "--precision", args.precision, "--output_dir", out_dir, "--wandb_mode", "disabled",
-            "--device", "cpu", "--end_idx", "400"]  # fmt: skip
+    return [
+        "--model",
+        args.model,
+        "--dataset",
+        args.dataset,
+        "--max_length",
+        str(args.max_length),
+        "--packing",
+        "concat",
+        "--batch_size",
+        str(b),
+        "--accum_steps",
+        str(a),
+        "--sharding_strategy",
+        strategy,
+        "--reduce_every_microbatch",
+        str(every).lower(),
+        "--precision",
+        args.precision,
+        "--output_dir",
+        out_dir,
+        "--wandb_mode",
+        "disabled",
+        "--device",
+        "cpu",
+        "--end_idx",
+        "400",
+    ]
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -103,9 +127,19 @@ def run_json(args: argparse.Namespace, argv: list[str], out: Path) -> dict:
 
 def predict(args: argparse.Namespace, name: str, measured_rates: dict) -> dict:
     b, a, strategy, every = CONFIGS[name]
-    inputs = Inputs(gpus=args.nproc, batch_size=b, accum_steps=a, max_length=args.max_length, precision=args.precision,
-                    reduce_every_microbatch=every, packing="concat", cuda=False)  # fmt: skip
-    return step_time(Shape.of(model_config(args.model)), strategy, inputs, Rates.measured(measured_rates, args.precision))
+    inputs = Inputs(
+        gpus=args.nproc,
+        batch_size=b,
+        accum_steps=a,
+        max_length=args.max_length,
+        precision=args.precision,
+        reduce_every_microbatch=every,
+        packing="concat",
+        cuda=False,
+    )
+    return step_time(
+        Shape.of(model_config(args.model)), strategy, inputs, Rates.measured(measured_rates, args.precision)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,26 +155,53 @@ def main(argv: list[str] | None = None) -> int:
             print("measuring this machine's rates ...", flush=True)
             rates = run_json(args, ["-m", "fsdp_opt.calibrate", "--device", "cpu"], Path(tmp) / "rates.json")
         rows = {}
-        passthrough = ["--model", args.model, "--dataset", args.dataset, "--max_length", str(args.max_length),
-                       "--precision", args.precision, "--warmup", str(args.warmup), "--steps", str(args.steps)]  # fmt: skip
+        passthrough = [
+            "--model",
+            args.model,
+            "--dataset",
+            args.dataset,
+            "--max_length",
+            str(args.max_length),
+            "--precision",
+            args.precision,
+            "--warmup",
+            str(args.warmup),
+            "--steps",
+            str(args.steps),
+        ]
         for name in names:
             print(f"running {name} ...", flush=True)
             measured = run_json(args, [__file__, *passthrough, "--worker", name], Path(tmp) / f"{name}.json")
             p = predict(args, name, rates)
-            rows[name] = {**measured, "predicted_s": p["step_s"], "prediction": p,
-                          "ratio": p["step_s"] / measured["step_time_s"]}  # fmt: skip
-    report = {"rates": rates, "configs": rows, "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "out")},
-              "tolerance": TOLERANCE, "all_within": all(abs(r["ratio"] - 1) <= TOLERANCE for r in rows.values())}  # fmt: skip
-    lines = ["| configuration | micro-batch x accum | strategy, reduce | measured | predicted | predicted / measured |",
-             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+            rows[name] = {
+                **measured,
+                "predicted_s": p["step_s"],
+                "prediction": p,
+                "ratio": p["step_s"] / measured["step_time_s"],
+            }
+    report = {
+        "rates": rates,
+        "configs": rows,
+        "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "out")},
+        "tolerance": TOLERANCE,
+        "all_within": all(abs(r["ratio"] - 1) <= TOLERANCE for r in rows.values()),
+    }
+    lines = [
+        "| configuration | micro-batch x accum | strategy, reduce | measured | predicted | predicted / measured |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for name, r in rows.items():
         b, a, strategy, every = CONFIGS[name]
-        lines.append(f"| {name} | {b} x {a} | {strategy}, {'every micro-batch' if every else 'last micro-batch'} | "
-                     f"{r['step_time_s']:.2f} s | {r['predicted_s']:.2f} s | {r['ratio']:.2f} |")  # fmt: skip
+        lines.append(
+            f"| {name} | {b} x {a} | {strategy}, {'every micro-batch' if every else 'last micro-batch'} | "
+            f"{r['step_time_s']:.2f} s | {r['predicted_s']:.2f} s | {r['ratio']:.2f} |"
+        )
     print("\n".join(lines))
-    print(f"rates: matmul {rates['matmul_tflops'][args.precision]:.3f} TFLOPS ({args.precision}), all-gather "
-          f"{rates['all_gather_gbps']['fp32']:.2f} GB/s, reduce-scatter {rates['reduce_scatter_gbps']['fp32']:.2f} GB/s, "
-          f"AdamW {rates['optimizer_gbps']:.2f} GB/s; {rates['world_size']} ranks x {rates['threads_per_rank']} thread(s)")  # fmt: skip
+    print(
+        f"rates: matmul {rates['matmul_tflops'][args.precision]:.3f} TFLOPS ({args.precision}), all-gather "
+        f"{rates['all_gather_gbps']['fp32']:.2f} GB/s, reduce-scatter {rates['reduce_scatter_gbps']['fp32']:.2f} GB/s, "
+        f"AdamW {rates['optimizer_gbps']:.2f} GB/s; {rates['world_size']} ranks x {rates['threads_per_rank']} thread(s)"
+    )
     print(f"every prediction within {TOLERANCE:.0%}: {'yes' if report['all_within'] else 'NO'}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

@@ -43,16 +43,27 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fsdp_opt.runtime.distributed import end_process  # noqa: E402 - after the repository is on the path
 
-THROUGHPUT = ("packed", "packed_docs", "padded", "hf_trainer", "packed_compiled", "packed_prefetch2", "packed_chunked_loss",
-              "packed_lora", "chat_docs", "chat_padded", "chat_all")
+THROUGHPUT = (
+    "packed",
+    "packed_docs",
+    "padded",
+    "hf_trainer",
+    "packed_compiled",
+    "packed_prefetch2",
+    "packed_chunked_loss",
+    "packed_lora",
+    "chat_docs",
+    "chat_padded",
+    "chat_all",
+)
 CHAT = ["--dataset", "python-docs-chat", "--chat_template", "chatml"]  # the chat configurations' rows
 MEMORY = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 
@@ -68,18 +79,29 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--precision", default="auto")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
-    p.add_argument("--repeat", type=int, default=1,
-                   help="run the configurations this many times, round robin, and report each one's median run: "
-                        "on a shared or throttling machine every configuration then sees the same conditions")  # fmt: skip
-    p.add_argument("--one_launch", action="store_true",
-                   help="run the configurations one after another in one torchrun launch (hf_trainer keeps its own): "
-                        "the imports and process group are paid once; each peak memory restarts at its configuration "
-                        "but includes what the ones before left resident")  # fmt: skip
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run the configurations this many times, round robin, and report each one's median run: "
+        "on a shared or throttling machine every configuration then sees the same conditions",
+    )
+    p.add_argument(
+        "--one_launch",
+        action="store_true",
+        help="run the configurations one after another in one torchrun launch (hf_trainer keeps its own): "
+        "the imports and process group are paid once; each peak memory restarts at its configuration "
+        "but includes what the ones before left resident",
+    )
     p.add_argument("--memory-only", dest="memory_only", action="store_true", help="compare sharding strategies instead")
     p.add_argument("--configs", nargs="*", default=None, help="a subset of the configurations")
     p.add_argument("--json", default=None, help="write the report here")
-    p.add_argument("--vocab", type=int, default=None,
-                   help="train a randomly initialised copy of --model with this vocabulary size (the tokenizer is unchanged)")  # fmt: skip
+    p.add_argument(
+        "--vocab",
+        type=int,
+        default=None,
+        help="train a randomly initialised copy of --model with this vocabulary size (the tokenizer is unchanged)",
+    )
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -122,11 +144,35 @@ class GcClock:
         return self.total
 
 
-def engine_flags(args: argparse.Namespace, out_dir: str, strategy: str = "FULL_SHARD", packing: str = "concat",
-                 extra: list[str] | None = None) -> list[str]:  # fmt: skip
-    flags = ["--model", args.model, "--dataset", args.dataset, "--max_length", str(args.max_length),
-             "--batch_size", str(args.batch_size), "--accum_steps", str(args.accum_steps), "--precision", args.precision,
-             "--sharding_strategy", strategy, "--output_dir", out_dir, "--wandb_mode", "disabled", "--lr", "1e-4"]  # fmt: skip
+def engine_flags(
+    args: argparse.Namespace,
+    out_dir: str,
+    strategy: str = "FULL_SHARD",
+    packing: str = "concat",
+    extra: list[str] | None = None,
+) -> list[str]:
+    flags = [
+        "--model",
+        args.model,
+        "--dataset",
+        args.dataset,
+        "--max_length",
+        str(args.max_length),
+        "--batch_size",
+        str(args.batch_size),
+        "--accum_steps",
+        str(args.accum_steps),
+        "--precision",
+        args.precision,
+        "--sharding_strategy",
+        strategy,
+        "--output_dir",
+        out_dir,
+        "--wandb_mode",
+        "disabled",
+        "--lr",
+        "1e-4",
+    ]
     return flags + ["--packing", packing] + (extra or [])
 
 
@@ -140,14 +186,25 @@ def run_engine(args: argparse.Namespace, name: str, env, out_dir: str) -> dict:
     from fsdp_opt.planner.inputs import Inputs
     from fsdp_opt.planner.memory import memory
     from fsdp_opt.runtime.gpus import peak_memory_bytes
-    from fsdp_opt.train.run import setup
+    from fsdp_opt.train.build import setup
 
     strategy = name if args.memory_only else "FULL_SHARD"
-    extra = {"packed_compiled": ["--compile"], "packed_prefetch2": ["--prefetch", "2"],
-             "packed_chunked_loss": ["--loss_chunk_tokens", "256"], "packed_lora": ["--lora_rank", "16"],
-             "chat_docs": CHAT, "chat_padded": CHAT, "chat_all": CHAT + ["--train_on", "all"]}.get(name, [])  # fmt: skip
-    packing = {"padded": "pad", "packed_docs": "docs", "chat_docs": "docs", "chat_all": "docs",
-               "chat_padded": "pad"}.get(name, "concat")  # fmt: skip
+    extra = {
+        "packed_compiled": ["--compile"],
+        "packed_prefetch2": ["--prefetch", "2"],
+        "packed_chunked_loss": ["--loss_chunk_tokens", "256"],
+        "packed_lora": ["--lora_rank", "16"],
+        "chat_docs": CHAT,
+        "chat_padded": CHAT,
+        "chat_all": CHAT + ["--train_on", "all"],
+    }.get(name, [])
+    packing = {
+        "padded": "pad",
+        "packed_docs": "docs",
+        "chat_docs": "docs",
+        "chat_all": "docs",
+        "chat_padded": "pad",
+    }.get(name, "concat")
     config = parse_args(engine_flags(args, out_dir, strategy, packing=packing, extra=extra))
     s = setup(config, env)
     times, tokens, seen = [], 0, 0
@@ -176,8 +233,13 @@ def run_engine(args: argparse.Namespace, name: str, env, out_dir: str) -> dict:
     s.model(**s.blocks.batch(last.micro_batches[0], env.device)).loss.backward()
     state = local_state_bytes(s.model, s.optimizer)
     shape = Shape.of(model_config(args.model))
-    inputs = Inputs(gpus=env.world_size, nodes=env.num_nodes, precision=s.precision, cuda=env.device.type == "cuda",
-                         lora_rank=config.lora.lora_rank)  # fmt: skip
+    inputs = Inputs(
+        gpus=env.world_size,
+        nodes=env.num_nodes,
+        precision=s.precision,
+        cuda=env.device.type == "cuda",
+        lora_rank=config.lora.lora_rank,
+    )
     planned = memory(shape, strategy, inputs)
     timed = times[args.warmup :]
     return {
@@ -257,10 +319,19 @@ def worker(args: argparse.Namespace) -> None:
 def machine() -> dict:
     import torch
 
-    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count()}  # fmt: skip
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+    }
     try:
-        model_name = next(l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("model name"))
+        model_name = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
         info["cpu"] = model_name
     except (OSError, StopIteration):
         pass
@@ -290,8 +361,19 @@ def launch(args: argparse.Namespace, names: list[str], argv: list[str]) -> dict[
     """The configurations `names`, one after another, in one torchrun launch: each one's result."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-               __file__, *argv, "--worker", ",".join(names), "--out", str(out)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={args.nproc}",
+            __file__,
+            *argv,
+            "--worker",
+            ",".join(names),
+            "--out",
+            str(out),
+        ]
         env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if out.exists():
@@ -346,15 +428,19 @@ def table(report: dict) -> str:
     def mib(n):
         return "-" if n is None else f"{n / 2**20:,.1f} MiB"
 
-    rows = ["| config | useful tokens/s | step time | MFU | state/rank (measured) | state/rank (planner) | peak memory/rank |",
-            "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    rows = [
+        "| config | useful tokens/s | step time | MFU | state/rank (measured) | state/rank (planner) | peak memory/rank |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for name, r in report["configs"].items():
         if "error" in r:
             rows.append(f"| {name} | not run: {r['error']} | | | | | |")
             continue
         mfu = "-" if r.get("mfu") is None else f"{100 * r['mfu']:.2f}%"
-        rows.append(f"| {name} | {r['useful_tokens_per_s']:,.0f} | {r['step_time_s'] * 1000:,.1f} ms | {mfu} | "
-                    f"{mib(r['peak_state_bytes_per_rank'])} | {mib(r['predicted_state_bytes_per_rank'])} | {mib(r['peak_memory_bytes_per_rank'])} |")  # fmt: skip
+        rows.append(
+            f"| {name} | {r['useful_tokens_per_s']:,.0f} | {r['step_time_s'] * 1000:,.1f} ms | {mfu} | "
+            f"{mib(r['peak_state_bytes_per_rank'])} | {mib(r['predicted_state_bytes_per_rank'])} | {mib(r['peak_memory_bytes_per_rank'])} |"
+        )
     return "\n".join(rows)
 
 
@@ -368,36 +454,76 @@ def main(argv: list[str] | None = None) -> int:
     workdir = tempfile.TemporaryDirectory(prefix="bench-model-") if args.vocab else None
     if workdir:
         args.model = widened_model(args.model, args.vocab, workdir.name)
-    passthrough = ["--model", args.model, "--dataset", args.dataset, "--max_length", str(args.max_length),
-                   "--batch_size", str(args.batch_size), "--accum_steps", str(args.accum_steps), "--precision",
-                   args.precision, "--warmup", str(args.warmup), "--steps", str(args.steps)]  # fmt: skip
+    passthrough = [
+        "--model",
+        args.model,
+        "--dataset",
+        args.dataset,
+        "--max_length",
+        str(args.max_length),
+        "--batch_size",
+        str(args.batch_size),
+        "--accum_steps",
+        str(args.accum_steps),
+        "--precision",
+        args.precision,
+        "--warmup",
+        str(args.warmup),
+        "--steps",
+        str(args.steps),
+    ]
     passthrough += ["--memory-only"] if args.memory_only else []
-    report = {"configs": rounds(names, args.repeat, launcher(args, names, passthrough)), "machine": machine(),
-              "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "out", "json")}}  # fmt: skip
+    report = {
+        "configs": rounds(names, args.repeat, launcher(args, names, passthrough)),
+        "machine": machine(),
+        "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "out", "json")},
+    }
     ratios = {}
     c = report["configs"]
     ok = {k: v for k, v in c.items() if "error" not in v}
     if "packed_docs" in ok and "padded" in ok:
-        ratios["packed_docs_over_padded_tokens_per_s"] = ok["packed_docs"]["useful_tokens_per_s"] / ok["padded"]["useful_tokens_per_s"]
+        ratios["packed_docs_over_padded_tokens_per_s"] = (
+            ok["packed_docs"]["useful_tokens_per_s"] / ok["padded"]["useful_tokens_per_s"]
+        )
     if "packed_docs" in ok and "packed" in ok:
-        ratios["packed_docs_over_packed_tokens_per_s"] = ok["packed_docs"]["useful_tokens_per_s"] / ok["packed"]["useful_tokens_per_s"]
-        ratios["packed_docs_over_packed_peak_memory"] = ok["packed_docs"]["peak_memory_bytes_per_rank"] / ok["packed"]["peak_memory_bytes_per_rank"]
+        ratios["packed_docs_over_packed_tokens_per_s"] = (
+            ok["packed_docs"]["useful_tokens_per_s"] / ok["packed"]["useful_tokens_per_s"]
+        )
+        ratios["packed_docs_over_packed_peak_memory"] = (
+            ok["packed_docs"]["peak_memory_bytes_per_rank"] / ok["packed"]["peak_memory_bytes_per_rank"]
+        )
     if "packed" in ok and "padded" in ok:
-        ratios["packed_over_padded_tokens_per_s"] = ok["packed"]["useful_tokens_per_s"] / ok["padded"]["useful_tokens_per_s"]
+        ratios["packed_over_padded_tokens_per_s"] = (
+            ok["packed"]["useful_tokens_per_s"] / ok["padded"]["useful_tokens_per_s"]
+        )
     if "packed" in ok and "hf_trainer" in ok:
-        ratios["packed_over_hf_trainer_tokens_per_s"] = ok["packed"]["useful_tokens_per_s"] / ok["hf_trainer"]["useful_tokens_per_s"]
+        ratios["packed_over_hf_trainer_tokens_per_s"] = (
+            ok["packed"]["useful_tokens_per_s"] / ok["hf_trainer"]["useful_tokens_per_s"]
+        )
     if "packed" in ok and "packed_chunked_loss" in ok:
-        ratios["packed_chunked_loss_over_packed_peak_memory"] = ok["packed_chunked_loss"]["peak_memory_bytes_per_rank"] / ok["packed"]["peak_memory_bytes_per_rank"]
-        ratios["packed_chunked_loss_over_packed_tokens_per_s"] = ok["packed_chunked_loss"]["useful_tokens_per_s"] / ok["packed"]["useful_tokens_per_s"]
+        ratios["packed_chunked_loss_over_packed_peak_memory"] = (
+            ok["packed_chunked_loss"]["peak_memory_bytes_per_rank"] / ok["packed"]["peak_memory_bytes_per_rank"]
+        )
+        ratios["packed_chunked_loss_over_packed_tokens_per_s"] = (
+            ok["packed_chunked_loss"]["useful_tokens_per_s"] / ok["packed"]["useful_tokens_per_s"]
+        )
     if "packed" in ok and "packed_lora" in ok:
-        ratios["packed_lora_over_packed_state"] = ok["packed_lora"]["peak_state_bytes_per_rank"] / ok["packed"]["peak_state_bytes_per_rank"]
-        ratios["packed_lora_over_packed_tokens_per_s"] = ok["packed_lora"]["useful_tokens_per_s"] / ok["packed"]["useful_tokens_per_s"]
+        ratios["packed_lora_over_packed_state"] = (
+            ok["packed_lora"]["peak_state_bytes_per_rank"] / ok["packed"]["peak_state_bytes_per_rank"]
+        )
+        ratios["packed_lora_over_packed_tokens_per_s"] = (
+            ok["packed_lora"]["useful_tokens_per_s"] / ok["packed"]["useful_tokens_per_s"]
+        )
     if "chat_docs" in ok and "chat_padded" in ok:
-        ratios["chat_docs_over_chat_padded_answer_tokens_per_s"] = ok["chat_docs"]["useful_tokens_per_s"] / ok["chat_padded"]["useful_tokens_per_s"]
+        ratios["chat_docs_over_chat_padded_answer_tokens_per_s"] = (
+            ok["chat_docs"]["useful_tokens_per_s"] / ok["chat_padded"]["useful_tokens_per_s"]
+        )
     if "chat_docs" in ok and "chat_all" in ok:
         ratios["chat_docs_over_chat_all_step_time"] = ok["chat_docs"]["step_time_s"] / ok["chat_all"]["step_time_s"]
     if "FULL_SHARD" in ok and "NO_SHARD" in ok:
-        ratios["full_shard_over_no_shard_state"] = ok["FULL_SHARD"]["peak_state_bytes_per_rank"] / ok["NO_SHARD"]["peak_state_bytes_per_rank"]
+        ratios["full_shard_over_no_shard_state"] = (
+            ok["FULL_SHARD"]["peak_state_bytes_per_rank"] / ok["NO_SHARD"]["peak_state_bytes_per_rank"]
+        )
     for name, r in ok.items():
         if r.get("predicted_state_bytes_per_rank"):
             ratios[f"{name}_planner_error"] = r["predicted_state_bytes_per_rank"] / r["peak_state_bytes_per_rank"] - 1
@@ -408,7 +534,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in ok.items():
         if r.get("gc_seconds") is not None:
             share = r["gc_seconds"] / (r["step_time_s"] * args.steps)
-            print(f"{name}: Python's garbage collector ran {r['gc_seconds'] * 1000:.1f} ms in the timed steps (~{100 * share:.2f}%)")
+            print(
+                f"{name}: Python's garbage collector ran {r['gc_seconds'] * 1000:.1f} ms in the timed steps (~{100 * share:.2f}%)"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
         print(f"wrote {args.json}")

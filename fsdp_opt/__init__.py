@@ -1,11 +1,10 @@
-"""fsdp-opt: fine-tune Hugging Face causal LMs with PyTorch FSDP2, one resumable run across sessions.
-"""
+"""fsdp-opt: fine-tune Hugging Face causal LMs with PyTorch FSDP2, one resumable run across sessions."""
 
 from __future__ import annotations
 
 import logging as _logging
 
-from fsdp_opt.base import VERSION as __version__
+from fsdp_opt.base import VERSION as __version__  # noqa: F401 - the package's version, as `fsdp_opt.__version__`
 from fsdp_opt.runtime.torchao_gate import gate_before_use
 
 # transformers imports torchao (the NF4 tensor of --base_bits 4) whenever it is installed. torchao then reports the

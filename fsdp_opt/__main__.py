@@ -1,5 +1,4 @@
-"""`python -m fsdp_opt` (and `torchrun ... -m fsdp_opt`): the training command of an installed package.
-"""
+"""`python -m fsdp_opt` (and `torchrun ... -m fsdp_opt`): the training command of an installed package."""
 
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 VERSION = "0.5.0"  # the package's version: pyproject.toml reads it; checkpoints and model cards record it; CHANGELOG.md
 
@@ -76,8 +76,13 @@ def looks_like_path(spec: str, suffixes: tuple[str, ...] = ()) -> bool:
     """Does a --model or --dataset value name a local path rather than a Hub id? Hub ids are `name` or
     `owner/name`; anything starting like a path, with more than one slash, a backslash, one of `suffixes`, or that
     exists here is a path."""
-    return (spec.startswith((".", "/", "~")) or spec.count("/") > 1 or "\\" in spec
-            or Path(spec).suffix.lower() in suffixes or Path(spec).exists())  # fmt: skip
+    return (
+        spec.startswith((".", "/", "~"))
+        or spec.count("/") > 1
+        or "\\" in spec
+        or Path(spec).suffix.lower() in suffixes
+        or Path(spec).exists()
+    )
 
 
 @contextlib.contextmanager

@@ -49,8 +49,10 @@ def launch_or_train(argv: list[str]) -> int:
     try:
         nproc, flags = split_flag(argv)
         if nproc is not None and under_a_launcher():
-            raise ConfigError(f"--nproc_per_node {nproc}: this process was started by a launcher already (torchrun); "
-                              "give the number of workers to one of the two")  # fmt: skip
+            raise ConfigError(
+                f"--nproc_per_node {nproc}: this process was started by a launcher already (torchrun); "
+                "give the number of workers to one of the two"
+            )
         n = workers(nproc) if nproc is not None else None
     except ConfigError as exc:
         fail(str(exc))

@@ -32,10 +32,16 @@ def main(argv: list[str] | None = None) -> int:
         n = int(a.mib * 2**20) // torch.tensor([], dtype=dtype).element_size()
         shard = torch.ones(n, dtype=dtype, device=env.device)
         full = torch.empty(n * env.world_size, dtype=dtype, device=env.device)
-        result = {"world_size": env.world_size, "device": env.device.type, "shard_bytes": shard.numel() * shard.element_size(),
-                  "nccl_p2p_disable": os.environ.get("NCCL_P2P_DISABLE", "")}  # fmt: skip
-        for name, op in (("all_gather", lambda: dist.all_gather_into_tensor(full, shard)),
-                         ("reduce_scatter", lambda: dist.reduce_scatter_tensor(shard, full))):  # fmt: skip
+        result = {
+            "world_size": env.world_size,
+            "device": env.device.type,
+            "shard_bytes": shard.numel() * shard.element_size(),
+            "nccl_p2p_disable": os.environ.get("NCCL_P2P_DISABLE", ""),
+        }
+        for name, op in (
+            ("all_gather", lambda: dist.all_gather_into_tensor(full, shard)),
+            ("reduce_scatter", lambda: dist.reduce_scatter_tensor(shard, full)),
+        ):
             op()  # the first call sets the communicator up
             sync(env.device)
             started = time.perf_counter()

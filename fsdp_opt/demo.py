@@ -30,35 +30,133 @@ from fsdp_opt.tracking.metrics import read_metrics
 # default for real models), which takes a sixth off a CPU step and changes no loss.
 NO_RECOMPUTE = ["--activation_checkpointing", "false"]
 DEMO_ARGS = [
-    "--model", "tiny-opt", "--dataset", "python-docs", "--max_length", "128", "--batch_size", "4",
-    "--num_epochs", "2", "--lr", "3e-3", "--warmup_steps", "20", "--seed", "0", *NO_RECOMPUTE,
-]  # fmt: skip
+    "--model",
+    "tiny-opt",
+    "--dataset",
+    "python-docs",
+    "--max_length",
+    "128",
+    "--batch_size",
+    "4",
+    "--num_epochs",
+    "2",
+    "--lr",
+    "3e-3",
+    "--warmup_steps",
+    "20",
+    "--seed",
+    "0",
+    *NO_RECOMPUTE,
+]
 CHAT_ROWS = 700  # of python-docs-chat's 754: the rest are held out, asked after training
 DPO_ARGS = [
-    "--model", "tiny-opt", "--dataset", "python-docs-prefs", "--method", "dpo", "--chat_template", "chatml",
-    "--max_length", "128", "--end_idx", "320", "--batch_size", "4", "--num_epochs", "1", "--lr", "3e-3",
-    "--warmup_steps", "10", "--seed", "0", "--eval_rows", "100", "--eval_split", "test", "--save_optimizer", "false",
+    "--model",
+    "tiny-opt",
+    "--dataset",
+    "python-docs-prefs",
+    "--method",
+    "dpo",
+    "--chat_template",
+    "chatml",
+    "--max_length",
+    "128",
+    "--end_idx",
+    "320",
+    "--batch_size",
+    "4",
+    "--num_epochs",
+    "1",
+    "--lr",
+    "3e-3",
+    "--warmup_steps",
+    "10",
+    "--seed",
+    "0",
+    "--eval_rows",
+    "100",
+    "--eval_split",
+    "test",
+    "--save_optimizer",
+    "false",
     *NO_RECOMPUTE,
-]  # fmt: skip
+]
 # The learning rate decays (cosine, to a tenth over the 170 steps after warm-up): the answers' format is then held
 # with a margin. At a constant rate half the run's answers ended as the template ends a turn, and the rounding of a
 # CPU's kernels decided whether all four asked did (docs/testing.md: the demos' margins).
 CHAT_ARGS = [
-    "--model", "tiny-opt", "--dataset", "python-docs-chat", "--chat_template", "chatml", "--max_length", "256",
-    "--end_idx", str(CHAT_ROWS), "--batch_size", "2", "--num_epochs", "2", "--lr", "3e-3", "--warmup_steps", "20",
-    "--lr_schedule", "cosine", "--lr_decay_steps", "170", "--min_lr_ratio", "0.1", "--seed", "0", *NO_RECOMPUTE,
-]  # fmt: skip
+    "--model",
+    "tiny-opt",
+    "--dataset",
+    "python-docs-chat",
+    "--chat_template",
+    "chatml",
+    "--max_length",
+    "256",
+    "--end_idx",
+    str(CHAT_ROWS),
+    "--batch_size",
+    "2",
+    "--num_epochs",
+    "2",
+    "--lr",
+    "3e-3",
+    "--warmup_steps",
+    "20",
+    "--lr_schedule",
+    "cosine",
+    "--lr_decay_steps",
+    "170",
+    "--min_lr_ratio",
+    "0.1",
+    "--seed",
+    "0",
+    *NO_RECOMPUTE,
+]
 # A rate of 5e-4, warmed up over 5 steps, then a cosine decay to a tenth over the 35 steps after it. At a constant
 # 1e-3 from the first step, AdamW's first updates (each parameter moved by about the full rate) left some seeds'
 # model never ending an answer: every group's rewards were then equal, with no advantage left to learn from (seed 1
 # from step 2; with the warm-up and decay at 1e-3, seed 4 from step 10). docs/testing.md has the seeds and kernels.
 GRPO_ARGS = [
-    "--dataset", "python-docs-prompts", "--method", "grpo", "--reward", "length", "--max_length", "128",
-    "--max_completion_length", "16", "--num_generations", "8", "--global_batch", "64", "--batch_size", "16",
-    "--end_idx", "320", "--num_epochs", "1", "--lr", "5e-4", "--warmup_steps", "5", "--lr_schedule", "cosine",
-    "--lr_decay_steps", "35", "--min_lr_ratio", "0.1", "--eval_rows", "32", "--eval_split", "test", "--seed", "0",
-    "--save_optimizer", "false", *NO_RECOMPUTE,
-]  # fmt: skip
+    "--dataset",
+    "python-docs-prompts",
+    "--method",
+    "grpo",
+    "--reward",
+    "length",
+    "--max_length",
+    "128",
+    "--max_completion_length",
+    "16",
+    "--num_generations",
+    "8",
+    "--global_batch",
+    "64",
+    "--batch_size",
+    "16",
+    "--end_idx",
+    "320",
+    "--num_epochs",
+    "1",
+    "--lr",
+    "5e-4",
+    "--warmup_steps",
+    "5",
+    "--lr_schedule",
+    "cosine",
+    "--lr_decay_steps",
+    "35",
+    "--min_lr_ratio",
+    "0.1",
+    "--eval_rows",
+    "32",
+    "--eval_split",
+    "test",
+    "--seed",
+    "0",
+    "--save_optimizer",
+    "false",
+    *NO_RECOMPUTE,
+]
 CHAT_PROMPTS = 4  # held-out questions the chat demo asks
 DPO_PAIRS = 100  # held-out pairs the DPO demo scores
 
@@ -74,8 +172,20 @@ def ask(out: Path, flags: list[str], report: str) -> dict | None:
     one; two CPU ranks would pass each layer's shards back and forth for every generated token): its JSON report, or
     None when it failed."""
     path = out / report
-    cmd = [sys.executable, "-m", "fsdp_opt.evaluate", "--checkpoints", "latest", "--output_dir", str(out),
-           "--device", "cpu", *flags, "--json", str(path)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "fsdp_opt.evaluate",
+        "--checkpoints",
+        "latest",
+        "--output_dir",
+        str(out),
+        "--device",
+        "cpu",
+        *flags,
+        "--json",
+        str(path),
+    ]
     return json.loads(path.read_text()) if echo_and_call(cmd) == 0 else None
 
 
@@ -85,7 +195,9 @@ def chat_verdict(out: Path) -> tuple[str, bool] | None:
         return None
     answers = [next(reversed(s["outputs"].values())) for s in report["samples"]]
     ended = sum(1 for a in answers if a.endswith("<|im_end|>") and "<|im_start|>" not in a)
-    return f"the trained model ended {ended} of {len(answers)} answers with the template's <|im_end|>", ended == len(answers)
+    return f"the trained model ended {ended} of {len(answers)} answers with the template's <|im_end|>", ended == len(
+        answers
+    )
 
 
 def dpo_verdict(out: Path) -> tuple[str, bool] | None:
@@ -93,9 +205,11 @@ def dpo_verdict(out: Path) -> tuple[str, bool] | None:
     if report is None:
         return None
     base, tuned = report["models"]
-    return (f"held-out accuracy {base['accuracy']:.0%} before training (the model is its own reference), "
-            f"{tuned['accuracy']:.0%} after; reward margin {tuned['margin']:.2f}",
-            tuned["accuracy"] > base["accuracy"])  # fmt: skip
+    return (
+        f"held-out accuracy {base['accuracy']:.0%} before training (the model is its own reference), "
+        f"{tuned['accuracy']:.0%} after; reward margin {tuned['margin']:.2f}",
+        tuned["accuracy"] > base["accuracy"],
+    )
 
 
 def grpo_verdict(out: Path) -> tuple[str, bool] | None:
@@ -103,9 +217,11 @@ def grpo_verdict(out: Path) -> tuple[str, bool] | None:
     if report is None:
         return None
     base, tuned = report["models"]
-    return (f"mean reward of a greedy answer to each of {tuned['prompts']} held-out questions: {base['reward']:.2f} "
-            f"before training (the chat demo's model), {tuned['reward']:.2f} after",
-            tuned["reward"] > base["reward"])  # fmt: skip
+    return (
+        f"mean reward of a greedy answer to each of {tuned['prompts']} held-out questions: {base['reward']:.2f} "
+        f"before training (the chat demo's model), {tuned['reward']:.2f} after",
+        tuned["reward"] > base["reward"],
+    )
 
 
 def grpo_start(out: Path, nproc: int) -> list[str] | None:
@@ -113,8 +229,11 @@ def grpo_start(out: Path, nproc: int) -> list[str] | None:
     chat = out.parent / "demo-chat"
     trained = sorted(chat.glob("*-epoch-2.pt"))
     if not trained:
-        print(f"demo: --grpo starts from the chat demo's model; {chat}/ has none, so the chat demo trains first (about a "
-              "minute on 2 CPU cores), then GRPO (under a minute, with its evaluation before and after)", flush=True)  # fmt: skip
+        print(
+            f"demo: --grpo starts from the chat demo's model; {chat}/ has none, so the chat demo trains first (about a "
+            "minute on 2 CPU cores), then GRPO (under a minute, with its evaluation before and after)",
+            flush=True,
+        )
         if main(["--chat", "--nproc", str(nproc), "--output_dir", str(chat)]) != 0:
             return None
         trained = sorted(chat.glob("*-epoch-2.pt"))
@@ -137,14 +256,20 @@ DEMOS = {
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fsdp_opt.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2, help="worker processes (CPU ranks)")
-    parser.add_argument("--output_dir", default=None,
-                        help="where checkpoints and metrics go, replaced (default: outputs/demo, outputs/demo-chat with "
-                             "--chat, outputs/demo-dpo with --dpo, outputs/demo-grpo with --grpo)")  # fmt: skip
+    parser.add_argument(
+        "--output_dir",
+        default=None,
+        help="where checkpoints and metrics go, replaced (default: outputs/demo, outputs/demo-chat with "
+        "--chat, outputs/demo-dpo with --dpo, outputs/demo-grpo with --grpo)",
+    )
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--chat", action="store_true", help="train on python-docs-chat, loss on the answers only")
     which.add_argument("--dpo", action="store_true", help="DPO on python-docs-prefs, scored on its held-out pairs")
-    which.add_argument("--grpo", action="store_true",
-                       help="GRPO on python-docs-prompts from the chat demo's model, one-word answers rewarded")
+    which.add_argument(
+        "--grpo",
+        action="store_true",
+        help="GRPO on python-docs-prompts from the chat demo's model, one-word answers rewarded",
+    )
     args, extra = parser.parse_known_args(argv)
     name = "chat" if args.chat else "dpo" if args.dpo else "grpo" if args.grpo else "plain"
     flags, default_out, what, must_fall, verdict = DEMOS[name]
@@ -156,8 +281,21 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         flags = start + flags
     # The installed package's own training command (`-m fsdp_opt`): the same from a checkout, a wheel or git.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           "-m", "fsdp_opt", *flags, "--device", "cpu", "--output_dir", str(out), *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={args.nproc}",
+        "-m",
+        "fsdp_opt",
+        *flags,
+        "--device",
+        "cpu",
+        "--output_dir",
+        str(out),
+        *extra,
+    ]
     code = echo_and_call(cmd)
     if code != 0:
         return code

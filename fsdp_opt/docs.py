@@ -46,9 +46,14 @@ def _default(action: argparse.Action) -> str:
 def flags_markdown(parser: argparse.ArgumentParser | None = None) -> str:
     """docs/flags.md: every flag of `fsdp_finetune.py` / `python -m fsdp_opt`, by section, from the parser."""
     parser = parser or build_parser()
-    out = ["# Flags", "", "Every flag of the training command (`fsdp_finetune.py`, `python -m fsdp_opt`), by section, as "
-           "`--help` gives them. Written by `python -m fsdp_opt.docs` from the parser; a test fails when this page "
-           "is stale.", ""]  # fmt: skip
+    out = [
+        "# Flags",
+        "",
+        "Every flag of the training command (`fsdp_finetune.py`, `python -m fsdp_opt`), by section, as "
+        "`--help` gives them. Written by `python -m fsdp_opt.docs` from the parser; a test fails when this page "
+        "is stale.",
+        "",
+    ]
     groups = [g for g in parser._action_groups if any(a.option_strings for a in g._group_actions)]
     groups.sort(key=lambda g: g.title in ("options", "optional arguments"))  # --help and --version last
     for group in groups:
@@ -116,9 +121,17 @@ def command_blocks(root: Path) -> list[Block]:
             before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1].strip()
             marker = MARKER.fullmatch(before)
             name = marker.group(3) if marker else None
-            blocks.append(Block(str(page.relative_to(root)), text.count("\n", 0, m.start()) + 1, m.group(1),
-                                m.group(2), None if name or not marker else marker.group(1),
-                                marker.group(2) if marker else None, name))  # fmt: skip
+            blocks.append(
+                Block(
+                    str(page.relative_to(root)),
+                    text.count("\n", 0, m.start()) + 1,
+                    m.group(1),
+                    m.group(2),
+                    None if name or not marker else marker.group(1),
+                    marker.group(2) if marker else None,
+                    name,
+                )
+            )
     return blocks
 
 
@@ -138,8 +151,10 @@ def quotes(root: Path) -> list[Quote]:
     for page in _pages(root):
         text, where = page.read_text(), str(page.relative_to(root))
         line = lambda m: text.count("\n", 0, m.start()) + 1  # noqa: E731
-        here = [Quote(where, line(m), m.group(1), [l for l in (m.group(2) or m.group(3)).splitlines() if l.strip()])
-                for m in PRINTED.finditer(text)]  # fmt: skip
+        here = [
+            Quote(where, line(m), m.group(1), [x for x in (m.group(2) or m.group(3)).splitlines() if x.strip()])
+            for m in PRINTED.finditer(text)
+        ]
         here += [Quote(where, line(m), m.group(2), [], m.group(1)) for m in FIGURE.finditer(text)]
         found += sorted(here, key=lambda q: q.line)
     return found
@@ -156,7 +171,7 @@ def quote_failures(quote: Quote, output: str) -> str | None:
         if quote.number.replace(",", "") not in printed:
             return f"{quote.number} is not a number {quote.name} prints"
         return None
-    out, at = [_flat(l) for l in output.splitlines()], 0
+    out, at = [_flat(x) for x in output.splitlines()], 0
     for want in quote.lines:
         w = _flat(want)
         while at < len(out) and w not in out[at]:
@@ -167,8 +182,9 @@ def quote_failures(quote: Quote, output: str) -> str | None:
     return None
 
 
-def _run(where: str, kind: str, code: str, root: Path, timeout: float, env: dict[str, str] | None,
-         failures: list[str]) -> str | None:  # fmt: skip
+def _run(
+    where: str, kind: str, code: str, root: Path, timeout: float, env: dict[str, str] | None, failures: list[str]
+) -> str | None:
     """A block's or a named command's output; None (and a failure line) when it did not exit 0."""
     cmd = ["bash", "-e", "-c", code] if kind == "bash" else [sys.executable, "-c", code]
     started = time.monotonic()
@@ -211,16 +227,24 @@ def _plan_args(command: str) -> list[str] | None:
     return command[len(PLAN) :].split()
 
 
-def _run_plans(commands: dict[str, str], root: Path, timeout: float, env: dict[str, str] | None,
-               failures: list[str]) -> dict[str, str | None]:  # fmt: skip
+def _run_plans(
+    commands: dict[str, str], root: Path, timeout: float, env: dict[str, str] | None, failures: list[str]
+) -> dict[str, str | None]:
     """Plain plan commands (blocks and named commands), run by the plan's own main in one process: their outputs
     (None where one failed), by the key each is given under."""
     if not commands:
         return {}
     started = time.monotonic()
     args = [_plan_args(c) for c in commands.values()]
-    proc = subprocess.run([sys.executable, "-c", PLAN_RUNNER], input=json.dumps(args), cwd=root, capture_output=True,
-                          text=True, timeout=timeout, env=env)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", PLAN_RUNNER],
+        input=json.dumps(args),
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
     if proc.returncode != 0:
         failures.append(f"the plan commands: exit {proc.returncode} ({proc.stderr.strip()[-200:]})")
         return dict.fromkeys(commands)
@@ -281,7 +305,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m fsdp_opt.docs", description=__doc__.split("\n\n")[0])
     p.add_argument("--root", default=".", help="the checkout whose docs/ to write (default: this folder)")
     p.add_argument("--check", action="store_true", help="say which page is stale (exit 1) instead of writing")
-    p.add_argument("--run", action="store_true", help="run every command block of README.md and docs/ (exit 1 if one fails)")
+    p.add_argument(
+        "--run", action="store_true", help="run every command block of README.md and docs/ (exit 1 if one fails)"
+    )
     a = p.parse_args(argv)
     root = Path(a.root)
     if a.run:

@@ -17,8 +17,8 @@ import argparse
 
 from fsdp_opt.base import ConfigError
 from fsdp_opt.config.choices import DATA_FORMATS, STRATEGIES, TRAIN_ON
-from fsdp_opt.config.method import METHODS
 from fsdp_opt.config.flags import OneLineParser
+from fsdp_opt.config.method import METHODS
 from fsdp_opt.runtime.distributed import (
     end_process,
     fail,
@@ -34,28 +34,46 @@ from fsdp_opt.train.compare import DEFAULT_EVAL_ROWS, compare
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m fsdp_opt.evaluate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="base model (default: the one the first checkpoint was trained from)")
-    p.add_argument("--checkpoints", nargs="*", default=["latest"],
-                   help="checkpoints or model folders to compare with the base: paths, names in --output_dir or the "
-                        "--hf_repo repo, `latest`, or Hugging Face model folders (default: latest)")  # fmt: skip
+    p.add_argument(
+        "--checkpoints",
+        nargs="*",
+        default=["latest"],
+        help="checkpoints or model folders to compare with the base: paths, names in --output_dir or the "
+        "--hf_repo repo, `latest`, or Hugging Face model folders (default: latest)",
+    )
     p.add_argument("--no_base", action="store_true", help="leave the base model out")
     p.add_argument("--dataset", default=None, help="default: the first checkpoint's dataset")
     p.add_argument("--dataset_config", default=None, help="the dataset's config (default: the first checkpoint's)")
     p.add_argument("--dataset_split", default=None, help="the split trained on (default: the first checkpoint's)")
     p.add_argument("--dataset_files", default=None, help="data files of the split (default: the first checkpoint's)")
-    p.add_argument("--eval_split", default=None,
-                   help="take the held-out rows from this split's first --eval_rows (default: the first checkpoint's; "
-                        "without one, the rows after its range, or when none are left, a test or validation split)")
-    p.add_argument("--method", default=None, choices=METHODS,
-                   help="dpo: score preference pairs (DPO loss, rewards, accuracy) against the reference; grpo: the mean "
-                        "reward of a greedy completion of each held-out prompt (default: the "
-                        "first checkpoint's method)")
+    p.add_argument(
+        "--eval_split",
+        default=None,
+        help="take the held-out rows from this split's first --eval_rows (default: the first checkpoint's; "
+        "without one, the rows after its range, or when none are left, a test or validation split)",
+    )
+    p.add_argument(
+        "--method",
+        default=None,
+        choices=METHODS,
+        help="dpo: score preference pairs (DPO loss, rewards, accuracy) against the reference; grpo: the mean "
+        "reward of a greedy completion of each held-out prompt (default: the "
+        "first checkpoint's method)",
+    )
     p.add_argument("--beta", type=float, default=None, help="--method dpo: beta (default: the first checkpoint's)")
-    p.add_argument("--reward", action="append", default=None,
-                   help="--method grpo: the reward functions that score each model's greedy completion of each held-out "
-                        "prompt, as the trainer's --reward (default: the first checkpoint's)")  # fmt: skip
-    p.add_argument("--ref_model", default=None,
-                   help="--method dpo: the reference (default: the one the first checkpoint recorded; a LoRA run's "
-                        "adapters-off reference is its base)")
+    p.add_argument(
+        "--reward",
+        action="append",
+        default=None,
+        help="--method grpo: the reward functions that score each model's greedy completion of each held-out "
+        "prompt, as the trainer's --reward (default: the first checkpoint's)",
+    )
+    p.add_argument(
+        "--ref_model",
+        default=None,
+        help="--method dpo: the reference (default: the one the first checkpoint recorded; a LoRA run's "
+        "adapters-off reference is its base)",
+    )
     p.add_argument("--chosen_column", default=None)
     p.add_argument("--rejected_column", default=None)
     p.add_argument("--text_column", default=None, help="default: the first checkpoint's, like every data flag here")
@@ -64,29 +82,53 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--completion_column", default=None)
     p.add_argument("--messages_column", default=None)
     p.add_argument("--train_on", default=None, choices=TRAIN_ON, help="which tokens the held-out loss counts")
-    p.add_argument("--chat_template", default=None,
-                   help="a Jinja file or a built-in name (chatml); default: the one the first checkpoint trained with, "
-                        "else the tokenizer's own")  # fmt: skip
-    p.add_argument("--start_idx", type=int, default=None, help="first held-out row (default: the end of the first checkpoint's range)")
+    p.add_argument(
+        "--chat_template",
+        default=None,
+        help="a Jinja file or a built-in name (chatml); default: the one the first checkpoint trained with, "
+        "else the tokenizer's own",
+    )
+    p.add_argument(
+        "--start_idx",
+        type=int,
+        default=None,
+        help="first held-out row (default: the end of the first checkpoint's range)",
+    )
     p.add_argument("--eval_rows", type=int, default=DEFAULT_EVAL_ROWS, help="held-out rows [start_idx, start_idx + N)")
     p.add_argument("--max_length", type=int, default=None, help="block length (default: the first checkpoint's)")
-    p.add_argument("--packing", default=None, choices=["docs", "concat", "pad"],
-                   help="how the rows fill the blocks (default: docs, or concat for a run trained that way); docs and "
-                        "pad give each row's loss on its own, so their results agree")  # fmt: skip
+    p.add_argument(
+        "--packing",
+        default=None,
+        choices=["docs", "concat", "pad"],
+        help="how the rows fill the blocks (default: docs, or concat for a run trained that way); docs and "
+        "pad give each row's loss on its own, so their results agree",
+    )
     p.add_argument("--batch_size", type=int, default=4, help="blocks per forward pass per rank")
-    p.add_argument("--prompts", nargs="*", default=None,
-                   help="default: from the first held-out rows: a text row's first words; a row's prompt or its "
-                        "conversation up to the first answer, through the chat template")  # fmt: skip
+    p.add_argument(
+        "--prompts",
+        nargs="*",
+        default=None,
+        help="default: from the first held-out rows: a text row's first words; a row's prompt or its "
+        "conversation up to the first answer, through the chat template",
+    )
     p.add_argument("--num_prompts", type=int, default=3, help="held-out rows whose prompts the models answer (0: none)")
-    p.add_argument("--max_new_tokens", type=int, default=40,
-                   help="tokens of each sample answer shown (a GRPO run's --reward report shows the completions it "
-                        "scored instead, of the run's --max_completion_length)")
+    p.add_argument(
+        "--max_new_tokens",
+        type=int,
+        default=40,
+        help="tokens of each sample answer shown (a GRPO run's --reward report shows the completions it "
+        "scored instead, of the run's --max_completion_length)",
+    )
     p.add_argument("--do_sample", action="store_true", help="sample (default: greedy)")
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top_p", type=float, default=0.95)
-    p.add_argument("--seed", type=int, default=None,
-                   help="initialisation of the built-in tiny-opt (or a random: model) base, and sampling (default: the "
-                        "first checkpoint's, else 42)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="initialisation of the built-in tiny-opt (or a random: model) base, and sampling (default: the "
+        "first checkpoint's, else 42)",
+    )
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "fp16", "bf16"])
     p.add_argument("--sharding_strategy", default="FULL_SHARD", choices=[s for s in STRATEGIES if s != "HYBRID_SHARD"])
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])

@@ -27,14 +27,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="fp16", choices=sorted(DTYPES), help="weight dtype of the folder")
     parser.add_argument("--model", default=None, help="model the checkpoint belongs to, if it does not say")
     parser.add_argument("--single_file", action="store_true", help="convert a sharded folder into one .pt file")
-    parser.add_argument("--merge", action="store_true",
-                        help="a LoRA checkpoint: write the base with the adapters merged in (default: the adapter folder)")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA checkpoint: write the base with the adapters merged in (default: the adapter folder)",
+    )
     args = parser.parse_args(argv)
     try:
         if args.single_file:
             print(f"wrote {to_single_file(Path(args.checkpoint), Path(args.dest))}")
         else:
-            print(f"wrote {export_checkpoint(Path(args.checkpoint), Path(args.dest), args.dtype, args.model, args.merge)}")
+            print(
+                f"wrote {export_checkpoint(Path(args.checkpoint), Path(args.dest), args.dtype, args.model, args.merge)}"
+            )
     except (ConfigError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -25,7 +25,6 @@ import argparse
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -33,14 +32,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from fsdp_opt.base import GIB, gib, parse_size
+from fsdp_opt.base import GIB, parse_size
 from fsdp_opt.config.choices import T4_MEMORY
+from fsdp_opt.gpu_launches import _grab, _launch, decode_peer, grpo_launch
+from fsdp_opt.gpu_table import render
 from fsdp_opt.model.shapes import Shape, model_config
-from fsdp_opt.model.sources import RANDOM_PREFIX
-from fsdp_opt.planner.generation import generation_memory, requests_per_rank
 from fsdp_opt.planner.inputs import NCCL_BUFFER_BYTES, Inputs
 from fsdp_opt.planner.memory import memory, peak_bytes
-from fsdp_opt.planner.search import Space, cheapest_change, change_line
+from fsdp_opt.planner.search import Space, change_line, cheapest_change
 from fsdp_opt.planner.steptime import Rates, candidates
 from fsdp_opt.runtime.gpus import contexts_held, describe, from_a_child_process, from_nvidia_smi, precision_for
 
@@ -48,28 +47,39 @@ BLOCKS_PER_ROW_512 = 0.15  # python-docs rows packed into 512-token blocks by th
 
 DOC_ROWS = 754  # rows of python-docs
 
-CONTEXT_WORDS = {True: "yes (a bug)", False: "none", None: "not known (the CUDA driver did not answer)"}
-
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m fsdp_opt.gpu_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    p.add_argument("--model", default=None, help="an OPT size (random weights) or tiny-opt; default: facebook/opt-1.3b "
-                   "on GPUs, tiny-opt on CPU")  # fmt: skip
+    p.add_argument(
+        "--model",
+        default=None,
+        help="an OPT size (random weights) or tiny-opt; default: facebook/opt-1.3b on GPUs, tiny-opt on CPU",
+    )
     p.add_argument("--nproc", type=int, default=0, help="processes (default: one per GPU; 2 on CPU)")
-    p.add_argument("--gpu_memory", default=T4_MEMORY, help=f"each GPU's allocator is capped to this (a T4: {T4_MEMORY})")
+    p.add_argument(
+        "--gpu_memory", default=T4_MEMORY, help=f"each GPU's allocator is capped to this (a T4: {T4_MEMORY})"
+    )
     p.add_argument("--batch_size", type=int, default=4)
     p.add_argument("--max_length", type=int, default=512)
     p.add_argument("--accum_steps", type=int, default=2)
     p.add_argument("--steps", type=int, default=6, help="optimizer steps of the first launch (the data allowing)")
     p.add_argument("--precision", default="fp16", help="fp16 as on a T4 (GPU); CPU runs fp32")
     p.add_argument("--workdir", default=None, help="where the runs write (default: a temporary folder)")
-    p.add_argument("--grpo_steps", type=int, default=3,
-                   help="then GRPO steps (--method grpo, LoRA rank 16 on a GPU): generation on the gathered model in "
-                        "the compute dtype, then the update; 0 skips them")
+    p.add_argument(
+        "--grpo_steps",
+        type=int,
+        default=3,
+        help="then GRPO steps (--method grpo, LoRA rank 16 on a GPU): generation on the gathered model in "
+        "the compute dtype, then the update; 0 skips them",
+    )
     p.add_argument("--num_generations", type=int, default=8, help="the GRPO launch's completions per prompt")
-    p.add_argument("--decoding", default="static", choices=["static", "graphs", "generate"],
-                   help="the GRPO launch's --decoding (graphs: each decoding step replayed as a CUDA graph)")
+    p.add_argument(
+        "--decoding",
+        default="static",
+        choices=["static", "graphs", "generate"],
+        help="the GRPO launch's --decoding (graphs: each decoding step replayed as a CUDA graph)",
+    )
     p.add_argument("--max_completion_length", type=int, default=128, help="the GRPO launch's completion tokens")
     p.add_argument("--json", default=None, help="also write the figures here")
     return p.parse_args(argv)
@@ -81,10 +91,27 @@ def fitted(model: str, nproc: int, a: argparse.Namespace, cuda: bool) -> tuple[I
     23.8 GiB on one rank), at the same sequences per step. Returns the plan's inputs for that run, the flags added, and
     the line that says why (None when the flags given fit, and always on CPU)."""
     if not cuda:  # CPU ranks: fp32, a share of the host's memory; nothing to fit
-        return Inputs(gpus=nproc, gpu_memory=31 * GIB, batch_size=a.batch_size, max_length=a.max_length,
-                      accum_steps=a.accum_steps, precision="fp32", cuda=False), [], None  # fmt: skip
-    given = Inputs(gpus=nproc, gpu_memory=parse_size(a.gpu_memory, "--gpu_memory"), batch_size=a.batch_size,
-                   max_length=a.max_length, accum_steps=a.accum_steps, precision=a.precision)  # fmt: skip
+        return (
+            Inputs(
+                gpus=nproc,
+                gpu_memory=31 * GIB,
+                batch_size=a.batch_size,
+                max_length=a.max_length,
+                accum_steps=a.accum_steps,
+                precision="fp32",
+                cuda=False,
+            ),
+            [],
+            None,
+        )
+    given = Inputs(
+        gpus=nproc,
+        gpu_memory=parse_size(a.gpu_memory, "--gpu_memory"),
+        batch_size=a.batch_size,
+        max_length=a.max_length,
+        accum_steps=a.accum_steps,
+        precision=a.precision,
+    )
     shape = Shape.of(model_config(model))
     if any(c["fits"] for c in candidates(shape, given, ["FULL_SHARD"], Rates())):
         return given, [], None
@@ -93,23 +120,20 @@ def fitted(model: str, nproc: int, a: argparse.Namespace, cuda: bool) -> tuple[I
     found = cheapest_change(shape, given, samples, Rates(), Space(strategies=("FULL_SHARD",), offload=False))
     if found is None:
         return given, [], change_line(True, given, None) + ": the check runs the flags given"
-    inputs = replace(found["inputs"], batch_size=found["batch_size"], accum_steps=found["accum_steps"],
-                     activation_checkpointing=found["activation_checkpointing"],
-                     loss_chunk_tokens=found["loss_chunk_tokens"] or 0)  # fmt: skip
-    flags = found["change"].split() + ["--loss_chunk_tokens", str(inputs.loss_chunk_tokens),
-                                       "--activation_checkpointing", str(inputs.activation_checkpointing).lower()]  # fmt: skip
+    inputs = replace(
+        found["inputs"],
+        batch_size=found["batch_size"],
+        accum_steps=found["accum_steps"],
+        activation_checkpointing=found["activation_checkpointing"],
+        loss_chunk_tokens=found["loss_chunk_tokens"] or 0,
+    )
+    flags = found["change"].split() + [
+        "--loss_chunk_tokens",
+        str(inputs.loss_chunk_tokens),
+        "--activation_checkpointing",
+        str(inputs.activation_checkpointing).lower(),
+    ]
     return inputs, flags, change_line(True, given, found) + ": gpu_check runs that"
-
-
-def _launch(nproc: int, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "fsdp_opt", *args]
-    env = {**os.environ, "WANDB_MODE": "disabled"}
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
-
-
-def _grab(pattern: str, text: str, cast=float):  # noqa: ANN001
-    m = re.search(pattern, text)
-    return cast(m.group(1)) if m else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,13 +161,32 @@ def main(argv: list[str] | None = None) -> int:
     inputs, fit_flags, fit_line = fitted(model, nproc, a, cuda)
     if fit_line:
         print(f"gpu_check: {fit_line}", flush=True)
-    common = ["--model", spec, "--dataset", "python-docs", "--max_length", str(inputs.max_length), "--batch_size",
-              str(inputs.batch_size), "--accum_steps", str(inputs.accum_steps), "--output_dir", str(out),
-              "--num_epochs", "1", "--device", "cuda" if cuda else "cpu", *fit_flags]  # fmt: skip
+    common = [
+        "--model",
+        spec,
+        "--dataset",
+        "python-docs",
+        "--max_length",
+        str(inputs.max_length),
+        "--batch_size",
+        str(inputs.batch_size),
+        "--accum_steps",
+        str(inputs.accum_steps),
+        "--output_dir",
+        str(out),
+        "--num_epochs",
+        "1",
+        "--device",
+        "cuda" if cuda else "cpu",
+        *fit_flags,
+    ]
     if cuda:
         common += ["--precision", a.precision, "--max_gpu_memory", a.gpu_memory]
-    print(f"gpu_check: {model} on {nproc} x {device}; first launch trains rows [0, {rows}), the second (--start_idx "
-          f"auto) resumes on [{rows}, {2 * rows})", flush=True)  # fmt: skip
+    print(
+        f"gpu_check: {model} on {nproc} x {device}; first launch trains rows [0, {rows}), the second (--start_idx "
+        f"auto) resumes on [{rows}, {2 * rows})",
+        flush=True,
+    )
     first = _launch(nproc, common + ["--start_idx", "0", "--end_idx", str(rows)], work)
     if first.returncode != 0:
         print(first.stdout[-3000:] + first.stderr[-3000:], file=sys.stderr)
@@ -176,86 +219,42 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def grpo_launch(a: argparse.Namespace, spec: str, nproc: int, cuda: bool, work: Path) -> dict[str, Any]:
-    """--method grpo on the built-in prompts for --grpo_steps steps, one prompt per rank per step (LoRA rank 16 on a
-    GPU, as GRPO runs on a T4; the model's random weights rarely end a completion, so each runs its full length):
-    generated tokens/s, generation's share of the step, the step's time against the plan's (generation added), the
-    GPU memory peak against the plan's generation phase."""
-    out = work / "grpo"
-    g, length = a.num_generations, a.max_completion_length
-    args = ["--model", spec, "--dataset", "python-docs-prompts", "--chat_template", "chatml", "--method", "grpo",
-            "--reward", "length", "--num_generations", str(g), "--max_completion_length", str(length),
-            "--max_length", str(length + 256), "--batch_size", str(g), "--accum_steps", "1", "--start_idx", "0",
-            "--end_idx", str(a.grpo_steps * nproc), "--num_epochs", "1", "--output_dir", str(out),
-            "--device", "cuda" if cuda else "cpu", "--decoding", a.decoding]  # fmt: skip
-    if cuda:
-        args += ["--precision", a.precision, "--max_gpu_memory", a.gpu_memory, "--lora_rank", "16"]
-    proc = _launch(nproc, args, work)
-    if proc.returncode != 0:
-        return {"error": f"exit {proc.returncode}", "output": proc.stdout[-3000:] + proc.stderr[-3000:]}
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    later = rows[1:] or rows  # the first step allocates and warms up
-    median = lambda xs: sorted(xs)[(len(xs) - 1) // 2] if xs else None  # noqa: E731
-    return {
-        "steps": len(rows), "num_generations": g, "max_completion_length": length, "lora_rank": 16 if cuda else 0,
-        "completions_per_step": rows[0]["completions"] if rows else None,
-        "generated_tokens_per_s": median([r["generated_tokens_per_second"] for r in later]),
-        "generation_share": median([r["generation_share"] for r in later]),
-        "completion_length": median([r["completion_length"] for r in later]),
-        "step_time_measured_s": _grab(r"step time: measured ([\d.]+) s", proc.stdout),
-        "step_time_predicted_s": _grab(r"predicted ([\d.]+) s \(", proc.stdout),
-        "where": _grab(r"generation on ([^,\n]+)", proc.stdout, str),
-        "decoding": _grab(r"decoded with ([^;\n]+)", proc.stdout, str),
-        "max_memory_allocated_gib": _grab(r"GPU memory peak on rank 0: ([\d.]+) GiB allocated", proc.stdout),
-        "plan_generation_peak_bytes": _grpo_plan_peak(a, spec, nproc, cuda),
-    }  # fmt: skip
-
-
-def decode_peer(a: argparse.Namespace, spec: str, nproc: int, cuda: bool, work: Path) -> dict[str, Any]:
-    """transformers' static-cache generate, the run's decoding alone and the weight-read bound at the GRPO launch's
-    shape and batch (one rank's completions, fp16 on a GPU), by fsdp_opt.decodebench in a process of its own (this
-    one never makes a CUDA context)."""
-    out = work / "decode_peer.json"
-    requests = requests_per_rank(a.num_generations * nproc, a.num_generations, nproc)
-    cmd = [sys.executable, "-m", "fsdp_opt.decodebench", "--model", spec, "--prompts", str(requests), "--prompt_length",
-           "64", "--new_tokens", str(a.max_completion_length), "--repeat", "2", "--device", "cuda" if cuda else "cpu",
-           "--json", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
-    if proc.returncode != 0 or not out.exists():
-        return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
-    return json.loads(out.read_text())
-
-
-def _grpo_plan_peak(a: argparse.Namespace, spec: str, nproc: int, cuda: bool) -> int | None:
-    """The plan's peak per GPU of the GRPO launch's generation phase (gathered once)."""
-    if not cuda:
-        return None
-    inputs = Inputs(gpus=nproc, gpu_memory=parse_size(a.gpu_memory, "--gpu_memory"), batch_size=a.num_generations,
-                    max_length=a.max_completion_length + 256, precision=a.precision, lora_rank=16)  # fmt: skip
-    shape = Shape.of(model_config(spec.removeprefix(RANDOM_PREFIX)))
-    requests = requests_per_rank(a.num_generations * nproc, a.num_generations, nproc)
-    return sum(generation_memory(shape, "FULL_SHARD", inputs, requests, True).values())
-
-
 def link_speeds(nproc: int, cuda: bool, work: Path) -> list[dict[str, Any]]:
     """commbench under torchrun: NCCL with peer-to-peer, then with NCCL_P2P_DISABLE=1; gloo once on CPU."""
     results = []
-    for p2p_off in ([False, True] if cuda else [False]):
+    for p2p_off in [False, True] if cuda else [False]:
         out = work / f"comm_p2p_{'off' if p2p_off else 'on'}.json"
         env = {**os.environ, **({"NCCL_P2P_DISABLE": "1"} if p2p_off else {})}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
-               "fsdp_opt.commbench", "--device", "cuda" if cuda else "cpu", "--json", str(out)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "fsdp_opt.commbench",
+            "--device",
+            "cuda" if cuda else "cpu",
+            "--json",
+            str(out),
+        ]
         if not cuda:
             cmd += ["--mib", "16", "--iters", "3"]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         if proc.returncode == 0 and out.exists():
             results.append({"p2p": not p2p_off, "backend": "nccl" if cuda else "gloo", **json.loads(out.read_text())})
         else:
-            results.append({"p2p": not p2p_off, "backend": "nccl" if cuda else "gloo", "error": (proc.stderr.strip().splitlines() or ["failed"])[-1]})
+            results.append(
+                {
+                    "p2p": not p2p_off,
+                    "backend": "nccl" if cuda else "gloo",
+                    "error": (proc.stderr.strip().splitlines() or ["failed"])[-1],
+                }
+            )
     return results
 
 
-def collect(model: str, nproc: int, device: str, inputs: Inputs, out: Path, first: str, second: str) -> dict[str, Any]:  # fmt: skip
+def collect(model: str, nproc: int, device: str, inputs: Inputs, out: Path, first: str, second: str) -> dict[str, Any]:
 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     slice1 = rows[0]["slice"]
@@ -266,9 +265,16 @@ def collect(model: str, nproc: int, device: str, inputs: Inputs, out: Path, firs
     planned = memory(Shape.of(model_config(model)), strategy, replace(inputs, reduce_every_microbatch=every))
     median = lambda xs: sorted(xs)[(len(xs) - 1) // 2] if xs else None  # noqa: E731
     return {
-        "device": device, "model": model, "ranks": nproc, "strategy": strategy, "reduce_every_microbatch": every,
-        "lora_rank": inputs.lora_rank, "batch_size": inputs.batch_size, "accum_steps": inputs.accum_steps,
-        "steps": len(one), "plan_peak_bytes": peak_bytes(planned),
+        "device": device,
+        "model": model,
+        "ranks": nproc,
+        "strategy": strategy,
+        "reduce_every_microbatch": every,
+        "lora_rank": inputs.lora_rank,
+        "batch_size": inputs.batch_size,
+        "accum_steps": inputs.accum_steps,
+        "steps": len(one),
+        "plan_peak_bytes": peak_bytes(planned),
         "plan_peak_without_runtime_bytes": peak_bytes({k: v for k, v in planned.items() if k != "runtime"}),
         "max_memory_allocated_gib": _grab(r"GPU memory peak on rank 0: ([\d.]+) GiB allocated", first),
         "max_memory_reserved_gib": _grab(r"GiB allocated, ([\d.]+) GiB reserved", first),
@@ -282,76 +288,7 @@ def collect(model: str, nproc: int, device: str, inputs: Inputs, out: Path, firs
         "load_into_shards_s": _grab(r"loaded into the shards in ([\d.]+) s", second),
         "resumed_steps": len(rows) - len(one),
         "resumed_from_step": next((r["step"] for r in rows if r["slice"] != slice1), None),
-    }  # fmt: skip
-
-
-def render(f: dict[str, Any]) -> list[str]:
-
-    def num(v: Any, fmt: str = "{:.2f}") -> str:
-        return "-" if v is None else fmt.format(v)
-
-    ratio = (f["step_time_measured_s"] / f["step_time_predicted_s"]
-             if f["step_time_measured_s"] and f["step_time_predicted_s"] else None)  # fmt: skip
-    lines = [
-        f"gpu_check: {f['model']}" + (f" with LoRA rank {f['lora_rank']}" if f.get("lora_rank") else "")
-        + f", {f['ranks']} x {f['device']}, {f['strategy']}, micro-batch {f['batch_size']} x accum {f['accum_steps']}"
-        + (", reduce every micro-batch" if f["reduce_every_microbatch"] else ""),
-        "| figure | value |",
-        "| --- | --- |",
-        f"| plan peak per GPU (with runtime) | {gib(f['plan_peak_bytes'])} |",
-        f"| max_memory_allocated (rank 0) | {num(f['max_memory_allocated_gib'])} GiB (plan less runtime: "
-        f"{gib(f['plan_peak_without_runtime_bytes'])}) |",
-        f"| max_memory_reserved (rank 0) | {num(f['max_memory_reserved_gib'])} GiB |",
-        f"| useful tokens/s (median, all ranks) | {num(f['useful_tokens_per_s'], '{:,.0f}')} |",
-        f"| MFU | {num(f['mfu'], '{:.1%}')} |",
-        f"| step time: measured / predicted | {num(f['step_time_measured_s'], '{:.3f}')} s / "
-        f"{num(f['step_time_predicted_s'], '{:.3f}')} s ({num(ratio)}x) |",
-        f"| skipped fp16 steps | {f['skipped_fp16_steps']} of {f['steps'] + f['resumed_steps']} |",
-        f"| save (first launch) | {num(f['save_s'], '{:.1f}')} s |",
-        f"| resume: read / load into the shards | {num(f['checkpoint_read_s'], '{:.1f}')} s / "
-        f"{num(f['load_into_shards_s'], '{:.1f}')} s |",
-        f"| resumed | at global step {f['resumed_from_step']}, {f['resumed_steps']} more steps |",
-        f"| usable memory per GPU (free with a context, less NCCL's buffers) | {num(f.get('usable_gib'))} GiB"
-        + (f": the plan's {gib(f['plan_peak_bytes'])} "
-           + ("fits" if f["plan_peak_bytes"] / GIB <= f["usable_gib"] else "does NOT fit") if f.get("usable_gib") else "")
-        + " |",
-        f"| CUDA context in gpu_check's own process | {CONTEXT_WORDS[f.get('cuda_context_in_this_process')]} |",
-    ]
-    g = f.get("grpo")
-    if g:
-        ratio = (g["step_time_measured_s"] / g["step_time_predicted_s"]
-                 if g["step_time_measured_s"] and g["step_time_predicted_s"] else None)  # fmt: skip
-        lines += [
-            f"| GRPO ({g['steps']} steps, {g['completions_per_step']} completions of up to {g['max_completion_length']} "
-            f"tokens a step{', LoRA rank 16' if g['lora_rank'] else ''}): generation on | {g['where'] or '-'}"
-            + (f", decoded with {g['decoding']}" if g.get("decoding") else "") + " |",
-            f"| GRPO generated tokens/s (median, all ranks) | {num(g['generated_tokens_per_s'], '{:,.0f}')} "
-            f"(generation {num(g['generation_share'], '{:.0%}')} of the step) |",
-            f"| GRPO step time: measured / predicted | {num(g['step_time_measured_s'], '{:.3f}')} s / "
-            f"{num(g['step_time_predicted_s'], '{:.3f}')} s ({num(ratio)}x) |",
-        ]
-        peer = g.get("peer") or {}
-        if "ways" in peer:
-            ways = peer["ways"]
-            rate = lambda w: "-" if "skipped" in ways.get(w, {"skipped": 1}) else f"{ways[w]['tokens_per_s']:,.0f}"  # noqa: E731
-            per_gpu = g["generated_tokens_per_s"] / f["ranks"] if g["generated_tokens_per_s"] else None
-            lines += [
-                f"| GRPO generated tokens/s per GPU: the run / transformers' static-cache generate ({peer['prompts']} "
-                f"completions) | {num(per_gpu, '{:,.0f}')} / {rate('hf_static')} |",
-                f"| decoding alone, tokens/s: static / CUDA graphs / the weights read once a step | {rate('static')} / "
-                f"{rate('graphs')} / {num(peer.get('weight_read_bound_tokens_per_s'), '{:,.0f}')} |",
-            ]
-        elif peer:
-            lines.append(f"| decoding peer | failed: {peer.get('error')} |")
-        if g.get("plan_generation_peak_bytes"):
-            lines.append(f"| GRPO max_memory_allocated (rank 0) / plan of generation | "
-                         f"{num(g['max_memory_allocated_gib'])} GiB / {gib(g['plan_generation_peak_bytes'])} |")
-    for link in f.get("links", []):
-        what = f"{link['backend']}" + (f", P2P {'on' if link['p2p'] else 'off (NCCL_P2P_DISABLE=1)'}" if link["backend"] == "nccl" else "")
-        value = (f"all-gather {link['all_gather_gbps']:.2f} GB/s, reduce-scatter {link['reduce_scatter_gbps']:.2f} GB/s"
-                 if "error" not in link else f"failed: {link['error']}")  # fmt: skip
-        lines.append(f"| link ({what}) | {value} |")
-    return lines
+    }
 
 
 if __name__ == "__main__":

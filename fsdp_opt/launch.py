@@ -71,21 +71,34 @@ def launch(n: int, flags: list[str]) -> int:
 
     # the agent's own lines (its start, a worker's failure as it sees it): the workers say what happened
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=uuid.uuid4().hex[:12],
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1)  # fmt: skip
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=n,
+        run_id=uuid.uuid4().hex[:12],
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+    )
     try:
         elastic_launch(config, sys.executable)("-m", "fsdp_opt", *flags)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         said = failure.message if isinstance(failure.message, str) and failure.message.startswith("error:") else None
         code = failure.exitcode if failure.exitcode > 0 else 1
-        line = said or (f"error: worker {rank} ended with exit code {failure.exitcode}" if failure.exitcode > 0 else
-                        f"error: worker {rank} was ended by a signal ({failure.message})")  # fmt: skip
+        line = said or (
+            f"error: worker {rank} ended with exit code {failure.exitcode}"
+            if failure.exitcode > 0
+            else f"error: worker {rank} was ended by a signal ({failure.message})"
+        )
         _last(line)
         return code
     except SignalException as exc:  # SIGTERM (a platform's stop) or Ctrl-C: passed on to the workers, as torchrun does
-        _last(f"stopped: {exc.sigval.name} was passed on to the workers, which save at their next step and stop (their "
-              "lines above)")  # fmt: skip
+        _last(
+            f"stopped: {exc.sigval.name} was passed on to the workers, which save at their next step and stop (their "
+            "lines above)"
+        )
         return 128 + int(exc.sigval)
     return 0
 

@@ -9,8 +9,9 @@ import os
 import shlex
 import shutil
 import sys
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from fsdp_opt.runtime.gpus import describe, from_a_child_process, from_nvidia_smi
 from fsdp_opt.tracking.metrics import read_metrics
@@ -54,8 +55,10 @@ def gpu_summary() -> str:
 
     if not torch.cuda.is_available():  # asks the driver for a count; creates no context
         return "no CUDA GPU: training runs on CPU with gloo (use nproc = 2 or more for FSDP across processes)"
-    return "\n".join(describe(from_nvidia_smi() or from_a_child_process())) or \
-        "CUDA is available but no GPU could be described"
+    return (
+        "\n".join(describe(from_nvidia_smi() or from_a_child_process()))
+        or "CUDA is available but no GPU could be described"
+    )
 
 
 def process_age_seconds() -> float:
@@ -68,7 +71,9 @@ def process_age_seconds() -> float:
         return 0.0
 
 
-def time_limit(session_hours: float = 12.0, reserve_minutes: float = 30.0, started_seconds_ago: float | None = None) -> str | None:
+def time_limit(
+    session_hours: float = 12.0, reserve_minutes: float = 30.0, started_seconds_ago: float | None = None
+) -> str | None:
     """--time_limit for a launch now: what is left of the session, less a reserve for the last save and push.
 
     None when less than 5 minutes would be left: not worth a launch."""
@@ -99,8 +104,14 @@ def flags(**values: Any) -> list[str]:
 def torchrun(nproc: int | str, target: str, args: list[str], module: bool = False) -> str:
     """A `torchrun --standalone` command line for a script or a module (`-m`), shell-quoted."""
     exe = shutil.which("torchrun")
-    launcher = ["torchrun"] if exe and Path(exe).parent == Path(sys.executable).parent else [sys.executable, "-m", "torch.distributed.run"]
-    cmd = launcher + ["--standalone", f"--nproc_per_node={nproc}"] + (["-m", target] if module else [target]) + list(args)
+    launcher = (
+        ["torchrun"]
+        if exe and Path(exe).parent == Path(sys.executable).parent
+        else [sys.executable, "-m", "torch.distributed.run"]
+    )
+    cmd = (
+        launcher + ["--standalone", f"--nproc_per_node={nproc}"] + (["-m", target] if module else [target]) + list(args)
+    )
     return shlex.join(cmd)
 
 
@@ -157,7 +168,15 @@ def plot_loss_curve(path: str | os.PathLike, png: str | os.PathLike | None = Non
         ax.plot(steps[smooth - 1 :], window, lw=1.8, label=f"mean of {smooth} steps")
     for step, name in slice_boundaries(records):
         ax.axvline(step, color="grey", ls="--", lw=0.8)
-        ax.annotate("rows [{}, {})".format(*name.split("-")), (step, 1.0), xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right", fontsize=8)
+        ax.annotate(
+            "rows [{}, {})".format(*name.split("-")),
+            (step, 1.0),
+            xycoords=("data", "axes fraction"),
+            rotation=90,
+            va="top",
+            ha="right",
+            fontsize=8,
+        )
     ax.set_xlabel("global step")
     ax.set_ylabel("training loss (token mean)")
     ax.legend(loc="upper right")

@@ -26,8 +26,12 @@ max_length = 512  # tokens per training sequence
 hf_repo = None  # "user/name": checkpoints are pushed there and the next session resumes from there
 output_dir = "/kaggle/working/outputs"
 nproc = "gpu"  # processes: "gpu" = one per GPU; a number on CPU
-install = None  # pip install this first: a wheel ("/kaggle/input/fsdp-opt/fsdp_opt-0.3.0-py3-none-any.whl") or a git URL
-repo_dir = None  # without `install`: the fsdp-opt checkout; None: this folder or a parent, else /kaggle/working/fsdp-opt
+install = (
+    None  # pip install this first: a wheel ("/kaggle/input/fsdp-opt/fsdp_opt-0.3.0-py3-none-any.whl") or a git URL
+)
+repo_dir = (
+    None  # without `install`: the fsdp-opt checkout; None: this folder or a parent, else /kaggle/working/fsdp-opt
+)
 session_hours = 12.0  # Kaggle ends a session after about 12 hours
 reserve_minutes = 30  # stop this long before the end: the last save and push fit in it
 disk_budget = "19GB"  # checkpoints in output_dir stay under this (Kaggle keeps 20 GB of /kaggle/working)
@@ -61,7 +65,9 @@ from pathlib import Path
 
 if repo_dir is None:
     here = Path.cwd().resolve()
-    repo_dir = next((str(p) for p in [here, *here.parents] if (p / "fsdp_finetune.py").exists()), "/kaggle/working/fsdp-opt")
+    repo_dir = next(
+        (str(p) for p in [here, *here.parents] if (p / "fsdp_finetune.py").exists()), "/kaggle/working/fsdp-opt"
+    )
 if install:
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", install], check=True)
 elif importlib.util.find_spec("fsdp_opt") is None:
@@ -97,10 +103,17 @@ print(nb.gpu_summary())
 # `--reduce_every_microbatch` to `extra_flags`, which drops the unsharded gradient kept between micro-batches.
 
 # %%
-plan_cmd = nb.python_module("fsdp_opt.plan", nb.flags(
-    model=model, gpus=nb.process_count(nproc), batch_size=batch_size, max_length=max_length, accum_steps=accum_steps,
-    cpu=nb.gpu_summary().startswith("no CUDA"),
-))  # fmt: skip
+plan_cmd = nb.python_module(
+    "fsdp_opt.plan",
+    nb.flags(
+        model=model,
+        gpus=nb.process_count(nproc),
+        batch_size=batch_size,
+        max_length=max_length,
+        accum_steps=accum_steps,
+        cpu=nb.gpu_summary().startswith("no CUDA"),
+    ),
+)
 # !{plan_cmd}
 
 # %% [markdown]
@@ -115,10 +128,20 @@ plan_cmd = nb.python_module("fsdp_opt.plan", nb.flags(
 # %%
 limit = nb.time_limit(session_hours, reserve_minutes)
 args = nb.flags(
-    model=model, dataset=dataset, start_idx="auto", range_size=range_size, session_ranges=session_ranges,
-    num_epochs=num_epochs, batch_size=batch_size, accum_steps=accum_steps, max_length=max_length, hf_repo=hf_repo,
-    output_dir=output_dir, time_limit=limit, disk_budget=disk_budget,
-) + shlex.split(extra_flags)  # fmt: skip
+    model=model,
+    dataset=dataset,
+    start_idx="auto",
+    range_size=range_size,
+    session_ranges=session_ranges,
+    num_epochs=num_epochs,
+    batch_size=batch_size,
+    accum_steps=accum_steps,
+    max_length=max_length,
+    hf_repo=hf_repo,
+    output_dir=output_dir,
+    time_limit=limit,
+    disk_budget=disk_budget,
+) + shlex.split(extra_flags)
 train_cmd = nb.launch(nproc, args)  # the training command of the package, starting its workers
 print(train_cmd)
 

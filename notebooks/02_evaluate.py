@@ -30,7 +30,9 @@ checkpoints = None  # names or paths; None: the newest ("latest")
 eval_rows = 200  # held-out rows: right after the newest checkpoint's range, or the first ones of eval_split
 eval_split = None  # a held-out split (e.g. "test_sft"; the built-ins have "test"). None: the training run's, else the
 # rows after the range, and a "test" or "validation" split when the range reached the end of the data
-prompts = None  # None: from the first held-out rows (a text row's opening words; a chat row's question, in its template)
+prompts = (
+    None  # None: from the first held-out rows (a text row's opening words; a chat row's question, in its template)
+)
 max_new_tokens = 40
 do_sample = False  # False: greedy; True: sampled with temperature 0.8, top-p 0.95
 extra_flags = ""
@@ -57,14 +59,16 @@ from pathlib import Path
 
 if repo_dir is None:
     here = Path.cwd().resolve()
-    repo_dir = next((str(p) for p in [here, *here.parents] if (p / "fsdp_finetune.py").exists()), "/kaggle/working/fsdp-opt")
+    repo_dir = next(
+        (str(p) for p in [here, *here.parents] if (p / "fsdp_finetune.py").exists()), "/kaggle/working/fsdp-opt"
+    )
 if importlib.util.find_spec("fsdp_opt") is None:
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", repo_dir], check=True)
 
 from IPython.display import Markdown, display
 
 from fsdp_opt import notebook as nb
-from fsdp_opt.train.compare import answers_markdown, report_markdown
+from fsdp_opt.train.report import answers_markdown, report_markdown
 
 print(nb.load_secrets())
 print(nb.gpu_summary())
@@ -75,10 +79,19 @@ print(nb.gpu_summary())
 # %%
 results_json = str(Path(output_dir) / "eval_results.json")
 args = nb.flags(
-    model=model, dataset=dataset, checkpoints=checkpoints or ["latest"], eval_rows=eval_rows, eval_split=eval_split,
-    batch_size=batch_size, output_dir=output_dir, hf_repo=hf_repo, prompts=prompts,
-    max_new_tokens=max_new_tokens, do_sample=do_sample, json=results_json,
-) + shlex.split(extra_flags)  # fmt: skip
+    model=model,
+    dataset=dataset,
+    checkpoints=checkpoints or ["latest"],
+    eval_rows=eval_rows,
+    eval_split=eval_split,
+    batch_size=batch_size,
+    output_dir=output_dir,
+    hf_repo=hf_repo,
+    prompts=prompts,
+    max_new_tokens=max_new_tokens,
+    do_sample=do_sample,
+    json=results_json,
+) + shlex.split(extra_flags)
 eval_cmd = nb.torchrun(nproc, "fsdp_opt.evaluate", args, module=True)
 print(eval_cmd)
 

@@ -58,7 +58,9 @@ def sandbox_env(tmp: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def torchrun_cmd(nproc: int, script: Path | str = ENTRY, nnodes: int = 1, node_rank: int = 0, port: int | None = None) -> list[str]:
+def torchrun_cmd(
+    nproc: int, script: Path | str = ENTRY, nnodes: int = 1, node_rank: int = 0, port: int | None = None
+) -> list[str]:
     if nnodes == 1:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script)]
     return [
@@ -112,9 +114,16 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: ANN0
         terminalreporter.write_line(line)
 
 
-def launch(target: list[str], args: list[str], tmp: Path, nproc: int = 0, timeout: float = 300,
-           env: dict[str, str] | None = None, real: bool = False,
-           late: dict[int, float] | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+def launch(
+    target: list[str],
+    args: list[str],
+    tmp: Path,
+    nproc: int = 0,
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+    real: bool = False,
+    late: dict[int, float] | None = None,
+) -> subprocess.CompletedProcess:
     """`target` ([script] or ["-m", module]) with `args`, as `python ...` (nproc 0) or `torchrun --standalone
     --nproc_per_node=nproc ...` would run it: forked from the launcher's server unless `real` (the real python or
     torchrun: for tests of the entry points and of torchrun's own behaviour)."""
@@ -133,7 +142,11 @@ def plan_cli(args: list[str], cwd: Path = ROOT, timeout: float = 300) -> subproc
 
 
 def run_cli(
-    args: list[str], tmp: Path, nproc: int = 0, timeout: float = 300, env: dict[str, str] | None = None,
+    args: list[str],
+    tmp: Path,
+    nproc: int = 0,
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
     real: bool = False,
 ) -> subprocess.CompletedProcess:
     """The training command: nproc=0 as `python fsdp_finetune.py`, otherwise under torchrun with nproc workers
@@ -141,8 +154,12 @@ def run_cli(
     return launch([str(ENTRY)], args, tmp, nproc, timeout, env, real)
 
 
-def run_cli_concurrently(runs: list[tuple[list[str], Path, dict[str, str] | None]], timeout: float = 300,
-                         nproc: int = 0, workers: int | None = None) -> list[subprocess.CompletedProcess]:  # fmt: skip
+def run_cli_concurrently(
+    runs: list[tuple[list[str], Path, dict[str, str] | None]],
+    timeout: float = 300,
+    nproc: int = 0,
+    workers: int | None = None,
+) -> list[subprocess.CompletedProcess]:
     """CLI runs (args, cwd, env) side by side, as many at once as there are cores (a single-process run keeps one core
     busy; one after another they leave the others idle). Results in the order given."""
     from concurrent.futures import ThreadPoolExecutor
@@ -172,8 +189,12 @@ def built_once(tmp_path_factory, name: str, build) -> Path:
 
 def build_wheel(dest: Path) -> Path:
     """`pip wheel` of the checkout into dest: the package as a Kaggle notebook installs it."""
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                            str(dest), str(ROOT)], capture_output=True, text=True, timeout=300)  # fmt: skip
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dest), str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert build.returncode == 0, build.stderr[-2000:]
     (wheel,) = dest.glob("fsdp_opt-*.whl")
     return wheel
@@ -192,15 +213,31 @@ def build_wheel_venv(dest: Path, wheel: Path) -> None:
     venv = dest / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
-    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               capture_output=True, text=True, check=True).stdout.strip())  # fmt: skip
+    site = Path(
+        subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
     (site / "libraries.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
-                              str(wheel)], capture_output=True, text=True, timeout=300)  # fmt: skip
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert install.returncode == 0, install.stderr[-2000:]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    where = subprocess.run([str(python), "-c", "import fsdp_opt; print(fsdp_opt.__file__)"], cwd=dest, env=env,
-                           capture_output=True, text=True, timeout=120).stdout  # fmt: skip
+    where = subprocess.run(
+        [str(python), "-c", "import fsdp_opt; print(fsdp_opt.__file__)"],
+        cwd=dest,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
     assert where.startswith(str(site)), where  # the wheel's copy, not the checkout
 
 
@@ -227,8 +264,14 @@ def run_demo(venv: Path, flags: list[str], cwd: Path, timeout: float = 900) -> s
     env = sandbox_env(cwd)
     env.pop("PYTHONPATH")
     env["PATH"] = f"{venv / 'bin'}:{env['PATH']}"
-    return subprocess.run([str(venv / "bin" / "python"), "-m", "fsdp_opt.demo", *flags], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "fsdp_opt.demo", *flags],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def run_demo_forked(flags: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
@@ -355,34 +398,53 @@ LONGEST_FIRST = (
 QUICK = (
     # units: flags, layout, data, drift, chain, planner, model families, CUDA paths (no GPU), the docs' pages, the
     # warning before a run that does not fit, gpu_check's choice of a run that fits, the benchmark's launches
-    "tests/test_units.py", "tests/test_layout.py", "tests/data/test_data.py", "tests/data/test_formats.py",
-    "tests/data/test_sources.py", "tests/checkpoint/test_drift.py", "tests/checkpoint/test_chain.py",
-    "tests/planner/test_plan.py", "tests/planner/test_catalog.py", "tests/model/test_families.py",
-    "tests/runtime/test_cuda_paths.py", "tests/runtime/test_torchao_gate.py::test_install_line",
-    "tests/commands/test_docs.py::test_the_flags_page", "tests/commands/test_docs.py::test_the_docs_check_fails",
+    "tests/test_units.py",
+    "tests/test_layout.py",
+    "tests/data/test_data.py",
+    "tests/data/test_formats.py",
+    "tests/data/test_sources.py",
+    "tests/checkpoint/test_drift.py",
+    "tests/checkpoint/test_chain.py",
+    "tests/planner/test_plan.py",
+    "tests/planner/test_catalog.py",
+    "tests/model/test_families.py",
+    "tests/runtime/test_cuda_paths.py",
+    "tests/runtime/test_torchao_gate.py::test_install_line",
+    "tests/commands/test_docs.py::test_the_flags_page",
+    "tests/commands/test_docs.py::test_the_docs_check_fails",
     "tests/commands/test_docs.py::test_the_version_is_one_number",
     "tests/planner/test_steptime.py::test_the_trainer_warns_before_the_first_step",
-    "tests/commands/test_gpu_check.py::test_on_one_t4_sized_gpu", "tests/commands/test_benchmark.py::test_one_launch",
+    "tests/commands/test_gpu_check.py::test_on_one_t4_sized_gpu",
+    "tests/commands/test_benchmark.py::test_one_launch",
     # mixtures: the definition, the file, each source's format and held-out rows (no run)
-    "tests/data/test_mixture.py::test_the_worked_table", "tests/data/test_mixture.py::test_counts_are",
-    "tests/data/test_mixture.py::test_integer_weights", "tests/data/test_mixture.py::test_the_length",
-    "tests/data/test_mixture.py::test_a_range_reads", "tests/data/test_mixture.py::test_the_file_in_trls",
-    "tests/data/test_mixture.py::test_a_bad_mixture_file", "tests/data/test_mixture_formats.py::test_three_formats",
+    "tests/data/test_mixture.py::test_the_worked_table",
+    "tests/data/test_mixture.py::test_counts_are",
+    "tests/data/test_mixture.py::test_integer_weights",
+    "tests/data/test_mixture.py::test_the_length",
+    "tests/data/test_mixture.py::test_a_range_reads",
+    "tests/data/test_mixture.py::test_the_file_in_trls",
+    "tests/data/test_mixture.py::test_a_bad_mixture_file",
+    "tests/data/test_mixture_formats.py::test_three_formats",
     "tests/data/test_mixture_formats.py::test_the_held_out_rows",
     # one run each: the engine against a plain loop, sharded state, a resume, the Hub chain, W&B, Hub datasets by
     # range, a mixture of three formats, LoRA against peft, DPO against the pairs alone, chat targets, evaluate, the
     # planner's collectives, bad input and the error line under torchrun's rule
     "tests/engine/test_training_math.py::test_sharded_run_matches_unsharded_reference[2-2-2-FULL_SHARD-extra0]",
     "tests/engine/test_training_math.py::test_the_optimizer_steps_the_shards",
-    "tests/checkpoint/test_sharded_state.py", "tests/checkpoint/test_resume.py::test_one_epoch_plus_resume_equals_two_epochs[sharded]",
-    "tests/hub/test_hub.py::test_sessions_chain_through_the_hub", "tests/hub/test_hub.py::test_wandb_without_network",
-    "tests/data/test_hub_ranges.py::test_rows_read_by_range", "tests/data/test_mixture_formats.py::test_a_run_on_three",
+    "tests/checkpoint/test_sharded_state.py",
+    "tests/checkpoint/test_resume.py::test_one_epoch_plus_resume_equals_two_epochs[sharded]",
+    "tests/hub/test_hub.py::test_sessions_chain_through_the_hub",
+    "tests/hub/test_hub.py::test_wandb_without_network",
+    "tests/data/test_hub_ranges.py::test_rows_read_by_range",
+    "tests/data/test_mixture_formats.py::test_a_run_on_three",
     "tests/model/test_lora.py::test_two_rank_lora_matches_one_process_peft[FULL_SHARD",
     "tests/train/test_dpo.py::test_the_first_step_is_the_dpo_loss_of_the_pairs_alone_full_and_lora[strings]",
     "tests/train/test_chat_data.py::test_first_step_loss_is_the_mean_over_exactly_the_answer_tokens",
-    "tests/train/test_evaluate.py::test_evaluate_bad_input", "tests/planner/test_steptime.py::test_collective_bytes",
-    "tests/commands/test_cli.py::test_bad_input_fails_fast", "tests/commands/test_cli.py::test_the_error_line",
-)  # fmt: skip
+    "tests/train/test_evaluate.py::test_evaluate_bad_input",
+    "tests/planner/test_steptime.py::test_collective_bytes",
+    "tests/commands/test_cli.py::test_bad_input_fails_fast",
+    "tests/commands/test_cli.py::test_the_error_line",
+)
 
 
 # What a training run learned (a loss drop, an accuracy, a format, an answer): these must hold under any CPU kernel.
@@ -500,12 +562,14 @@ LLAMA_STYLE_TEMPLATE = (
 def make_chat_llama(dest: Path, seed: int = 0, template: str | None = LLAMA_STYLE_TEMPLATE, **overrides) -> Path:
     """A local Llama-architecture model folder whose tokenizer adds a BOS (as Llama 3's does) and has a chat template:
     random weights, the built-in tokenizer's vocabulary, dropout off."""
-    return make_family_model(dest, "llama", bos=True, seed=seed, template=template,
-                             **{"tie_word_embeddings": True, **overrides})  # fmt: skip
+    return make_family_model(
+        dest, "llama", bos=True, seed=seed, template=template, **{"tie_word_embeddings": True, **overrides}
+    )
 
 
-def make_family_model(dest: Path, model_type: str, bos: bool, seed: int = 0, template: str | None = None,
-                      **overrides) -> Path:  # fmt: skip
+def make_family_model(
+    dest: Path, model_type: str, bos: bool, seed: int = 0, template: str | None = None, **overrides
+) -> Path:
     """A local model folder of one architecture (transformers' model_type), small, with random weights, and a
     tokenizer of the built-in vocabulary that puts a BOS first (as Llama 3's, Gemma's and Mistral's do) or not (as
     Qwen's): the config, safetensors weights and tokenizer files `from_pretrained` reads."""
@@ -518,13 +582,23 @@ def make_family_model(dest: Path, model_type: str, bos: bool, seed: int = 0, tem
     if bos:
         steps.append(processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)]))
     raw.post_processor = processors.Sequence(steps)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>" if bos else None, eos_token="</s>",
-                                        pad_token="<pad>", unk_token="<unk>")  # fmt: skip
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=raw, bos_token="<s>" if bos else None, eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
     if template:
         tokenizer.chat_template = template
-    settings = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0 if bos else None,
-                    eos_token_id=2, pad_token_id=1)  # fmt: skip
+    settings = dict(
+        vocab_size=4096,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=0 if bos else None,
+        eos_token_id=2,
+        pad_token_id=1,
+    )
     settings.update(overrides)
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **settings)).save_pretrained(dest)
@@ -540,7 +614,8 @@ def wandb_records(run_dir: Path) -> list[dict]:
     # The reader is the test environment's own wandb, not the one under test (scripts/floors.sh puts an older wandb
     # on PYTHONPATH, whose CLI cannot print the records as JSON).
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([str(cli), "leet", "inspect", "--json", str(files[0])], capture_output=True, text=True,
-                          timeout=120, env=env)  # fmt: skip
+    proc = subprocess.run(
+        [str(cli), "leet", "inspect", "--json", str(files[0])], capture_output=True, text=True, timeout=120, env=env
+    )
     assert proc.returncode == 0, proc.stderr
     return [json.loads(line) for line in proc.stdout.splitlines() if line.strip().startswith("{")]

@@ -34,17 +34,22 @@ PARAGRAPHS = _paragraphs()
 def chat_row(i: int, split: str = "train_sft") -> dict:
     """Row i of a split: a user turn and an assistant turn, both numbered."""
     a, b = PARAGRAPHS[(7 * i) % len(PARAGRAPHS)], PARAGRAPHS[(13 * i + 5) % len(PARAGRAPHS)]
-    return {"prompt_id": f"{split}-{i}",
-            "messages": [{"role": "user", "content": f"[{split} {i}] {a[: 40 + i % 120]}"},
-                         {"role": "assistant", "content": b[: 60 + (i * 7) % 200]}]}  # fmt: skip
+    return {
+        "prompt_id": f"{split}-{i}",
+        "messages": [
+            {"role": "user", "content": f"[{split} {i}] {a[: 40 + i % 120]}"},
+            {"role": "assistant", "content": b[: 60 + (i * 7) % 200]},
+        ],
+    }
 
 
 def text_row(i: int, split: str = "train") -> dict:
     return {"text": f"[{split} {i}] " + PARAGRAPHS[(11 * i) % len(PARAGRAPHS)]}
 
 
-def write_split(root: Path, split: str, rows: int, shards: int, row_group: int, make=chat_row,
-                folder: str = "data") -> list[Path]:  # fmt: skip
+def write_split(
+    root: Path, split: str, rows: int, shards: int, row_group: int, make=chat_row, folder: str = "data"
+) -> list[Path]:
     """`rows` rows in `shards` parquet files of row groups of `row_group` rows, named as the Hub names them."""
     out, per = [], -(-rows // shards)
     (root / folder).mkdir(parents=True, exist_ok=True)
@@ -71,8 +76,11 @@ def card(configs: dict[str, dict[str, str]], default: str | None = None) -> str:
 
 def repo_files(root: Path) -> dict[str, Path | bytes]:
     """A folder as commit_dataset takes it: parquet files by path (copied as LFS objects), the rest as bytes."""
-    return {p.relative_to(root).as_posix(): (p if p.suffix == ".parquet" else p.read_bytes())
-            for p in sorted(root.rglob("*")) if p.is_file()}  # fmt: skip
+    return {
+        p.relative_to(root).as_posix(): (p if p.suffix == ".parquet" else p.read_bytes())
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def make_chat_repo(root: Path, train_rows: int, test_rows: int, shards: int, row_group: int) -> Path:

@@ -71,7 +71,7 @@ class LfsObject:
 @dataclass
 class Repo:
     private: bool
-    server: "HubServer"
+    server: HubServer
     tree: dict[str, Blob] = field(default_factory=dict)
     lfs: dict[str, LfsObject] = field(default_factory=dict)
     commits: list[str] = field(default_factory=list)
@@ -92,7 +92,10 @@ class Repo:
         """Every file at the head with its bytes (LFS files read from disk: for small test repos). The tree is copied
         first (in one step, under the GIL): a test polls this while the server's threads commit to it."""
         tree = dict(self.tree)
-        return {p: (b.content if b.content is not None else self.server.object_path(b.sha256).read_bytes()) for p, b in tree.items()}
+        return {
+            p: (b.content if b.content is not None else self.server.object_path(b.sha256).read_bytes())
+            for p, b in tree.items()
+        }
 
     def lfs_paths(self) -> dict[str, str]:
         """Path -> sha256 of every LFS file at the head."""
@@ -168,7 +171,7 @@ class HubServer:
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
-    def __enter__(self) -> "HubServer":
+    def __enter__(self) -> HubServer:
         self.thread.start()
         return self
 
@@ -180,8 +183,17 @@ class HubServer:
 
     # ------------------------------------------------------------ test controls
 
-    def fail(self, route: str, times: int, status: int = 503, *, kind: str = "status", retry_after: str | None = None,
-             delay: float = 0.0, match: bytes | None = None) -> None:  # fmt: skip
+    def fail(
+        self,
+        route: str,
+        times: int,
+        status: int = 503,
+        *,
+        kind: str = "status",
+        retry_after: str | None = None,
+        delay: float = 0.0,
+        match: bytes | None = None,
+    ) -> None:
         """The next `times` requests to `route` (create, preupload, commit, info, tree, resolve, lfs-batch,
         lfs-upload, lfs-files, lfs-delete) get `status`, or are closed unanswered (`kind` reset or timeout); with
         `match`, only those whose body holds it (not for lfs-upload, whose body is streamed)."""
@@ -299,8 +311,9 @@ class HubServer:
         with self._lock:
             self.sent[route] = self.sent.get(route, 0) + n
 
-    def _send_file(self, h: BaseHTTPRequestHandler, method: str, status: int, headers: dict, path: Path,
-                   route: str) -> None:  # fmt: skip
+    def _send_file(
+        self, h: BaseHTTPRequestHandler, method: str, status: int, headers: dict, path: Path, route: str
+    ) -> None:
         size = path.stat().st_size
         start, end = _range(h, method, status, size)
         if (start, end) != (0, size):
@@ -333,11 +346,26 @@ class HubServer:
             ("POST", rf"^/api/models/{repo}/lfs-files/batch$", "lfs-delete", self._lfs_delete),
             ("GET", rf"^/api/models/{repo}/tree/(?P<rev>[^/]+)(?:/(?P<sub>.*))?$", "tree", self._tree),
             ("GET", rf"^/api/models/{repo}(?:/revision/(?P<rev>[^/]+))?$", "info", self._info),
-            ("GET", rf"^/api/datasets/{repo}/tree/(?P<rev>[^/]+)(?:/(?P<sub>.*))?$", "dataset-tree", self._dataset_tree),
+            (
+                "GET",
+                rf"^/api/datasets/{repo}/tree/(?P<rev>[^/]+)(?:/(?P<sub>.*))?$",
+                "dataset-tree",
+                self._dataset_tree,
+            ),
             ("POST", rf"^/api/datasets/{repo}/paths-info/(?P<rev>[^/]+)$", "dataset-paths", self._dataset_paths),
             ("GET", rf"^/api/datasets/{repo}(?:/revision/(?P<rev>[^/]+))?$", "dataset-info", self._dataset_info),
-            ("GET", rf"^/datasets/{repo}/resolve/(?P<rev>[^/]+)/(?P<file>.+)$", "dataset-resolve", self._dataset_resolve),
-            ("HEAD", rf"^/datasets/{repo}/resolve/(?P<rev>[^/]+)/(?P<file>.+)$", "dataset-resolve", self._dataset_resolve),
+            (
+                "GET",
+                rf"^/datasets/{repo}/resolve/(?P<rev>[^/]+)/(?P<file>.+)$",
+                "dataset-resolve",
+                self._dataset_resolve,
+            ),
+            (
+                "HEAD",
+                rf"^/datasets/{repo}/resolve/(?P<rev>[^/]+)/(?P<file>.+)$",
+                "dataset-resolve",
+                self._dataset_resolve,
+            ),
             ("GET", rf"^/{repo}/resolve/(?P<rev>[^/]+)/(?P<file>.+)$", "resolve", self._resolve),
             ("HEAD", rf"^/{repo}/resolve/(?P<rev>[^/]+)/(?P<file>.+)$", "resolve", self._resolve),
         ]
@@ -392,10 +420,16 @@ class HubServer:
         def mode(f: dict) -> str:
             return "lfs" if f["path"].endswith(LFS_SUFFIXES) or f["size"] >= LFS_MIN_BYTES else "regular"
 
-        return 200, {}, {
-            "files": [{"path": f["path"], "uploadMode": mode(f), "shouldIgnore": False, "oid": None} for f in files],
-            "commitOid": repo.sha,
-        }
+        return (
+            200,
+            {},
+            {
+                "files": [
+                    {"path": f["path"], "uploadMode": mode(f), "shouldIgnore": False, "oid": None} for f in files
+                ],
+                "commitOid": repo.sha,
+            },
+        )
 
     def _lfs_batch(self, h, body: bytes, repo_id: str):
         repo = self._repo(h, repo_id)
@@ -425,7 +459,9 @@ class HubServer:
             return 400, {}, {"error": "sha256 does not match the object id"}
         Path(tmp.name).replace(self.object_path(oid))
         with self._lock:
-            repo.lfs[oid] = LfsObject(size=size, pushed_at=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z")
+            repo.lfs[oid] = LfsObject(
+                size=size, pushed_at=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+            )
         return 200, {}, b""
 
     def _commit(self, h, body: bytes, repo_id: str, rev: str):
@@ -491,14 +527,18 @@ class HubServer:
         repo = self._repo(h, repo_id)
         if repo is None:
             return self._not_found("RepoNotFound")
-        return 200, {}, {
-            "id": repo_id,
-            "modelId": repo_id,
-            "sha": repo.sha,
-            "private": repo.private,
-            "siblings": [{"rfilename": p} for p in sorted(repo.tree)],
-            "usedStorage": repo.used_storage,
-        }
+        return (
+            200,
+            {},
+            {
+                "id": repo_id,
+                "modelId": repo_id,
+                "sha": repo.sha,
+                "private": repo.private,
+                "siblings": [{"rfilename": p} for p in sorted(repo.tree)],
+                "usedStorage": repo.used_storage,
+            },
+        )
 
     def _tree(self, h, body: bytes, repo_id: str, rev: str, sub: str | None):
         repo = self._repo(h, repo_id)
@@ -513,10 +553,21 @@ class HubServer:
         repo = self._repo(h, repo_id)
         if repo is None:
             return self._not_found("RepoNotFound")
-        return 200, {}, [
-            {"fileOid": oid, "oid": oid, "size": o.size, "filename": o.filename, "pushedAt": o.pushed_at, "ref": "main"}
-            for oid, o in sorted(repo.lfs.items())
-        ]
+        return (
+            200,
+            {},
+            [
+                {
+                    "fileOid": oid,
+                    "oid": oid,
+                    "size": o.size,
+                    "filename": o.filename,
+                    "pushedAt": o.pushed_at,
+                    "ref": "main",
+                }
+                for oid, o in sorted(repo.lfs.items())
+            ],
+        )
 
     def _lfs_delete(self, h, body: bytes, repo_id: str):
         repo = self._repo(h, repo_id)
@@ -546,7 +597,6 @@ class HubServer:
         headers["ETag"] = f'"{_git_oid(blob.content)}"'
         return 200, headers, blob.content
 
-
     # ------------------------------------------------------------ dataset repos, at any revision
 
     def _dataset(self, repo_id: str, rev: str | None):
@@ -567,8 +617,19 @@ class HubServer:
         if error:
             return error
         tree, sha = at
-        return 200, {}, {"id": repo_id, "sha": sha, "private": False, "siblings": [{"rfilename": p} for p in sorted(tree)],
-                         "cardData": {}, "tags": [], "lastModified": "2026-01-01T00:00:00.000Z"}
+        return (
+            200,
+            {},
+            {
+                "id": repo_id,
+                "sha": sha,
+                "private": False,
+                "siblings": [{"rfilename": p} for p in sorted(tree)],
+                "cardData": {},
+                "tags": [],
+                "lastModified": "2026-01-01T00:00:00.000Z",
+            },
+        )
 
     def _dataset_tree(self, h, body: bytes, repo_id: str, rev: str, sub: str | None):
         repo, at, error = self._dataset(repo_id, rev)

@@ -35,8 +35,15 @@ HF_HOME_MARK = "/zygote-unset/hf-home"
 ENDPOINT_MARK = "http://zygote-unset.invalid"
 # Imported once by the server: what a training run, the evaluation and the planner import.
 # (Not the commands themselves: runpy warns when the module it runs as __main__ is imported already.)
-PRELOAD = ("fsdp_opt.train.run", "fsdp_opt.train.compare", "fsdp_opt.planner.report", "fsdp_opt.checkpoint.export",
-           "datasets", "peft", "wandb")
+PRELOAD = (
+    "fsdp_opt.train.run",
+    "fsdp_opt.train.compare",
+    "fsdp_opt.planner.report",
+    "fsdp_opt.checkpoint.export",
+    "datasets",
+    "peft",
+    "wandb",
+)
 # Modules whose settings come from the environment at import; re-read in every rank.
 RELOAD = ("huggingface_hub.constants", "datasets.config")
 # Copies of those settings that other modules took at their import (`from ..constants import X`).
@@ -62,8 +69,13 @@ class Zygote:
         self.pythonpath = env.get("PYTHONPATH", "")
         self.omp = env.get("OMP_NUM_THREADS")
         base = dict(env, HF_HOME=HF_HOME_MARK, HF_ENDPOINT=ENDPOINT_MARK)
-        self.proc = subprocess.Popen([sys.executable, __file__, "serve", self.socket], env=base,
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(self.dir / "log", "w"))  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "serve", self.socket],
+            env=base,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=open(self.dir / "log", "w"),
+        )
         deadline = time.time() + 180
         while not os.path.exists(self.socket):
             if self.proc.poll() is not None or time.time() > deadline:
@@ -74,8 +86,16 @@ class Zygote:
         """Whether a request with this environment runs as it would in a fresh process."""
         return env.get("PYTHONPATH", "") == self.pythonpath and env.get("OMP_NUM_THREADS") == self.omp
 
-    def run(self, target: list[str], args: list[str], cwd: Path, env: dict[str, str], nproc: int,
-            timeout: float, late: dict[int, float] | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+    def run(
+        self,
+        target: list[str],
+        args: list[str],
+        cwd: Path,
+        env: dict[str, str],
+        nproc: int,
+        timeout: float,
+        late: dict[int, float] | None = None,
+    ) -> subprocess.CompletedProcess:
         """`target`: [script] or ["-m", module]. Returns as subprocess.run(capture_output=True, text=True) would.
         `late`: seconds a rank waits before it starts, as a rank slowed by a loaded machine would (the tests of what
         the other ranks do meanwhile)."""
@@ -83,8 +103,16 @@ class Zygote:
         os.close(fd)
         fd, err = tempfile.mkstemp(prefix="err-", dir=self.dir)
         os.close(fd)
-        request = {"target": target, "args": args, "cwd": str(cwd), "env": env, "nproc": nproc, "out": out, "err": err,
-                   "late": {str(k): v for k, v in (late or {}).items()}}  # fmt: skip
+        request = {
+            "target": target,
+            "args": args,
+            "cwd": str(cwd),
+            "env": env,
+            "nproc": nproc,
+            "out": out,
+            "err": err,
+            "late": {str(k): v for k, v in (late or {}).items()},
+        }
         shown = ["fast-launch", f"--nproc={nproc}", *target, *args]
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -95,7 +123,7 @@ class Zygote:
             conn.settimeout(timeout)
             try:
                 line = reader.readline()
-            except (socket.timeout, TimeoutError):
+            except TimeoutError:
                 _kill_group(pid)
                 raise subprocess.TimeoutExpired(shown, timeout, _read(out), _read(err)) from None
             if not line:
@@ -159,7 +187,7 @@ def serve(path: str) -> None:
     while True:
         try:
             conn, _ = server.accept()
-        except (socket.timeout, TimeoutError):
+        except TimeoutError:
             if os.getppid() != parent:  # the pytest worker is gone (killed): so is the need for this server
                 return
             continue
@@ -190,10 +218,21 @@ def supervise(conn: socket.socket) -> None:
     for rank in range(world):
         env = dict(request["env"])
         if nproc:
-            env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                       GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(world), ROLE_NAME="default",
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RUN_ID="fast-launch",
-                       TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0")  # fmt: skip
+            env.update(
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(world),
+                LOCAL_WORLD_SIZE=str(world),
+                GROUP_RANK="0",
+                ROLE_RANK=str(rank),
+                ROLE_WORLD_SIZE=str(world),
+                ROLE_NAME="default",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                TORCHELASTIC_RUN_ID="fast-launch",
+                TORCHELASTIC_RESTART_COUNT="0",
+                TORCHELASTIC_MAX_RESTARTS="0",
+            )
             env.setdefault("OMP_NUM_THREADS", "1")
         pid = os.fork()
         if pid == 0:
@@ -230,8 +269,9 @@ def _wait(pids: list[int], nproc: int, err: int | None = None) -> int:
         code = codes[pids[0]]
         return code if code >= 0 else 128 - code
     if failed is not None and err is not None:
-        ended = ", ".join(f"rank {r}: " + (f"signal {-codes[p]}" if codes[p] < 0 else f"exit {codes[p]}")
-                          for r, p in enumerate(pids))  # fmt: skip
+        ended = ", ".join(
+            f"rank {r}: " + (f"signal {-codes[p]}" if codes[p] < 0 else f"exit {codes[p]}") for r, p in enumerate(pids)
+        )
         os.write(err, f"fast-launch: rank {pids.index(failed)} failed first ({ended})\n".encode())
     return 0 if failed is None else 1
 
@@ -315,8 +355,9 @@ def _reread_environment() -> None:
             if isinstance(value, (str, os.PathLike)) and (HF_HOME_MARK in str(value) or ENDPOINT_MARK in str(value)):
                 stale.append(f"{name}.{attr}")
     if stale:
-        raise RuntimeError(f"the launcher cannot stand in for a fresh process: {', '.join(stale)} kept the server's "
-                           "environment")  # fmt: skip
+        raise RuntimeError(
+            f"the launcher cannot stand in for a fresh process: {', '.join(stale)} kept the server's environment"
+        )
 
 
 def _free_port() -> int:

@@ -30,14 +30,31 @@ def test_the_learned_behaviour_holds_under_the_default_kernel(tmp_path, wheel_ve
         FSDP_OPT_REPORT_KERNEL="1",  # the session says which kernels it and its runs dispatched to (conftest.py)
     )
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-m", "learns", "--basetemp",
-         str(tmp_path / "base")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rA",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "learns",
+            "--basetemp",
+            str(tmp_path / "base"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     # every entry of LEARNS ran and passed (a renamed test or a typo matches nothing), and nothing was skipped
     passed = re.findall(r"^PASSED (\S+)", proc.stdout, flags=re.M)
     assert all(any(p.startswith(entry) for p in passed) for entry in LEARNS), (LEARNS, passed)
     assert not re.search(r"^(SKIPPED|XFAIL|XPASS)", proc.stdout, flags=re.M), proc.stdout[-3000:]
     # and they ran under the kernel set here: the session's process and the runs it forked
-    assert f"kernels: session {KERNEL.upper()}, runs cpu capability: {KERNEL.upper()}" in proc.stdout, proc.stdout[-3000:]
+    assert f"kernels: session {KERNEL.upper()}, runs cpu capability: {KERNEL.upper()}" in proc.stdout, proc.stdout[
+        -3000:
+    ]

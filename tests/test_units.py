@@ -73,7 +73,9 @@ def test_bad_flags_raise_one_line_naming_the_flag(argv, needle):
 def test_readme_documents_every_flag():
     from conftest import ROOT
 
-    readme = (ROOT / "README.md").read_text()  # by name; what each does is in docs/flags.md (tests/commands/test_docs.py)
+    readme = (
+        ROOT / "README.md"
+    ).read_text()  # by name; what each does is in docs/flags.md (tests/commands/test_docs.py)
     for action in build_parser()._actions:
         if action.option_strings and action.dest != "help":
             assert f"`--{action.dest}`" in readme, action.dest
@@ -130,12 +132,18 @@ def test_wrap_policy_finds_opt_layers_and_keeps_tied_head_in_root():
     [
         (GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64), "GPT2Block"),
         (
-            LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-                        num_key_value_heads=2, vocab_size=100),
+            LlamaConfig(
+                num_hidden_layers=2,
+                hidden_size=32,
+                intermediate_size=64,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                vocab_size=100,
+            ),
             "LlamaDecoderLayer",
         ),
     ],
-)  # fmt: skip
+)
 def test_wrap_policy_finds_blocks_of_other_architectures(config, block):
     model = _meta(config)
     classes = find_block_classes(model)
@@ -147,8 +155,9 @@ def test_wrap_policy_says_when_nothing_matches():
     # an architecture outside the tested families: its blocks are the ones _no_split_modules names
     from transformers import GPTNeoXConfig
 
-    model = _meta(GPTNeoXConfig(num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2,
-                                vocab_size=50))  # fmt: skip
+    model = _meta(
+        GPTNeoXConfig(num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2, vocab_size=50)
+    )
     assert {c.__name__ for c in find_block_classes(model)} == {"GPTNeoXLayer"}
     model._no_split_modules = ["NoSuchLayer"]
     with pytest.raises(ModelError, match="NoSuchLayer"):
@@ -164,8 +173,15 @@ def test_shared_weight_across_units_is_refused():
 
 
 def test_flops_per_token_matches_the_opt_1_3b_figure():
-    config = OPTConfig(hidden_size=2048, num_hidden_layers=24, ffn_dim=8192, num_attention_heads=32,
-                       vocab_size=50272, max_position_embeddings=2048, word_embed_proj_dim=2048)  # fmt: skip
+    config = OPTConfig(
+        hidden_size=2048,
+        num_hidden_layers=24,
+        ffn_dim=8192,
+        num_attention_heads=32,
+        vocab_size=50272,
+        max_position_embeddings=2048,
+        word_embed_proj_dim=2048,
+    )
     model = _meta(config)
     assert sum(p.numel() for p in model.parameters()) == 1_315_758_080
     # 6N + 12*L*H*Q*T with N = 1.3B - embeddings + lm_head; about 8.17 GFLOP at T=512.
@@ -251,7 +267,9 @@ def test_global_batch_sets_accumulation_per_rank_count():
     tc = TrainConfig(batch_size=4, global_batch=128)
     assert [tc.accum_for(w) for w in (1, 2, 8, 32)] == [32, 16, 4, 1]
     assert TrainConfig(batch_size=4, accum_steps=3).accum_for(5) == 3
-    with pytest.raises(ConfigError, match=r"--global_batch 100: not a multiple of --batch_size 4 x 2 rank\(s\) = 8; use 96 or 104"):
+    with pytest.raises(
+        ConfigError, match=r"--global_batch 100: not a multiple of --batch_size 4 x 2 rank\(s\) = 8; use 96 or 104"
+    ):
         TrainConfig(batch_size=4, global_batch=100).accum_for(2)
     with pytest.raises(ConfigError, match="use 8,|use 8 or"):
         TrainConfig(batch_size=4, global_batch=2).accum_for(2)
@@ -273,20 +291,30 @@ def test_the_head_loss_at_the_targets_equals_whole_logits_loss_and_gradients(chu
     (chunks end mid-row, the last one is short); the token log-probabilities too, 0 where there is no target."""
 
     torch.manual_seed(0)
-    config = OPTConfig(num_hidden_layers=2, hidden_size=32, ffn_dim=64, num_attention_heads=2, vocab_size=300,
-                       max_position_embeddings=64, dropout=0.0)  # fmt: skip
+    config = OPTConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        ffn_dim=64,
+        num_attention_heads=2,
+        vocab_size=300,
+        max_position_embeddings=64,
+        dropout=0.0,
+    )
     model = AutoModelForCausalLM.from_config(config)
     ids = torch.randint(3, 300, (3, 20))
     labels = ids.clone()
     labels[1, 15:] = -100  # a padded tail
     labels[0, :6] = labels[2, :11] = -100  # prompts
     logits = model(input_ids=ids).logits
-    ref = F.cross_entropy(logits[:, :-1].reshape(-1, 300), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum")
+    ref = F.cross_entropy(
+        logits[:, :-1].reshape(-1, 300), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum"
+    )
     ref.backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     ref_logps = torch.zeros(3, 20)
-    ref_logps[:, :-1] = -F.cross_entropy(logits[:, :-1].reshape(-1, 300).detach(), labels[:, 1:].reshape(-1),
-                                         ignore_index=-100, reduction="none").view(3, 19)  # fmt: skip
+    ref_logps[:, :-1] = -F.cross_entropy(
+        logits[:, :-1].reshape(-1, 300).detach(), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="none"
+    ).view(3, 19)
     model.zero_grad()
     head = HeadLoss.for_run(model, chunk)
     with head.hidden_states():
@@ -309,8 +337,16 @@ def test_the_head_loss_runs_the_output_layer_on_the_target_rows_alone_and_on_non
     the output layer still gets a gradient (zeros), as every rank's must for the same reduce-scatter."""
 
     torch.manual_seed(0)
-    config = OPTConfig(num_hidden_layers=1, hidden_size=16, ffn_dim=32, num_attention_heads=2, vocab_size=50,
-                       max_position_embeddings=32, dropout=0.0, tie_word_embeddings=False)  # fmt: skip
+    config = OPTConfig(
+        num_hidden_layers=1,
+        hidden_size=16,
+        ffn_dim=32,
+        num_attention_heads=2,
+        vocab_size=50,
+        max_position_embeddings=32,
+        dropout=0.0,
+        tie_word_embeddings=False,
+    )
     model = AutoModelForCausalLM.from_config(config)
     head = HeadLoss.for_run(model, 0)
     ids = torch.randint(3, 50, (2, 12))
@@ -336,8 +372,15 @@ def test_the_held_out_loss_and_the_pair_scores_run_the_output_layer_at_the_targe
     """evaluate_loss (the held-out loss) and pair_logps (DPO's reference and held-out passes) give what a plain
     transformers forward gives on whole logits, while the projection sees only the positions with a target."""
     torch.manual_seed(0)
-    config = OPTConfig(num_hidden_layers=1, hidden_size=16, ffn_dim=32, num_attention_heads=2, vocab_size=50,
-                       max_position_embeddings=32, dropout=0.0)  # fmt: skip
+    config = OPTConfig(
+        num_hidden_layers=1,
+        hidden_size=16,
+        ffn_dim=32,
+        num_attention_heads=2,
+        vocab_size=50,
+        max_position_embeddings=32,
+        dropout=0.0,
+    )
     model = AutoModelForCausalLM.from_config(config).eval()
     env = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
     rows: list[int] = []
@@ -353,7 +396,9 @@ def test_the_held_out_loss_and_the_pair_scores_run_the_output_layer_at_the_targe
     blocks = Blocks(ids, torch.tensor([12, 10]), pad_id=1, targets=targets)
     got = evaluate_loss(model, blocks, 2, env)
     with torch.no_grad():
-        logits = model(input_ids=ids.long(), attention_mask=(torch.arange(12) < torch.tensor([[12], [10]])).long()).logits
+        logits = model(
+            input_ids=ids.long(), attention_mask=(torch.arange(12) < torch.tensor([[12], [10]])).long()
+        ).logits
     logp = torch.log_softmax(logits.double(), -1)
     picked = [logp[r, t - 1, ids[r, t]] for r in range(2) for t in range(1, 12) if targets[r, t]]
     assert got["tokens"] == len(picked) == 9 and rows == [9]
@@ -378,8 +423,16 @@ def test_the_held_out_loss_and_the_pair_scores_run_the_output_layer_at_the_targe
 def test_chunks_are_refused_where_logits_are_not_a_plain_projection():
     from transformers import Gemma2Config
 
-    config = Gemma2Config(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-                          num_key_value_heads=1, head_dim=16, vocab_size=100, final_logit_softcapping=30.0)  # fmt: skip
+    config = Gemma2Config(
+        num_hidden_layers=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        vocab_size=100,
+        final_logit_softcapping=30.0,
+    )
     config._attn_implementation = "eager"
     gemma = build_meta_model(config)
     with pytest.raises(ConfigError, match="--loss_chunk_tokens.*final_logit_softcapping"):
@@ -395,8 +448,13 @@ def test_fused_adamw_of_cuda_runs_steps_dtensor_parameters_like_foreach():
 
     from conftest import ROOT
 
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "workers" / "fused_adamw.py")], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "workers" / "fused_adamw.py")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     cpu_fused, cuda_fused, diff = proc.stdout.split()
     assert cpu_fused == "None" and cuda_fused == "True" and float(diff) < 1e-6
@@ -406,6 +464,9 @@ def test_resume_command_names_the_launch_that_ran():
     from fsdp_opt.runtime.stopping import resume_command
 
     argv = ["--end_idx", "40", "--resume_file", "old.pt"]
-    assert resume_command("new.pt", argv, "fsdp_finetune.py") == "python fsdp_finetune.py --end_idx 40 --resume_file new.pt"
+    assert (
+        resume_command("new.pt", argv, "fsdp_finetune.py")
+        == "python fsdp_finetune.py --end_idx 40 --resume_file new.pt"
+    )
     wheel = resume_command("new.pt", argv, "/site/fsdp_opt/__main__.py")
     assert wheel == "python -m fsdp_opt --end_idx 40 --resume_file new.pt"

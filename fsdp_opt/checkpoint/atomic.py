@@ -1,5 +1,4 @@
-"""Durable file writes: a checkpoint is either whole under its final name or not there at all.
-"""
+"""Durable file writes: a checkpoint is either whole under its final name or not there at all."""
 
 from __future__ import annotations
 
@@ -8,8 +7,9 @@ import os
 import shutil
 import signal
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -118,10 +118,11 @@ def remove_stale_temp(output_dir: Path) -> list[Path]:
     if not output_dir.is_dir():
         return []
     stale = [
-        p for p in output_dir.iterdir()
+        p
+        for p in output_dir.iterdir()
         if p.name.startswith(".")
         and (".tmp" in p.name or p.name.endswith(".old") or p.name.startswith((".download-", ".upload-")))
-    ]  # fmt: skip
+    ]
     for p in stale:
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
     return stale

@@ -39,7 +39,9 @@ def range_after(end: int, epoch: int, rows: int, range_size: int, passes: int) -
     return None
 
 
-def next_range(newest: str | None, rows: int, range_size: int, passes: int, flag: str = "--start_idx auto") -> NextRange | None:
+def next_range(
+    newest: str | None, rows: int, range_size: int, passes: int, flag: str = "--start_idx auto"
+) -> NextRange | None:
     """The range a session of an auto chain trains, from the name of the newest checkpoint; None: every pass is done."""
     if newest is None:
         return NextRange(0, min(range_size, rows), 0, None, False)
@@ -98,21 +100,29 @@ class ChainStatus:
     def items(self) -> list[tuple[str, str]]:
         """(what, where it stands): the lines of the start-of-session report and of the model card."""
         passes = f" of {self.passes}" if self.passes else ""
-        done = f"{self.ranges_done}" + (f", the last [{self.start}, {self.end}) in pass {self.epoch + 1}{passes}"
-                                        if self.range_done else "")  # fmt: skip
+        done = f"{self.ranges_done}" + (
+            f", the last [{self.start}, {self.end}) in pass {self.epoch + 1}{passes}" if self.range_done else ""
+        )
         if not self.range_done:
             share = (self.position - self.start) / max(1, self.end - self.start)
-            now = f"[{self.start}, {self.end}) of {self.rows:,} rows, pass {self.epoch + 1}{passes}, {share:.0%} trained"
+            now = (
+                f"[{self.start}, {self.end}) of {self.rows:,} rows, pass {self.epoch + 1}{passes}, {share:.0%} trained"
+            )
         elif self.following() is not None:
             s, e, k = self.following()
             now = f"[{s}, {e}) next, pass {k + 1}{passes}"
         elif self.range_size and self.passes:
             now = "none: the chain is done"
         else:
-            now = f"the next starts at row {self.end} of {self.rows:,}" if self.end < self.rows else "the data is used up"
+            now = (
+                f"the next starts at row {self.end} of {self.rows:,}" if self.end < self.rows else "the data is used up"
+            )
         left = self.rows_left()
-        items = [("ranges done", done), ("range now", now),
-                 ("rows left", f"{left:,}" + (" (to the end of the data)" if not self.passes else ""))]  # fmt: skip
+        items = [
+            ("ranges done", done),
+            ("range now", now),
+            ("rows left", f"{left:,}" + (" (to the end of the data)" if not self.passes else "")),
+        ]
         rate = self.rows_per_hour()
         if not left:
             pace = "none"
@@ -122,7 +132,9 @@ class ChainStatus:
             hours = left / rate
             pace = f"{hours:,.1f} h at the {rate:,.0f} rows/h measured"
             if self.session_seconds:
-                pace = f"{math.ceil(hours * 3600 / self.session_seconds):,} of {_duration(self.session_seconds)} ({pace})"
+                pace = (
+                    f"{math.ceil(hours * 3600 / self.session_seconds):,} of {_duration(self.session_seconds)} ({pace})"
+                )
         items.append(("sessions left", pace))
         return items
 

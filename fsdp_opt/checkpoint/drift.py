@@ -51,18 +51,44 @@ BREAKING = {
 # Not compared: where this session is in the chain, and how this machine lays a step out.
 NOT_COMPARED = {
     # num_epochs: the epochs one session trains, or an auto chain's passes (which only say where the chain ends)
-    "start_idx", "end_idx", "resume_file", "initial_epoch", "num_epochs", "take_over", "allow_changes", "output_dir",
+    "start_idx",
+    "end_idx",
+    "resume_file",
+    "initial_epoch",
+    "num_epochs",
+    "take_over",
+    "allow_changes",
+    "output_dir",
     "device",
-    "batch_size", "accum_steps", "global_batch", "sharding_strategy", "precision", "activation_checkpointing",
-    "cpu_offload", "reduce_every_microbatch", "reduce_dtype", "compile", "prefetch", "max_gpu_memory", "tflops",
-    "link_gbps", "loss_chunk_tokens", "attn_implementation", "async_save", "pad_to_max_length",
+    "batch_size",
+    "accum_steps",
+    "global_batch",
+    "sharding_strategy",
+    "precision",
+    "activation_checkpointing",
+    "cpu_offload",
+    "reduce_every_microbatch",
+    "reduce_dtype",
+    "compile",
+    "prefetch",
+    "max_gpu_memory",
+    "tflops",
+    "link_gbps",
+    "loss_chunk_tokens",
+    "attn_implementation",
+    "async_save",
+    "pad_to_max_length",
     # how its workers start
     "nproc_per_node",
     # each method's flags of how this machine runs it (config/method.py: the same results, up to the last bits)
     *(flag for flag, kind in method_flags().items() if kind is None),
     # the LoRA identity has its own check, with its own message (model/adapters.check_resume)
-    "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "base_bits",
-}  # fmt: skip
+    "lora_rank",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_targets",
+    "base_bits",
+}
 
 
 # A local model folder or data file is often found at another path on the next machine: the same name counts as the
@@ -103,8 +129,12 @@ def global_batch_change(saved_batch: int | None, batch: int, mid_range: bool) ->
     """Inside a range, the position is a count of samples of the saved global batch: another one breaks it."""
     if not mid_range or saved_batch is None or saved_batch == batch:
         return None
-    return {"flag": "global_batch", "from": saved_batch, "to": batch,
-            "breaks": "the range's position is counted in steps of the saved global batch"}  # fmt: skip
+    return {
+        "flag": "global_batch",
+        "from": saved_batch,
+        "to": batch,
+        "breaks": "the range's position is counted in steps of the saved global batch",
+    }
 
 
 def line(change: dict[str, Any]) -> str:
@@ -122,8 +152,10 @@ def refuse_if_breaking(changes: list[dict[str, Any]], allow: bool, checkpoint: s
     breaking = [c for c in changes if c["breaks"]]
     if breaking and not allow:
         listed = "; ".join(f"--{c['flag']} {_shown(c['from'])} -> {_shown(c['to'])} ({c['breaks']})" for c in breaking)
-        raise ConfigError(f"--resume_file {checkpoint}: {listed}. Use the checkpoint's value, or --allow_changes "
-                          "to go on anyway (the chain is then no longer one exact run)")  # fmt: skip
+        raise ConfigError(
+            f"--resume_file {checkpoint}: {listed}. Use the checkpoint's value, or --allow_changes "
+            "to go on anyway (the chain is then no longer one exact run)"
+        )
 
 
 def settings_drift(config: Config, payload: dict[str, Any] | None) -> list[dict[str, Any]]:

@@ -44,7 +44,9 @@ def export_model_folder(
     weights = {k: v.detach().to(DTYPES[dtype]).clone() for k, v in state_dict.items()}
     missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
     if unexpected or [k for k in missing if not _is_tied(model, k)]:
-        raise CheckpointError(f"export: weights do not fit {config.model_type} (missing {missing[:2]}, unexpected {unexpected[:2]})")
+        raise CheckpointError(
+            f"export: weights do not fit {config.model_type} (missing {missing[:2]}, unexpected {unexpected[:2]})"
+        )
     model.tie_weights()
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
@@ -68,8 +70,16 @@ def tokenizer_with(source, chat_template: str | None) -> Any:
     return tokenizer
 
 
-def export_lora(adapters: dict[str, torch.Tensor], info: dict[str, Any], dest: Path, dtype: str = "fp16", *,
-                merge: bool = False, seed: int = 0, chat_template: str | None = None) -> Path:  # fmt: skip
+def export_lora(
+    adapters: dict[str, torch.Tensor],
+    info: dict[str, Any],
+    dest: Path,
+    dtype: str = "fp16",
+    *,
+    merge: bool = False,
+    seed: int = 0,
+    chat_template: str | None = None,
+) -> Path:
     """A LoRA run's adapters as a peft adapter folder; with `merge`, as a full model folder (the base with the
     update merged in, by peft), which needs the base: `info` names it and holds its fingerprint. With a chat template,
     the adapter folder holds the base's tokenizer carrying it."""
@@ -88,13 +98,16 @@ def export_lora(adapters: dict[str, torch.Tensor], info: dict[str, Any], dest: P
     return export_model_folder(state, load_model_config(source), tokenizer_with(source, chat_template), dest, dtype)
 
 
-def export_checkpoint(path: Path, dest: Path, dtype: str = "fp16", model_name: str | None = None, merge: bool = False) -> Path:
+def export_checkpoint(
+    path: Path, dest: Path, dtype: str = "fp16", model_name: str | None = None, merge: bool = False
+) -> Path:
     payload = load_full_payload(Path(path), "checkpoint")
     info = payload.get("lora")
     if info is not None:
         seed = int((payload.get("config") or {}).get("seed", 0))
-        return export_lora(payload[MODEL_KEY], info, dest, dtype, merge=merge, seed=seed,
-                           chat_template=payload.get("chat_template"))  # fmt: skip
+        return export_lora(
+            payload[MODEL_KEY], info, dest, dtype, merge=merge, seed=seed, chat_template=payload.get("chat_template")
+        )
     if merge:
         raise ConfigError(f"--merge: {path} is a full fine-tuning checkpoint (nothing to merge); leave --merge out")
     name = model_name or (payload.get("config") or {}).get("model")

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from fsdp_opt.base import CheckpointError
 from fsdp_opt.checkpoint.names import STEP_KEY, list_checkpoints, parse_name

@@ -110,7 +110,9 @@ def _copy_own_slice(full: torch.Tensor, into: torch.Tensor, mapped: list[tuple[i
     drop_pages(full, mapped)
 
 
-def _load_own_slices(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: Path, load_optimizer: bool) -> None:
+def _load_own_slices(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, path: Path, load_optimizer: bool
+) -> None:
     """Every rank maps the file and copies its own slices into its shards: each rank reads 1/N of the bytes and
     nothing is broadcast. The copies go into the tensors the state dicts hand out (the live shards, as torch's own
     broadcast load does), which are then loaded with set_*_state_dict: no second copy of the state is made."""
@@ -141,7 +143,9 @@ def _load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path
     try:
         dcp.load(tensors, checkpoint_id=str(path))
     except Exception as exc:  # noqa: BLE001 - DCP raises on every rank
-        raise CheckpointError(f"--resume_file {path}: sharded checkpoint does not match this model ({first_line(exc)})") from None
+        raise CheckpointError(
+            f"--resume_file {path}: sharded checkpoint does not match this model ({first_line(exc)})"
+        ) from None
     set_model_state_dict(model, tensors["model"], options=model_options(model))
     if load_optimizer:
         set_optimizer_state_dict(model, optimizer, tensors["optim"])
@@ -181,7 +185,7 @@ def load_model_only(path: Path, flag: str = "checkpoint") -> dict[str, Any]:
 
     metadata = FileSystemReader(str(path)).read_metadata()
     model = {
-        k[len("model."):]: torch.empty(tuple(v.size), dtype=v.properties.dtype)
+        k[len("model.") :]: torch.empty(tuple(v.size), dtype=v.properties.dtype)
         for k, v in metadata.state_dict_metadata.items()
         if k.startswith("model.") and isinstance(v, TensorStorageMetadata)
     }

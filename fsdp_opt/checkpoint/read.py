@@ -42,7 +42,9 @@ def _load_weights_only(path: Path, flag: str) -> Any:
             f"({first_line(exc)[:120]})"
         ) from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as exc:
-        raise CheckpointError(f"{flag} {path}: not a readable checkpoint, truncated or damaged ({first_line(exc)[:120]})") from None
+        raise CheckpointError(
+            f"{flag} {path}: not a readable checkpoint, truncated or damaged ({first_line(exc)[:120]})"
+        ) from None
 
 
 def _read_sharded_meta(path: Path, flag: str) -> dict[str, Any]:
@@ -62,7 +64,7 @@ def _sharded_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
     metadata = FileSystemReader(str(path)).read_metadata()
     return {
-        k[len("model."):]: tuple(v.size)
+        k[len("model.") :]: tuple(v.size)
         for k, v in metadata.state_dict_metadata.items()
         if k.startswith("model.") and isinstance(v, TensorStorageMetadata)
     }

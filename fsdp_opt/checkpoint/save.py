@@ -8,8 +8,9 @@ from __future__ import annotations
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -82,7 +83,9 @@ def save_checkpoint(
     return {"bytes": float(bytes_on_disk(path)), "seconds": time.perf_counter() - start}
 
 
-def _save_sharded(path: Path, env: DistEnv, model: nn.Module, optimizer: torch.optim.Optimizer | None, meta: dict) -> None:
+def _save_sharded(
+    path: Path, env: DistEnv, model: nn.Module, optimizer: torch.optim.Optimizer | None, meta: dict
+) -> None:
     import torch.distributed.checkpoint as dcp
 
     tmp = path.with_name(f".{path.name}.tmp")
@@ -136,7 +139,9 @@ class BackgroundWriter:
         except CheckpointError as exc:
             self.error = str(exc)
         except Exception as exc:  # noqa: BLE001 - reported on every rank at the next step, like a disk error
-            self.error = f"writing a checkpoint failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            self.error = (
+                f"writing a checkpoint failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            )
 
     def wait(self) -> None:
         if self._thread is not None:

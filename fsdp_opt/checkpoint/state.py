@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,8 +48,11 @@ def model_state(model: nn.Module, **kwargs: Any) -> dict[str, Any]:
     state = get_model_state_dict(model, options=model_options(model, **kwargs))
     if all(p.requires_grad for p in model.parameters()):
         return state
-    trainable = {n.replace("_checkpoint_wrapped_module.", "") for n, p in model.named_parameters(remove_duplicate=False)
-                 if p.requires_grad}  # fmt: skip
+    trainable = {
+        n.replace("_checkpoint_wrapped_module.", "")
+        for n, p in model.named_parameters(remove_duplicate=False)
+        if p.requires_grad
+    }
     return {k: v for k, v in state.items() if k in trainable}
 
 

@@ -27,8 +27,19 @@ SUFFIX = ".safetensors"
 FORMAT = "fsdp-opt-weights/1"
 
 # What a checkpoint's metadata carries over into its weights file (small values only).
-CARRIED = ("GLOBAL_STEP", "EPOCHS_RUN", "train_state", "slice", "config", "model_name", "world_size", "global_batch",
-           "last_loss", "wandb_run_id", "lora")  # fmt: skip
+CARRIED = (
+    "GLOBAL_STEP",
+    "EPOCHS_RUN",
+    "train_state",
+    "slice",
+    "config",
+    "model_name",
+    "world_size",
+    "global_batch",
+    "last_loss",
+    "wandb_run_id",
+    "lora",
+)
 
 
 def weights_name(checkpoint: str) -> str:
@@ -43,7 +54,9 @@ def checkpoint_of(weights: str) -> str:
     return name[: -len(SUFFIX)] + ".pt"
 
 
-def write_weights(model_state: dict[str, torch.Tensor], meta: dict[str, Any], path: Path, dtype: torch.dtype = torch.float16) -> Path:
+def write_weights(
+    model_state: dict[str, torch.Tensor], meta: dict[str, Any], path: Path, dtype: torch.dtype = torch.float16
+) -> Path:
     """Write the weights in `dtype` (tied ones once) with `meta` in the header; atomically (temporary name, rename)."""
     from safetensors.torch import save_file
 
@@ -59,8 +72,12 @@ def write_weights(model_state: dict[str, torch.Tensor], meta: dict[str, Any], pa
         group.append(name)
         tensors[name] = t.detach().to(dtype).contiguous()
     carried = {k: meta[k] for k in CARRIED if k in meta}
-    header = {"format": FORMAT, "dtype": str(dtype).removeprefix("torch."), "tied": json.dumps(tied),
-              "fsdp_opt": json.dumps(carried, default=float)}  # fmt: skip
+    header = {
+        "format": FORMAT,
+        "dtype": str(dtype).removeprefix("torch."),
+        "tied": json.dumps(tied),
+        "fsdp_opt": json.dumps(carried, default=float),
+    }
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata=header)
     return path
@@ -82,10 +99,19 @@ def read_weights(path: Path, flag: str = "--resume_file") -> dict[str, Any]:
                 raise CheckpointError(f"{flag} {path}: a safetensors file, but not an fsdp-opt weights file")
             state = {k: f.get_tensor(k).float() for k in f.keys()}
     except (SafetensorError, OSError, ValueError) as exc:
-        raise CheckpointError(f"{flag} {path}: not a readable weights file ({str(exc).splitlines()[0][:120]})") from None
+        raise CheckpointError(
+            f"{flag} {path}: not a readable weights file ({str(exc).splitlines()[0][:120]})"
+        ) from None
     for alias, source in json.loads(header.get("tied", "{}")).items():
         state[alias] = state[source]
     payload: dict[str, Any] = json.loads(header.get("fsdp_opt", "{}"))
-    payload.update({MODEL_KEY: state, "optimizer": None, "has_optimizer": False, "weights_only": True,
-                    "weights_dtype": header.get("dtype", "float16")})  # fmt: skip
+    payload.update(
+        {
+            MODEL_KEY: state,
+            "optimizer": None,
+            "has_optimizer": False,
+            "weights_only": True,
+            "weights_dtype": header.get("dtype", "float16"),
+        }
+    )
     return payload

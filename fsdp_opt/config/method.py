@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from fsdp_opt.base import ConfigError
 from fsdp_opt.config.flags import flag
 
-
 LOSS = "another loss trains"  # a method flag's drift class: changed mid-chain, it breaks the chain's exactness
 MACHINE = None  # a method flag of how this machine runs the method: not compared (checkpoint/drift.py)
 # The phases the planner adds to a step for a method (planner/report.py, plan.py)
@@ -69,25 +68,74 @@ GRPO_FIELDS = (
     "clip_ratio/region_mean",  # either
 )
 GRPO_FLAGS = (
-    *((f, LOSS) for f in ("beta", "ref_model", "num_generations", "max_completion_length", "temperature", "top_p",
-                          "top_k", "epsilon", "epsilon_high", "loss_type", "scale_rewards",
-                          "mask_truncated_completions", "reward", "reward_weights", "num_iterations",
-                          "steps_per_generation", "delta", "importance_sampling_level")),
+    *(
+        (f, LOSS)
+        for f in (
+            "beta",
+            "ref_model",
+            "num_generations",
+            "max_completion_length",
+            "temperature",
+            "top_p",
+            "top_k",
+            "epsilon",
+            "epsilon_high",
+            "loss_type",
+            "scale_rewards",
+            "mask_truncated_completions",
+            "reward",
+            "reward_weights",
+            "num_iterations",
+            "steps_per_generation",
+            "delta",
+            "importance_sampling_level",
+        )
+    ),
     ("decoding", MACHINE),  # the same completions, up to the last bits of a float
-)  # fmt: skip
+)
 
-SFT = MethodSpec(rows=("text", "prompt_completion", "messages"), what="text, prompt/completion or chat rows",
-                 sequences_per_row=1, reference="never", beta=0.0, beta_means="unused", dropout=True, concat=True,
-                 answers_only=False, generates=False)  # fmt: skip
-DPO = MethodSpec(rows=("preference",), what="preference rows (prompt, chosen, rejected)", sequences_per_row=2,
-                 reference="always", beta=0.1, beta_means="the strength of the pull toward the reference (DPO's beta)",
-                 dropout=False, concat=False, answers_only=True, generates=False,
-                 flags=(("beta", LOSS), ("ref_model", LOSS)), fields=DPO_FIELDS, phases=(REFERENCE_PASS,))  # fmt: skip
-GRPO = MethodSpec(rows=("prompt",), what="prompt rows (a prompt column; the other columns go to the rewards)",
-                  sequences_per_row=1, reference="beta", beta=0.0,
-                  beta_means="the weight of the KL term against the reference (0: no reference model, TRL's default)",
-                  dropout=False, concat=False, answers_only=True, generates=True, flags=GRPO_FLAGS,
-                  fields=GRPO_FIELDS, phases=(GENERATION,))  # fmt: skip
+SFT = MethodSpec(
+    rows=("text", "prompt_completion", "messages"),
+    what="text, prompt/completion or chat rows",
+    sequences_per_row=1,
+    reference="never",
+    beta=0.0,
+    beta_means="unused",
+    dropout=True,
+    concat=True,
+    answers_only=False,
+    generates=False,
+)
+DPO = MethodSpec(
+    rows=("preference",),
+    what="preference rows (prompt, chosen, rejected)",
+    sequences_per_row=2,
+    reference="always",
+    beta=0.1,
+    beta_means="the strength of the pull toward the reference (DPO's beta)",
+    dropout=False,
+    concat=False,
+    answers_only=True,
+    generates=False,
+    flags=(("beta", LOSS), ("ref_model", LOSS)),
+    fields=DPO_FIELDS,
+    phases=(REFERENCE_PASS,),
+)
+GRPO = MethodSpec(
+    rows=("prompt",),
+    what="prompt rows (a prompt column; the other columns go to the rewards)",
+    sequences_per_row=1,
+    reference="beta",
+    beta=0.0,
+    beta_means="the weight of the KL term against the reference (0: no reference model, TRL's default)",
+    dropout=False,
+    concat=False,
+    answers_only=True,
+    generates=True,
+    flags=GRPO_FLAGS,
+    fields=GRPO_FIELDS,
+    phases=(GENERATION,),
+)
 
 # --method: the registry's names, with their specs
 METHOD_SPECS: dict[str, MethodSpec] = {"sft": SFT, "dpo": DPO, "grpo": GRPO}
@@ -131,9 +179,14 @@ class MethodConfig:
         "checkpoint); a LoRA run without it uses its base with the adapters switched off.",
     )
     num_generations: int = flag(8, "--method grpo: completions sampled per prompt (G, a group).")
-    max_completion_length: int = flag(256, "--method grpo: the most tokens a completion has (its end of text included).")
-    temperature: float = flag(1.0, "--method grpo: the sampling temperature; the log-probabilities are of the logits "
-                                   "divided by it, as the completions were drawn.")  # fmt: skip
+    max_completion_length: int = flag(
+        256, "--method grpo: the most tokens a completion has (its end of text included)."
+    )
+    temperature: float = flag(
+        1.0,
+        "--method grpo: the sampling temperature; the log-probabilities are of the logits "
+        "divided by it, as the completions were drawn.",
+    )
     top_p: float = flag(1.0, "--method grpo: nucleus sampling's share of the probability (1.0: off).")
     top_k: int = flag(0, "--method grpo: sample among the k likeliest tokens only (0: off; 1: greedy).")
     epsilon: float = flag(0.2, "--method grpo: the clip range below 1 of the probability ratio.")
@@ -189,7 +242,9 @@ class MethodConfig:
         "completion_ids=, **columns), one float (or None) per completion.",
         action="append",
     )
-    reward_weights: str | None = flag(None, "--method grpo: a weight per reward function, comma-separated (default 1 each).")
+    reward_weights: str | None = flag(
+        None, "--method grpo: a weight per reward function, comma-separated (default 1 each)."
+    )
 
     def __post_init__(self) -> None:
         t = spec(self.method)
@@ -204,15 +259,26 @@ class MethodConfig:
         if self.ref_model is not None and not self.uses_reference:
             raise ConfigError(f"--ref_model {self.ref_model}: only with --method dpo, or grpo with --beta above 0")
         if not t.generates:
-            given = [f for f in ("reward", "reward_weights", "steps_per_generation", "delta") if getattr(self, f) is not None]
-            given += [f for f, default in (("num_iterations", 1), ("importance_sampling_level", "token"),
-                                           ("decoding", "static")) if getattr(self, f) != default]  # fmt: skip
+            given = [
+                f for f in ("reward", "reward_weights", "steps_per_generation", "delta") if getattr(self, f) is not None
+            ]
+            given += [
+                f
+                for f, default in (
+                    ("num_iterations", 1),
+                    ("importance_sampling_level", "token"),
+                    ("decoding", "static"),
+                )
+                if getattr(self, f) != default
+            ]
             if given:
                 raise ConfigError(f"--{given[0]}: only with --method grpo")
             return
         if self.num_generations < 2:
-            raise ConfigError(f"--num_generations {self.num_generations}: must be 2 or more (an advantage compares a "
-                              "completion with the rest of its group)")  # fmt: skip
+            raise ConfigError(
+                f"--num_generations {self.num_generations}: must be 2 or more (an advantage compares a "
+                "completion with the rest of its group)"
+            )
         if self.max_completion_length < 1:
             raise ConfigError(f"--max_completion_length {self.max_completion_length}: must be 1 or more")
         if not self.temperature > 0:
@@ -228,11 +294,15 @@ class MethodConfig:
         if self.steps_per_generation is not None and self.steps_per_generation < 1:
             raise ConfigError(f"--steps_per_generation {self.steps_per_generation}: must be 1 or more")
         if self.delta is not None and not self.delta > 1 + self.clip_high:
-            raise ConfigError(f"--delta {self.delta}: must be above 1 + --epsilon_high ({1 + self.clip_high:g}): it "
-                              "bounds the ratio from above where the clip does not")  # fmt: skip
+            raise ConfigError(
+                f"--delta {self.delta}: must be above 1 + --epsilon_high ({1 + self.clip_high:g}): it "
+                "bounds the ratio from above where the clip does not"
+            )
         if not self.reward:
-            raise ConfigError("--reward: --method grpo needs at least one reward function (a built-in: accuracy, "
-                              "format, length; or path/to/file.py:function)")  # fmt: skip
+            raise ConfigError(
+                "--reward: --method grpo needs at least one reward function (a built-in: accuracy, "
+                "format, length; or path/to/file.py:function)"
+            )
 
     @property
     def spec(self) -> MethodSpec:

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from fsdp_opt.base import VERSION, ConfigError
 from fsdp_opt.config.choices import AUTO
 from fsdp_opt.config.flags import OneLineParser, parse_bool
-from fsdp_opt.config.storage import CheckpointConfig, HubConfig, WandbConfig
+from fsdp_opt.config.layout import LoraConfig, ParallelConfig
 from fsdp_opt.config.method import METHOD_SPECS, SFT, MethodConfig, spec
-from fsdp_opt.config.training import DataConfig, LoraConfig, ModelConfig, ParallelConfig, TrainConfig
+from fsdp_opt.config.storage import CheckpointConfig, HubConfig, WandbConfig
+from fsdp_opt.config.training import DataConfig, ModelConfig, TrainConfig
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
@@ -48,7 +50,7 @@ class Config:
         return out
 
     @classmethod
-    def from_flat(cls, values: dict[str, Any]) -> "Config":
+    def from_flat(cls, values: dict[str, Any]) -> Config:
         sections = {}
         for name, section_cls in SECTIONS.items():
             names = {f.name for f in dataclasses.fields(section_cls)}
@@ -103,8 +105,10 @@ def check_auto_flags(config: Config) -> None:
     """--batch_size auto and --reduce_dtype auto against the flags they decide."""
     if config.train.batch_size == AUTO:
         if config.parallel.cpu_offload:
-            raise ConfigError("--cpu_offload: not with --batch_size auto (it turns offload on where nothing fits "
-                              "without it; give --batch_size N to set it yourself)")  # fmt: skip
+            raise ConfigError(
+                "--cpu_offload: not with --batch_size auto (it turns offload on where nothing fits "
+                "without it; give --batch_size N to set it yourself)"
+            )
     elif config.parallel.reduce_dtype == AUTO:
         raise ConfigError("--reduce_dtype auto: only with --batch_size auto (give fp32 or fp16)")
 
@@ -113,20 +117,25 @@ def check_method_flags(config: Config) -> None:
     """--method against the data flags, as typed (the format found from the columns is checked with the data)."""
     dc, name, t = config.data, config.method.method, config.method.spec
     if dc.data_format != "auto" and dc.data_format not in t.rows:
-        owner = next((m for m, other in METHOD_SPECS.items() if dc.data_format in other.rows and other.rows != SFT.rows),
-                     None)  # fmt: skip
+        owner = next(
+            (m for m, other in METHOD_SPECS.items() if dc.data_format in other.rows and other.rows != SFT.rows), None
+        )
         if owner is not None and t.rows == SFT.rows:
-            raise ConfigError(f"--data_format {dc.data_format}: {spec(owner).what.split(' (')[0]} train with "
-                              f"--method {owner}")  # fmt: skip
+            raise ConfigError(
+                f"--data_format {dc.data_format}: {spec(owner).what.split(' (')[0]} train with --method {owner}"
+            )
         raise ConfigError(f"--method {name}: trains on {t.what}, not --data_format {dc.data_format}")
     if t.answers_only and dc.train_on == "all":
         raise ConfigError(f"--train_on all: not with --method {name} (its loss reads the answers' tokens only)")
     if not t.concat and dc.packing == "concat":
-        raise ConfigError(f"--packing concat: not with --method {name} (each sequence must stay one document; use docs "
-                          "or pad)")  # fmt: skip
+        raise ConfigError(
+            f"--packing concat: not with --method {name} (each sequence must stay one document; use docs or pad)"
+        )
     if t.generates and config.method.max_completion_length >= dc.max_length:
-        raise ConfigError(f"--max_completion_length {config.method.max_completion_length}: must be below --max_length "
-                          f"{dc.max_length} (a prompt and its completion share a sequence)")  # fmt: skip
+        raise ConfigError(
+            f"--max_completion_length {config.method.max_completion_length}: must be below --max_length "
+            f"{dc.max_length} (a prompt and its completion share a sequence)"
+        )
 
 
 def check_chain_flags(config: Config) -> None:
@@ -139,8 +148,12 @@ def check_chain_flags(config: Config) -> None:
             raise ConfigError(f"--session_ranges {dc.session_ranges}: only with --start_idx auto")
         return
     if config.checkpoint.resume_file not in (None, "latest"):
-        raise ConfigError(f"--resume_file {config.checkpoint.resume_file}: not with --start_idx auto (it resumes "
-                          "from the newest checkpoint in --output_dir and --hf_repo)")  # fmt: skip
+        raise ConfigError(
+            f"--resume_file {config.checkpoint.resume_file}: not with --start_idx auto (it resumes "
+            "from the newest checkpoint in --output_dir and --hf_repo)"
+        )
     if config.train.initial_epoch != 0:
-        raise ConfigError(f"--initial_epoch {config.train.initial_epoch}: not with --start_idx auto (the chain "
-                          "counts its passes from the checkpoints' names)")  # fmt: skip
+        raise ConfigError(
+            f"--initial_epoch {config.train.initial_epoch}: not with --start_idx auto (the chain "
+            "counts its passes from the checkpoints' names)"
+        )

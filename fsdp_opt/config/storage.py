@@ -25,7 +25,9 @@ class CheckpointConfig:
     time_limit: str | None = flag(
         None, "Wall-clock budget such as 11h30m: save and exit 0 before it runs out, printing the resume command."
     )
-    keep_last: int = flag(2, "Keep the newest K checkpoints of output_dir, deleting older ones after a save (0: keep all).")
+    keep_last: int = flag(
+        2, "Keep the newest K checkpoints of output_dir, deleting older ones after a save (0: keep all)."
+    )
     disk_budget: str | None = flag(
         None,
         "Most bytes the checkpoints in output_dir may take (Kaggle: 19GB of the 20 GB output cap). Before a save, "
@@ -44,7 +46,9 @@ class CheckpointConfig:
     export_hf: str | None = flag(
         None, "After training, write a Hugging Face model folder (safetensors, tokenizer) to this directory."
     )
-    export_dtype: str = flag("fp16", "Weight dtype of --export_hf: fp16, bf16 or fp32.", choices=("fp16", "bf16", "fp32"))
+    export_dtype: str = flag(
+        "fp16", "Weight dtype of --export_hf: fp16, bf16 or fp32.", choices=("fp16", "bf16", "fp32")
+    )
     export_merge: bool = flag(
         False, "LoRA runs: --export_hf writes the base with the adapters merged in, not the peft adapter folder."
     )
@@ -58,7 +62,6 @@ class CheckpointConfig:
             raise ConfigError("--output_dir: must not be empty")
         parse_duration(self.time_limit)
         if self.disk_budget is not None:
-
             parse_size(self.disk_budget, "--disk_budget")
 
     @property
@@ -99,7 +102,9 @@ class HubConfig:
         parse_duration(self.hub_wait, "--hub_wait")
         if self.hub_keep_full is not None:
             if self.hub_keep_full < 0:
-                raise ConfigError(f"--hub_keep_full {self.hub_keep_full}: must be 0 (keep every full checkpoint) or more")
+                raise ConfigError(
+                    f"--hub_keep_full {self.hub_keep_full}: must be 0 (keep every full checkpoint) or more"
+                )
             if self.hf_repo is None:
                 raise ConfigError("--hub_keep_full: only with --hf_repo (it says what the Hub repo keeps)")
 

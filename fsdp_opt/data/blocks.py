@@ -9,8 +9,8 @@ do not. That is what lets a run continue on another number of GPUs.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import torch
 
@@ -41,8 +41,10 @@ class Fit:
 
     def describe(self) -> str:
         share = self.targets_lost / self.targets if self.targets else 0.0
-        return (f"{self.cut} of {self.rows} rows longer than --max_length were cut at its end ({share:.1%} of the answer "
-                f"tokens lost); {self.dropped} left with no answer token were dropped")  # fmt: skip
+        return (
+            f"{self.cut} of {self.rows} rows longer than --max_length were cut at its end ({share:.1%} of the answer "
+            f"tokens lost); {self.dropped} left with no answer token were dropped"
+        )
 
 
 def fit_rows(encoded: Encoded, max_length: int) -> tuple[Encoded, Fit]:
@@ -164,8 +166,9 @@ def _mask(targets: Sequence[Sequence[bool]] | None, n: int, max_length: int) -> 
     return None if targets is None else torch.zeros((n, max_length), dtype=torch.bool)
 
 
-def pack(rows: Sequence[Sequence[int]], max_length: int, pad_id: int,
-         targets: Sequence[Sequence[bool]] | None = None) -> Blocks:  # fmt: skip
+def pack(
+    rows: Sequence[Sequence[int]], max_length: int, pad_id: int, targets: Sequence[Sequence[bool]] | None = None
+) -> Blocks:
     """Concatenate rows in order and cut into max_length blocks; the last block is padded, nothing is dropped."""
     flat = torch.tensor([t for row in rows for t in row], dtype=torch.int32)
     n = -(-flat.numel() // max_length)
@@ -180,8 +183,9 @@ def pack(rows: Sequence[Sequence[int]], max_length: int, pad_id: int,
     return Blocks(ids.view(n, max_length), lengths, pad_id, targets=mask)
 
 
-def pad_rows(rows: Sequence[Sequence[int]], max_length: int, pad_id: int,
-             targets: Sequence[Sequence[bool]] | None = None) -> Blocks:  # fmt: skip
+def pad_rows(
+    rows: Sequence[Sequence[int]], max_length: int, pad_id: int, targets: Sequence[Sequence[bool]] | None = None
+) -> Blocks:
     """One block per row, truncated to max_length and right-padded (the original recipe)."""
     ids = torch.full((len(rows), max_length), pad_id, dtype=torch.int32)
     lengths = torch.empty(len(rows), dtype=torch.int64)
@@ -195,18 +199,34 @@ def pad_rows(rows: Sequence[Sequence[int]], max_length: int, pad_id: int,
     return Blocks(ids, lengths, pad_id, targets=mask)
 
 
-def build_blocks(texts: Sequence[str], tokenizer, max_length: int, packing: str, attention: str = "sdpa",
-                 pattern: MaskPattern | None = None) -> Blocks:  # fmt: skip
+def build_blocks(
+    texts: Sequence[str],
+    tokenizer,
+    max_length: int,
+    packing: str,
+    attention: str = "sdpa",
+    pattern: MaskPattern | None = None,
+) -> Blocks:
     """Text rows into blocks (see blocks_from)."""
     encoded = encode_rows([{"text": t} for t in texts], RowSpec("text"), tokenizer, train_on="all")
     return blocks_from(encoded, max_length, tokenizer.pad_token_id, packing, attention, pattern)
 
 
-def rows_to_blocks(rows: Rows, spec: RowSpec, tokenizer, *, train_on: str, max_length: int, packing: str,
-                   attention: str = "sdpa", pattern: MaskPattern | None = None) -> Blocks:  # fmt: skip
+def rows_to_blocks(
+    rows: Rows,
+    spec: RowSpec,
+    tokenizer,
+    *,
+    train_on: str,
+    max_length: int,
+    packing: str,
+    attention: str = "sdpa",
+    pattern: MaskPattern | None = None,
+) -> Blocks:
     """The checked rows of a slice (data.formats) tokenized (data.tokens) and laid into blocks."""
-    encoded = encode_rows(rows.rows, spec, tokenizer, train_on=train_on, indices=rows.indices,
-                          conversational=rows.conversational)  # fmt: skip
+    encoded = encode_rows(
+        rows.rows, spec, tokenizer, train_on=train_on, indices=rows.indices, conversational=rows.conversational
+    )
     blocks = blocks_from(encoded, max_length, tokenizer.pad_token_id, packing, attention, pattern)
     if rows.sources is not None:
         blocks.by_source = source_tallies(encoded, rows.sources, len(rows.source_names), blocks, packing)
@@ -225,8 +245,14 @@ def source_tallies(encoded: Encoded, sources: Sequence[int], n: int, blocks: Blo
     return torch.stack([begun, trained], 2)
 
 
-def blocks_from(encoded: Encoded, max_length: int, pad_id: int, packing: str, attention: str = "sdpa",
-                pattern: MaskPattern | None = None) -> Blocks:  # fmt: skip
+def blocks_from(
+    encoded: Encoded,
+    max_length: int,
+    pad_id: int,
+    packing: str,
+    attention: str = "sdpa",
+    pattern: MaskPattern | None = None,
+) -> Blocks:
     """--packing docs: whole documents per block, each seeing only itself; concat: rows joined and cut every
     max_length tokens; pad: one row per block, truncated and padded (the original recipe).
 

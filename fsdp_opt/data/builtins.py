@@ -53,14 +53,22 @@ def python_docs_chat_rows(min_chars: int = 200, max_chars: int | None = None) ->
         opening, rest = " ".join(words[:CHAT_OPENING_WORDS]), " ".join(words[CHAT_OPENING_WORDS:])
         sentence = re.match(r"(.+?[.:;?!])(\s|$)", rest)
         sentence = " ".join((sentence.group(1) if sentence else rest).split(" ")[:40])
-        ask = {"role": "user", "content": f'Which part of the Python documentation begins a paragraph with "{opening}"?'}
+        ask = {
+            "role": "user",
+            "content": f'Which part of the Python documentation begins a paragraph with "{opening}"?',
+        }
         if k % 2:
             rows.append([ask, {"role": "assistant", "content": title}])
             continue
-        rows.append([
-            {"role": "system", "content": CHAT_SYSTEM}, ask, {"role": "assistant", "content": title},
-            {"role": "user", "content": "How does that paragraph go on?"}, {"role": "assistant", "content": sentence},
-        ])  # fmt: skip
+        rows.append(
+            [
+                {"role": "system", "content": CHAT_SYSTEM},
+                ask,
+                {"role": "assistant", "content": title},
+                {"role": "user", "content": "How does that paragraph go on?"},
+                {"role": "assistant", "content": sentence},
+            ]
+        )
     return rows
 
 
@@ -81,8 +89,13 @@ def python_docs_preference_rows(min_chars: int = 200, max_chars: int | None = No
         if title in wrong:
             continue
         rejected = next(w for j in range(len(wrong)) if (w := wrong[(k + j) % len(wrong)]) != title)
-        rows.append({"prompt": conversation[:first], "chosen": [{"role": "assistant", "content": title}],
-                     "rejected": [{"role": "assistant", "content": rejected}]})  # fmt: skip
+        rows.append(
+            {
+                "prompt": conversation[:first],
+                "chosen": [{"role": "assistant", "content": title}],
+                "rejected": [{"role": "assistant", "content": rejected}],
+            }
+        )
     return rows
 
 
@@ -99,8 +112,14 @@ def python_docs_prompt_rows(min_chars: int = 200, max_chars: int | None = None) 
     for conversation in python_docs_chat_rows(min_chars, max_chars):
         ask = next(m for m in conversation if m["role"] == "user")
         title = next(m for m in conversation if m["role"] == "assistant")["content"]
-        rows.append({"prompt": [{"role": "user", "content": f"{ask['content']} {ONE_WORD}"}], "solution": title,
-                     "choices": titles, "max_words": 1})  # fmt: skip
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": f"{ask['content']} {ONE_WORD}"}],
+                "solution": title,
+                "choices": titles,
+                "max_words": 1,
+            }
+        )
     return rows
 
 

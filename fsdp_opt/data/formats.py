@@ -17,8 +17,9 @@ index in the dataset and its column, so a bad row is found without reading the w
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from fsdp_opt.base import DataError
 from fsdp_opt.config.choices import DATA_FORMATS
@@ -105,18 +106,32 @@ class Rows:
     source_names: list[str] | None = None
 
 
-def resolve_spec(column_names: Sequence[str], data_format: str, *, text_column: str = "text",
-                 prompt_column: str = "prompt", completion_column: str = "completion",
-                 messages_column: str = "messages", chosen_column: str = "chosen",
-                 rejected_column: str = "rejected", prefer: Sequence[str] = ()) -> RowSpec:  # fmt: skip
+def resolve_spec(
+    column_names: Sequence[str],
+    data_format: str,
+    *,
+    text_column: str = "text",
+    prompt_column: str = "prompt",
+    completion_column: str = "completion",
+    messages_column: str = "messages",
+    chosen_column: str = "chosen",
+    rejected_column: str = "rejected",
+    prefer: Sequence[str] = (),
+) -> RowSpec:
     """--data_format, or (auto) the one format whose columns the dataset has: the one of `prefer` (the formats the
     run's method trains on) when exactly one of those fits, else the one of all that fits. Prompt rows carry their
     other columns along."""
     have = set(column_names)
-    kw = {"text_column": text_column, "prompt_column": prompt_column, "completion_column": completion_column,
-          "messages_column": messages_column, "chosen_column": chosen_column, "rejected_column": rejected_column,
-          "implicit": prompt_column not in have,
-          "extra": tuple(c for c in column_names if c != prompt_column)}  # fmt: skip
+    kw = {
+        "text_column": text_column,
+        "prompt_column": prompt_column,
+        "completion_column": completion_column,
+        "messages_column": messages_column,
+        "chosen_column": chosen_column,
+        "rejected_column": rejected_column,
+        "implicit": prompt_column not in have,
+        "extra": tuple(c for c in column_names if c != prompt_column),
+    }
     listed = ", ".join(column_names)
     preferred = [f for f in prefer if f in DATA_FORMATS and all(c in have for c in RowSpec(f, **kw).columns)]
     pairs = all(c in have for c in RowSpec("preference", **kw).columns)  # preference rows are never taken as another
@@ -126,20 +141,31 @@ def resolve_spec(column_names: Sequence[str], data_format: str, *, text_column: 
         spec = RowSpec(data_format, **kw)
         missing = [c for c in spec.columns if c not in have]
         if missing:
-            flag = {text_column: "--text_column", prompt_column: "--prompt_column",
-                    completion_column: "--completion_column", messages_column: "--messages_column",
-                    chosen_column: "--chosen_column", rejected_column: "--rejected_column"}[missing[0]]  # fmt: skip
-            raise DataError(f"{flag} {missing[0]}: no such column for --data_format {data_format} (the dataset has: {listed})")
+            flag = {
+                text_column: "--text_column",
+                prompt_column: "--prompt_column",
+                completion_column: "--completion_column",
+                messages_column: "--messages_column",
+                chosen_column: "--chosen_column",
+                rejected_column: "--rejected_column",
+            }[missing[0]]
+            raise DataError(
+                f"{flag} {missing[0]}: no such column for --data_format {data_format} (the dataset has: {listed})"
+            )
         return spec
     formats = ("preference", "messages", "prompt_completion", "text")
     fits = [f for f in formats if all(c in have for c in RowSpec(f, **kw).columns)]
     if not fits:
-        raise DataError(f"--text_column {text_column}: no such column, and no {prompt_column}/{completion_column} or "
-                        f"{messages_column} column either (the dataset has: {listed}); name the columns with "
-                        "--text_column, --prompt_column/--completion_column or --messages_column")  # fmt: skip
+        raise DataError(
+            f"--text_column {text_column}: no such column, and no {prompt_column}/{completion_column} or "
+            f"{messages_column} column either (the dataset has: {listed}); name the columns with "
+            "--text_column, --prompt_column/--completion_column or --messages_column"
+        )
     if len(fits) > 1:
-        raise DataError(f"--data_format: the columns fit more than one format ({', '.join(fits)}; the dataset has: "
-                        f"{listed}); name one with --data_format")  # fmt: skip
+        raise DataError(
+            f"--data_format: the columns fit more than one format ({', '.join(fits)}; the dataset has: "
+            f"{listed}); name one with --data_format"
+        )
     return RowSpec(fits[0], **kw)
 
 
@@ -151,11 +177,13 @@ def _messages(value: Any, index: int, column: str, what: str = "a list of messag
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise DataError(f"row {index}, column {column}: message {k} is not a {{'role', 'content'}} object")
         if m["role"] not in ROLES:
-            raise DataError(f"row {index}, column {column}: message {k} has the unknown role {m['role']!r} (use "
-                            f"{', '.join(ROLES)})")  # fmt: skip
+            raise DataError(
+                f"row {index}, column {column}: message {k} has the unknown role {m['role']!r} (use {', '.join(ROLES)})"
+            )
         if not isinstance(m["content"], str):
-            raise DataError(f"row {index}, column {column}: message {k}'s content is {type(m['content']).__name__}, "
-                            "not a string")  # fmt: skip
+            raise DataError(
+                f"row {index}, column {column}: message {k}'s content is {type(m['content']).__name__}, not a string"
+            )
         out.append({"role": m["role"], "content": m["content"]})
     return out
 
@@ -167,8 +195,10 @@ def _preference(spec: RowSpec, raw: dict[str, Any], index: int) -> dict[str, Any
     if spec.implicit:
         where = f"columns {spec.chosen_column}, {spec.rejected_column}"
         if isinstance(chosen, str) or isinstance(rejected, str):
-            raise DataError(f"row {index}, {where}: strings with no prompt column; name the prompt's column with "
-                            "--prompt_column (the form without a prompt is for conversations)")  # fmt: skip
+            raise DataError(
+                f"row {index}, {where}: strings with no prompt column; name the prompt's column with "
+                "--prompt_column (the form without a prompt is for conversations)"
+            )
         chosen = _messages(chosen, index, spec.chosen_column)
         rejected = _messages(rejected, index, spec.rejected_column)
         shared = 0
@@ -182,11 +212,15 @@ def _preference(spec: RowSpec, raw: dict[str, Any], index: int) -> dict[str, Any
     else:
         prompt = raw[spec.prompt_column]
         if isinstance(prompt, str) or prompt is None:
-            for column, value in ((spec.prompt_column, prompt), (spec.chosen_column, chosen),
-                                  (spec.rejected_column, rejected)):  # fmt: skip
+            for column, value in (
+                (spec.prompt_column, prompt),
+                (spec.chosen_column, chosen),
+                (spec.rejected_column, rejected),
+            ):
                 if not isinstance(value, str):
-                    raise DataError(f"row {index}, column {column}: expected a string like the prompt, got "
-                                    f"{type(value).__name__}")  # fmt: skip
+                    raise DataError(
+                        f"row {index}, column {column}: expected a string like the prompt, got {type(value).__name__}"
+                    )
             return {"prompt": prompt, "chosen": chosen, "rejected": rejected} if chosen and rejected else None
         prompt = _messages(prompt, index, spec.prompt_column, "a string or a list of messages")
         chosen = _messages(chosen, index, spec.chosen_column, "a list of messages, like the prompt")
@@ -224,8 +258,9 @@ def check_row(spec: RowSpec, raw: dict[str, Any], index: int) -> dict[str, Any] 
     if isinstance(prompt, str) or prompt is None:
         for column, value in ((spec.prompt_column, prompt), (spec.completion_column, completion)):
             if not isinstance(value, str):
-                raise DataError(f"row {index}, column {column}: expected a string like the prompt, got "
-                                f"{type(value).__name__}")  # fmt: skip
+                raise DataError(
+                    f"row {index}, column {column}: expected a string like the prompt, got {type(value).__name__}"
+                )
         return {"prompt": prompt, "completion": completion} if completion else None
     prompt_m = _messages(prompt, index, spec.prompt_column, "a string or a list of messages")
     completion_m = _messages(completion, index, spec.completion_column, "a list of messages, like the prompt")
@@ -273,8 +308,9 @@ def select_rows(data, spec: RowSpec, start_idx: int, end_idx: int | None) -> Row
     conversational = bool(paired) and not isinstance(rows[paired[0]]["prompt"], str)
     if any(isinstance(rows[k]["prompt"], str) == conversational for k in paired):
         index = next(indices[k] for k in paired if isinstance(rows[k]["prompt"], str) == conversational)
-        raise DataError(f"row {index}, column {spec.prompt_column}: mixes string prompts and lists of messages in one "
-                        "slice")  # fmt: skip
+        raise DataError(
+            f"row {index}, column {spec.prompt_column}: mixes string prompts and lists of messages in one slice"
+        )
     names = table.names if isinstance(table, MixtureTable) else None
     return Rows(rows, end, indices, empty, conversational, identical, sources if origins is not None else None, names)
 
@@ -283,8 +319,10 @@ def held_out_rows(data, spec: RowSpec, end_idx: int, rows: int) -> Rows:
     """--eval_rows: the rows right after the slice, [end_idx, end_idx + rows), cut at the end of the dataset."""
     total = len(data)
     if end_idx >= total:
-        raise DataError(f"--eval_rows {rows}: no rows after --end_idx {end_idx} to evaluate on (the dataset has "
-                        f"{total}; --eval_split names a held-out split)")  # fmt: skip
+        raise DataError(
+            f"--eval_rows {rows}: no rows after --end_idx {end_idx} to evaluate on (the dataset has "
+            f"{total}; --eval_split names a held-out split)"
+        )
     return select_rows(data, spec, end_idx, min(total, end_idx + rows))
 
 

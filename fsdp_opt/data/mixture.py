@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import yaml
 
@@ -147,10 +148,16 @@ class MixtureTable:
     source keeps, when it names them): the columns asked for are read from each, or each source's own (`each`) where
     its rows are of another format."""
 
-    def __init__(self, tables: Sequence[Table], weights: Sequence[int], identity: dict[str, Any] | None = None,
-                 kept: Sequence[Sequence[str] | None] | None = None, names: Sequence[str] | None = None,
-                 formats: Sequence[str | None] | None = None,
-                 held: Sequence[DataSource | None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        tables: Sequence[Table],
+        weights: Sequence[int],
+        identity: dict[str, Any] | None = None,
+        kept: Sequence[Sequence[str] | None] | None = None,
+        names: Sequence[str] | None = None,
+        formats: Sequence[str | None] | None = None,
+        held: Sequence[DataSource | None] | None = None,
+    ) -> None:
         self.tables, self.weights = list(tables), tuple(weights)
         self.identity = identity or {}
         self.kept = list(kept or [None] * len(self.tables))
@@ -171,21 +178,31 @@ class MixtureTable:
 
     def given_line(self, start: int, end: int) -> str:
         """What each source gives to rows [start, end), as the run's summary says it."""
-        parts = [f"{n:,} of {name} (rows [{a:,}, {b:,}))" for name, n, (a, b) in
-                 zip(self.names, self.given(start, end), source_ranges(start, min(end, self.length), self.weights))]  # fmt: skip
-        return f"data: mixture rows [{start:,}, {min(end, self.length):,}), weights {':'.join(map(str, self.weights))}: " + ", ".join(parts)
+        parts = [
+            f"{n:,} of {name} (rows [{a:,}, {b:,}))"
+            for name, n, (a, b) in zip(
+                self.names, self.given(start, end), source_ranges(start, min(end, self.length), self.weights)
+            )
+        ]
+        return (
+            f"data: mixture rows [{start:,}, {min(end, self.length):,}), weights {':'.join(map(str, self.weights))}: "
+            + ", ".join(parts)
+        )
 
     def __len__(self) -> int:
         return self.length
 
-    def rows(self, start: int, end: int, columns: Sequence[str],
-             each: Sequence[Sequence[str]] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    def rows(
+        self, start: int, end: int, columns: Sequence[str], each: Sequence[Sequence[str]] | None = None
+    ) -> list[dict[str, Any]]:
         end = min(end, self.length)
         if start >= end:
             return []
         wanted = each or [columns] * len(self.tables)
-        parts = [iter(t.rows(a, b, c)) if b > a else iter(()) for t, c, (a, b) in
-                 zip(self.tables, wanted, source_ranges(start, end, self.weights))]  # fmt: skip
+        parts = [
+            iter(t.rows(a, b, c)) if b > a else iter(())
+            for t, c, (a, b) in zip(self.tables, wanted, source_ranges(start, end, self.weights))
+        ]
         return [next(parts[j]) for j in order(start, end, self.weights)]
 
     def origins(self, start: int, end: int) -> list[int]:
@@ -280,6 +297,13 @@ def read_mixture(file: str, revision: str | None = None) -> Mixture:
         local = (path.parent / entry["path"]) if not Path(entry["path"]).is_absolute() else Path(entry["path"])
         dataset = str(local) if local.exists() else entry["path"]  # a local path is read beside the mixture file
         source = DataSource(dataset, entry.get("name"), entry.get("split") or DEFAULT_SPLIT, data_files, revision)
-        sources.append(MixtureSource(source, _weight(file, where, entry.get("weight", 1)),
-                                     tuple(columns) if columns else None, data_format, eval_split))  # fmt: skip
+        sources.append(
+            MixtureSource(
+                source,
+                _weight(file, where, entry.get("weight", 1)),
+                tuple(columns) if columns else None,
+                data_format,
+                eval_split,
+            )
+        )
     return Mixture(file, tuple(sources), integer_weights([s.weight for s in sources]))

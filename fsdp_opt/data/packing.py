@@ -18,8 +18,8 @@ no positions: plain causal attention is then the same thing, and SDPA keeps its 
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -52,8 +52,9 @@ def place(sizes: Sequence[int], max_length: int) -> list[list[int]]:
     return blocks
 
 
-def pack_documents(rows: Sequence[Sequence[int]], max_length: int, pad_id: int,
-                   targets: Sequence[Sequence[bool]] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+def pack_documents(
+    rows: Sequence[Sequence[int]], max_length: int, pad_id: int, targets: Sequence[Sequence[bool]] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Token ids [n, max_length], real-token counts [n], positions [n, max_length] of whole-document blocks, and
     (with `targets`, per row which tokens carry loss) the same mask laid out like the ids.
 
@@ -117,11 +118,15 @@ def document_mask(positions: torch.Tensor, attention: str, window: int | None = 
     allowed = (segment[:, :, None] == segment[:, None, :]) & causal
     allowed = allowed[:, None]
     if attention == "eager":  # added to the scores before the softmax
-        return torch.zeros(allowed.shape, dtype=torch.float32, device=positions.device).masked_fill_(~allowed, float("-inf"))
+        return torch.zeros(allowed.shape, dtype=torch.float32, device=positions.device).masked_fill_(
+            ~allowed, float("-inf")
+        )
     return allowed
 
 
-def model_masks(positions: torch.Tensor, attention: str, pattern: MaskPattern | None) -> torch.Tensor | dict[str, torch.Tensor]:
+def model_masks(
+    positions: torch.Tensor, attention: str, pattern: MaskPattern | None
+) -> torch.Tensor | dict[str, torch.Tensor]:
     """The attention_mask a model with this pattern takes for document-packed rows."""
     if pattern is None or pattern.window is None:
         return document_mask(positions, attention)

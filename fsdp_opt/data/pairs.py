@@ -15,8 +15,8 @@ checkpoint keeps is the count of pairs of the epoch trained.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import torch
 
@@ -38,18 +38,30 @@ class PairFit:
     identical: int = 0  # pairs whose chosen answer is the rejected one (dropped before tokenizing)
 
     def describe(self) -> str:
-        return (f"{self.cut} of {2 * self.pairs} sequences longer than --max_length were cut at their end; "
-                f"{self.dropped} pair(s) left with an answer of no token and {self.identical} whose chosen answer "
-                "is the rejected one were dropped")  # fmt: skip
+        return (
+            f"{self.cut} of {2 * self.pairs} sequences longer than --max_length were cut at their end; "
+            f"{self.dropped} pair(s) left with an answer of no token and {self.identical} whose chosen answer "
+            "is the rejected one were dropped"
+        )
 
 
 class Pairs:
     """The pairs of a slice: sequence 2k is pair k's chosen answer, 2k+1 its rejected one."""
 
-    def __init__(self, ids: list[list[int]], targets: list[list[bool]], index: list[int], pad_id: int, max_length: int,
-                 packing: str, attention: str = "sdpa", pattern: MaskPattern | None = None,
-                 fit: PairFit | None = None, sources: list[int] | None = None,
-                 source_names: list[str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        ids: list[list[int]],
+        targets: list[list[bool]],
+        index: list[int],
+        pad_id: int,
+        max_length: int,
+        packing: str,
+        attention: str = "sdpa",
+        pattern: MaskPattern | None = None,
+        fit: PairFit | None = None,
+        sources: list[int] | None = None,
+        source_names: list[str] | None = None,
+    ) -> None:
         self.ids, self.targets, self.pad_id, self.max_length = ids, targets, pad_id, max_length
         # a mixture's pairs: each one's source
         self.sources = torch.tensor(sources, dtype=torch.long) if sources is not None else None
@@ -96,18 +108,40 @@ class Pairs:
         """A micro-batch of these pairs: the model's inputs with labels (Blocks.batch), and for each position the
         micro-batch's sequence (2j chosen and 2j+1 rejected of its j-th pair) its token belongs to, -1 elsewhere."""
         seqs = [2 * p + k for p in pairs for k in (0, 1)]
-        return pack([self.ids[s] for s in seqs], [self.targets[s] for s in seqs], self.pad_id, self.max_length,
-                    self.packing, device, self.attention, self.pattern)  # fmt: skip
+        return pack(
+            [self.ids[s] for s in seqs],
+            [self.targets[s] for s in seqs],
+            self.pad_id,
+            self.max_length,
+            self.packing,
+            device,
+            self.attention,
+            self.pattern,
+        )
 
 
-def pairs_from_rows(rows: Rows, spec: RowSpec, tokenizer, *, max_length: int, packing: str, attention: str = "sdpa",
-                    pattern: MaskPattern | None = None) -> Pairs:  # fmt: skip
+def pairs_from_rows(
+    rows: Rows,
+    spec: RowSpec,
+    tokenizer,
+    *,
+    max_length: int,
+    packing: str,
+    attention: str = "sdpa",
+    pattern: MaskPattern | None = None,
+) -> Pairs:
     """The checked preference rows of a slice as Pairs: each pair's two sequences tokenized as prompt/completion rows
     are (the prompt's tokens first, the answer's carry the loss), cut at max_length."""
     flat = [{"prompt": r["prompt"], "completion": r[k]} for r in rows.rows for k in ("chosen", "rejected")]
     as_rows = RowSpec("prompt_completion", prompt_column=spec.prompt_column, completion_column=spec.chosen_column)
-    encoded = encode_rows(flat, as_rows, tokenizer, train_on="completion",
-                          indices=[i for i in rows.indices for _ in (0, 1)], conversational=rows.conversational)  # fmt: skip
+    encoded = encode_rows(
+        flat,
+        as_rows,
+        tokenizer,
+        train_on="completion",
+        indices=[i for i in rows.indices for _ in (0, 1)],
+        conversational=rows.conversational,
+    )
     ids, targets, index, kept, cut, dropped = [], [], [], [], 0, 0
     for k, row_index in enumerate(rows.indices):
         pair = []
@@ -129,8 +163,19 @@ def pairs_from_rows(rows: Rows, spec: RowSpec, tokenizer, *, max_length: int, pa
         raise DataError(f"--max_length {max_length}: no pair keeps a token of both answers once cut to this length")
     fit = PairFit(len(rows.rows) + rows.identical, cut, dropped, rows.identical)
     sources = [rows.sources[k] for k in kept] if rows.sources is not None else None
-    return Pairs(ids, targets, index, tokenizer.pad_token_id, max_length, packing, attention, pattern, fit, sources,
-                 rows.source_names)  # fmt: skip
+    return Pairs(
+        ids,
+        targets,
+        index,
+        tokenizer.pad_token_id,
+        max_length,
+        packing,
+        attention,
+        pattern,
+        fit,
+        sources,
+        rows.source_names,
+    )
 
 
 class PairPlan:
@@ -146,9 +191,11 @@ class PairPlan:
         self._epochs: dict[int, list[list[int]]] = {}
         for p in range(len(pairs)):
             if not pairs.fits([p], batch_size):
-                raise DataError(f"--batch_size {batch_size}: the pair of row {int(pairs.index[p])} does not fit a "
-                                f"micro-batch of {batch_size} block(s) of --max_length {pairs.max_length}; use "
-                                "--batch_size 2 or more")  # fmt: skip
+                raise DataError(
+                    f"--batch_size {batch_size}: the pair of row {int(pairs.index[p])} does not fit a "
+                    f"micro-batch of {batch_size} block(s) of --max_length {pairs.max_length}; use "
+                    "--batch_size 2 or more"
+                )
 
     def epoch_order(self, epoch: int) -> torch.Tensor:
         return epoch_order(self.seed, epoch, self.num_samples)
@@ -185,7 +232,14 @@ class PairPlan:
             grid = step + [[] for _ in range(self.world_size * self.accum_steps - len(step))]
             mine = [grid[m * self.world_size + self.rank] for m in range(self.accum_steps)]
             seqs = torch.tensor([2 * p + j for p in pairs for j in (0, 1)], dtype=torch.long)
-            yield StepBatch(epoch=epoch, step_in_epoch=k, micro_batches=mine, samples=len(pairs),
-                            target_tokens=int(self.pairs.answer_tokens[seqs].sum()),
-                            seen_tokens=int(self.pairs.lengths[seqs].sum()), end_offset=done, units=len(pairs),
-                            by_source=self.pairs.source_totals(pairs))  # fmt: skip
+            yield StepBatch(
+                epoch=epoch,
+                step_in_epoch=k,
+                micro_batches=mine,
+                samples=len(pairs),
+                target_tokens=int(self.pairs.answer_tokens[seqs].sum()),
+                seen_tokens=int(self.pairs.lengths[seqs].sum()),
+                end_offset=done,
+                units=len(pairs),
+                by_source=self.pairs.source_totals(pairs),
+            )

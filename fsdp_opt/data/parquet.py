@@ -12,9 +12,10 @@ from __future__ import annotations
 import hashlib
 import io
 from bisect import bisect_right
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -65,8 +66,11 @@ class SplitIndex:
         return sum(f.size for f in self.files)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"files": [{**asdict(f), "row_groups": list(f.row_groups)} for f in self.files],
-                "columns": list(self.columns), "features": self.features}  # fmt: skip
+        return {
+            "files": [{**asdict(f), "row_groups": list(f.row_groups)} for f in self.files],
+            "columns": list(self.columns),
+            "features": self.features,
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SplitIndex:
@@ -118,15 +122,18 @@ class ParquetReader:
         with self.open(url) as f:
             return pq.ParquetFile(f).metadata
 
-    def index_files(self, names: Sequence[str], urls: Sequence[str], sizes: Sequence[int],
-                    keys: Sequence[str | None]) -> list[ParquetFileIndex]:  # fmt: skip
+    def index_files(
+        self, names: Sequence[str], urls: Sequence[str], sizes: Sequence[int], keys: Sequence[str | None]
+    ) -> list[ParquetFileIndex]:
         """Each file's row groups, from its footer (read side by side); a local file's key from its footer."""
 
         def one(i: int) -> ParquetFileIndex:
             try:
                 meta = self.footer(urls[i])
             except Exception as exc:  # noqa: BLE001 - a file that is not parquet, or cannot be read
-                raise DataError(f"--dataset: cannot read the parquet footer of {names[i]} ({first_line(exc)})") from None
+                raise DataError(
+                    f"--dataset: cannot read the parquet footer of {names[i]} ({first_line(exc)})"
+                ) from None
             groups = tuple(meta.row_group(g).num_rows for g in range(meta.num_row_groups))
             return ParquetFileIndex(names[i], urls[i], sizes[i], keys[i] or footer_digest(meta), groups)
 
@@ -136,8 +143,14 @@ class ParquetReader:
     def schema(self, url: str) -> pa.Schema:
         return self.footer(url).schema.to_arrow_schema()
 
-    def read(self, index: SplitIndex, start: int, end: int, columns: Sequence[str],
-             progress: Callable[[int, int], None] | None = None) -> pa.Table:  # fmt: skip
+    def read(
+        self,
+        index: SplitIndex,
+        start: int,
+        end: int,
+        columns: Sequence[str],
+        progress: Callable[[int, int], None] | None = None,
+    ) -> pa.Table:
         """Rows [start, end) of the split, only `columns`. `progress(bytes, rows)` after each file's part."""
         parts = []
         for k, groups, first, skip in index.pieces(start, end):

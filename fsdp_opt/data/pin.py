@@ -58,8 +58,15 @@ def described(source: dict[str, Any] | None) -> str:
     if source["kind"] == "hub":
         return f"revision {source['revision'] or 'unknown'}"
     if source["kind"] == "mixture":
-        return "a mixture, weights " + ":".join(map(str, source["weights"])) + ", of " + "; ".join(
-            f"{s['dataset']} ({described(s['identity'])})" if "identity" in s else s["dataset"] for s in source["sources"])
+        return (
+            "a mixture, weights "
+            + ":".join(map(str, source["weights"]))
+            + ", of "
+            + "; ".join(
+                f"{s['dataset']} ({described(s['identity'])})" if "identity" in s else s["dataset"]
+                for s in source["sources"]
+            )
+        )
     return source["name"]
 
 
@@ -74,13 +81,23 @@ def mixture_changed(recorded: dict[str, Any] | None, now: dict[str, Any] | None)
         return f"it was {described(recorded)}, now {described(now)}"
 
     def listed(source: dict[str, Any]) -> list[tuple]:
-        return [tuple((k, str(v)) for k, v in sorted(s.items()) if k not in ("identity", "weight")) for s in source["sources"]]
+        return [
+            tuple((k, str(v)) for k, v in sorted(s.items()) if k not in ("identity", "weight"))
+            for s in source["sources"]
+        ]
 
     if listed(recorded) != listed(now):
-        return "its list of sources changed (" + ", ".join(s["dataset"] for s in recorded["sources"]) + " -> " + ", ".join(
-            s["dataset"] for s in now["sources"]) + ")"
+        return (
+            "its list of sources changed ("
+            + ", ".join(s["dataset"] for s in recorded["sources"])
+            + " -> "
+            + ", ".join(s["dataset"] for s in now["sources"])
+            + ")"
+        )
     if recorded["weights"] != now["weights"]:
-        return f"its weights changed ({':'.join(map(str, recorded['weights']))} -> {':'.join(map(str, now['weights']))})"
+        return (
+            f"its weights changed ({':'.join(map(str, recorded['weights']))} -> {':'.join(map(str, now['weights']))})"
+        )
     return None
 
 
@@ -89,8 +106,15 @@ def packed_as(max_length: int, packing: str) -> dict[str, Any]:
     return {"max_length": max_length, "packing": packing}
 
 
-def with_range(pin: dict[str, Any] | None, source: dict[str, Any], start: int, end: int, rows: str, tokens: str,
-               blocks: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+def with_range(
+    pin: dict[str, Any] | None,
+    source: dict[str, Any],
+    start: int,
+    end: int,
+    rows: str,
+    tokens: str,
+    blocks: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The pin after training rows [start, end): the source as read now, and this range's fingerprints. `blocks`:
     the settings the tokens were packed under (max_length, packing), which their fingerprint depends on."""
     ranges = [r for r in (pin or {}).get("ranges", []) if (r["start"], r["end"]) != (start, end)]

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -35,17 +36,30 @@ class PromptFit:
     cut: int = 0  # prompts are never cut: a cut prompt would ask something else
 
     def describe(self) -> str:
-        return (f"{self.dropped} of {self.rows} prompts longer than --max_length less --max_completion_length were "
-                "dropped (no room for their completions)")  # fmt: skip
+        return (
+            f"{self.dropped} of {self.rows} prompts longer than --max_length less --max_completion_length were "
+            "dropped (no room for their completions)"
+        )
 
 
 class Prompts:
     """The prompts of a slice: token ids, the rows themselves (prompt and other columns), each row's dataset index."""
 
-    def __init__(self, ids: list[list[int]], rows: list[dict[str, Any]], index: list[int], pad_id: int,
-                 max_length: int, packing: str, conversational: bool, attention: str = "sdpa",
-                 pattern: MaskPattern | None = None, fit: PromptFit | None = None, sources: list[int] | None = None,
-                 source_names: list[str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        ids: list[list[int]],
+        rows: list[dict[str, Any]],
+        index: list[int],
+        pad_id: int,
+        max_length: int,
+        packing: str,
+        conversational: bool,
+        attention: str = "sdpa",
+        pattern: MaskPattern | None = None,
+        fit: PromptFit | None = None,
+        sources: list[int] | None = None,
+        source_names: list[str] | None = None,
+    ) -> None:
         self.ids, self.rows, self.pad_id, self.max_length = ids, rows, pad_id, max_length
         # a mixture's prompts: each one's source
         self.sources = torch.tensor(sources, dtype=torch.long) if sources is not None else None
@@ -53,8 +67,13 @@ class Prompts:
         # the columns besides the prompt that any row has (a mixture's sources may differ)
         self.column_names = list(dict.fromkeys(k for row in rows for k in row if k != "prompt"))
         self.index = torch.tensor(index, dtype=torch.long)
-        self.packing, self.conversational, self.attention, self.pattern, self.fit = (packing, conversational, attention,
-                                                                                      pattern, fit)  # fmt: skip
+        self.packing, self.conversational, self.attention, self.pattern, self.fit = (
+            packing,
+            conversational,
+            attention,
+            pattern,
+            fit,
+        )
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -83,29 +102,52 @@ class Prompts:
         return {k: [self.rows[p].get(k) for p in prompts] for k in self.column_names}
 
 
-def prompts_from_rows(rows: Rows, tokenizer, *, max_length: int, max_completion_length: int, packing: str,
-                      attention: str = "sdpa", pattern: MaskPattern | None = None) -> Prompts:  # fmt: skip
+def prompts_from_rows(
+    rows: Rows,
+    tokenizer,
+    *,
+    max_length: int,
+    max_completion_length: int,
+    packing: str,
+    attention: str = "sdpa",
+    pattern: MaskPattern | None = None,
+) -> Prompts:
     """The checked prompt rows of a slice as Prompts; a prompt with no room left for a completion is dropped."""
     ids = encode_prompts([r["prompt"] for r in rows.rows], tokenizer, rows.indices)
     room = max_length - max_completion_length
     kept = [k for k, row_ids in enumerate(ids) if len(row_ids) <= room]
     if not kept:
-        raise DataError(f"--max_length {max_length}: no prompt of this slice leaves --max_completion_length "
-                        f"{max_completion_length} tokens for its completion (the shortest has {min(map(len, ids))} "
-                        "tokens)")  # fmt: skip
+        raise DataError(
+            f"--max_length {max_length}: no prompt of this slice leaves --max_completion_length "
+            f"{max_completion_length} tokens for its completion (the shortest has {min(map(len, ids))} "
+            "tokens)"
+        )
     fit = PromptFit(len(ids), len(ids) - len(kept))
     sources = [rows.sources[k] for k in kept] if rows.sources is not None else None
-    return Prompts([ids[k] for k in kept], [rows.rows[k] for k in kept], [rows.indices[k] for k in kept],
-                   tokenizer.pad_token_id, max_length, packing, rows.conversational, attention, pattern, fit, sources,
-                   rows.source_names)  # fmt: skip
+    return Prompts(
+        [ids[k] for k in kept],
+        [rows.rows[k] for k in kept],
+        [rows.indices[k] for k in kept],
+        tokenizer.pad_token_id,
+        max_length,
+        packing,
+        rows.conversational,
+        attention,
+        pattern,
+        fit,
+        sources,
+        rows.source_names,
+    )
 
 
 def check_groups(global_batch: int, generations: int) -> int:
     """The prompts of a step: its completions must be a whole number of groups."""
     if global_batch % generations:
-        raise ConfigError(f"--num_generations {generations}: a step's {global_batch} completions (--global_batch, or "
-                          f"--batch_size x ranks x --accum_steps) are not a whole number of groups of {generations}; "
-                          f"use a global batch that is a multiple of it")  # fmt: skip
+        raise ConfigError(
+            f"--num_generations {generations}: a step's {global_batch} completions (--global_batch, or "
+            f"--batch_size x ranks x --accum_steps) are not a whole number of groups of {generations}; "
+            f"use a global batch that is a multiple of it"
+        )
     return global_batch // generations
 
 
@@ -116,8 +158,10 @@ def generation_slices(steps_per_generation: int | None, accum_steps: int | None)
         return 1
     spg = steps_per_generation or accum_steps
     if spg % accum_steps:
-        raise ConfigError(f"--steps_per_generation {spg}: must be a multiple of --accum_steps ({accum_steps}), so that "
-                          "a generation feeds whole optimizer steps")  # fmt: skip
+        raise ConfigError(
+            f"--steps_per_generation {spg}: must be a multiple of --accum_steps ({accum_steps}), so that "
+            "a generation feeds whole optimizer steps"
+        )
     return spg // accum_steps
 
 
@@ -131,8 +175,19 @@ class PromptPlan:
     checkpoint keeps is the generation's start until its last step is done (with the steps done of it, `within`),
     then its end."""
 
-    def __init__(self, prompts: Prompts, *, batch_size: int, accum_steps: int, rank: int, world_size: int, seed: int,
-                 generations: int, slices: int = 1, iterations: int = 1) -> None:  # fmt: skip
+    def __init__(
+        self,
+        prompts: Prompts,
+        *,
+        batch_size: int,
+        accum_steps: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        generations: int,
+        slices: int = 1,
+        iterations: int = 1,
+    ) -> None:
         self.prompts = prompts
         self.num_samples = len(prompts)
         self.batch_size, self.accum_steps, self.generations = batch_size, accum_steps, generations
@@ -150,7 +205,9 @@ class PromptPlan:
         return -(-taken // self.per_step) * self.iterations
 
     def steps_per_epoch(self, start_offset: int = 0, within: int = 0) -> int:
-        return sum(self._generation_steps(b) for b in range(start_offset, self.num_samples, self.per_generation)) - within
+        return (
+            sum(self._generation_steps(b) for b in range(start_offset, self.num_samples, self.per_generation)) - within
+        )
 
     def steps(self, epoch: int, start_offset: int = 0, within: int = 0) -> Iterator[StepBatch]:
         order = self.epoch_order(epoch)
@@ -164,10 +221,18 @@ class PromptPlan:
             for index in range(within if begin == start_offset else 0, count):
                 iteration, j = divmod(index, len(parts))
                 slot = GenerationSlot(begin=begin, index=index, count=count, slice=j, iteration=iteration, prompts=mine)
-                yield StepBatch(epoch=epoch, step_in_epoch=first_step + k, micro_batches=[mine[j]],
-                                samples=parts[j].numel(), target_tokens=0, seen_tokens=0,
-                                end_offset=begin + taken.numel() if index == count - 1 else begin, units=1,
-                                by_source=self.prompts.source_totals(parts[j]), generation=slot)  # fmt: skip
+                yield StepBatch(
+                    epoch=epoch,
+                    step_in_epoch=first_step + k,
+                    micro_batches=[mine[j]],
+                    samples=parts[j].numel(),
+                    target_tokens=0,
+                    seen_tokens=0,
+                    end_offset=begin + taken.numel() if index == count - 1 else begin,
+                    units=1,
+                    by_source=self.prompts.source_totals(parts[j]),
+                    generation=slot,
+                )
                 k += 1
 
 

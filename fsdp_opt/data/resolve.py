@@ -44,7 +44,9 @@ class DataSource:
 
     def names(self) -> dict[str, str]:
         """The naming flags that differ from the defaults (what a pin records besides the dataset)."""
-        out = {"config": self.config, "files": self.files} | ({"split": self.split} if self.split != DEFAULT_SPLIT else {})
+        out = {"config": self.config, "files": self.files} | (
+            {"split": self.split} if self.split != DEFAULT_SPLIT else {}
+        )
         return {k: v for k, v in out.items() if v}
 
     def describe(self) -> str:
@@ -82,17 +84,23 @@ def builder(src: DataSource, revision: str | None = None, data_files: Any = None
         with quiet_hub_logs():
             return datasets.load_dataset_builder(src.dataset, name=src.config, revision=revision, data_files=data_files)
     except DatasetNotFoundError:
-        raise DataError(f"--dataset {where}: no such dataset on the Hugging Face Hub (or it is private or gated: log in "
-                        "with HF_TOKEN)") from None  # fmt: skip
+        raise DataError(
+            f"--dataset {where}: no such dataset on the Hugging Face Hub (or it is private or gated: log in "
+            "with HF_TOKEN)"
+        ) from None
     except ValueError as exc:
         text = str(exc)
         if "Config name is missing" in text:
             configs = _configs_in(text)
-            raise DataError(f"--dataset {src.dataset}: it has {len(configs)} configs and no default; name one with "
-                            f"--dataset_config ({', '.join(configs)})") from None  # fmt: skip
+            raise DataError(
+                f"--dataset {src.dataset}: it has {len(configs)} configs and no default; name one with "
+                f"--dataset_config ({', '.join(configs)})"
+            ) from None
         if "BuilderConfig" in text and "not found" in text:
-            raise DataError(f"--dataset_config {src.config}: {src.dataset} has no such config (its configs: "
-                            f"{', '.join(_configs_in(text))})") from None  # fmt: skip
+            raise DataError(
+                f"--dataset_config {src.config}: {src.dataset} has no such config (its configs: "
+                f"{', '.join(_configs_in(text))})"
+            ) from None
         if "trust_remote_code" in text or "loading script" in text:
             raise ScriptDataset(text) from None
         raise DataError(f"--dataset {where}: cannot read it ({first_line(exc)})") from None
@@ -103,8 +111,10 @@ def builder(src: DataSource, revision: str | None = None, data_files: Any = None
     except DataError:
         raise
     except Exception as exc:  # noqa: BLE001 - the network, a damaged card: one line
-        raise DataError(f"--dataset {where}: cannot load it from the Hugging Face Hub ({first_line(exc)}). Check the id "
-                        f"and the network, or use a local file or a built-in ({', '.join(BUILTIN_DATASETS)})") from None  # fmt: skip
+        raise DataError(
+            f"--dataset {where}: cannot load it from the Hugging Face Hub ({first_line(exc)}). Check the id "
+            f"and the network, or use a local file or a built-in ({', '.join(BUILTIN_DATASETS)})"
+        ) from None
 
 
 class ScriptDataset(Exception):
@@ -119,8 +129,10 @@ def split_files(src: DataSource, revision: str | None = None) -> Resolved:
     except ScriptDataset:
         exported = export_files(src)
         if exported is None:
-            raise DataError(f"--dataset {src.dataset}: it is a loading script, which `datasets` no longer runs, and the "
-                            "Hub has no parquet export of it to read instead") from None  # fmt: skip
+            raise DataError(
+                f"--dataset {src.dataset}: it is a loading script, which `datasets` no longer runs, and the "
+                "Hub has no parquet export of it to read instead"
+            ) from None
         return exported
     files = b.config.data_files or {}
     if src.split not in files:
@@ -128,8 +140,10 @@ def split_files(src: DataSource, revision: str | None = None) -> Resolved:
         if named:  # a folder of split-named files that datasets' patterns do not take as that split
             return Resolved([str(p) for p in named], [p.name for p in named], None, None, _module_of(named))
         what = src.dataset + (f" (config {b.config.name})" if src.config else "")
-        raise DataError(f"--dataset_split {src.split}: {what} has no such split (its splits: "
-                        f"{', '.join(sorted(map(str, files))) or 'none'})")  # fmt: skip
+        raise DataError(
+            f"--dataset_split {src.split}: {what} has no such split (its splits: "
+            f"{', '.join(sorted(map(str, files))) or 'none'})"
+        )
     urls = [str(u) for u in files[src.split]]
     names = [_name_in_repo(u) for u in urls]
     features = b.info.features.to_dict() if b.info.features is not None else None
@@ -151,8 +165,13 @@ def _named_by_split(src: DataSource) -> list[Path]:
     root = Path(src.dataset).expanduser()
     if not root.is_dir():
         return []
-    found = [p for folder in (root, root / "data") if folder.is_dir() for p in folder.iterdir()
-             if p.is_file() and (p.name.startswith(src.split + "-") or p.stem == src.split)]  # fmt: skip
+    found = [
+        p
+        for folder in (root, root / "data")
+        if folder.is_dir()
+        for p in folder.iterdir()
+        if p.is_file() and (p.name.startswith(src.split + "-") or p.stem == src.split)
+    ]
     return sorted(found)
 
 
@@ -176,13 +195,18 @@ def export_files(src: DataSource) -> Resolved | None:
     try:
         with quiet_hub_logs():
             commit = api.dataset_info(src.dataset, revision=EXPORT_REVISION).sha
-            listing = api.list_repo_tree(src.dataset, path_in_repo=config, revision=commit, repo_type="dataset",
-                                         recursive=True)  # fmt: skip
-            names = sorted(e.path for e in listing if e.path.endswith(".parquet") and getattr(e, "size", None) is not None)
+            listing = api.list_repo_tree(
+                src.dataset, path_in_repo=config, revision=commit, repo_type="dataset", recursive=True
+            )
+            names = sorted(
+                e.path for e in listing if e.path.endswith(".parquet") and getattr(e, "size", None) is not None
+            )
     except (EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError):
         return None
     except Exception as exc:  # noqa: BLE001
-        raise DataError(f"--dataset {src.dataset}: cannot read its parquet export from the Hub ({first_line(exc)})") from None
+        raise DataError(
+            f"--dataset {src.dataset}: cannot read its parquet export from the Hub ({first_line(exc)})"
+        ) from None
     whole = [n for n in names if n.startswith(f"{config}/{src.split}/")]
     if not whole:
         return None  # none, or `partial-{split}`: the export of a large dataset stops part way
@@ -220,5 +244,7 @@ def index_split(resolved: Resolved, reader: ParquetReader, hub_id: str | None) -
 
 def download_line(src: DataSource, n_files: int, module: str, nbytes: int) -> str:
     """Why a split is downloaded whole, and how much that is."""
-    return (f"data: {src.describe()} is stored as {module}, with no complete parquet export on the Hub to read ranges "
-            f"from: its split {src.split} is downloaded whole ({n_files} file(s), {size_text(nbytes)})")
+    return (
+        f"data: {src.describe()} is stored as {module}, with no complete parquet export on the Hub to read ranges "
+        f"from: its split {src.split} is downloaded whole ({n_files} file(s), {size_text(nbytes)})"
+    )

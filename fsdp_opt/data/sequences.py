@@ -6,7 +6,7 @@ completion of a prompt) packs its micro-batches with this, and reads back which 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -21,14 +21,23 @@ def fits(lengths: Sequence[int], max_length: int, packing: str, batch_size: int)
     return len(place(list(lengths), max_length)) <= batch_size
 
 
-def pack(ids: Sequence[Sequence[int]], targets: Sequence[Sequence[bool]], pad_id: int, max_length: int,
-         packing: str, device: torch.device, attention: str = "sdpa",
-         pattern: MaskPattern | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:  # fmt: skip
+def pack(
+    ids: Sequence[Sequence[int]],
+    targets: Sequence[Sequence[bool]],
+    pad_id: int,
+    max_length: int,
+    packing: str,
+    device: torch.device,
+    attention: str = "sdpa",
+    pattern: MaskPattern | None = None,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """A micro-batch of these sequences: the model's inputs with labels (Blocks.batch), and for each position the
     index (in `ids`) of the sequence its token belongs to, -1 elsewhere. No sequence: one filler row with no target,
     so every rank runs the same passes."""
     if not ids:
-        blocks = Blocks(torch.full((1, max_length), pad_id, dtype=torch.int32), torch.zeros(1, dtype=torch.long), pad_id)
+        blocks = Blocks(
+            torch.full((1, max_length), pad_id, dtype=torch.int32), torch.zeros(1, dtype=torch.long), pad_id
+        )
         batch = blocks.batch(torch.tensor([-1]), device)
         return batch, torch.full((1, max_length), -1, dtype=torch.long, device=device)
     if packing == "pad":

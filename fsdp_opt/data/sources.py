@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from fsdp_opt.base import DataError, first_line, looks_like_path, quiet_hub_logs
 from fsdp_opt.config.choices import BUILTIN_DATASETS
@@ -42,8 +43,10 @@ def check_exists(src: DataSource, eval_split: str | None = None) -> None:
     if is_mixture_file(src.dataset):
         mix = _mixture_file(src)
         if eval_split:
-            raise DataError(f"--eval_split {eval_split}: not with a mixture file (--dataset {src.dataset}): its "
-                            "held-out rows are the mixture's rows right after the slice (--eval_rows alone)")  # fmt: skip
+            raise DataError(
+                f"--eval_split {eval_split}: not with a mixture file (--dataset {src.dataset}): its "
+                "held-out rows are the mixture's rows right after the slice (--eval_rows alone)"
+            )
         for n, ms in enumerate(mix.sources, 1):
             with _in_mixture(src, n, ms.source):
                 check_exists(ms.source)
@@ -62,11 +65,15 @@ def check_exists(src: DataSource, eval_split: str | None = None) -> None:
     except RevisionNotFoundError:
         raise DataError(f"--dataset_revision {src.revision}: {src.dataset} has no such revision") from None
     except RepositoryNotFoundError:
-        raise DataError(f"--dataset {where}: no such dataset on the Hugging Face Hub (or it is private or gated: log "
-                        "in with HF_TOKEN); the built-ins are " + ", ".join(BUILTIN_DATASETS)) from None  # fmt: skip
+        raise DataError(
+            f"--dataset {where}: no such dataset on the Hugging Face Hub (or it is private or gated: log "
+            "in with HF_TOKEN); the built-ins are " + ", ".join(BUILTIN_DATASETS)
+        ) from None
     except Exception as exc:  # noqa: BLE001 - the network: one line
-        raise DataError(f"--dataset {where}: cannot load it from the Hugging Face Hub ({first_line(exc)}). Check the id "
-                        f"and the network, or use a local file or a built-in ({', '.join(BUILTIN_DATASETS)})") from None  # fmt: skip
+        raise DataError(
+            f"--dataset {where}: cannot load it from the Hugging Face Hub ({first_line(exc)}). Check the id "
+            f"and the network, or use a local file or a built-in ({', '.join(BUILTIN_DATASETS)})"
+        ) from None
 
 
 def load_rows(spec: str, revision: str | None = None, split: str = DEFAULT_SPLIT) -> Table:
@@ -81,7 +88,9 @@ def open_source(src: DataSource, pin: dict[str, Any] | None = None) -> Table:
 
     datasets.disable_progress_bars()
     if src.revision and (src.dataset in BUILTIN_DATASETS or Path(src.dataset).expanduser().exists()):
-        raise DataError(f"--dataset_revision {src.revision}: only for a Hub dataset id (--dataset {src.dataset} is not one)")
+        raise DataError(
+            f"--dataset_revision {src.revision}: only for a Hub dataset id (--dataset {src.dataset} is not one)"
+        )
     if is_mixture_file(src.dataset):
         return _mixture(src, pin)
     if src.dataset in BUILTIN_DATASETS:
@@ -110,11 +119,16 @@ def mixture_definition(src: DataSource) -> dict[str, Any] | None:
 
 def _mixture_file(src: DataSource) -> Mixture:
     """The mixture file --dataset names; the flags that name one dataset's config, split or files belong in it."""
-    for flag, value in (("--dataset_config", src.config), ("--dataset_files", src.files),
-                        ("--dataset_split", None if src.split == DEFAULT_SPLIT else src.split)):  # fmt: skip
+    for flag, value in (
+        ("--dataset_config", src.config),
+        ("--dataset_files", src.files),
+        ("--dataset_split", None if src.split == DEFAULT_SPLIT else src.split),
+    ):
         if value:
-            raise DataError(f"{flag} {value}: not beside a mixture file (--dataset {src.dataset}): each source names "
-                            "its own (name, data_files, split) in the file")  # fmt: skip
+            raise DataError(
+                f"{flag} {value}: not beside a mixture file (--dataset {src.dataset}): each source names "
+                "its own (name, data_files, split) in the file"
+            )
     return read_mixture(src.dataset)
 
 
@@ -126,7 +140,7 @@ def _in_mixture(src: DataSource, n: int, source: DataSource) -> Iterator[None]:
     except DataError as exc:
         line = str(exc)
         if line.startswith(f"--dataset {source.dataset}: "):
-            line = line[len(f"--dataset {source.dataset}: "):]
+            line = line[len(f"--dataset {source.dataset}: ") :]
         raise DataError(f"--dataset {src.dataset}: source {n} ({source.dataset}): {line}") from None
 
 
@@ -139,8 +153,9 @@ def _mixture(src: DataSource, pin: dict[str, Any] | None) -> MixtureTable:
     tables, sources, held = [], [], []
     for n, ms in enumerate(mix.sources, 1):
         sub = {"source": before[n - 1]["identity"]} if n <= len(before) else None
-        source = DataSource(ms.source.dataset, ms.source.config, ms.source.split, ms.source.files,
-                            pinned_revision(sub, ms.source))  # fmt: skip
+        source = DataSource(
+            ms.source.dataset, ms.source.config, ms.source.split, ms.source.files, pinned_revision(sub, ms.source)
+        )
         with _in_mixture(src, n, ms.source):
             table = open_source(source, sub)
             if ms.columns:
@@ -151,8 +166,15 @@ def _mixture(src: DataSource, pin: dict[str, Any] | None) -> MixtureTable:
         sources.append({**ms.record(), "identity": table.identity})
         held.append(source.with_split(ms.eval_split) if ms.eval_split else None)
     identity = {"kind": "mixture", "weights": list(mix.weights), "sources": sources}
-    return MixtureTable(tables, mix.weights, identity, [ms.columns for ms in mix.sources],
-                        [ms.source.describe() for ms in mix.sources], [ms.data_format for ms in mix.sources], held)  # fmt: skip
+    return MixtureTable(
+        tables,
+        mix.weights,
+        identity,
+        [ms.columns for ms in mix.sources],
+        [ms.source.describe() for ms in mix.sources],
+        [ms.data_format for ms in mix.sources],
+        held,
+    )
 
 
 def held_out_mixture(src: DataSource, table: MixtureTable, end: int) -> MixtureTable:
@@ -160,8 +182,9 @@ def held_out_mixture(src: DataSource, table: MixtureTable, end: int) -> MixtureT
     each source's eval split, or, for a source that names none, its rows after the ones rows [0, end) took. Its first
     --eval_rows rows are the held-out ones."""
     tables = []
-    for n, (held, table_j, (_, taken)) in enumerate(zip(table.held, table.tables,
-                                                         source_ranges(0, end, table.weights)), 1):  # fmt: skip
+    for n, (held, table_j, (_, taken)) in enumerate(
+        zip(table.held, table.tables, source_ranges(0, end, table.weights)), 1
+    ):
         if held is None:
             tables.append(After(table_j, taken))
             continue
@@ -185,15 +208,18 @@ def _local_file(src: DataSource, path: Path) -> Table:
     if fmt == "parquet":
         resolved = Resolved([str(path)], [path.name], None, None, "parquet")
         return _parquet(src, resolved, None, {"kind": "file", "path": src.dataset})
-    return MemoryTable(_load(src, lambda d: d.load_dataset(fmt, data_files=str(path), split="train")),
-                       _hashed(src, "file", [path]))  # fmt: skip
+    return MemoryTable(
+        _load(src, lambda d: d.load_dataset(fmt, data_files=str(path), split="train")), _hashed(src, "file", [path])
+    )
 
 
 def _local_folder(src: DataSource, path: Path) -> Table:
     if (path / "dataset_info.json").is_file() and (path / "state.json").is_file():
         if src.config or src.files or src.split != DEFAULT_SPLIT:
-            raise DataError(f"--dataset {src.dataset}: a folder saved by save_to_disk holds one split; no "
-                            "--dataset_config, --dataset_split or --dataset_files")  # fmt: skip
+            raise DataError(
+                f"--dataset {src.dataset}: a folder saved by save_to_disk holds one split; no "
+                "--dataset_config, --dataset_split or --dataset_files"
+            )
         return MemoryTable(_load(src, lambda d: d.load_from_disk(str(path))), _hashed(src, "folder", _files(path)))
     resolved = split_files(src)
     if resolved.module == "parquet":
@@ -217,21 +243,28 @@ def recorded_index(src: DataSource, pin: dict[str, Any] | None) -> dict[str, Any
 def _hub(src: DataSource, pin: dict[str, Any] | None) -> Table:
     recorded = recorded_index(src, pin)
     if recorded is not None:
-        return ParquetTable(SplitIndex.from_dict(recorded["index"]), ParquetReader(_hub_fs()), dict(recorded),
-                            src.describe())  # fmt: skip
+        return ParquetTable(
+            SplitIndex.from_dict(recorded["index"]), ParquetReader(_hub_fs()), dict(recorded), src.describe()
+        )
     resolved = split_files(src, src.revision)
     identity = {"kind": "hub", "id": src.dataset, **src.names()}
     if resolved.module == "parquet":  # its own files, or (a loading script's) the Hub's export
         return _parquet(src, resolved, src.dataset, identity | ({"export": True} if resolved.export else {}))
     exported = export_files(src)
     if exported is not None:
-        print0(f"data: {src.describe()} is stored as {resolved.module}: reading its split {src.split} from the Hub's "
-               "parquet export")  # fmt: skip
+        print0(
+            f"data: {src.describe()} is stored as {resolved.module}: reading its split {src.split} from the Hub's "
+            "parquet export"
+        )
         return _parquet(src, exported, src.dataset, identity | {"export": True})
     sizes, _ = listing(src.dataset, resolved.revision, resolved.names)
     print0(download_line(src, len(resolved.urls), resolved.module, sum(sizes)))
-    ds = _load(src, lambda d: d.load_dataset(src.dataset, name=src.config, split=src.split, revision=resolved.revision,
-                                             data_files=_data_files(src)))  # fmt: skip
+    ds = _load(
+        src,
+        lambda d: d.load_dataset(
+            src.dataset, name=src.config, split=src.split, revision=resolved.revision, data_files=_data_files(src)
+        ),
+    )
     return MemoryTable(ds, identity | {"revision": resolved.revision})
 
 
@@ -290,8 +323,13 @@ def _hashed(src: DataSource, kind: str, files: list[Path]) -> dict[str, Any]:
         return {"kind": "file", "path": src.dataset, "bytes": f.stat().st_size, "sha256": file_sha256(f), **src.names()}
     root = Path(src.dataset).expanduser().resolve()  # the files may be named relative to it, or absolute
     digest = _digest([f"{Path(os.path.relpath(f.resolve(), root)).as_posix()}:{file_sha256(f)}" for f in files])
-    return {"kind": "folder", "path": src.dataset, "bytes": sum(f.stat().st_size for f in files), "sha256": digest,
-            **src.names()}  # fmt: skip
+    return {
+        "kind": "folder",
+        "path": src.dataset,
+        "bytes": sum(f.stat().st_size for f in files),
+        "sha256": digest,
+        **src.names(),
+    }
 
 
 def data_on_disk(src: DataSource) -> int:

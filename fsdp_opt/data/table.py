@@ -7,7 +7,8 @@ asked for.
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from fsdp_opt.data.parquet import ParquetReader, SplitIndex, fetched_line
 from fsdp_opt.runtime.distributed import print0
@@ -92,8 +93,15 @@ class ParquetTable:
 
         remote = any(f.url.startswith("hf://") for f in self.index.files)
         started, before = time.perf_counter(), self.reader.fetched
-        with tqdm(desc=f"data: rows [{start:,}, {end:,}) of {self.what}", unit="B", unit_scale=True, unit_divisor=1024,
-                  delay=PROGRESS_DELAY_S, disable=not remote, leave=False) as bar:  # fmt: skip
+        with tqdm(
+            desc=f"data: rows [{start:,}, {end:,}) of {self.what}",
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            delay=PROGRESS_DELAY_S,
+            disable=not remote,
+            leave=False,
+        ) as bar:
             got = [0]
 
             def progress(nbytes: int, rows: int) -> None:
@@ -103,8 +111,14 @@ class ParquetTable:
 
             table = self.reader.read(self.index, start, end, columns, progress)
         if remote:
-            print0(fetched_line(f"rows [{start:,}, {end:,}) of {self.what}", self.reader.fetched - before, table.num_rows,
-                                time.perf_counter() - started))  # fmt: skip
+            print0(
+                fetched_line(
+                    f"rows [{start:,}, {end:,}) of {self.what}",
+                    self.reader.fetched - before,
+                    table.num_rows,
+                    time.perf_counter() - started,
+                )
+            )
         if self.index.features:
             from datasets import Features
             from datasets.table import table_cast

@@ -17,9 +17,12 @@ tokenized with add_special_tokens=False, as `apply_chat_template(tokenize=True)`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+
+from transformers import GenerationConfig
 
 from fsdp_opt.base import DataError, first_line
 from fsdp_opt.data.formats import RowSpec, row_format
@@ -108,8 +111,31 @@ def end_of_turn(tokenizer) -> str | None:
     return tail or None
 
 
-def encode_rows(rows: Sequence[dict[str, Any]], spec: RowSpec, tokenizer, *, train_on: str,
-                indices: Sequence[int] | None = None, conversational: bool = False) -> Encoded:  # fmt: skip
+def end_rules(tokenizer, model_config, conversational: bool) -> tuple[list[int], str | None]:  # noqa: ANN001
+    """Where a completion ends, the same in training and in `python -m fsdp_opt.evaluate`: the tokenizer's end of text,
+    the model's generation config's (as the model built from its config has it), and the chat template's end of turn
+    (an end-of-text token where it is one token; else a stop text)."""
+    eos = {i for i in [tokenizer.eos_token_id] if i is not None}
+    config_eos = GenerationConfig.from_model_config(model_config).eos_token_id if model_config is not None else None
+    eos |= set(config_eos if isinstance(config_eos, list) else [config_eos] if config_eos is not None else [])
+    stop = end_of_turn(tokenizer) if conversational else None
+    if stop:
+        ids = tokenizer(stop, add_special_tokens=False)["input_ids"]
+        if len(ids) == 1:  # one token: an end-of-text token like the others
+            eos.add(ids[0])
+            stop = None
+    return sorted(eos), stop
+
+
+def encode_rows(
+    rows: Sequence[dict[str, Any]],
+    spec: RowSpec,
+    tokenizer,
+    *,
+    train_on: str,
+    indices: Sequence[int] | None = None,
+    conversational: bool = False,
+) -> Encoded:
     """Rows of one format (data.formats) as token ids and targets. `indices` numbers the rows in errors."""
     index = list(indices) if indices is not None else list(range(len(rows)))
     if spec.format == "mixed":
@@ -129,8 +155,10 @@ def encode_rows(rows: Sequence[dict[str, Any]], spec: RowSpec, tokenizer, *, tra
         return _with_targets(full, spans, all_tokens)
     if not getattr(tokenizer, "chat_template", None):
         column = spec.messages_column if spec.format == "messages" else spec.prompt_column
-        raise DataError(f"row {index[0]}, column {column}: the tokenizer has no chat template to render messages; "
-                        "give --chat_template chatml or a Jinja file")  # fmt: skip
+        raise DataError(
+            f"row {index[0]}, column {column}: the tokenizer has no chat template to render messages; "
+            "give --chat_template chatml or a Jinja file"
+        )
     full_texts, prefix_texts, owners = [], [], []  # prefixes: (generation prompt, the turn's end) per answer
     for k, row in enumerate(rows):
         where = f"row {index[k]}, column {spec.messages_column if spec.format == 'messages' else spec.prompt_column}"
@@ -146,8 +174,10 @@ def encode_rows(rows: Sequence[dict[str, Any]], spec: RowSpec, tokenizer, *, tra
         for before, through in cuts:
             a, b = _render(tokenizer, before, True, where), _render(tokenizer, through, False, where)
             if not (full.startswith(a) and full.startswith(b) and len(a) <= len(b)):
-                raise DataError(f"{where}: the chat template's renderings of this conversation are not prefixes of "
-                                "each other, so its answers cannot be told apart from the rest")  # fmt: skip
+                raise DataError(
+                    f"{where}: the chat template's renderings of this conversation are not prefixes of "
+                    "each other, so its answers cannot be told apart from the rest"
+                )
             prefix_texts += [a, b]
             owners.append((k, where))
     full_ids = _ids(tokenizer, full_texts, False)
@@ -157,8 +187,10 @@ def encode_rows(rows: Sequence[dict[str, Any]], spec: RowSpec, tokenizer, *, tra
         a, b = prefix_ids[2 * j], prefix_ids[2 * j + 1]
         whole = full_ids[k]
         if whole[: len(a)] != a or whole[: len(b)] != b:
-            raise DataError(f"{where}: the chat template's renderings of this conversation are not prefixes of each "
-                            "other in tokens, so its answers cannot be told apart from the rest")  # fmt: skip
+            raise DataError(
+                f"{where}: the chat template's renderings of this conversation are not prefixes of each "
+                "other in tokens, so its answers cannot be told apart from the rest"
+            )
         spans[k].append((len(a), len(b)))
     return _with_targets(full_ids, spans, all_tokens)
 
@@ -175,8 +207,14 @@ def _encode_mixed(rows: Sequence[dict[str, Any]], spec: RowSpec, tokenizer, trai
     targets: list[list[bool] | None] = [None for _ in rows]
     whole = False
     for (fmt, conversational), members in groups.items():
-        got = encode_rows([rows[k] for k in members], spec.part(fmt), tokenizer, train_on=train_on,
-                          indices=[index[k] for k in members], conversational=conversational)  # fmt: skip
+        got = encode_rows(
+            [rows[k] for k in members],
+            spec.part(fmt),
+            tokenizer,
+            train_on=train_on,
+            indices=[index[k] for k in members],
+            conversational=conversational,
+        )
         whole |= got.whole_rows
         for n, k in enumerate(members):
             ids[k] = got.ids[n]
@@ -213,8 +251,10 @@ def encode_prompts(prompts: Sequence[str | list[dict[str, str]]], tokenizer, ind
             ids = [row[:-1] for row in ids]
         return ids
     if not getattr(tokenizer, "chat_template", None):
-        raise DataError(f"row {indices[0]}, column prompt: the tokenizer has no chat template to render messages; give "
-                        "--chat_template chatml or a Jinja file")  # fmt: skip
+        raise DataError(
+            f"row {indices[0]}, column prompt: the tokenizer has no chat template to render messages; give "
+            "--chat_template chatml or a Jinja file"
+        )
     texts = [_render(tokenizer, p, True, f"row {i}, column prompt") for p, i in zip(prompts, indices)]
     return _ids(tokenizer, texts, False)
 

@@ -16,9 +16,9 @@ base with its adapters switched off) and kept with the checkpoint; a step reads 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -34,8 +34,9 @@ from fsdp_opt.runtime.distributed import DistEnv
 STATS = ("loss", "rewards_chosen", "rewards_rejected", "accuracy")  # sums over pairs, in this order
 
 
-def token_logps(out: torch.Tensor, labels: torch.Tensor, head: HeadLoss | None,
-                temperature: float = 1.0) -> torch.Tensor:  # fmt: skip
+def token_logps(
+    out: torch.Tensor, labels: torch.Tensor, head: HeadLoss | None, temperature: float = 1.0
+) -> torch.Tensor:
     """Each position's log-probability of its next token (0 where there is no target), fp32, [batch, length], from the
     logits divided by `temperature` (GRPO's completions were drawn that way)."""
     targets = next_token_targets(labels)
@@ -48,8 +49,9 @@ def token_logps(out: torch.Tensor, labels: torch.Tensor, head: HeadLoss | None,
     return head.token_logps(out, labels, temperature).view(targets.shape)
 
 
-def head_logps(model: nn.Module, head: HeadLoss | None, batch: dict[str, torch.Tensor],
-               temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def head_logps(
+    model: nn.Module, head: HeadLoss | None, batch: dict[str, torch.Tensor], temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """token_logps of one forward of `model` on `batch` (with `head`, the output layer at the targets only), and the
     forward's output (the logits, or with `head` the final hidden states)."""
     out = head_forward(model, head, batch)
@@ -76,8 +78,9 @@ def dpo_terms(pi: torch.Tensor, ref: torch.Tensor, beta: float) -> torch.Tensor:
     return torch.stack([loss, chosen.detach(), rejected.detach(), correct.detach()])
 
 
-def micro_logps(model: nn.Module, pairs: Pairs, members: list[int], device: torch.device,
-                head: HeadLoss | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def micro_logps(
+    model: nn.Module, pairs: Pairs, members: list[int], device: torch.device, head: HeadLoss | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The summed answer log-probabilities of these pairs' sequences (chosen, rejected of each), one forward, and
     the forward's output (the logits, or with `head` the final hidden states)."""
     batch, slot = pairs.micro(members, device)
@@ -129,8 +132,13 @@ class PairLoss:
         """The step's means over its pairs."""
         pairs = max(1, step.loss_units)
         chosen, rejected = sums["rewards_chosen"] / pairs, sums["rewards_rejected"] / pairs
-        return {"pairs": step.loss_units, "rewards_chosen": chosen, "rewards_rejected": rejected,
-                "margin": chosen - rejected, "accuracy": sums["accuracy"] / pairs}  # fmt: skip
+        return {
+            "pairs": step.loss_units,
+            "rewards_chosen": chosen,
+            "rewards_rejected": rejected,
+            "margin": chosen - rejected,
+            "accuracy": sums["accuracy"] / pairs,
+        }
 
     @staticmethod
     def _seqs(members: list[int]) -> torch.Tensor:
@@ -160,7 +168,7 @@ class Reference:
         return {"index": self.index.clone(), "logps": self.logps.clone()}
 
     @classmethod
-    def from_state(cls, state: dict | None) -> "Reference | None":
+    def from_state(cls, state: dict | None) -> Reference | None:
         return None if not state else cls(state["index"], state["logps"])
 
 
@@ -198,15 +206,22 @@ def pair_logps(model: nn.Module, pairs: Pairs, batch_size: int, env: DistEnv) ->
     return found.cpu()
 
 
-def evaluate_pairs(model: nn.Module, pairs: Pairs, reference: torch.Tensor, beta: float, batch_size: int,
-                   env: DistEnv) -> dict[str, float]:  # fmt: skip
+def evaluate_pairs(
+    model: nn.Module, pairs: Pairs, reference: torch.Tensor, beta: float, batch_size: int, env: DistEnv
+) -> dict[str, float]:
     """The DPO metrics of the policy on these pairs against the reference's log-probabilities."""
     pi = pair_logps(model, pairs, batch_size, env)
     terms = dpo_terms(pi, reference, beta)
     n = terms.shape[1]
     loss, chosen, rejected, accuracy = (terms[i].sum().item() / n for i in range(len(STATS)))
-    return {"loss": loss, "rewards_chosen": chosen, "rewards_rejected": rejected, "margin": chosen - rejected,
-            "accuracy": accuracy, "pairs": n}  # fmt: skip
+    return {
+        "loss": loss,
+        "rewards_chosen": chosen,
+        "rewards_rejected": rejected,
+        "margin": chosen - rejected,
+        "accuracy": accuracy,
+        "pairs": n,
+    }
 
 
 @contextmanager

@@ -46,9 +46,20 @@ def evaluate_loss(model: nn.Module, blocks: Blocks, batch_size: int, env: DistEn
 
 
 @torch.no_grad()
-def generate(model: nn.Module, tokenizer, prompts: list[str], env: DistEnv, *, max_new_tokens: int,
-             do_sample: bool, temperature: float, top_p: float, seed: int, rendered: bool = False,
-             stop: str | None = None) -> list[str]:  # fmt: skip
+def generate(
+    model: nn.Module,
+    tokenizer,
+    prompts: list[str],
+    env: DistEnv,
+    *,
+    max_new_tokens: int,
+    do_sample: bool,
+    temperature: float,
+    top_p: float,
+    seed: int,
+    rendered: bool = False,
+    stop: str | None = None,
+) -> list[str]:
     """Continuations of each prompt. Every rank runs the same calls with the same seed (a sharded model
     gathers its weights in each forward), so all ranks produce the same text.
 
@@ -60,7 +71,9 @@ def generate(model: nn.Module, tokenizer, prompts: list[str], env: DistEnv, *, m
     for prompt in prompts:
         torch.manual_seed(seed)
         enc = tokenizer(prompt, return_tensors="pt", add_special_tokens=not rendered)
-        sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if do_sample else {"do_sample": False}
+        sampling = (
+            {"do_sample": True, "temperature": temperature, "top_p": top_p} if do_sample else {"do_sample": False}
+        )
         if stop is not None:
             sampling.update(stop_strings=[stop], tokenizer=tokenizer)
         out = model.generate(

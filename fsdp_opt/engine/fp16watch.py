@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -34,7 +35,9 @@ def trained_in_bf16(model_config: Any) -> bool:
     return str(dtype).replace("torch.", "") == "bfloat16"
 
 
-def overflow_probe(bf16_pretrained: bool, precision: str, forward_loss: Callable[[], torch.Tensor], model_name: str) -> str | None:
+def overflow_probe(
+    bf16_pretrained: bool, precision: str, forward_loss: Callable[[], torch.Tensor], model_name: str
+) -> str | None:
     """For a bf16-pretrained model (`trained_in_bf16` of its config as read, before the engine sets its dtype)
     trained in fp16: the forward loss of the first micro-batch (every rank calls this: the forward is collective).
     Returns the line to print: that the loss is finite, or a warning with the advice when it is not. None when the
@@ -44,10 +47,14 @@ def overflow_probe(bf16_pretrained: bool, precision: str, forward_loss: Callable
     with torch.no_grad():
         loss = float(forward_loss())
     if math.isfinite(loss):
-        return f"fp16 probe: {model_name} was pretrained in bfloat16; its first batch is finite in fp16 (loss {loss:.4f})"
-    return (f"warning: {model_name} was pretrained in bfloat16 and overflows fp16 on the first batch (non-finite loss): "
-            "fp16 cannot hold its activations. Use a GPU with bf16 (compute capability 8.0 or more) with --precision "
-            "bf16, --precision fp32, or a model trained in fp16/fp32")  # fmt: skip
+        return (
+            f"fp16 probe: {model_name} was pretrained in bfloat16; its first batch is finite in fp16 (loss {loss:.4f})"
+        )
+    return (
+        f"warning: {model_name} was pretrained in bfloat16 and overflows fp16 on the first batch (non-finite loss): "
+        "fp16 cannot hold its activations. Use a GPU with bf16 (compute capability 8.0 or more) with --precision "
+        "bf16, --precision fp32, or a model trained in fp16/fp32"
+    )
 
 
 class SkipWatch:
@@ -70,17 +77,23 @@ class SkipWatch:
         rate = sum(window) / len(window)
         warning = None
         if len(self.recent) == STOP_WINDOW and all(self.recent):
-            stop = (f"fp16: all of the last {STOP_WINDOW} steps overflowed (loss scale now {scale:.3g}); nothing has "
-                    "trained since. The model does not fit fp16's range: use --precision bf16 on a GPU that has it, or "
-                    "--precision fp32")  # fmt: skip
+            stop = (
+                f"fp16: all of the last {STOP_WINDOW} steps overflowed (loss scale now {scale:.3g}); nothing has "
+                "trained since. The model does not fit fp16's range: use --precision bf16 on a GPU that has it, or "
+                "--precision fp32"
+            )
             return rate, None, stop
         since = list(self.calibrated)
         if sum(since) > WARN_SKIPS and self.seen - self.warned_at >= WARN_WINDOW:
             self.warned_at = self.seen
-            warning = (f"warning: fp16: {sum(since)} of the last {len(since)} steps overflowed and were skipped "
-                       f"(loss scale {scale:.3g})")  # fmt: skip
+            warning = (
+                f"warning: fp16: {sum(since)} of the last {len(since)} steps overflowed and were skipped "
+                f"(loss scale {scale:.3g})"
+            )
         if scale < 1 and not self.warned_scale:
             self.warned_scale = True
-            warning = (f"warning: fp16: the loss scale fell to {scale:.3g}, below 1: the loss itself overflows fp16, "
-                       "not only its gradients")  # fmt: skip
+            warning = (
+                f"warning: fp16: the loss scale fell to {scale:.3g}, below 1: the loss itself overflows fp16, "
+                "not only its gradients"
+            )
         return rate, warning, None

@@ -30,9 +30,9 @@ gathered once.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -61,8 +61,11 @@ def _fmix(h: torch.Tensor) -> torch.Tensor:
 def completion_keys(seed: int, step: int, rows: Sequence[int], places: Sequence[int]) -> torch.Tensor:
     """One 32-bit key per completion: its seed, optimizer step, prompt row and place in the group."""
     h = torch.full((len(rows),), (seed * 0x9E3779B1) & MASK32, dtype=torch.int64)
-    for part in (torch.full_like(h, step & MASK32), torch.tensor(rows, dtype=torch.int64) & MASK32,
-                 torch.tensor(places, dtype=torch.int64) & MASK32):  # fmt: skip
+    for part in (
+        torch.full_like(h, step & MASK32),
+        torch.tensor(rows, dtype=torch.int64) & MASK32,
+        torch.tensor(places, dtype=torch.int64) & MASK32,
+    ):
         h = _fmix(h ^ _fmix(part + 0x68E31DA4 & MASK32))
     return h
 
@@ -175,9 +178,21 @@ class Generated:
 
 
 @torch.no_grad()
-def generate(model: nn.Module, prompts: Sequence[Sequence[int]], keys: torch.Tensor, sampling: Sampling, *,
-             eos_ids: Sequence[int], pad_id: int, device: torch.device, stop: str | None = None, tokenizer=None,
-             synced: bool = False, batch_size: int = 0, decoder: Decoder | None = None) -> Generated:  # noqa: ANN001  # fmt: skip
+def generate(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    keys: torch.Tensor,
+    sampling: Sampling,
+    *,
+    eos_ids: Sequence[int],
+    pad_id: int,
+    device: torch.device,
+    stop: str | None = None,
+    tokenizer=None,
+    synced: bool = False,
+    batch_size: int = 0,
+    decoder: Decoder | None = None,
+) -> Generated:  # noqa: ANN001
     """Completions of each prompt (left-padded into batches of `batch_size` requests, 0: all at once), each drawn
     with its own key. With a `decoder` (engine/decoding.py), each batch decodes with a static KV cache (replayed as a
     CUDA graph when it captures); without one, or `synced` (generation on the shards: every rank runs every decoding
@@ -194,9 +209,16 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], keys: torch.Ten
         longest = max(len(p) for p in chunk)
         warp = processors(sampling, chunk_keys, longest)
         if decoder is not None and not synced and supports_static(model):
-            rows = decoder.decode(model, chunk, lambda ids, logits: warp(ids, logits).argmax(dim=-1),
-                                  max_new_tokens=sampling.max_new_tokens, eos_ids=eos_ids, pad_id=pad_id, device=device,
-                                  stop_ids=stop_ids)  # fmt: skip
+            rows = decoder.decode(
+                model,
+                chunk,
+                lambda ids, logits: warp(ids, logits).argmax(dim=-1),
+                max_new_tokens=sampling.max_new_tokens,
+                eos_ids=eos_ids,
+                pad_id=pad_id,
+                device=device,
+                stop_ids=stop_ids,
+            )
         else:
             rows = _hf_generate(model, chunk, warp, sampling, eos_ids, pad_id, device, stop_ids, synced)
         if start >= len(prompts):
@@ -208,8 +230,17 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], keys: torch.Ten
     return Generated(ids_out, ended_out)
 
 
-def _hf_generate(model: nn.Module, chunk: list[Sequence[int]], warp, sampling: Sampling, eos_ids: Sequence[int],
-                 pad_id: int, device: torch.device, stop_ids: Sequence[int], synced: bool) -> list[list[int]]:  # noqa: ANN001  # fmt: skip
+def _hf_generate(
+    model: nn.Module,
+    chunk: list[Sequence[int]],
+    warp,
+    sampling: Sampling,
+    eos_ids: Sequence[int],
+    pad_id: int,
+    device: torch.device,
+    stop_ids: Sequence[int],
+    synced: bool,
+) -> list[list[int]]:  # noqa: ANN001
     """transformers' generate (its dynamic KV cache) of one left-padded batch: each row's generated tokens."""
     from transformers import GenerationConfig, StoppingCriteriaList
 
@@ -219,11 +250,23 @@ def _hf_generate(model: nn.Module, chunk: list[Sequence[int]], warp, sampling: S
     for i, p in enumerate(chunk):
         input_ids[i, longest - len(p) :] = torch.tensor(list(p), dtype=torch.long)
         attention[i, longest - len(p) :] = 1
-    config = GenerationConfig(do_sample=False, max_new_tokens=sampling.max_new_tokens, eos_token_id=list(eos_ids),
-                              pad_token_id=pad_id, use_cache=True, num_beams=1)  # fmt: skip
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=sampling.max_new_tokens,
+        eos_token_id=list(eos_ids),
+        pad_token_id=pad_id,
+        use_cache=True,
+        num_beams=1,
+    )
     stopping = StoppingCriteriaList([StopOnTokens(stop_ids, longest)]) if stop_ids else None
-    out = model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device), generation_config=config,
-                         logits_processor=warp, stopping_criteria=stopping, synced_gpus=synced)  # fmt: skip
+    out = model.generate(
+        input_ids=input_ids.to(device),
+        attention_mask=attention.to(device),
+        generation_config=config,
+        logits_processor=warp,
+        stopping_criteria=stopping,
+        synced_gpus=synced,
+    )
     return out[:, longest:].tolist()
 
 

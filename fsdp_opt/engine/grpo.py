@@ -29,7 +29,8 @@ statistics that span ranks (token and completion counts, the batch std, the metr
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

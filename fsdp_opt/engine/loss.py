@@ -22,8 +22,8 @@ A model whose logits are more than `hidden @ W.T` (a bias, a softcap, a scale) k
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -47,9 +47,11 @@ def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
 def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum (not mean) of next-token cross-entropy over the targets; fp32 for the softmax."""
     return F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), next_token_targets(labels).reshape(-1),
-        ignore_index=IGNORE_INDEX, reduction="sum",
-    )  # fmt: skip
+        logits.reshape(-1, logits.shape[-1]).float(),
+        next_token_targets(labels).reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
 
 
 def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -98,7 +100,9 @@ class HeadLoss:
         finally:
             del self.head.forward
 
-    def _at_targets(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _at_targets(
+        self, hidden: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The hidden states and targets of the positions the loss reads, flat, and those positions (None: all)."""
         targets = next_token_targets(labels).reshape(-1)
         flat = hidden.reshape(-1, hidden.shape[-1])
@@ -139,7 +143,9 @@ class HeadLoss:
         found = torch.cat(parts) if len(parts) > 1 else parts[0]
         if rows is None:
             return found
-        return torch.zeros(hidden.shape[0] * hidden.shape[1], dtype=found.dtype, device=found.device).index_copy(0, rows, found)
+        return torch.zeros(hidden.shape[0] * hidden.shape[1], dtype=found.dtype, device=found.device).index_copy(
+            0, rows, found
+        )
 
 
 def head_forward(model: nn.Module, head: HeadLoss | None, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -149,7 +155,9 @@ def head_forward(model: nn.Module, head: HeadLoss | None, batch: dict[str, torch
         return model(**model_inputs(batch)).logits
 
 
-def forward_loss_sum(model: nn.Module, head: HeadLoss | None, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def forward_loss_sum(
+    model: nn.Module, head: HeadLoss | None, batch: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """head_forward's output and the summed loss of the batch's targets (with `head`, the output layer at the targets
     only)."""
     out = head_forward(model, head, batch)

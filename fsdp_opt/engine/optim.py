@@ -1,5 +1,4 @@
-"""Optimizer, learning-rate schedule, loss scaling, and the clip-and-step of one optimizer step.
-"""
+"""Optimizer, learning-rate schedule, loss scaling, and the clip-and-step of one optimizer step."""
 
 from __future__ import annotations
 
@@ -173,7 +172,9 @@ def global_grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
-def unscale_and_clip_(params: list[nn.Parameter], scaled_norm: torch.Tensor, scale: float, max_norm: float) -> torch.Tensor:
+def unscale_and_clip_(
+    params: list[nn.Parameter], scaled_norm: torch.Tensor, scale: float, max_norm: float
+) -> torch.Tensor:
     """Divide gradients by the loss scale and clip them to max_norm in one pass. Returns the true norm."""
     norm = scaled_norm / scale
     factor = torch.full_like(norm, 1.0 / scale)

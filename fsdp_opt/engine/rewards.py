@@ -22,8 +22,8 @@ Built-ins:
 
 from __future__ import annotations
 
-import hashlib
 import ast
+import hashlib
 import importlib
 import importlib.util
 import inspect
@@ -31,9 +31,10 @@ import math
 import re
 import sys
 import textwrap
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from fsdp_opt.base import ConfigError, first_line
 
@@ -59,8 +60,11 @@ def accuracy(completions: Sequence[Any], solution: Sequence[Any], **kwargs: Any)
         if not expected:
             out.append(None)
             continue
-        config = LatexExtractionConfig(normalization_config=NormalizationConfig(units=True), boxed_match_priority=0,
-                                       try_extract_without_anchor=False)  # fmt: skip
+        config = LatexExtractionConfig(
+            normalization_config=NormalizationConfig(units=True),
+            boxed_match_priority=0,
+            try_extract_without_anchor=False,
+        )
         answer = parse(text, extraction_config=[config], extraction_mode="first_match")
         out.append(float(verify(expected, answer)))
     return out
@@ -70,23 +74,35 @@ def format_reward(completions: Sequence[Any], **kwargs: Any) -> list[float]:
     return [1.0 if THINK.match(t) else 0.0 for t in _texts(completions)]
 
 
-def length(completions: Sequence[Any], completion_ended: Sequence[bool] | None = None,
-           max_words: Sequence[Any] | None = None, **kwargs: Any) -> list[float]:  # fmt: skip
+def length(
+    completions: Sequence[Any],
+    completion_ended: Sequence[bool] | None = None,
+    max_words: Sequence[Any] | None = None,
+    **kwargs: Any,
+) -> list[float]:
     texts = _texts(completions)
     ended = completion_ended if completion_ended is not None else [True] * len(texts)
     limits = max_words if max_words is not None else [DEFAULT_MAX_WORDS] * len(texts)
     return [1.0 if e and len(t.split()) <= int(m) else 0.0 for t, e, m in zip(texts, ended, limits)]
 
 
-def choice(completions: Sequence[Any], choices: Sequence[Sequence[str]], completion_ended: Sequence[bool] | None = None,
-           **kwargs: Any) -> list[float]:  # fmt: skip
+def choice(
+    completions: Sequence[Any],
+    choices: Sequence[Sequence[str]],
+    completion_ended: Sequence[bool] | None = None,
+    **kwargs: Any,
+) -> list[float]:
     texts = _texts(completions)
     ended = completion_ended if completion_ended is not None else [True] * len(texts)
     return [1.0 if e and t.strip() in set(c) else 0.0 for t, e, c in zip(texts, ended, choices)]
 
 
-BUILTINS: dict[str, Callable[..., list]] = {"accuracy": accuracy, "format": format_reward, "length": length,
-                                            "choice": choice}  # fmt: skip
+BUILTINS: dict[str, Callable[..., list]] = {
+    "accuracy": accuracy,
+    "format": format_reward,
+    "length": length,
+    "choice": choice,
+}
 # the built-ins that read whether a completion ended (a keyword TRL's functions do not get)
 READS_ENDED = (length, choice)
 
@@ -113,8 +129,9 @@ class Reward:
         (a pin of a version before it) its source text's."""
         if pinned == self.source:
             return True
-        return not pinned.startswith("ast:") and pinned == _text_digest(self.fn if self.name in BUILTINS else
-                                                                          inspect.getmodule(self.fn))  # fmt: skip
+        return not pinned.startswith("ast:") and pinned == _text_digest(
+            self.fn if self.name in BUILTINS else inspect.getmodule(self.fn)
+        )
 
 
 def _digest(obj: Any) -> str:
@@ -155,8 +172,9 @@ def load(name: str) -> Reward:
             raise ConfigError(f"--reward accuracy: math-verify is not installed ({MATH_VERIFY_INSTALL})")
         return Reward(name, BUILTINS[name], _digest(BUILTINS[name]))
     if ":" not in name:
-        raise ConfigError(f"--reward {name}: not a built-in ({', '.join(BUILTINS)}) nor path/to/file.py:function or "
-                          "module:function")  # fmt: skip
+        raise ConfigError(
+            f"--reward {name}: not a built-in ({', '.join(BUILTINS)}) nor path/to/file.py:function or module:function"
+        )
     where, attr = name.rsplit(":", 1)
     if where.endswith(".py"):
         path = Path(where).expanduser()
@@ -200,9 +218,16 @@ def load_all(names: Sequence[str], weights: str | None) -> tuple[list[Reward], l
     return rewards, values
 
 
-def score(rewards: Sequence[Reward], prompts: Sequence[Any], completions: Sequence[Any],
-          completion_ids: Sequence[Sequence[int]], columns: dict[str, list], rows: Sequence[int],
-          ended: Sequence[bool], places: Sequence[int] | None = None) -> list[list[float]]:  # fmt: skip
+def score(
+    rewards: Sequence[Reward],
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    completion_ids: Sequence[Sequence[int]],
+    columns: dict[str, list],
+    rows: Sequence[int],
+    ended: Sequence[bool],
+    places: Sequence[int] | None = None,
+) -> list[list[float]]:
     """[completion][function]: each function's reward of each completion (NaN for None). A function that raises,
     returns the wrong count or a non-number stops the run in one line naming it, the row and the completion's place
     in its group (`places`: each completion's; None: one completion per row, as the held-out prompts have)."""
@@ -214,24 +239,30 @@ def score(rewards: Sequence[Reward], prompts: Sequence[Any], completions: Sequen
         if reward.fn in READS_ENDED:
             kwargs["completion_ended"] = list(ended)
         try:
-            got = reward.fn(prompts=list(prompts), completions=list(completions), completion_ids=list(completion_ids),
-                            **kwargs)  # fmt: skip
+            got = reward.fn(
+                prompts=list(prompts), completions=list(completions), completion_ids=list(completion_ids), **kwargs
+            )
         except ConfigError:
             raise
         except Exception as exc:  # noqa: BLE001 - the user's function: which, and on which row
             where = _failing(reward, prompts, completions, completion_ids, kwargs, rows, places)
-            raise ConfigError(f"--reward {reward.name}: it raised on {where} ({type(exc).__name__}: "
-                              f"{first_line(exc)})") from None  # fmt: skip
+            raise ConfigError(
+                f"--reward {reward.name}: it raised on {where} ({type(exc).__name__}: {first_line(exc)})"
+            ) from None
         got = list(got) if got is not None else []
         if len(got) != len(completions):
-            raise ConfigError(f"--reward {reward.name}: it returned {len(got)} reward(s) for {len(completions)} "
-                              "completions (one float or None per completion)")  # fmt: skip
+            raise ConfigError(
+                f"--reward {reward.name}: it returned {len(got)} reward(s) for {len(completions)} "
+                "completions (one float or None per completion)"
+            )
         for i, value in enumerate(got):
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(float(value)):
-                raise ConfigError(f"--reward {reward.name}: it returned {value!r} for {_which(rows, places, i)} (a "
-                                  "float or None per completion)")  # fmt: skip
+                raise ConfigError(
+                    f"--reward {reward.name}: it returned {value!r} for {_which(rows, places, i)} (a "
+                    "float or None per completion)"
+                )
             out[i][j] = float(value)
     return out
 
@@ -250,5 +281,7 @@ def _failing(reward: Reward, prompts, completions, completion_ids, kwargs: dict,
             reward.fn(prompts=[prompts[i]], completions=[completions[i]], completion_ids=[completion_ids[i]], **one)
         except Exception:  # noqa: BLE001
             return _which(rows, places, i)
-    return (f"the batch of rows {min(rows)} to {max(rows)} ({len(completions)} completions; no one of them alone "
-            "makes it raise)")  # fmt: skip
+    return (
+        f"the batch of rows {min(rows)} to {max(rows)} ({len(completions)} completions; no one of them alone "
+        "makes it raise)"
+    )

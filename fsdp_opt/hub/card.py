@@ -10,19 +10,39 @@ import math
 from typing import Any
 
 from fsdp_opt.base import VERSION
-from fsdp_opt.checkpoint.drift import CHANGES_KEY
 from fsdp_opt.checkpoint.chain import CHAIN_KEY, ChainStatus
+from fsdp_opt.checkpoint.drift import CHANGES_KEY
 
 # Flags that describe this machine or this session, not the training recipe.
 LOCAL_FLAGS = {
-    "output_dir", "resume_file", "export_hf", "hf_repo", "hub_public", "hub_retries", "hub_wait",
-    "wandb_project", "wandb_mode", "wandb_new_run", "time_limit", "keep_last", "device", "hub_keep_full", "disk_budget",
+    "output_dir",
+    "resume_file",
+    "export_hf",
+    "hf_repo",
+    "hub_public",
+    "hub_retries",
+    "hub_wait",
+    "wandb_project",
+    "wandb_mode",
+    "wandb_new_run",
+    "time_limit",
+    "keep_last",
+    "device",
+    "hub_keep_full",
+    "disk_budget",
     "session_ranges",
-}  # fmt: skip
+}
 
 
-def run_info(flat_config: dict[str, Any], *, world_size: int, global_batch: int, n_params: int,
-             rows: dict[str, Any] | None = None, chat_template: str | None = None) -> dict[str, Any]:  # fmt: skip
+def run_info(
+    flat_config: dict[str, Any],
+    *,
+    world_size: int,
+    global_batch: int,
+    n_params: int,
+    rows: dict[str, Any] | None = None,
+    chat_template: str | None = None,
+) -> dict[str, Any]:
     """What the card says about the run: base model, data (the rows' format, the chat template) and hyperparameters
     (never tokens: flags only)."""
     hyper = {k: v for k, v in flat_config.items() if k not in LOCAL_FLAGS and v is not None}
@@ -89,10 +109,17 @@ def template_section(run: dict[str, Any]) -> list[str]:
     """The chat template the run rendered its conversations with: the exported tokenizer carries it."""
     if not run.get("chat_template"):
         return []
-    return ["", "## Chat template", "",
-            "Conversations were rendered with this template, which the exported tokenizer carries: "
-            "`tokenizer.apply_chat_template(messages, add_generation_prompt=True)` gives the training format.",
-            "", "```jinja", run["chat_template"], "```"]  # fmt: skip
+    return [
+        "",
+        "## Chat template",
+        "",
+        "Conversations were rendered with this template, which the exported tokenizer carries: "
+        "`tokenizer.apply_chat_template(messages, add_generation_prompt=True)` gives the training format.",
+        "",
+        "```jinja",
+        run["chat_template"],
+        "```",
+    ]
 
 
 def render_card(repo_id: str, index: dict[str, Any]) -> str:
@@ -118,10 +145,15 @@ def render_card(repo_id: str, index: dict[str, Any]) -> str:
         f"# {repo_id.split('/')[-1]}",
         "",
         f"Fine-tuned from **{base}** on **{dataset}** ({_data_line(run)}) with "
-        f"fsdp-opt {run.get('fsdp_opt_version', '')}".rstrip() + ", one session per row range. The sessions resume each other exactly, so together they are "
+        f"fsdp-opt {run.get('fsdp_opt_version', '')}".rstrip()
+        + ", one session per row range. The sessions resume each other exactly, so together they are "
         "one training run."
-        + (f" LoRA adapters of rank {lora_rank} were trained on the frozen base; the checkpoints hold the adapters "
-           "only, never the base." if lora_rank else ""),
+        + (
+            f" LoRA adapters of rank {lora_rank} were trained on the frozen base; the checkpoints hold the adapters "
+            "only, never the base."
+            if lora_rank
+            else ""
+        ),
         "",
         "## Slices trained",
         "",
@@ -197,15 +229,28 @@ def render_card(repo_id: str, index: dict[str, Any]) -> str:
         ]
     chain = ChainStatus.from_dict(latest[1].get(CHAIN_KEY)) if latest[0] else None
     if chain is not None:
-        out += ["", "## Where the chain stands", "",
-                f"As of `{latest[0]}` (global step {latest[1].get('global_step', '?')}, {latest[1].get('date', '')}):", ""]
+        out += [
+            "",
+            "## Where the chain stands",
+            "",
+            f"As of `{latest[0]}` (global step {latest[1].get('global_step', '?')}, {latest[1].get('date', '')}):",
+            "",
+        ]
         out += [f"- **{what}**: {where}" for what, where in chain.items()]
     changes = latest[1].get(CHANGES_KEY) if latest[0] else None
     if changes:
-        out += ["", "## Settings changed along the chain", "", "| from global step | flag | was | now | exactness |",
-                "|---|---|---|---|---|"]  # fmt: skip
-        out += [f"| {c.get('step', '?')} | `--{c['flag']}` | {c['from']} | {c['to']} | "
-                f"{'broken (--allow_changes): ' + c['breaks'] if c.get('breaks') else 'kept (a choice)'} |" for c in changes]
+        out += [
+            "",
+            "## Settings changed along the chain",
+            "",
+            "| from global step | flag | was | now | exactness |",
+            "|---|---|---|---|---|",
+        ]
+        out += [
+            f"| {c.get('step', '?')} | `--{c['flag']}` | {c['from']} | {c['to']} | "
+            f"{'broken (--allow_changes): ' + c['breaks'] if c.get('breaks') else 'kept (a choice)'} |"
+            for c in changes
+        ]
     lora = f" --lora_rank {lora_rank}" if lora_rank else ""
     out += ["", "## Resume training", ""]
     if chain is not None and chain.range_size and chain.passes:

@@ -7,8 +7,9 @@ objects still to purge. A commit's index becomes ours only once the commit lands
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
@@ -26,11 +27,27 @@ class LeaseLost(RuntimeError):
 class RepoWriter:
     """Commits to the run's repo. Used by the upload thread only."""
 
-    def __init__(self, store: HubStore, render_card: Callable[[dict[str, Any]], str], *, index: dict[str, Any],
-                 private: bool, metrics: Path | None, keep_full: int, repo_ready: bool,
-                 log: Callable[[str], None], lease: HubLease | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        store: HubStore,
+        render_card: Callable[[dict[str, Any]], str],
+        *,
+        index: dict[str, Any],
+        private: bool,
+        metrics: Path | None,
+        keep_full: int,
+        repo_ready: bool,
+        log: Callable[[str], None],
+        lease: HubLease | None = None,
+    ) -> None:
         self.store, self.render_card, self.index, self.lease = store, render_card, index, lease
-        self.private, self.metrics, self.keep_full, self.repo_ready, self.log = private, metrics, keep_full, repo_ready, log
+        self.private, self.metrics, self.keep_full, self.repo_ready, self.log = (
+            private,
+            metrics,
+            keep_full,
+            repo_ready,
+            log,
+        )
         # LFS objects this run removed from the head and has yet to delete from storage (a later session finishes).
         self.to_purge: set[str] = set(index.get("purge_pending", []))
         self._warned: set[str] = set()
@@ -56,8 +73,13 @@ class RepoWriter:
             weights = f"{WEIGHTS_DIR}/{job.weights.name}" if job.weights is not None else None
             if weights is not None:
                 ops.append(CommitOperationAdd(weights, str(job.weights)))
-            index["checkpoints"][job.name] = {**job.entry, "path": job.path_in_repo, "date": now_iso(), "full": True,
-                                              "weights": weights}  # fmt: skip
+            index["checkpoints"][job.name] = {
+                **job.entry,
+                "path": job.path_in_repo,
+                "date": now_iso(),
+                "full": True,
+                "weights": weights,
+            }
         if job.kind == "export":
             ops = [op for op in ops if op.path_in_repo != CARD_FILE]  # the card is ours
         if self.metrics is not None and self.metrics.exists():
@@ -80,8 +102,10 @@ class RepoWriter:
             # one writer: a session whose lease was taken over writes nothing more; each push renews the lease
             if self.lease.lost or (self.lease.held and self.lease.held_by_another()):
                 self.lease.held, self.lease.lost = False, True
-                raise LeaseLost(f"the lease on {self.store.repo_id} was taken over by another session; this one "
-                                "writes nothing more to the repo")  # fmt: skip
+                raise LeaseLost(
+                    f"the lease on {self.store.repo_id} was taken over by another session; this one "
+                    "writes nothing more to the repo"
+                )
             if self.lease.held:
                 ops.append(self.lease.renew_op())
         try:
@@ -89,8 +113,11 @@ class RepoWriter:
         except Exception:
             # Objects uploaded for a commit that did not land use storage that no file points to: purge them with
             # the next cleanup (which skips any the head does use, in case the commit landed after all).
-            uploaded = {op.upload_info.sha256.hex() for op in ops
-                        if getattr(op, "_upload_mode", None) == "lfs" and op.upload_info.is_hashed}  # fmt: skip
+            uploaded = {
+                op.upload_info.sha256.hex()
+                for op in ops
+                if getattr(op, "_upload_mode", None) == "lfs" and op.upload_info.is_hashed
+            }
             if self.keep_full:
                 self.to_purge |= uploaded
             raise
@@ -125,10 +152,16 @@ class RepoWriter:
             index["checkpoints"].setdefault(checkpoint_of(w), {})["weights"] = None
             self.to_purge |= {now[weight_paths[w]]} if weight_paths[w] in now else set()
         if ops:
-            self.commit(ops, index, f"fsdp-opt: keep the newest {self.keep_full} full checkpoint(s) and one weights "
-                                     "file per range (--hub_keep_full)")  # fmt: skip
-            self.log(f"hub: retired {', '.join(d.delete_full + d.delete_weights)}; full: {', '.join(d.keep_full)}; "
-                     f"weights files: {', '.join(d.keep_weights) or 'none'}")  # fmt: skip
+            self.commit(
+                ops,
+                index,
+                f"fsdp-opt: keep the newest {self.keep_full} full checkpoint(s) and one weights "
+                "file per range (--hub_keep_full)",
+            )
+            self.log(
+                f"hub: retired {', '.join(d.delete_full + d.delete_weights)}; full: {', '.join(d.keep_full)}; "
+                f"weights files: {', '.join(d.keep_weights) or 'none'}"
+            )
         elif self.to_purge and sorted(self.to_purge) != self.index.get("purge_pending"):
             self.commit([], index, "fsdp-opt: storage to free")
         self.to_purge -= set(self.store.lfs_at_head().values())
@@ -144,8 +177,12 @@ class RepoWriter:
             return
         index = json.loads(json.dumps(self.index))
         files = self.store.files()
-        index["storage"] = {"bytes": size, "date": now_iso(), "full_checkpoints": len(self.store.checkpoints(files)),
-                            "weights_files": len(self.store.weights(files))}  # fmt: skip
+        index["storage"] = {
+            "bytes": size,
+            "date": now_iso(),
+            "full_checkpoints": len(self.store.checkpoints(files)),
+            "weights_files": len(self.store.weights(files)),
+        }
         self.commit([], index, "fsdp-opt: repo storage")
         if freed:
             self.log(f"hub: freed {freed / 1e9:,.2f} GB of the repo's storage; it holds {size / 1e9:,.2f} GB")

@@ -31,7 +31,8 @@ from pathlib import Path
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
 from fsdp_opt.base import ConfigError
-from fsdp_opt.hub.store import HubStore, describe, status_code
+from fsdp_opt.hub.retry import describe, status_code
+from fsdp_opt.hub.store import HubStore
 
 LEASE_FILE = "fsdp_opt_lease.json"  # at the root of the Hub repo
 LOCAL_LEASE = ".fsdp_opt_lease.json"  # in --output_dir
@@ -81,11 +82,18 @@ class Holder:
         return json.dumps(data, indent=1, sort_keys=True).encode()
 
     @classmethod
-    def from_bytes(cls, raw: bytes) -> "Holder | None":
+    def from_bytes(cls, raw: bytes) -> Holder | None:
         try:
             data = json.loads(raw)
-            return cls(str(data["session"]), str(data["host"]), int(data["pid"]), float(data["started"]),
-                       float(data["expires"]), data.get("start"), data.get("end"))  # fmt: skip
+            return cls(
+                str(data["session"]),
+                str(data["host"]),
+                int(data["pid"]),
+                float(data["started"]),
+                float(data["expires"]),
+                data.get("start"),
+                data.get("end"),
+            )
         except (ValueError, KeyError, TypeError):
             return None  # an unreadable lease holds nothing
 
@@ -99,8 +107,10 @@ class Holder:
 
     def describe(self, now: float) -> str:
         rows = rows_text(self.start, self.end) or "its range"
-        return (f"session {self.session[:8]} on {self.host}, started {_iso(self.started)} "
-                f"({_ago(now - self.started)} ago), training {rows}")  # fmt: skip
+        return (
+            f"session {self.session[:8]} on {self.host}, started {_iso(self.started)} "
+            f"({_ago(now - self.started)} ago), training {rows}"
+        )
 
 
 def new_holder(start: int | None, end: int | None, hold_s: float) -> Holder:
@@ -144,9 +154,11 @@ class Lease:
         now = time.time()
         why = "--take_over" if take_over else current.why_not_live(now)
         if why is None:
-            return (f"chain: another session holds the lease on {self.where}: {current.describe(now)}, until "
-                    f"{_iso(current.expires)}. This one stops without training. Run it again when that session has "
-                    "ended; if it died, its lease ends at its expiry, or --take_over takes it now"), None  # fmt: skip
+            return (
+                f"chain: another session holds the lease on {self.where}: {current.describe(now)}, until "
+                f"{_iso(current.expires)}. This one stops without training. Run it again when that session has "
+                "ended; if it died, its lease ends at its expiry, or --take_over takes it now"
+            ), None
         return None, f"chain: took over the lease of {current.describe(now)} ({why})"
 
     def _taken(self, note: str | None) -> Outcome:
@@ -240,15 +252,20 @@ class HubLease(Lease):
     def _commit(self, ops: list, message: str, parent: str) -> bool:
         """One commit on `parent` (network errors and 5xx retried); False when another commit landed first (412)."""
         try:
-            self.store._call(lambda: self.store.api.create_commit(self.store.repo_id, ops, commit_message=message,
-                                                                  parent_commit=parent))  # fmt: skip
+            self.store._call(
+                lambda: self.store.api.create_commit(
+                    self.store.repo_id, ops, commit_message=message, parent_commit=parent
+                )
+            )
         except Exception as exc:  # noqa: BLE001
             if status_code(exc) == 412:
                 return False
             raise
         return True
 
-    def _commit_within(self, ops: list, message: str, parent: str | None, timeout: float, then_held: bool) -> bool | None:
+    def _commit_within(
+        self, ops: list, message: str, parent: str | None, timeout: float, then_held: bool
+    ) -> bool | None:
         """`_commit` that waits at most `timeout` seconds: None when the Hub has not answered by then. The commit may
         still land later; with `then_held` the lease is then held (and released at exit) all the same."""
         result: dict[str, object] = {}
@@ -280,16 +297,23 @@ class HubLease(Lease):
             if refusal:
                 return Outcome(False, refusal)
             op = CommitOperationAdd(LEASE_FILE, self.holder.to_bytes())
-            landed = self._commit_within([op], f"fsdp-opt: lease for session {self.holder.session[:8]}", parent,
-                                         COMMIT_WAIT_S, then_held=True)  # fmt: skip
+            landed = self._commit_within(
+                [op], f"fsdp-opt: lease for session {self.holder.session[:8]}", parent, COMMIT_WAIT_S, then_held=True
+            )
             if landed is None:
-                return Outcome(True, f"warning: the Hub did not answer the lease commit on {self.where} in "
-                                     f"{COMMIT_WAIT_S:.0f} s: this session trains without waiting for it")  # fmt: skip
+                return Outcome(
+                    True,
+                    f"warning: the Hub did not answer the lease commit on {self.where} in "
+                    f"{COMMIT_WAIT_S:.0f} s: this session trains without waiting for it",
+                )
             if not landed:
                 return Outcome(False, "", conflict=True)
         except Exception as exc:  # noqa: BLE001 - the Hub failing after its retries: train, as the uploads would retry
-            return Outcome(True, f"warning: the chain's lease on {self.where} could not be taken ({describe(exc)}): "
-                                 "this session trains without it")  # fmt: skip
+            return Outcome(
+                True,
+                f"warning: the chain's lease on {self.where} could not be taken ({describe(exc)}): "
+                "this session trains without it",
+            )
         return self._taken(note)
 
     def still_held(self) -> bool:
@@ -321,8 +345,17 @@ class HubLease(Lease):
             if not self.still_held():
                 break
             left = deadline - time.monotonic()
-            landed = self._commit_within([CommitOperationDelete(LEASE_FILE)], "fsdp-opt: lease released", parent,
-                                         max(left, 0.1), then_held=False) if left > 0 else None  # fmt: skip
+            landed = (
+                self._commit_within(
+                    [CommitOperationDelete(LEASE_FILE)],
+                    "fsdp-opt: lease released",
+                    parent,
+                    max(left, 0.1),
+                    then_held=False,
+                )
+                if left > 0
+                else None
+            )
             if landed is None:
                 self.held = False
                 raise TimeoutError(f"the Hub did not answer in {RELEASE_WAIT_S:.0f} s")

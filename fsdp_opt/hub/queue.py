@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from fsdp_opt.hub.store import CKPT_DIR
 
@@ -76,7 +77,10 @@ class UploadQueue:
                 return True
             if job.status != "superseded":  # waiting, uploading or failed: the local file is the only copy
                 return False
-            return any(j.status == "done" and j.entry.get("global_step", -1) > job.entry.get("global_step", -1) for j in self.jobs)
+            return any(
+                j.status == "done" and j.entry.get("global_step", -1) > job.entry.get("global_step", -1)
+                for j in self.jobs
+            )
 
     def upload_state(self, path: Path) -> str | None:
         """The status of this checkpoint's latest upload job in this session (None: not submitted here)."""
@@ -132,8 +136,14 @@ class UploadQueue:
 
     def _retryable(self) -> list[Upload]:
         pushed = max((self._step(j) for j in self.jobs if j.status == "done" and j.kind != "export"), default=-1)
-        return [j for j in self.jobs if j.status == "failed" and j.transient and j.path.exists()
-                and (j.kind == "export" or self._step(j) > pushed)]  # fmt: skip
+        return [
+            j
+            for j in self.jobs
+            if j.status == "failed"
+            and j.transient
+            and j.path.exists()
+            and (j.kind == "export" or self._step(j) > pushed)
+        ]
 
     @staticmethod
     def _step(job: Upload) -> int:

@@ -16,10 +16,10 @@ from __future__ import annotations
 import json
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
-from email.utils import parsedate_to_datetime
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from fsdp_opt.base import CheckpointError, ConfigError
 from fsdp_opt.checkpoint.files import checkpoint_step, find_checkpoint, latest_checkpoint
@@ -28,6 +28,7 @@ from fsdp_opt.checkpoint.read import read_checkpoint
 from fsdp_opt.checkpoint.weightsfile import SUFFIX as WEIGHTS_SUFFIX
 from fsdp_opt.checkpoint.weightsfile import WEIGHTS_DIR, checkpoint_of, weights_name
 from fsdp_opt.data.pin import PIN_KEY
+from fsdp_opt.hub.retry import CONNECT_S, IO_S, describe, is_transient, set_timeouts, status_code, with_retries
 
 CKPT_DIR = "checkpoints"
 
@@ -37,85 +38,9 @@ CARD_FILE = "README.md"
 
 METRICS_IN_REPO = "metrics.jsonl"  # every session's step log, appended to in turn
 
-MAX_BACKOFF = 60.0
-MAX_RETRY_AFTER = 600.0  # the longest a Retry-After header is waited for
-# Every Hub call's client: a connection within CONNECT_S, and no read or write of a request waiting longer than IO_S
-# for the other side (huggingface_hub's own client waits forever: a Hub that stops answering would hang the push).
-CONNECT_S, IO_S = 30.0, 300.0
-
 
 def now_iso() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def status_code(exc: BaseException) -> int | None:
-    response = getattr(exc, "response", None)
-    return getattr(response, "status_code", None)
-
-
-def is_transient(exc: BaseException, conflicts: bool = False) -> bool:
-    """Worth another try: a network error (a reset connection), a timeout, a 5xx, a 429 or a 408; with `conflicts`
-    (a commit that names no parent: a push), a 409 or 412, another commit having landed at the same time. Not: any
-    other 4xx (401, 403, a 404 of the repo, a quota refused), a missing local file."""
-    if isinstance(exc, (FileNotFoundError, IsADirectoryError, PermissionError, ValueError, TypeError)):
-        return False
-    code = status_code(exc)
-    if code is not None:
-        return code >= 500 or code in (408, 429) or (conflicts and code in (409, 412))
-    # httpx's network errors (huggingface_hub's client: ConnectError, ReadError, ...) derive from its TransportError,
-    # not from OSError.
-    transport = any(c.__name__ == "TransportError" and c.__module__.startswith("httpx") for c in type(exc).__mro__)
-    return transport or isinstance(exc, (OSError, TimeoutError, ConnectionError)) or "Timeout" in type(exc).__name__
-
-
-def describe(exc: BaseException) -> str:
-    """One line about a Hub error, without URLs' query strings or headers (never the token)."""
-    code = status_code(exc)
-    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    return f"HTTP {code}: {first}" if code else f"{type(exc).__name__}: {first}"
-
-
-def retry_after(exc: BaseException) -> float | None:
-    """The seconds a response's Retry-After asks for (a number, or an HTTP date), at most MAX_RETRY_AFTER."""
-    headers = getattr(getattr(exc, "response", None), "headers", None)
-    value = headers.get("Retry-After") if headers is not None else None
-    if not value:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        try:
-            seconds = parsedate_to_datetime(value).timestamp() - time.time()
-        except (TypeError, ValueError):
-            return None
-    return min(MAX_RETRY_AFTER, max(0.0, seconds))
-
-
-def with_retries(fn: Callable[[], Any], retries: int, backoff: float,
-                 on_retry: Callable[[int, float, BaseException], None] | None = None, conflicts: bool = False) -> Any:  # fmt: skip
-    """Run fn; on a transient error wait what the response's Retry-After says, else backoff, 2*backoff, 4*backoff ...
-    (at most 60 s), and try again; a permanent error ends the retrying at once."""
-    for attempt in range(retries + 1):
-        try:
-            return fn()
-        except Exception as exc:  # noqa: BLE001 - classified just below
-            if attempt == retries or not is_transient(exc, conflicts):
-                raise
-            asked = retry_after(exc)
-            delay = asked if asked is not None else min(MAX_BACKOFF, backoff * 2**attempt)
-            if on_retry is not None:
-                on_retry(attempt + 1, delay, exc)
-            time.sleep(delay)
-    raise AssertionError("unreachable")
-
-
-def set_timeouts(connect: float, io: float) -> None:
-    """Timeouts on huggingface_hub's shared HTTP client (it has none: a request the Hub never answers would wait
-    forever), so a hung call fails, and is retried, as any network error is."""
-    from huggingface_hub.utils import get_session
-
-    client = get_session()
-    client.timeout = type(client.timeout)(io, connect=connect)
 
 
 # ---------------------------------------------------------------- reading the repo
@@ -124,8 +49,14 @@ def set_timeouts(connect: float, io: float) -> None:
 class HubStore:
     """One repo on the Hub (rank 0 only)."""
 
-    def __init__(self, repo_id: str, retries: int = 3, backoff: float = 2.0, endpoint: str | None = None,
-                 io_timeout: float = IO_S) -> None:  # fmt: skip
+    def __init__(
+        self,
+        repo_id: str,
+        retries: int = 3,
+        backoff: float = 2.0,
+        endpoint: str | None = None,
+        io_timeout: float = IO_S,
+    ) -> None:
         from huggingface_hub import HfApi
 
         self.repo_id = repo_id
@@ -143,7 +74,9 @@ class HubStore:
         """Create the repo if it is missing. False when the Hub cannot be reached now (uploads try again later)."""
         tries = self.retries if retries is None else retries
         try:
-            with_retries(lambda: self.api.create_repo(self.repo_id, private=private, exist_ok=True), tries, self.backoff)
+            with_retries(
+                lambda: self.api.create_repo(self.repo_id, private=private, exist_ok=True), tries, self.backoff
+            )
             return True
         except Exception as exc:  # noqa: BLE001
             if status_code(exc) in (401, 403):
@@ -192,7 +125,11 @@ class HubStore:
         """Weights file name -> its path in the repo (weights/<name>.safetensors)."""
         files = self.files() if files is None else files
         prefix = f"{WEIGHTS_DIR}/"
-        return {f[len(prefix):]: f for f in files if f.startswith(prefix) and f.endswith(WEIGHTS_SUFFIX) and f.count("/") == 1}
+        return {
+            f[len(prefix) :]: f
+            for f in files
+            if f.startswith(prefix) and f.endswith(WEIGHTS_SUFFIX) and f.count("/") == 1
+        }
 
     def lfs_at_head(self) -> dict[str, str]:
         """Path -> sha256 of every file the head keeps in LFS storage."""
@@ -208,7 +145,9 @@ class HubStore:
         """Permanently delete these LFS objects from the repo's storage (history included); returns their bytes."""
         if not shas:
             return 0
-        found = [f for f in self._call(lambda: list(self.api.list_lfs_files(self.repo_id))) if {f.file_oid, f.oid} & shas]
+        found = [
+            f for f in self._call(lambda: list(self.api.list_lfs_files(self.repo_id))) if {f.file_oid, f.oid} & shas
+        ]
         if found:
             self._call(lambda: self.api.permanently_delete_lfs_files(self.repo_id, found))
         return sum(f.size for f in found)
@@ -240,8 +179,11 @@ class HubStore:
 
         dest.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=".download-", dir=dest.parent) as staging:
-            got = self._call(lambda: hf_hub_download(self.repo_id, path_in_repo, local_dir=staging, endpoint=self.api.endpoint,
-                                                     token=self.api.token))  # fmt: skip
+            got = self._call(
+                lambda: hf_hub_download(
+                    self.repo_id, path_in_repo, local_dir=staging, endpoint=self.api.endpoint, token=self.api.token
+                )
+            )
             Path(got).rename(dest)
         return dest
 
@@ -258,8 +200,15 @@ class HubStore:
             return self.fetch(where, dest)
         out_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=".download-", dir=out_dir) as staging:
-            self._call(lambda: snapshot_download(self.repo_id, allow_patterns=[f"{where}/*"], local_dir=staging,
-                                                 endpoint=self.api.endpoint, token=self.api.token))  # fmt: skip
+            self._call(
+                lambda: snapshot_download(
+                    self.repo_id,
+                    allow_patterns=[f"{where}/*"],
+                    local_dir=staging,
+                    endpoint=self.api.endpoint,
+                    token=self.api.token,
+                )
+            )
             (Path(staging) / where).rename(dest)
         return dest
 
@@ -270,12 +219,15 @@ def _timed(download: Callable[[], Path]) -> Path:
     path = download()
     seconds = time.perf_counter() - started
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else path.stat().st_size
-    print(f"downloaded {path.name}: {size / 1e9:,.2f} GB in {seconds:.1f} s ({size / 1e6 / max(seconds, 1e-9):,.0f} MB/s)")
+    print(
+        f"downloaded {path.name}: {size / 1e9:,.2f} GB in {seconds:.1f} s ({size / 1e6 / max(seconds, 1e-9):,.0f} MB/s)"
+    )
     return path
 
 
-def newest_checkpoint(out_dir: Path, repo_id: str | None, retries: int = 3, flag: str = "--resume_file latest",
-                      strict: bool = False) -> tuple[str, int, Path | None] | None:
+def newest_checkpoint(
+    out_dir: Path, repo_id: str | None, retries: int = 3, flag: str = "--resume_file latest", strict: bool = False
+) -> tuple[str, int, Path | None] | None:
     """(name, global step, local path or None) of the checkpoint with the highest global step in output_dir and, with
     repo_id, the Hub repo; a local copy wins a tie. A repo that cannot be read: with a local checkpoint, a warning
     (or with `strict`, an error: the caller must not guess), without one an error. None: no checkpoint anywhere."""
@@ -341,7 +293,9 @@ def find_resume(name: str, out_dir: Path, repo_id: str | None, retries: int = 3,
         try:
             return _timed(lambda: HubStore(repo_id, retries=retries).download(name, out_dir))
         except Exception as exc:  # noqa: BLE001 - network, auth: one line
-            raise CheckpointError(f"{flag} latest: cannot download {name} from the Hub repo {repo_id}: {describe(exc)}") from None
+            raise CheckpointError(
+                f"{flag} latest: cannot download {name} from the Hub repo {repo_id}: {describe(exc)}"
+            ) from None
     if not repo_id:
         return find_checkpoint(out_dir, name, flag)
     try:
@@ -357,8 +311,10 @@ def find_resume(name: str, out_dir: Path, repo_id: str | None, retries: int = 3,
             return _timed(lambda: store.download(name, out_dir))
         weights = store.weights(files).get(name if name.endswith(WEIGHTS_SUFFIX) else weights_name(name))
         if weights is not None:
-            print(f"only the weights of {checkpoint_of(weights)} are left in the Hub repo {repo_id} (--hub_keep_full "
-                  f"retired its full state); downloading {weights}")  # fmt: skip
+            print(
+                f"only the weights of {checkpoint_of(weights)} are left in the Hub repo {repo_id} (--hub_keep_full "
+                f"retired its full state); downloading {weights}"
+            )
             return _timed(lambda: store.fetch(weights, out_dir / Path(weights).name))
         listing = ", ".join(sorted(remote_names)[:10]) or "none"
         raise CheckpointError(f"{local_error}; not in the Hub repo {repo_id} either (checkpoints there: {listing})")
@@ -368,7 +324,9 @@ def find_resume(name: str, out_dir: Path, repo_id: str | None, retries: int = 3,
         raise CheckpointError(f"{flag} {name}: cannot read the Hub repo {repo_id}: {describe(exc)}") from None
 
 
-def read_resume(resume_file: str | None, out_dir: Path, hf_repo: str | None = None, retries: int = 3) -> dict[str, Any] | None:
+def read_resume(
+    resume_file: str | None, out_dir: Path, hf_repo: str | None = None, retries: int = 3
+) -> dict[str, Any] | None:
     """Rank 0: find the checkpoint (path, output_dir, then the Hub repo) and read it."""
     if not resume_file:
         return None

@@ -17,8 +17,9 @@ import logging
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from huggingface_hub.utils import disable_progress_bars
 
@@ -27,7 +28,8 @@ from fsdp_opt.checkpoint.room import bytes_on_disk
 from fsdp_opt.checkpoint.weightsfile import weights_name
 from fsdp_opt.hub.commits import RepoWriter
 from fsdp_opt.hub.queue import Upload, UploadQueue
-from fsdp_opt.hub.store import METRICS_IN_REPO, HubStore, describe, is_transient, with_retries
+from fsdp_opt.hub.retry import describe, is_transient, with_retries
+from fsdp_opt.hub.store import METRICS_IN_REPO, HubStore
 
 
 def _try(fn: Callable[[], Any], fallback: Any) -> Any:
@@ -66,8 +68,17 @@ class Uploader:
             # A new machine: continue the run's step log from the repo, so metrics.jsonl covers every session.
             _try(lambda: store.fetch(METRICS_IN_REPO, metrics), None)
         # keep_full: --hub_keep_full; 0 keeps everything and deletes nothing
-        self.repo = RepoWriter(store, render_card, index=index, private=private, metrics=metrics, keep_full=keep_full,
-                               repo_ready=ready, log=log, lease=lease)  # fmt: skip
+        self.repo = RepoWriter(
+            store,
+            render_card,
+            index=index,
+            private=private,
+            metrics=metrics,
+            keep_full=keep_full,
+            repo_ready=ready,
+            log=log,
+            lease=lease,
+        )
         self.queue = UploadQueue(set(store.checkpoints(files)), log)
         self._thread = threading.Thread(target=self._work, name="hub-uploads", daemon=True)
         self._thread.start()
@@ -121,8 +132,10 @@ class Uploader:
                 if not again or not self.queue.retryable():  # nothing, or only checkpoints older than one pushed
                     break
                 wait = min(pause * 2 ** min(again[0].rounds, 3), max(0.0, deadline - time.monotonic() - 1.0))
-                self.log(f"hub: {len(again)} upload(s) failed for a passing reason ({again[0].error}): trying again in "
-                         f"{wait:.0f} s, --hub_wait leaves {deadline - time.monotonic():.0f} s")  # fmt: skip
+                self.log(
+                    f"hub: {len(again)} upload(s) failed for a passing reason ({again[0].error}): trying again in "
+                    f"{wait:.0f} s, --hub_wait leaves {deadline - time.monotonic():.0f} s"
+                )
                 time.sleep(wait)
                 if time.monotonic() >= deadline - 1.0 or not self.queue.again():
                     break
@@ -144,14 +157,17 @@ class Uploader:
                     job.weights = self._make_weights(job)
                     job.weights_seconds = time.monotonic() - started
                 job.bytes = bytes_on_disk(job.path) + (bytes_on_disk(job.weights) if job.weights is not None else 0)
-                commit = with_retries(lambda: self.repo.push(job), self.retries, self.backoff, self._note_retry(job),
-                                      conflicts=True)  # fmt: skip
+                commit = with_retries(
+                    lambda: self.repo.push(job), self.retries, self.backoff, self._note_retry(job), conflicts=True
+                )
             except Exception as exc:  # noqa: BLE001 - a failed upload never stops training
                 passing = is_transient(exc, conflicts=True)
                 self.queue.failed(job, describe(exc), passing)
                 then = "tried again at the session's end" if passing else "the Hub refused it: not tried again"
-                self.log(f"hub: upload of {job.name} failed ({job.error}; {then}); the local copy is kept: "
-                         f"{job.path.resolve()}")  # fmt: skip
+                self.log(
+                    f"hub: upload of {job.name} failed ({job.error}; {then}); the local copy is kept: "
+                    f"{job.path.resolve()}"
+                )
                 continue
             finally:
                 if job.weights is not None:
@@ -159,8 +175,10 @@ class Uploader:
             self.queue.done(job, commit, time.monotonic() - started)
             where = "the repo root" if job.kind == "export" else job.path_in_repo
             made = f" (its weights file made first in {job.weights_seconds:.2f} s)" if job.weights is not None else ""
-            self.log(f"hub: pushed {job.name} to {self.store.repo_id} ({where}): {job.bytes / 1e9:,.2f} GB in "
-                     f"{job.seconds - job.weights_seconds:.1f} s{made}")  # fmt: skip
+            self.log(
+                f"hub: pushed {job.name} to {self.store.repo_id} ({where}): {job.bytes / 1e9:,.2f} GB in "
+                f"{job.seconds - job.weights_seconds:.1f} s{made}"
+            )
             if self.on_uploaded is not None:
                 try:
                     self.on_uploaded(job)
@@ -171,8 +189,10 @@ class Uploader:
                     # Only now, with the newer checkpoint confirmed in the repo, may older ones go.
                     with_retries(lambda: self.repo.retain(job), self.retries, self.backoff)
                 except Exception as exc:  # noqa: BLE001 - retried after the next push; never fatal
-                    self.log(f"hub: keeping the repo to --hub_keep_full {self.repo.keep_full} failed ({describe(exc)}); "
-                             "tried again after the next upload")  # fmt: skip
+                    self.log(
+                        f"hub: keeping the repo to --hub_keep_full {self.repo.keep_full} failed ({describe(exc)}); "
+                        "tried again after the next upload"
+                    )
 
     def _make_weights(self, job: Upload) -> Path:
         """The job's weights file, in a hidden staging folder beside the checkpoint (removed after the push)."""
@@ -182,6 +202,8 @@ class Uploader:
 
     def _note_retry(self, job: Upload) -> Callable[[int, float, BaseException], None]:
         def note(attempt: int, delay: float, exc: BaseException) -> None:
-            self.log(f"hub: upload of {job.name} failed ({describe(exc)}); retry {attempt}/{self.retries} in {delay:.0f} s")
+            self.log(
+                f"hub: upload of {job.name} failed ({describe(exc)}); retry {attempt}/{self.retries} in {delay:.0f} s"
+            )
 
         return note

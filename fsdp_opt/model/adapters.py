@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fsdp_opt.base import CheckpointError, ConfigError
-from fsdp_opt.config.training import LoraConfig
+from fsdp_opt.config.layout import LoraConfig
 from fsdp_opt.model.nf4 import load_quantized, quantize_base, store_base
 from fsdp_opt.model.parallelize import block_linear_names, storages
 from fsdp_opt.model.sources import load_full_state_dict, load_model_config, resolve_model
@@ -54,9 +54,14 @@ def peft_config(settings: LoraConfig, targets: list[str], base: str | None = Non
     from peft import LoraConfig as PeftLoraConfig
 
     return PeftLoraConfig(
-        r=settings.lora_rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout, target_modules=list(targets),
-        bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base,
-    )  # fmt: skip
+        r=settings.lora_rank,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=list(targets),
+        bias="none",
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=base,
+    )
 
 
 def inject(model: nn.Module, settings: LoraConfig, *, meta: bool, seed: int | None = None) -> list[str]:
@@ -117,7 +122,6 @@ class Adapters:
     def share_fingerprint(self, env: Any) -> None:
         """Every rank: rank 0's fingerprint of the base to all."""
         if env.world_size > 1:
-
             self.base_fingerprint = broadcast_object(self.base_fingerprint)
 
     def identity(self) -> dict[str, Any]:
@@ -146,12 +150,19 @@ def fingerprint(base_state: dict[str, torch.Tensor]) -> str:
 def identity(settings: LoraConfig, targets: list[str], base: str, base_fingerprint: str) -> dict[str, Any]:
     """What a LoRA checkpoint records about its adapters and the base they belong to (plain values)."""
     return {
-        "rank": settings.lora_rank, "alpha": settings.alpha, "dropout": settings.dropout, "targets": list(targets),
-        "base": base, "base_fingerprint": base_fingerprint, "base_bits": settings.base_bits,
-    }  # fmt: skip
+        "rank": settings.lora_rank,
+        "alpha": settings.alpha,
+        "dropout": settings.dropout,
+        "targets": list(targets),
+        "base": base,
+        "base_fingerprint": base_fingerprint,
+        "base_bits": settings.base_bits,
+    }
 
 
-def check_resume(saved: dict[str, Any] | None, here: dict[str, Any] | None, path: Path, flag: str = "--resume_file") -> bool:
+def check_resume(
+    saved: dict[str, Any] | None, here: dict[str, Any] | None, path: Path, flag: str = "--resume_file"
+) -> bool:
     """Refuse, in one line, a resume whose adapters or base differ from this run's. Before the base is read (no
     fingerprint yet) a base of another name is left to the later check, which compares the weights themselves.
     Returns whether the adapters were compared (same base, same layers)."""
@@ -160,7 +171,9 @@ def check_resume(saved: dict[str, Any] | None, here: dict[str, Any] | None, path
     if saved is None:
         raise CheckpointError(f"{flag} {path}: a full fine-tuning checkpoint; resume it without --lora_rank")
     if here is None:
-        raise CheckpointError(f"{flag} {path}: a LoRA checkpoint (rank {saved['rank']}); resume it with --lora_rank {saved['rank']}")
+        raise CheckpointError(
+            f"{flag} {path}: a LoRA checkpoint (rank {saved['rank']}); resume it with --lora_rank {saved['rank']}"
+        )
     if saved["rank"] != here["rank"]:
         raise CheckpointError(f"{flag} {path}: LoRA rank {saved['rank']}, this run has --lora_rank {here['rank']}")
     if here["base_fingerprint"] is None:
@@ -203,7 +216,9 @@ def write_adapter(model_state: dict[str, torch.Tensor], info: dict[str, Any], de
     peft_config(settings, info["targets"], base=info["base"]).save_pretrained(str(tmp))
     tensors = {k: v.detach().to(dtype).contiguous() for k, v in adapter_state(model_state).items()}
     save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-    (tmp / "fsdp_opt_base.json").write_text(json.dumps({"base": info["base"], "base_fingerprint": info["base_fingerprint"]}) + "\n")
+    (tmp / "fsdp_opt_base.json").write_text(
+        json.dumps({"base": info["base"], "base_fingerprint": info["base_fingerprint"]}) + "\n"
+    )
     if dest.exists():
         shutil.rmtree(dest)
     tmp.rename(dest)

@@ -15,11 +15,29 @@ import re
 from transformers import AutoConfig, PretrainedConfig
 
 
-def _shape(model_type: str, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, head_dim: int,
-           vocab: int, tied: bool, **extra) -> tuple[str, dict]:  # fmt: skip
-    return model_type, dict(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                            num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                            vocab_size=vocab, tie_word_embeddings=tied, **extra)  # fmt: skip
+def _shape(
+    model_type: str,
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    vocab: int,
+    tied: bool,
+    **extra,
+) -> tuple[str, dict]:
+    return model_type, dict(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=vocab,
+        tie_word_embeddings=tied,
+        **extra,
+    )
 
 
 def _gemma3_layers(layers: int, every: int = 6) -> list[str]:
@@ -29,7 +47,9 @@ def _gemma3_layers(layers: int, every: int = 6) -> list[str]:
 
 SHAPES: dict[str, tuple[str, dict]] = {
     "meta-llama/Llama-3.2-1B": _shape("llama", 2048, 8192, 16, 32, 8, 64, 128256, True, max_position_embeddings=131072),
-    "meta-llama/Llama-3.2-3B": _shape("llama", 3072, 8192, 28, 24, 8, 128, 128256, True, max_position_embeddings=131072),
+    "meta-llama/Llama-3.2-3B": _shape(
+        "llama", 3072, 8192, 28, 24, 8, 128, 128256, True, max_position_embeddings=131072
+    ),
     "Qwen/Qwen2.5-0.5B": _shape("qwen2", 896, 4864, 24, 14, 2, 64, 151936, True, max_position_embeddings=32768),
     "Qwen/Qwen2.5-1.5B": _shape("qwen2", 1536, 8960, 28, 12, 2, 128, 151936, True, max_position_embeddings=32768),
     "Qwen/Qwen2.5-3B": _shape("qwen2", 2048, 11008, 36, 16, 2, 128, 151936, True, max_position_embeddings=32768),
@@ -38,19 +58,59 @@ SHAPES: dict[str, tuple[str, dict]] = {
     "Qwen/Qwen3-1.7B": _shape("qwen3", 2048, 6144, 28, 16, 8, 128, 151936, True, max_position_embeddings=40960),
     "Qwen/Qwen3-4B": _shape("qwen3", 2560, 9728, 36, 32, 8, 128, 151936, True, max_position_embeddings=40960),
     "Qwen/Qwen3-8B": _shape("qwen3", 4096, 12288, 36, 32, 8, 128, 151936, False, max_position_embeddings=40960),
-    "google/gemma-2-2b": _shape("gemma2", 2304, 9216, 26, 8, 4, 256, 256000, True, sliding_window=4096,
-                                attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
-                                max_position_embeddings=8192),
-    "google/gemma-3-1b-pt": _shape("gemma3_text", 1152, 6912, 26, 4, 1, 256, 262144, True, sliding_window=512,
-                                   layer_types=_gemma3_layers(26), max_position_embeddings=32768),
-    "google/gemma-3-4b-pt": _shape("gemma3_text", 2560, 10240, 34, 8, 4, 256, 262208, True, sliding_window=1024,
-                                   layer_types=_gemma3_layers(34), max_position_embeddings=131072),
-    "HuggingFaceTB/SmolLM2-1.7B": _shape("llama", 2048, 8192, 24, 32, 32, 64, 49152, True, max_position_embeddings=8192),
-    "microsoft/Phi-3.5-mini-instruct": _shape("phi3", 3072, 8192, 32, 32, 32, 96, 32064, False,
-                                              max_position_embeddings=131072),
-    "mistralai/Mistral-7B-v0.3": _shape("mistral", 4096, 14336, 32, 32, 8, 128, 32768, False, sliding_window=None,
-                                        max_position_embeddings=32768),
-}  # fmt: skip
+    "google/gemma-2-2b": _shape(
+        "gemma2",
+        2304,
+        9216,
+        26,
+        8,
+        4,
+        256,
+        256000,
+        True,
+        sliding_window=4096,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        max_position_embeddings=8192,
+    ),
+    "google/gemma-3-1b-pt": _shape(
+        "gemma3_text",
+        1152,
+        6912,
+        26,
+        4,
+        1,
+        256,
+        262144,
+        True,
+        sliding_window=512,
+        layer_types=_gemma3_layers(26),
+        max_position_embeddings=32768,
+    ),
+    "google/gemma-3-4b-pt": _shape(
+        "gemma3_text",
+        2560,
+        10240,
+        34,
+        8,
+        4,
+        256,
+        262208,
+        True,
+        sliding_window=1024,
+        layer_types=_gemma3_layers(34),
+        max_position_embeddings=131072,
+    ),
+    "HuggingFaceTB/SmolLM2-1.7B": _shape(
+        "llama", 2048, 8192, 24, 32, 32, 64, 49152, True, max_position_embeddings=8192
+    ),
+    "microsoft/Phi-3.5-mini-instruct": _shape(
+        "phi3", 3072, 8192, 32, 32, 32, 96, 32064, False, max_position_embeddings=131072
+    ),
+    "mistralai/Mistral-7B-v0.3": _shape(
+        "mistral", 4096, 14336, 32, 32, 8, 128, 32768, False, sliding_window=None, max_position_embeddings=32768
+    ),
+}
 
 _VARIANT = re.compile(r"-(instruct|it|pt|chat)$", re.IGNORECASE)
 

@@ -38,25 +38,90 @@ class Family:
 
 
 FAMILIES: tuple[Family, ...] = (
-    Family("OPT", ("opt",), "OPTDecoderLayer", IMPLEMENTATIONS, "one", True,
-           ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"), "tied (every size)"),
-    Family("GPT-2", ("gpt2",), "GPT2Block", IMPLEMENTATIONS, "one", False, ("c_attn", "c_proj", "c_fc"),
-           "tied (every size)"),
-    Family("Llama 3.x / SmolLM2", ("llama",), "LlamaDecoderLayer", IMPLEMENTATIONS, "one", True,
-           ATTENTION + GATED_MLP, "tied at 1B and 3B and in SmolLM2; untied at 8B"),
-    Family("Qwen2 / Qwen2.5", ("qwen2",), "Qwen2DecoderLayer", IMPLEMENTATIONS, "by_layer_type", False,
-           ATTENTION + GATED_MLP, "tied up to 3B; untied at 7B"),
-    Family("Qwen3", ("qwen3",), "Qwen3DecoderLayer", IMPLEMENTATIONS, "by_layer_type", False, ATTENTION + GATED_MLP,
-           "tied up to 4B; untied at 8B"),
-    Family("Gemma 2", ("gemma2",), "Gemma2DecoderLayer", ("eager",), "by_layer_type", True, ATTENTION + GATED_MLP,
-           "tied; the embedding is scaled by sqrt(hidden)"),
-    Family("Gemma 3 (text)", ("gemma3_text",), "Gemma3DecoderLayer", IMPLEMENTATIONS, "by_layer_type", True,
-           ATTENTION + GATED_MLP, "tied; the embedding is scaled by sqrt(hidden)"),
-    Family("Mistral", ("mistral",), "MistralDecoderLayer", IMPLEMENTATIONS, "one", True, ATTENTION + GATED_MLP,
-           "untied"),
-    Family("Phi-3 / Phi-3.5", ("phi3",), "Phi3DecoderLayer", IMPLEMENTATIONS, "one", False,
-           ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), "untied"),
-)  # fmt: skip
+    Family(
+        "OPT",
+        ("opt",),
+        "OPTDecoderLayer",
+        IMPLEMENTATIONS,
+        "one",
+        True,
+        ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
+        "tied (every size)",
+    ),
+    Family(
+        "GPT-2",
+        ("gpt2",),
+        "GPT2Block",
+        IMPLEMENTATIONS,
+        "one",
+        False,
+        ("c_attn", "c_proj", "c_fc"),
+        "tied (every size)",
+    ),
+    Family(
+        "Llama 3.x / SmolLM2",
+        ("llama",),
+        "LlamaDecoderLayer",
+        IMPLEMENTATIONS,
+        "one",
+        True,
+        ATTENTION + GATED_MLP,
+        "tied at 1B and 3B and in SmolLM2; untied at 8B",
+    ),
+    Family(
+        "Qwen2 / Qwen2.5",
+        ("qwen2",),
+        "Qwen2DecoderLayer",
+        IMPLEMENTATIONS,
+        "by_layer_type",
+        False,
+        ATTENTION + GATED_MLP,
+        "tied up to 3B; untied at 7B",
+    ),
+    Family(
+        "Qwen3",
+        ("qwen3",),
+        "Qwen3DecoderLayer",
+        IMPLEMENTATIONS,
+        "by_layer_type",
+        False,
+        ATTENTION + GATED_MLP,
+        "tied up to 4B; untied at 8B",
+    ),
+    Family(
+        "Gemma 2",
+        ("gemma2",),
+        "Gemma2DecoderLayer",
+        ("eager",),
+        "by_layer_type",
+        True,
+        ATTENTION + GATED_MLP,
+        "tied; the embedding is scaled by sqrt(hidden)",
+    ),
+    Family(
+        "Gemma 3 (text)",
+        ("gemma3_text",),
+        "Gemma3DecoderLayer",
+        IMPLEMENTATIONS,
+        "by_layer_type",
+        True,
+        ATTENTION + GATED_MLP,
+        "tied; the embedding is scaled by sqrt(hidden)",
+    ),
+    Family(
+        "Mistral", ("mistral",), "MistralDecoderLayer", IMPLEMENTATIONS, "one", True, ATTENTION + GATED_MLP, "untied"
+    ),
+    Family(
+        "Phi-3 / Phi-3.5",
+        ("phi3",),
+        "Phi3DecoderLayer",
+        IMPLEMENTATIONS,
+        "one",
+        False,
+        ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+        "untied",
+    ),
+)
 
 
 def family_of(config: PretrainedConfig) -> Family | None:
@@ -68,9 +133,11 @@ def untested_note(config: PretrainedConfig) -> str | None:
     """The one line a run prints for an architecture outside the tested families."""
     if family_of(config) is not None:
         return None
-    return (f"note: {config.model_type} is not one of the tested families ({', '.join(f.name for f in FAMILIES)}): it "
-            "runs the generic path (its _no_split_modules blocks, every linear layer of them for LoRA, plain causal "
-            "masks)")  # fmt: skip
+    return (
+        f"note: {config.model_type} is not one of the tested families ({', '.join(f.name for f in FAMILIES)}): it "
+        "runs the generic path (its _no_split_modules blocks, every linear layer of them for LoRA, plain causal "
+        "masks)"
+    )
 
 
 def bos_note(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> str | None:
@@ -81,8 +148,10 @@ def bos_note(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> st
     ids = tokenizer("a")["input_ids"]
     if ids and ids[0] == tokenizer.bos_token_id:
         return None
-    return (f"note: {family.name} models saw a BOS ({tokenizer.bos_token}) first in pretraining, and this tokenizer "
-            "adds none to text rows: check the tokenizer's add_bos_token")  # fmt: skip
+    return (
+        f"note: {family.name} models saw a BOS ({tokenizer.bos_token}) first in pretraining, and this tokenizer "
+        "adds none to text rows: check the tokenizer's add_bos_token"
+    )
 
 
 def block_class_names(model) -> set[str]:  # noqa: ANN001
@@ -113,8 +182,10 @@ def resolve_attention(config: PretrainedConfig, requested: str) -> tuple[str, st
         note = None if choice == "sdpa" else f"attention: eager ({config.model_type} has no SDPA path)"
         return choice, note
     if requested not in available:
-        raise ModelError(f"--attn_implementation {requested}: {config.model_type} does not have it (it has: "
-                         f"{', '.join(available)}; auto picks for you)")  # fmt: skip
+        raise ModelError(
+            f"--attn_implementation {requested}: {config.model_type} does not have it (it has: "
+            f"{', '.join(available)}; auto picks for you)"
+        )
     return requested, None
 
 
@@ -136,8 +207,10 @@ def mask_pattern(config: PretrainedConfig) -> MaskPattern | None:
         return None
     if family is not None and family.masks == "one" and not layer_types:
         return MaskPattern(window=int(window), by_layer_type=False)
-    raise ModelError(f"--packing docs: {config.model_type} has sliding-window attention that its document mask cannot "
-                     "express here; use --packing pad or concat")  # fmt: skip
+    raise ModelError(
+        f"--packing docs: {config.model_type} has sliding-window attention that its document mask cannot "
+        "express here; use --packing pad or concat"
+    )
 
 
 # Config fields of models whose logits are more than `hidden @ W.T`
@@ -159,11 +232,18 @@ def head_refusal(model: nn.Module) -> str | None:
 
 def families_markdown() -> str:
     """The table of the tested families in docs/models.md, from FAMILIES (a test keeps the page's copy equal to this)."""
-    masks = {"one": "one mask for every layer (its window, when the config sets one)",
-             "by_layer_type": "a mask per layer type (full, sliding)"}  # fmt: skip
-    lines = ["| family | model_type | block (one FSDP unit) | attention | masks under docs packing | BOS | LoRA targets "
-             "(default: all) | embeddings |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    masks = {
+        "one": "one mask for every layer (its window, when the config sets one)",
+        "by_layer_type": "a mask per layer type (full, sliding)",
+    }
+    lines = [
+        "| family | model_type | block (one FSDP unit) | attention | masks under docs packing | BOS | LoRA targets "
+        "(default: all) | embeddings |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for f in FAMILIES:
-        lines.append(f"| {f.name} | {', '.join(f.model_types)} | `{f.block}` | {', '.join(f.attention)} | "
-                     f"{masks[f.masks]} | {'yes' if f.bos else 'no'} | {', '.join(f.lora_targets)} | {f.embeddings} |")
+        lines.append(
+            f"| {f.name} | {', '.join(f.model_types)} | `{f.block}` | {', '.join(f.attention)} | "
+            f"{masks[f.masks]} | {'yes' if f.bos else 'no'} | {', '.join(f.lora_targets)} | {f.embeddings} |"
+        )
     return "\n".join(lines)

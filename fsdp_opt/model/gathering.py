@@ -36,14 +36,20 @@ def gathered_copies(model: nn.Module) -> set[int]:
     the time the model stays gathered without changing the weights FSDP keeps."""
     params = [fp for m in model.modules() if isinstance(m, FSDPModule) for fp in fsdp_params(m)]
     sharded = {a for fp in params for a in storages(fp.sharded_param)}
-    copies = {a for fp in params if getattr(fp, "_unsharded_param", None) is not None
-              for a in storages(fp._unsharded_param)}  # fmt: skip
+    copies = {
+        a for fp in params if getattr(fp, "_unsharded_param", None) is not None for a in storages(fp._unsharded_param)
+    }
     return copies - sharded
 
 
 # The attributes of nn.Module that hold its forward hooks (a hook's id in each that has it).
-HOOK_TABLES = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
-               "_forward_hooks_always_called")  # fmt: skip
+HOOK_TABLES = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
 
 
 @contextmanager
@@ -61,8 +67,13 @@ def forward_hooks_off(model: nn.Module, units: list[nn.Module]) -> Iterator[None
     try:
         for unit in units:
             state = fully_shard.state(unit)
-            ids = {getattr(h, "id", None) for h in (getattr(state, "_pre_forward_hook_handle", None),
-                                                    getattr(state, "_post_forward_hook_handle", None))} - {None}  # fmt: skip
+            ids = {
+                getattr(h, "id", None)
+                for h in (
+                    getattr(state, "_pre_forward_hook_handle", None),
+                    getattr(state, "_post_forward_hook_handle", None),
+                )
+            } - {None}
             tables = {name: getattr(unit, name) for name in HOOK_TABLES if hasattr(unit, name)}
             if not ids or not any(i in t for t in tables.values() for i in ids):
                 continue

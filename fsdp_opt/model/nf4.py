@@ -34,7 +34,11 @@ def _to_nf4() -> Any:
 
 def base_linears(model: nn.Module) -> list[str]:
     """The frozen linear layers of the blocks (an adapted layer's base_layer; not the adapters themselves)."""
-    return [n for n in block_linear_names(model) if ".lora_" not in n and not isinstance(model.get_submodule(n), _peft_layer())]
+    return [
+        n
+        for n in block_linear_names(model)
+        if ".lora_" not in n and not isinstance(model.get_submodule(n), _peft_layer())
+    ]
 
 
 def _peft_layer() -> type:
@@ -78,7 +82,11 @@ def load_quantized(model: nn.Module, full_state: dict[str, torch.Tensor] | None,
         sharded = isinstance(into, DTensor)
         local = into._local_tensor if sharded else into  # the object FSDP2 gathers from
         shape = tuple(into.shape)
-        full = full_state.pop(name).to(env.device) if env.is_main else torch.empty(shape, dtype=local.dtype, device=env.device)
+        full = (
+            full_state.pop(name).to(env.device)
+            if env.is_main
+            else torch.empty(shape, dtype=local.dtype, device=env.device)
+        )
         if env.world_size > 1:
             dist.broadcast(full, src=0)
         quantized = to_nf4(full)

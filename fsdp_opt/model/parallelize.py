@@ -75,8 +75,14 @@ HALF = (DTYPES["fp16"], DTYPES["bf16"])
 def _linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     w, b = module.weight, module.bias
     plain = (torch.Tensor, nn.Parameter)
-    if (x.dtype in HALF and w.dtype == x.dtype and x.device.type == "cpu" and type(w) in plain and type(x) in plain
-            and (b is None or (b.dtype == x.dtype and type(b) in plain))):  # fmt: skip
+    if (
+        x.dtype in HALF
+        and w.dtype == x.dtype
+        and x.device.type == "cpu"
+        and type(w) in plain
+        and type(x) in plain
+        and (b is None or (b.dtype == x.dtype and type(b) in plain))
+    ):
         return _HalfLinear.apply(x, w, b)
     return F.linear(x, w, b)
 
@@ -165,7 +171,9 @@ def build_mesh(strategy: str, env: DistEnv) -> DeviceMesh:
     device_type = env.device.type
     shards = shard_count(strategy, env.world_size, env.local_world_size)
     if strategy == "HYBRID_SHARD" and env.world_size % shards:
-        raise ConfigError(f"--sharding_strategy HYBRID_SHARD: {env.world_size} ranks do not split into nodes of {shards}")
+        raise ConfigError(
+            f"--sharding_strategy HYBRID_SHARD: {env.world_size} ranks do not split into nodes of {shards}"
+        )
     if strategy in ("NO_SHARD", "HYBRID_SHARD"):
         # Replicate across the first dimension, shard within the second. NO_SHARD: a shard dimension of size 1 makes
         # FSDP an all-reduce, as in DDP.
@@ -186,7 +194,9 @@ def apply_fsdp(
 ) -> nn.Module:
     """Shard each block as its own unit, then the root (embeddings, tied lm_head, final norm). `ignored` parameters
     stay whole on every rank, outside FSDP."""
-    offload_policy: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
+    offload_policy: OffloadPolicy = (
+        CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
+    )
     # FULL_SHARD frees gathered weights after forward; SHARD_GRAD_OP keeps them until backward.
     reshard = strategy in ("FULL_SHARD", "HYBRID_SHARD")
     common = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
@@ -214,8 +224,17 @@ def apply_fsdp(
 
 
 def shard_model(
-    model: nn.Module, env: DistEnv, *, strategy: str, precision: str, activation_checkpointing: bool, offload: bool = False,
-    compile_blocks: bool = False, prefetch: int = 0, ignored: set[nn.Parameter] | None = None, reduce_dtype: str = "fp32",
+    model: nn.Module,
+    env: DistEnv,
+    *,
+    strategy: str,
+    precision: str,
+    activation_checkpointing: bool,
+    offload: bool = False,
+    compile_blocks: bool = False,
+    prefetch: int = 0,
+    ignored: set[nn.Parameter] | None = None,
+    reduce_dtype: str = "fp32",
 ) -> tuple[set[type[nn.Module]], int]:
     """Wrap policy -> (activation checkpointing) -> mesh -> FSDP2, on a meta model. Returns the block classes
     and the number of blocks (each its own FSDP unit, plus the root)."""
@@ -230,20 +249,39 @@ def shard_model(
             # Only the block's own forward: FSDP2's hooks around it (gathers, reduce-scatters) stay eager.
             inner.forward = torch.compile(inner.forward)
     mesh = build_mesh(strategy, env)
-    apply_fsdp(model, blocks, mesh, strategy=strategy, mp_policy=mixed_precision_policy(precision, reduce_dtype), offload=offload,
-               prefetch=prefetch, ignored=ignored)  # fmt: skip
+    apply_fsdp(
+        model,
+        blocks,
+        mesh,
+        strategy=strategy,
+        mp_policy=mixed_precision_policy(precision, reduce_dtype),
+        offload=offload,
+        prefetch=prefetch,
+        ignored=ignored,
+    )
     return classes, len(blocks)
 
 
-def initialize(model: nn.Module, env: DistEnv, source: ModelSource, config, seed: int, *, weights: bool,
-               loader: Any = None, **load: Any) -> None:  # fmt: skip
+def initialize(
+    model: nn.Module,
+    env: DistEnv,
+    source: ModelSource,
+    config,
+    seed: int,
+    *,
+    weights: bool,
+    loader: Any = None,
+    **load: Any,
+) -> None:
     """Allocate the local shards; with `weights`, fill them with the source's weights (rank 0 reads them once).
 
     Without `weights` (a checkpoint fills them next) rank 0 still builds the model on CPU when it has
     non-persistent buffers, which no state dict carries. `load` goes to load_full_state_dict (dtype, prepare);
     `loader(model, full_state, env)` may load the weights itself (a quantized LoRA base) and return True."""
     need = weights or bool(non_persistent_buffer_names(model))
-    init = all_ranks_ok(lambda: load_full_state_dict(source, config, seed, weights=weights, **load) if env.is_main and need else None)
+    init = all_ranks_ok(
+        lambda: load_full_state_dict(source, config, seed, weights=weights, **load) if env.is_main and need else None
+    )
     full_state, buffers = init if init is not None else (None, None)
     materialize(model, env, buffers)
     if weights and not (loader is not None and loader(model, full_state, env)):

@@ -59,7 +59,7 @@ class Shape:
     plain_head: bool = False  # logits are `hidden @ W.T`: the loss runs the output layer at the targets (HeadLoss)
 
     @classmethod
-    def of(cls, config) -> "Shape":
+    def of(cls, config) -> Shape:
         import torch
 
         model = build_meta_model(config)
@@ -72,27 +72,45 @@ class Shape:
         def dims(params) -> tuple:  # noqa: ANN001
             return tuple((p.shape[0] if p.dim() else 1, p.numel()) for p in params)
 
-        units = (dims(p for i, p in unique.items() if i not in in_blocks),) + tuple(dims(b.parameters()) for b in blocks)
+        units = (dims(p for i, p in unique.items() if i not in in_blocks),) + tuple(
+            dims(b.parameters()) for b in blocks
+        )
         first = blocks[0]
-        linears = tuple((n.rsplit(".", 1)[-1], m.weight.shape[1], m.weight.shape[0]) for n, m in first.named_modules()
-                        if isinstance(m, torch.nn.Linear))  # fmt: skip
+        linears = tuple(
+            (n.rsplit(".", 1)[-1], m.weight.shape[1], m.weight.shape[0])
+            for n, m in first.named_modules()
+            if isinstance(m, torch.nn.Linear)
+        )
         return cls(
-            params=sum(p.numel() for p in unique.values()), block_params=block, root_params=root,
-            layers=len(blocks), hidden=config.hidden_size, heads=config.num_attention_heads, vocab=config.vocab_size,
-            largest_param=max(p.numel() for p in unique.values()), flop_params=int(flops_per_token(model, 0) / 6),
-            units=units, linears=linears,
+            params=sum(p.numel() for p in unique.values()),
+            block_params=block,
+            root_params=root,
+            layers=len(blocks),
+            hidden=config.hidden_size,
+            heads=config.num_attention_heads,
+            vocab=config.vocab_size,
+            largest_param=max(p.numel() for p in unique.values()),
+            flop_params=int(flops_per_token(model, 0) / 6),
+            units=units,
+            linears=linears,
             relu_mlp=str(getattr(config, "activation_function", getattr(config, "hidden_act", ""))) == "relu",
             kv_dim=(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
             * (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads),
             gated_mlp=any("gate" in name for name, _, _ in linears),
             # the MLP's width: the input of its last linear layer
-            intermediate=next((i for name, i, _ in linears if name in ("down_proj", "fc2", "w2", "dense_4h_to_h")),
-                              max((o for _, _, o in linears), default=0)),
+            intermediate=next(
+                (i for name, i, _ in linears if name in ("down_proj", "fc2", "w2", "dense_4h_to_h")),
+                max((o for _, _, o in linears), default=0),
+            ),
             plain_head=head_refusal(model) is None,
-        )  # fmt: skip
+        )
 
     def summary(self) -> dict[str, int]:
-        return {k: v for k, v in self.__dict__.items() if k not in ("units", "linears", "relu_mlp", "gated_mlp", "plain_head")}
+        return {
+            k: v
+            for k, v in self.__dict__.items()
+            if k not in ("units", "linears", "relu_mlp", "gated_mlp", "plain_head")
+        }
 
 
 def _unique_params(model: nn.Module) -> list[torch.Tensor]:

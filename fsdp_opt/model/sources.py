@@ -7,9 +7,9 @@ parallelize step shards it and then receives its shards from rank 0.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
@@ -49,8 +49,7 @@ def resolve_model(name: str) -> ModelSource:
     if name == BUILTIN_MODEL:
         return ModelSource(name, str(ASSETS / BUILTIN_MODEL), "builtin")
     if name.startswith(RANDOM_PREFIX):
-
-        shape = name[len(RANDOM_PREFIX):]
+        shape = name[len(RANDOM_PREFIX) :]
         if shape not in OPT_FAMILY and catalog_id(shape) is None:
             raise ModelError(f"--model {name}: random weights are built for {', '.join([*OPT_FAMILY, *SHAPES])}")
         return ModelSource(name, shape, "random")
@@ -69,7 +68,7 @@ def resolve_model(name: str) -> ModelSource:
 def model_tag(name: str) -> str:
     """Short clean name used in checkpoint names: facebook/opt-1.3b -> opt_1.3B."""
     random = name.startswith(RANDOM_PREFIX)
-    name = name[len(RANDOM_PREFIX):] if random else name
+    name = name[len(RANDOM_PREFIX) :] if random else name
     if random:
         return "random_" + model_tag(name)
     base = Path(name.rstrip("/\\")).name or name
@@ -95,7 +94,9 @@ def load_model_config(source: ModelSource, attn_implementation: str = "auto") ->
     try:
         with quiet_hub_logs():
             if source.kind == "random":
-                config = opt_config(source.location) if source.location in OPT_FAMILY else catalog_config(source.location)
+                config = (
+                    opt_config(source.location) if source.location in OPT_FAMILY else catalog_config(source.location)
+                )
             else:
                 config = AutoConfig.from_pretrained(source.location)
     except Exception as exc:  # noqa: BLE001 - any failure to fetch is reported as one line
@@ -121,7 +122,9 @@ def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
     try:
         with quiet_hub_logs():
             # a random: shape reads text with the built-in tokenizer (its ids fit any OPT vocabulary)
-            tokenizer = AutoTokenizer.from_pretrained(str(ASSETS / BUILTIN_MODEL) if source.kind == "random" else source.location)
+            tokenizer = AutoTokenizer.from_pretrained(
+                str(ASSETS / BUILTIN_MODEL) if source.kind == "random" else source.location
+            )
     except Exception as exc:  # noqa: BLE001
         raise _fetch_error(source, exc) from None
     if tokenizer.eos_token_id is None:
@@ -139,8 +142,13 @@ def build_meta_model(config: PretrainedConfig) -> PreTrainedModel:
 
 
 def load_full_state_dict(
-    source: ModelSource, config: PretrainedConfig, seed: int, *, weights: bool = True,
-    dtype: torch.dtype = torch.float32, prepare: Callable[[nn.Module], None] | None = None,
+    source: ModelSource,
+    config: PretrainedConfig,
+    seed: int,
+    *,
+    weights: bool = True,
+    dtype: torch.dtype = torch.float32,
+    prepare: Callable[[nn.Module], None] | None = None,
 ) -> tuple[dict[str, torch.Tensor] | None, dict[str, torch.Tensor]]:
     """Full weights (or None when `weights` is False) and the non-persistent buffers, on CPU.
 
@@ -194,10 +202,15 @@ def opt_config(name: str):
 
     hidden, layers, heads, ffn, proj = OPT_FAMILY[name]
     return OPTConfig(
-        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, ffn_dim=ffn,
-        word_embed_proj_dim=proj, vocab_size=50272, max_position_embeddings=2048,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        ffn_dim=ffn,
+        word_embed_proj_dim=proj,
+        vocab_size=50272,
+        max_position_embeddings=2048,
         do_layer_norm_before=name != "facebook/opt-350m",
-    )  # fmt: skip
+    )
 
 
 # Llama-3.1-8B's shape (its config.json on the Hub), for planning a Llama-style 8B offline.
@@ -207,6 +220,13 @@ LLAMA_8B = "meta-llama/Llama-3.1-8B"
 def llama_8b_config():
     from transformers import LlamaConfig
 
-    return LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                       intermediate_size=14336, vocab_size=128256, max_position_embeddings=131072,
-                       tie_word_embeddings=False)  # fmt: skip
+    return LlamaConfig(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+    )

@@ -14,8 +14,9 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -95,8 +96,10 @@ def collective_gbps(env: DistEnv, dtype: torch.dtype, shard_bytes: int) -> dict[
     out = {}
     # NOTE: the *_tensor names are the ones FSDP2 calls; torch has begun to warn that they are renamed.
     warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
-    for name, op in (("all_gather", lambda: dist.all_gather_into_tensor(full, shard)),
-                     ("reduce_scatter", lambda: dist.reduce_scatter_tensor(shard, full))):  # fmt: skip
+    for name, op in (
+        ("all_gather", lambda: dist.all_gather_into_tensor(full, shard)),
+        ("reduce_scatter", lambda: dist.reduce_scatter_tensor(shard, full)),
+    ):
         out[name] = moved / _timed(op, env.device) / 1e9
     return out
 
@@ -164,8 +167,19 @@ def calibrate(cpu: bool, gpus: int) -> dict[str, Any]:
         gpus = min(gpus, torch.cuda.device_count())
     with tempfile.TemporaryDirectory(prefix="fsdp-opt-calibrate-") as tmp:
         out = Path(tmp) / "rates.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
-               "-m", "fsdp_opt.calibrate", "--device", "cpu" if cpu else "cuda", "--json", str(out)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={gpus}",
+            "-m",
+            "fsdp_opt.calibrate",
+            "--device",
+            "cpu" if cpu else "cuda",
+            "--json",
+            str(out),
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if not out.exists():
             last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
@@ -180,8 +194,15 @@ def read_rates(path: str) -> dict[str, Any]:
     except (OSError, ValueError) as exc:
         raise ConfigError(f"--rates {path}: cannot read a calibration from it ({type(exc).__name__})") from None
     data = data.get("calibration", data) if isinstance(data, dict) else data
-    wanted = ("device", "world_size", "matmul_tflops", "all_gather_gbps", "reduce_scatter_gbps", "optimizer_gbps",
-              "memory_gbps")
+    wanted = (
+        "device",
+        "world_size",
+        "matmul_tflops",
+        "all_gather_gbps",
+        "reduce_scatter_gbps",
+        "optimizer_gbps",
+        "memory_gbps",
+    )
     if not isinstance(data, dict) or any(k not in data for k in wanted):
         raise ConfigError(f"--rates {path}: not a calibration (python -m fsdp_opt.calibrate --json writes one)")
     return data

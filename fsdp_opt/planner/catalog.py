@@ -14,11 +14,16 @@ from fsdp_opt.planner.inputs import Inputs
 from fsdp_opt.planner.search import SUGGESTED_RANK, Space, recommend
 from fsdp_opt.planner.steptime import Rates
 
-MODES = (("full fine-tuning", {}), (f"LoRA r{SUGGESTED_RANK}", {"lora_rank": SUGGESTED_RANK}),
-         (f"LoRA r{SUGGESTED_RANK}, 4-bit base", {"lora_rank": SUGGESTED_RANK, "base_bits": 4}))  # fmt: skip
+MODES = (
+    ("full fine-tuning", {}),
+    (f"LoRA r{SUGGESTED_RANK}", {"lora_rank": SUGGESTED_RANK}),
+    (f"LoRA r{SUGGESTED_RANK}, 4-bit base", {"lora_rank": SUGGESTED_RANK, "base_bits": 4}),
+)
 
 
-def catalog_rows(inputs: Inputs, samples: int, rates: Rates, space: Space, host_memory: int | None) -> list[dict[str, Any]]:
+def catalog_rows(
+    inputs: Inputs, samples: int, rates: Rates, space: Space, host_memory: int | None
+) -> list[dict[str, Any]]:
     """Per model and mode: the recommended configuration (None: nothing fits), its peak and step time, tokens/h."""
     rows = []
     for name in SHAPES:
@@ -26,26 +31,42 @@ def catalog_rows(inputs: Inputs, samples: int, rates: Rates, space: Space, host_
         row: dict[str, Any] = {"model": name, "params": shape.params, "modes": {}}
         for mode, change in MODES:
             best = recommend(shape, replace(inputs, **change), samples, rates, space, host_memory)
-            row["modes"][mode] = None if best is None else {
-                "peak_bytes": best["peak_bytes"], "step_s": best["predicted_step_time_s"],
-                "tokens_per_hour": samples * inputs.max_length * 3600 / best["predicted_step_time_s"],
-                "batch_size": best["batch_size"], "accum_steps": best["accum_steps"],
-                "strategy": best["sharding_strategy"]}  # fmt: skip
+            row["modes"][mode] = (
+                None
+                if best is None
+                else {
+                    "peak_bytes": best["peak_bytes"],
+                    "step_s": best["predicted_step_time_s"],
+                    "tokens_per_hour": samples * inputs.max_length * 3600 / best["predicted_step_time_s"],
+                    "batch_size": best["batch_size"],
+                    "accum_steps": best["accum_steps"],
+                    "strategy": best["sharding_strategy"],
+                }
+            )
         rows.append(row)
     return rows
 
 
 def render_catalog(rows: list[dict[str, Any]], inputs: Inputs, samples: int) -> str:
-    head = (f"Predicted by `python -m fsdp_opt.plan --catalog` for {inputs.gpus} GPU(s) of {gib(inputs.gpu_memory)}, "
-            f"{inputs.precision}, {samples} sequences of {inputs.max_length} tokens per step (the fastest configuration "
-            "the search finds; tokens/h are the tokens the step runs, prompts included). Predictions, not measurements.")
-    lines = [head, "", "| model | parameters | " + " | ".join(m for m, _ in MODES) + " |",
-             "| --- | --- |" + " --- |" * len(MODES)]  # fmt: skip
+    head = (
+        f"Predicted by `python -m fsdp_opt.plan --catalog` for {inputs.gpus} GPU(s) of {gib(inputs.gpu_memory)}, "
+        f"{inputs.precision}, {samples} sequences of {inputs.max_length} tokens per step (the fastest configuration "
+        "the search finds; tokens/h are the tokens the step runs, prompts included). Predictions, not measurements."
+    )
+    lines = [
+        head,
+        "",
+        "| model | parameters | " + " | ".join(m for m, _ in MODES) + " |",
+        "| --- | --- |" + " --- |" * len(MODES),
+    ]
     for row in rows:
         cells = []
         for mode, _ in MODES:
             r = row["modes"][mode]
-            cells.append("does not fit" if r is None else
-                         f"{gib(r['peak_bytes'])}, {r['step_s']:.1f} s/step, {r['tokens_per_hour'] / 1e6:.2f} M tok/h")
+            cells.append(
+                "does not fit"
+                if r is None
+                else f"{gib(r['peak_bytes'])}, {r['step_s']:.1f} s/step, {r['tokens_per_hour'] / 1e6:.2f} M tok/h"
+            )
         lines.append(f"| {row['model']} | {row['params'] / 1e9:.2f} B | " + " | ".join(cells) + " |")
     return "\n".join(lines)

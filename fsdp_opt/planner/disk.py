@@ -22,8 +22,15 @@ def checkpoints(shape: Shape, gpus: int) -> dict[str, int]:
     }
 
 
-def hub_repo_bytes(shape: Shape, *, slices: int, keep_full: int, save_optimizer: bool = True, export: bool = False,
-                   saved: int | None = None) -> dict[str, int]:  # fmt: skip
+def hub_repo_bytes(
+    shape: Shape,
+    *,
+    slices: int,
+    keep_full: int,
+    save_optimizer: bool = True,
+    export: bool = False,
+    saved: int | None = None,
+) -> dict[str, int]:
     """What a chain of `slices` sessions leaves in the Hub repo (--hub_keep_full): the newest full checkpoints, one
     fp16 weights file per range, and the exported model if pushed. keep_full 0 keeps every full checkpoint.
     `saved`: the parameters a checkpoint holds (a LoRA run's adapters; default every parameter)."""
@@ -31,19 +38,30 @@ def hub_repo_bytes(shape: Shape, *, slices: int, keep_full: int, save_optimizer:
     full = (12 if save_optimizer else 4) * n
     weights = 2 * n
     fulls = slices if keep_full == 0 else min(keep_full, slices)
-    out = {"full_checkpoints": fulls * full, "weights_files": (slices if keep_full else 0) * weights,
-           "export": weights if export else 0}  # fmt: skip
+    out = {
+        "full_checkpoints": fulls * full,
+        "weights_files": (slices if keep_full else 0) * weights,
+        "export": weights if export else 0,
+    }
     out["total"] = sum(out.values())
     return out
 
 
-def disk_and_hub(shape: Shape, inputs, *, disk: int, keep_last: int, save_optimizer: bool, slices: int,
-                 keep_full: int, data_bytes: int = 0) -> dict[str, Any]:  # noqa: ANN001  # fmt: skip
+def disk_and_hub(
+    shape: Shape,
+    inputs,
+    *,
+    disk: int,
+    keep_last: int,
+    save_optimizer: bool,
+    slices: int,
+    keep_full: int,
+    data_bytes: int = 0,
+) -> dict[str, Any]:  # noqa: ANN001
     """The plan's checkpoint sizes, disk and Hub figures, and `saved`: the parameters a checkpoint holds.
     `data_bytes`: what a session keeps of the dataset on the same disk (0 when its rows are read by range)."""
     disk = max(0, disk - data_bytes)
     if inputs.lora_rank:
-
         sizes = lora_checkpoints(shape, inputs)
     else:
         sizes = checkpoints(shape, inputs.gpus)
@@ -54,8 +72,14 @@ def disk_and_hub(shape: Shape, inputs, *, disk: int, keep_last: int, save_optimi
     fit_beside = max(0, disk // one - 1)
     kept = min(max(1, keep_last), fit_beside) if keep_last else fit_beside
     on_disk = one * (kept + 1)
-    repo = lambda export: hub_repo_bytes(shape, slices=slices, keep_full=keep_full, save_optimizer=save_optimizer,  # noqa: E731
-                                         export=export, saved=saved)  # fmt: skip
+    repo = lambda export: hub_repo_bytes(
+        shape,
+        slices=slices,
+        keep_full=keep_full,
+        save_optimizer=save_optimizer,  # noqa: E731
+        export=export,
+        saved=saved,
+    )
     return {
         "checkpoints": sizes,
         "disk": {
@@ -75,13 +99,21 @@ def disk_and_hub(shape: Shape, inputs, *, disk: int, keep_last: int, save_optimi
 def disk_line(d: dict[str, Any], keep_last: int, disk: int) -> str:
     """The plan's line on the disk: the peak of a save, and what happens before saves when checkpoints do not fit."""
     verdict = (
-        "DOES NOT FIT: one checkpoint is larger than the disk" if not d["fits"]
+        "DOES NOT FIT: one checkpoint is larger than the disk"
+        if not d["fits"]
         else "only one checkpoint fits: before each save the previous one is removed once the Hub has it (--hf_repo); "
-        "without the Hub the second save stops" if d["needs_hub_for_room"]
+        "without the Hub the second save stops"
+        if d["needs_hub_for_room"]
         else "fits; older checkpoints that would not fit beside a new one are removed before it"
-        if not keep_last or d["checkpoints_that_fit"] < keep_last else "fits"
+        if not keep_last or d["checkpoints_that_fit"] < keep_last
+        else "fits"
     )
-    data = (f", with {gib(d['data_bytes'])} of data downloaded whole" if d.get("data_bytes")
-            else ", no dataset files on it: rows read by range (--data_on_disk)")  # fmt: skip
-    return (f"disk: {gib(d['peak_bytes'])} at the peak of a save ({d['kept_while_saving']} older checkpoint(s) "
-            f"kept while one is written, --keep_last {keep_last}{data}), of {disk / 1e9:,.0f} GB: {verdict}")
+    data = (
+        f", with {gib(d['data_bytes'])} of data downloaded whole"
+        if d.get("data_bytes")
+        else ", no dataset files on it: rows read by range (--data_on_disk)"
+    )
+    return (
+        f"disk: {gib(d['peak_bytes'])} at the peak of a save ({d['kept_while_saving']} older checkpoint(s) "
+        f"kept while one is written, --keep_last {keep_last}{data}), of {disk / 1e9:,.0f} GB: {verdict}"
+    )

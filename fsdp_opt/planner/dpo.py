@@ -62,8 +62,9 @@ def reference_pass(shape: Shape, strategy: str, inputs: Inputs, rates: Rates | N
     """The reference pass's memory (a model of its own) and its seconds per 1,000 pairs: forward passes over two rows
     of --max_length tokens per pair (a bound: a docs block holds one sequence of max_length tokens at most)."""
     rows_per_micro = inputs.batch_size * (2 if inputs.packing == "pad" else 1)
-    seconds = forward_time(shape, strategy, Inputs(**{**inputs.__dict__, "batch_size": rows_per_micro}), 2000,
-                           rates)["seconds"]  # fmt: skip
+    seconds = forward_time(shape, strategy, Inputs(**{**inputs.__dict__, "batch_size": rows_per_micro}), 2000, rates)[
+        "seconds"
+    ]
     out: dict[str, Any] = {"own_model": own_model, "seconds_per_1000_pairs": seconds}
     if not own_model:
         parts = reference_memory(shape, strategy, inputs)
@@ -75,8 +76,12 @@ def reference_pass(shape: Shape, strategy: str, inputs: Inputs, rates: Rates | N
 def reference_line(ref: dict[str, Any], strategy: str, gpu_memory: int) -> str:
     time = f"about {ref['seconds_per_1000_pairs']:,.0f} s per 1,000 pairs"
     if ref["own_model"]:
-        return (f"dpo reference pass: the run's own model with its adapters off, before training: no memory beyond "
-                f"training's, {time}")  # fmt: skip
+        return (
+            f"dpo reference pass: the run's own model with its adapters off, before training: no memory beyond "
+            f"training's, {time}"
+        )
     verdict = "fits" if ref["fits"] else "DOES NOT FIT"
-    return (f"dpo reference pass ({strategy}): {gib(ref['total_bytes'])} per GPU at its peak (its model sharded in the "
-            f"compute dtype, freed before training), of {gib(gpu_memory)}: {verdict}; {time}")  # fmt: skip
+    return (
+        f"dpo reference pass ({strategy}): {gib(ref['total_bytes'])} per GPU at its peak (its model sharded in the "
+        f"compute dtype, freed before training), of {gib(gpu_memory)}: {verdict}; {time}"
+    )

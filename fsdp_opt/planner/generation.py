@@ -65,8 +65,9 @@ def requests_per_rank(global_batch: int, generations: int, gpus: int) -> int:
     return math.ceil(prompts / max(1, gpus)) * generations
 
 
-def generation_memory(shape: Shape, strategy: str, inputs: Inputs, requests: int, gathered: bool = True,
-                      reference_model: bool = False) -> dict[str, int]:  # fmt: skip
+def generation_memory(
+    shape: Shape, strategy: str, inputs: Inputs, requests: int, gathered: bool = True, reference_model: bool = False
+) -> dict[str, int]:
     """Bytes per GPU of the generation phase by component (each at its peak; they add up)."""
     f = shard_factor(strategy, inputs)
     c = 4 if inputs.precision == "fp32" else 2
@@ -111,8 +112,16 @@ def host_seconds_per_step(blocks: int, adapters: int = 0, nf4: int = 0) -> float
     return blocks * HOST_S_PER_BLOCK + adapters * HOST_S_PER_ADAPTER + nf4 * HOST_S_PER_NF4
 
 
-def generation_time(shape: Shape, strategy: str, inputs: Inputs, requests: int, completion_length: int,
-                    rates: Rates | None = None, gathered: bool = True, graphs: bool = False) -> dict[str, float]:  # fmt: skip
+def generation_time(
+    shape: Shape,
+    strategy: str,
+    inputs: Inputs,
+    requests: int,
+    completion_length: int,
+    rates: Rates | None = None,
+    gathered: bool = True,
+    graphs: bool = False,
+) -> dict[str, float]:
     """Seconds of one rank's generation in a step: the prefill of its prompts, then the decoding steps (each a CUDA
     graph's replay with `graphs`, on the gathered model)."""
     rates = rates or Rates()
@@ -141,8 +150,13 @@ def generation_time(shape: Shape, strategy: str, inputs: Inputs, requests: int, 
     elif f > 1:  # gathered once
         gather = (f - 1) / f * weights / (rates.link_gbps * 1e9)
     seconds = prefill + decode + gather
-    return {"prefill_s": prefill, "decode_s": decode, "gather_s": gather, "seconds": seconds,
-            "tokens_per_second": requests * completion_length / seconds if seconds else 0.0}  # fmt: skip
+    return {
+        "prefill_s": prefill,
+        "decode_s": decode,
+        "gather_s": gather,
+        "seconds": seconds,
+        "tokens_per_second": requests * completion_length / seconds if seconds else 0.0,
+    }
 
 
 def graph_pool_bytes(shape: Shape, requests: int, c: int) -> int:
@@ -151,17 +165,34 @@ def graph_pool_bytes(shape: Shape, requests: int, c: int) -> int:
     return prefill_bytes(shape, requests, 1, c) + requests * shape.vocab * c
 
 
-def grpo_plan(shape: Shape, strategy: str, inputs: Inputs, samples: int, generations: int, completion_length: int,
-              beta: float, reference_model: bool, training_s: float | None, rates: Rates | None = None,
-              decoding: str = "static", steps_per_generation: int = 1, iterations: int = 1) -> dict[str, Any]:  # fmt: skip
+def grpo_plan(
+    shape: Shape,
+    strategy: str,
+    inputs: Inputs,
+    samples: int,
+    generations: int,
+    completion_length: int,
+    beta: float,
+    reference_model: bool,
+    training_s: float | None,
+    rates: Rates | None = None,
+    decoding: str = "static",
+    steps_per_generation: int = 1,
+    iterations: int = 1,
+) -> dict[str, Any]:
     """The generation phase (gathered once, and layer by layer beside it; decoded unreplayed and as CUDA graphs), the
     reference's forward and the step. A generation of `steps_per_generation` steps' prompts, trained `iterations`
     times, costs each of its steps its share."""
     requests = requests_per_rank(samples * steps_per_generation, generations, inputs.gpus)
     graphs = decoding == "graphs"
-    out: dict[str, Any] = {"requests_per_rank": requests, "generations": generations,
-                           "completion_length": completion_length, "strategy": strategy, "decoding": decoding,
-                           "steps_per_generation": steps_per_generation * iterations}  # fmt: skip
+    out: dict[str, Any] = {
+        "requests_per_rank": requests,
+        "generations": generations,
+        "completion_length": completion_length,
+        "strategy": strategy,
+        "decoding": decoding,
+        "steps_per_generation": steps_per_generation * iterations,
+    }
     c = 4 if inputs.precision == "fp32" else 2
     for name, gathered in (("gathered", True), ("layer_by_layer", False)):
         memory = generation_memory(shape, strategy, inputs, requests, gathered, reference_model)
@@ -182,22 +213,41 @@ def grpo_plan(shape: Shape, strategy: str, inputs: Inputs, samples: int, generat
     generation = out["gathered"] if out["gathered"]["fits"] else out["layer_by_layer"]
     training = training_s or 0.0  # None: the training step fits no layout
     per_step = lambda g: (g + reference_s + old_s) / shared + training  # noqa: E731
-    out.update(reference_s=reference_s / shared, old_logps_s=old_s / shared, training_s=training_s,
-               uses="gathered" if out["gathered"]["fits"] else "layer_by_layer", step_s=per_step(generation["seconds"]))  # fmt: skip
+    out.update(
+        reference_s=reference_s / shared,
+        old_logps_s=old_s / shared,
+        training_s=training_s,
+        uses="gathered" if out["gathered"]["fits"] else "layer_by_layer",
+        step_s=per_step(generation["seconds"]),
+    )
     out["layer_by_layer_step_s"] = per_step(out["layer_by_layer"]["seconds"])
     out["eager_step_s"], out["graphs_step_s"] = per_step(eager["seconds"]), per_step(replayed["seconds"])
     out["fits"] = training_s is not None and (out["gathered"]["fits"] or out["layer_by_layer"]["fits"])
     return out
 
 
-def with_generation(prediction: dict[str, Any], shape: Shape, strategy: str, inputs: Inputs, samples: int,
-                    generations: int, completion_length: int, reference_forward: bool, gathered: bool,
-                    graphs: bool = False, steps_per_generation: int = 1, iterations: int = 1) -> dict[str, Any]:  # fmt: skip
+def with_generation(
+    prediction: dict[str, Any],
+    shape: Shape,
+    strategy: str,
+    inputs: Inputs,
+    samples: int,
+    generations: int,
+    completion_length: int,
+    reference_forward: bool,
+    gathered: bool,
+    graphs: bool = False,
+    steps_per_generation: int = 1,
+    iterations: int = 1,
+) -> dict[str, Any]:
     """A run's step-time prediction (the training step's, planner/layout.py) with its share of the generation phase,
     the reference's forward and the old log-probabilities' forward added, at the prediction's own rates: what a GRPO
     step's measured time (the mean over a generation's steps) is held against."""
-    rates = Rates(tflops=prediction["tflops"], link_gbps=prediction["link_gbps"],
-                  hbm_gbps=prediction.get("hbm_gbps", Rates().hbm_gbps))  # fmt: skip
+    rates = Rates(
+        tflops=prediction["tflops"],
+        link_gbps=prediction["link_gbps"],
+        hbm_gbps=prediction.get("hbm_gbps", Rates().hbm_gbps),
+    )
     requests = requests_per_rank(samples * steps_per_generation, generations, inputs.gpus)
     generation = generation_time(shape, strategy, inputs, requests, completion_length, rates, gathered, graphs)
     rows = samples * steps_per_generation
@@ -205,22 +255,31 @@ def with_generation(prediction: dict[str, Any], shape: Shape, strategy: str, inp
     shared = steps_per_generation * iterations
     old_s = forward_time(shape, strategy, inputs, rows, rates)["seconds"] if shared > 1 else 0.0
     share = (generation["seconds"] + reference_s + old_s) / shared
-    return {**prediction, "training_s": prediction["step_s"], "generation_s": generation["seconds"] / shared,
-            "reference_s": reference_s / shared, "old_logps_s": old_s / shared, "step_s": prediction["step_s"] + share,
-            "shared_steps": shared}  # fmt: skip
+    return {
+        **prediction,
+        "training_s": prediction["step_s"],
+        "generation_s": generation["seconds"] / shared,
+        "reference_s": reference_s / shared,
+        "old_logps_s": old_s / shared,
+        "step_s": prediction["step_s"] + share,
+        "shared_steps": shared,
+    }
 
 
 def grpo_lines(g: dict[str, Any], gpu_memory: int) -> list[str]:
     """The plan's lines on a GRPO step."""
     a, b = g["gathered"], g["layer_by_layer"]
-    uses = "the model gathered once" if g["uses"] == "gathered" else "the shards, layer by layer (gathered does not fit)"
+    uses = (
+        "the model gathered once" if g["uses"] == "gathered" else "the shards, layer by layer (gathered does not fit)"
+    )
     shared = g["steps_per_generation"]
     pool = a["components"].get("graph_pool")
     lines = [
         f"grpo generation ({g['requests_per_rank']} completions of up to {g['completion_length']} tokens per GPU), "
         f"gathered once: {gib(a['peak_bytes'])} per GPU of {gib(gpu_memory)} ({'fits' if a['fits'] else 'does NOT fit'}: "
         f"KV cache {gib(a['components']['kv_cache'])}, model {gib(a['components']['gathered_weights'])}"
-        + (f", CUDA graph {gib(pool)}" if pool else "") + f"), {a['seconds']:.2f} s ({a['tokens_per_second']:,.0f} "
+        + (f", CUDA graph {gib(pool)}" if pool else "")
+        + f"), {a['seconds']:.2f} s ({a['tokens_per_second']:,.0f} "
         "tokens/s per GPU)",
         f"grpo decoding (--decoding): unreplayed (static, generate) {g['eager']['decode_s']:.2f} s "
         f"({g['eager']['tokens_per_second']:,.0f} tokens/s per GPU, the host's launches); as CUDA graphs (graphs) "
@@ -232,20 +291,41 @@ def grpo_lines(g: dict[str, Any], gpu_memory: int) -> list[str]:
         + (f"old log-probabilities {g['old_logps_s']:.2f} s, " if shared > 1 else "")
         + (f"each generation feeding {shared} steps, " if shared > 1 else "")
         + "training "
-        + (f"{g['training_s']:.2f} s: {g['step_s']:.2f} s per step (layer by layer: {g['layer_by_layer_step_s']:.2f} s)"
-           if g["training_s"] is not None else "does NOT fit"),
-    ]  # fmt: skip
+        + (
+            f"{g['training_s']:.2f} s: {g['step_s']:.2f} s per step (layer by layer: {g['layer_by_layer_step_s']:.2f} s)"
+            if g["training_s"] is not None
+            else "does NOT fit"
+        ),
+    ]
     return lines
 
 
-def gathered_fits(model_config, device_type: str, gpus: int, nodes: int, max_length: int, generations: int,
-                  global_batch: int, precision: str, gpu_memory: int, lora_rank: int = 0,
-                  base_bits: int = 16) -> bool:  # noqa: ANN001  # fmt: skip
+def gathered_fits(
+    model_config,
+    device_type: str,
+    gpus: int,
+    nodes: int,
+    max_length: int,
+    generations: int,
+    global_batch: int,
+    precision: str,
+    gpu_memory: int,
+    lora_rank: int = 0,
+    base_bits: int = 16,
+) -> bool:  # noqa: ANN001
     """Whether the model gathered whole and its KV cache fit the GPU beside the training state (CPU: always): the
     plan's generation memory at this run's sizes against the GPU's memory (or --max_gpu_memory)."""
     if device_type != "cuda":
         return True
-    inputs = Inputs(gpus=gpus, nodes=nodes, max_length=max_length, cuda=True, precision=precision,
-                    gpu_memory=gpu_memory, lora_rank=lora_rank, base_bits=base_bits)  # fmt: skip
+    inputs = Inputs(
+        gpus=gpus,
+        nodes=nodes,
+        max_length=max_length,
+        cuda=True,
+        precision=precision,
+        gpu_memory=gpu_memory,
+        lora_rank=lora_rank,
+        base_bits=base_bits,
+    )
     requests = requests_per_rank(global_batch, generations, gpus)
     return sum(generation_memory(Shape.of(model_config), "FULL_SHARD", inputs, requests, True).values()) <= gpu_memory

@@ -68,7 +68,6 @@ def host_memory(
     step = optimizer_step if inputs.cuda else max(optimizer_step, peak_bytes(memory(shape, strategy, inputs)))
     lora = bool(getattr(inputs, "lora_rank", 0))
     if lora:
-
         saved = adapter_params(shape, inputs)
         per = math.ceil(saved / shard_factor(strategy, inputs))  # the trainable state: the adapters'
     full = (12 if save_optimizer else 4) * (saved if lora else n)
@@ -126,11 +125,17 @@ def host_memory(
         "other": other,
         "machine": machine,
         "ranks_per_machine": local,
-        "peak_fresh": {"rank0": max(rank0[p] for p in fresh), "other": max(other[p] for p in fresh),
-                       "machine": max(machine[p] for p in fresh)},
-        "peak_resumed": {"rank0": max(rank0[p] for p in resumed), "other": max(other[p] for p in resumed),
-                         "machine": max(machine[p] for p in resumed)},
-    }  # fmt: skip
+        "peak_fresh": {
+            "rank0": max(rank0[p] for p in fresh),
+            "other": max(other[p] for p in fresh),
+            "machine": max(machine[p] for p in fresh),
+        },
+        "peak_resumed": {
+            "rank0": max(rank0[p] for p in resumed),
+            "other": max(other[p] for p in resumed),
+            "machine": max(machine[p] for p in resumed),
+        },
+    }
 
 
 def render_host(host: dict[str, Any], host_memory_bytes: int) -> list[str]:
@@ -149,9 +154,15 @@ def render_host(host: dict[str, Any], host_memory_bytes: int) -> list[str]:
         "| --- | --- | --- | --- |",
     ]
     for phase, label in labels.items():
-        lines.append(f"| {label} | {gib(host['rank0'][phase])} | {gib(host['other'][phase])} | {gib(host['machine'][phase])} |")
+        lines.append(
+            f"| {label} | {gib(host['rank0'][phase])} | {gib(host['other'][phase])} | {gib(host['machine'][phase])} |"
+        )
     worst = max(host["peak_fresh"]["machine"], host["peak_resumed"]["machine"])
-    verdict = "fits" if worst <= host_memory_bytes else "DOES NOT FIT (try --state_dict_type sharded or --save_optimizer false)"
+    verdict = (
+        "fits"
+        if worst <= host_memory_bytes
+        else "DOES NOT FIT (try --state_dict_type sharded or --save_optimizer false)"
+    )
     lines += [
         "",
         f"machine peak: {gib(host['peak_fresh']['machine'])} fresh, {gib(host['peak_resumed']['machine'])} resumed, "

@@ -4,6 +4,7 @@ activation checkpointing, CPU offload, reduce dtype) from the search (`planner.s
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,10 +13,11 @@ from fsdp_opt.config.choices import AUTO, STRATEGIES
 from fsdp_opt.config.parse import Config
 from fsdp_opt.model.shapes import Shape
 from fsdp_opt.planner.calibrate import measure
+from fsdp_opt.planner.generation import gathered_fits, with_generation
 from fsdp_opt.planner.inputs import Inputs
 from fsdp_opt.planner.search import Space, change_line, cheapest_change, describe, recommend, reduce_dtypes
 from fsdp_opt.planner.steptime import Rates, candidates, rates_for
-from fsdp_opt.runtime.distributed import DistEnv, print0
+from fsdp_opt.runtime.distributed import DistEnv, cap_gpu_memory, print0
 from fsdp_opt.runtime.hostmem import total_memory_bytes
 
 # A CPU run's "GPU memory" for the search: this share of the machine's RAM, split over its ranks.
@@ -39,14 +41,26 @@ class Layout:
 
     def decided(self) -> dict[str, Any]:
         """The flags this layout decides, with their values: what the run prints and stores in place of the flags."""
-        return {"sharding_strategy": self.strategy, "batch_size": self.batch_size, "accum_steps": self.accum_steps,
-                "activation_checkpointing": self.activation_checkpointing, "loss_chunk_tokens": self.loss_chunk_tokens,
-                "cpu_offload": self.cpu_offload, "reduce_dtype": self.reduce_dtype,
-                "reduce_every_microbatch": str(self.reduce_each_microbatch).lower()}  # fmt: skip
+        return {
+            "sharding_strategy": self.strategy,
+            "batch_size": self.batch_size,
+            "accum_steps": self.accum_steps,
+            "activation_checkpointing": self.activation_checkpointing,
+            "loss_chunk_tokens": self.loss_chunk_tokens,
+            "cpu_offload": self.cpu_offload,
+            "reduce_dtype": self.reduce_dtype,
+            "reduce_every_microbatch": str(self.reduce_each_microbatch).lower(),
+        }
 
 
-def run_inputs(config: Config, env: DistEnv, precision: str, gpu: tuple[int, str] | None, accum_steps: int = 1,
-               attention: str | None = None) -> Inputs:  # fmt: skip
+def run_inputs(
+    config: Config,
+    env: DistEnv,
+    precision: str,
+    gpu: tuple[int, str] | None,
+    accum_steps: int = 1,
+    attention: str | None = None,
+) -> Inputs:
     """The plan's inputs for this run: its ranks and memory, the attention kernel it runs (`attention`, resolved from
     --attn_implementation auto), and the flags as given."""
     pc, tc, dc = config.parallel, config.train, config.data
@@ -55,18 +69,36 @@ def run_inputs(config: Config, env: DistEnv, precision: str, gpu: tuple[int, str
     else:
         memory = gpu[0]
     return Inputs(
-        gpus=env.world_size, nodes=env.num_nodes, gpu_memory=memory,
-        batch_size=4 if tc.batch_size == AUTO else tc.batch_size, max_length=dc.max_length, accum_steps=accum_steps,
-        precision=precision, activation_checkpointing=pc.activation_checkpointing,
-        attn_implementation=attention or config.model.attn_implementation, packing=dc.packing, prefetch=pc.prefetch,
-        loss_chunk_tokens=tc.loss_chunk_tokens, cuda=gpu is not None, lora_rank=config.lora.lora_rank,
-        lora_targets=config.lora.lora_targets, lora_dropout=config.lora.dropout, base_bits=config.lora.base_bits,
-        reduce_dtype="fp16" if pc.reduce_dtype == "fp16" else "fp32", cpu_offload=pc.cpu_offload,
-    )  # fmt: skip
+        gpus=env.world_size,
+        nodes=env.num_nodes,
+        gpu_memory=memory,
+        batch_size=4 if tc.batch_size == AUTO else tc.batch_size,
+        max_length=dc.max_length,
+        accum_steps=accum_steps,
+        precision=precision,
+        activation_checkpointing=pc.activation_checkpointing,
+        attn_implementation=attention or config.model.attn_implementation,
+        packing=dc.packing,
+        prefetch=pc.prefetch,
+        loss_chunk_tokens=tc.loss_chunk_tokens,
+        cuda=gpu is not None,
+        lora_rank=config.lora.lora_rank,
+        lora_targets=config.lora.lora_targets,
+        lora_dropout=config.lora.dropout,
+        base_bits=config.lora.base_bits,
+        reduce_dtype="fp16" if pc.reduce_dtype == "fp16" else "fp32",
+        cpu_offload=pc.cpu_offload,
+    )
 
 
-def choose_layout(config: Config, env: DistEnv, model_config: Any, precision: str, accum_steps: int | None,
-                  gpu: tuple[int, str] | None = None) -> Layout:  # fmt: skip
+def choose_layout(
+    config: Config,
+    env: DistEnv,
+    model_config: Any,
+    precision: str,
+    accum_steps: int | None,
+    gpu: tuple[int, str] | None = None,
+) -> Layout:
     """Decide what the flags leave open. `gpu` is this GPU's (usable memory in bytes, name), from
     `distributed.cap_gpu_memory`; None without one. `accum_steps`: the flags' (None with --batch_size auto). The
     config is only read: what is decided comes back as the Layout. Every rank calls it (a CPU run with
@@ -75,44 +107,69 @@ def choose_layout(config: Config, env: DistEnv, model_config: Any, precision: st
         return searched_layout(config, env, model_config, precision, gpu)
     pc, tc = config.parallel, config.train
     choice = pc.reduce_every_microbatch
-    fixed = dict(batch_size=tc.batch_size, accum_steps=accum_steps, activation_checkpointing=pc.activation_checkpointing,
-                 loss_chunk_tokens=tc.loss_chunk_tokens, cpu_offload=pc.cpu_offload, reduce_dtype=pc.reduce_dtype)  # fmt: skip
+    fixed = dict(
+        batch_size=tc.batch_size,
+        accum_steps=accum_steps,
+        activation_checkpointing=pc.activation_checkpointing,
+        loss_chunk_tokens=tc.loss_chunk_tokens,
+        cpu_offload=pc.cpu_offload,
+        reduce_dtype=pc.reduce_dtype,
+    )
     if gpu is None:
-        return Layout("FULL_SHARD" if pc.sharding_strategy == "AUTO" else pc.sharding_strategy, choice == "true", **fixed)
+        return Layout(
+            "FULL_SHARD" if pc.sharding_strategy == "AUTO" else pc.sharding_strategy, choice == "true", **fixed
+        )
     inputs = run_inputs(config, env, precision, gpu, accum_steps, getattr(model_config, "_attn_implementation", None))
     shape = Shape.of(model_config)
     rates = rates_for(gpu[1], pc.tflops, pc.link_gbps)
     strategies = allowed(env) if pc.sharding_strategy == "AUTO" else [pc.sharding_strategy]
     # With one micro-batch per step the two modes are one: candidates lists it once.
-    options = [c for c in candidates(shape, inputs, strategies, rates)
-               if choice == "auto" or accum_steps == 1 or c["reduce_every_microbatch"] == (choice == "true")]  # fmt: skip
+    options = [
+        c
+        for c in candidates(shape, inputs, strategies, rates)
+        if choice == "auto" or accum_steps == 1 or c["reduce_every_microbatch"] == (choice == "true")
+    ]
     if not options[0]["fits"]:  # nothing fits: the least memory, so the failure (if any) is the smallest
         options.sort(key=lambda c: c["peak_bytes"])
         warn_unfit(config, env, shape, inputs, rates, precision, options[0])
     best = options[0]
     if pc.sharding_strategy == "AUTO":
-        print0(f"note: --sharding_strategy AUTO chose {best['strategy']} (fits the memory plan with the shortest "
-               f"predicted step of {', '.join(strategies)})")  # fmt: skip
+        print0(
+            f"note: --sharding_strategy AUTO chose {best['strategy']} (fits the memory plan with the shortest "
+            f"predicted step of {', '.join(strategies)})"
+        )
     if choice == "auto" and best["reduce_every_microbatch"] and accum_steps > 1:
-        print0("note: the memory plan does not fit no-sync gradient accumulation on this GPU; gradients are "
-               "reduce-scattered after every micro-batch (--reduce_every_microbatch false to override)")  # fmt: skip
-    return Layout(best["strategy"], best["reduce_every_microbatch"],
-                  {**best, "tflops": rates.tflops, "link_gbps": rates.link_gbps, "hbm_gbps": rates.hbm_gbps}, **fixed)  # fmt: skip
+        print0(
+            "note: the memory plan does not fit no-sync gradient accumulation on this GPU; gradients are "
+            "reduce-scattered after every micro-batch (--reduce_every_microbatch false to override)"
+        )
+    return Layout(
+        best["strategy"],
+        best["reduce_every_microbatch"],
+        {**best, "tflops": rates.tflops, "link_gbps": rates.link_gbps, "hbm_gbps": rates.hbm_gbps},
+        **fixed,
+    )
 
 
-def warn_unfit(config: Config, env: DistEnv, shape: Shape, inputs: Inputs, rates: Rates, precision: str,
-               least: dict[str, Any]) -> None:  # fmt: skip
+def warn_unfit(
+    config: Config, env: DistEnv, shape: Shape, inputs: Inputs, rates: Rates, precision: str, least: dict[str, Any]
+) -> None:
     """Before the model is built: the flags' run does not fit the memory plan on this GPU, and what does."""
     samples = config.train.samples_per_step(env.world_size)
     sharded = config.checkpoint.state_dict_type == "sharded"
     search = (search_space(config, env, precision, True), total_memory_bytes(), sharded)
     auto = recommend(shape, inputs, samples, rates, *search)
-    fix = (f"--batch_size auto fits it ({describe(auto)})" if auto is not None
-           else change_line(not inputs.lora_rank, inputs, cheapest_change(shape, inputs, samples, rates, *search)))  # fmt: skip
-    print0(f"warning: the memory plan's peak for these flags is {gib(least['peak_bytes'])} per GPU (the least of the "
-           f"layouts they allow), over the {gib(inputs.gpu_memory)} this GPU has: the run will likely run out of GPU "
-           f"memory in its first step; {fix} "
-           "(python -m fsdp_opt.plan with the same flags shows each row)")  # fmt: skip
+    fix = (
+        f"--batch_size auto fits it ({describe(auto)})"
+        if auto is not None
+        else change_line(not inputs.lora_rank, inputs, cheapest_change(shape, inputs, samples, rates, *search))
+    )
+    print0(
+        f"warning: the memory plan's peak for these flags is {gib(least['peak_bytes'])} per GPU (the least of the "
+        f"layouts they allow), over the {gib(inputs.gpu_memory)} this GPU has: the run will likely run out of GPU "
+        f"memory in its first step; {fix} "
+        "(python -m fsdp_opt.plan with the same flags shows each row)"
+    )
 
 
 def allowed(env: DistEnv) -> list[str]:
@@ -124,18 +181,27 @@ def search_space(config: Config, env: DistEnv, precision: str, cuda: bool) -> Sp
     pc = config.parallel
     every = {"auto": (False, True), "true": (True,), "false": (False,)}[pc.reduce_every_microbatch]
     strategies = allowed(env) if pc.sharding_strategy == "AUTO" else [pc.sharding_strategy]
-    return Space(strategies=tuple(strategies), reduce_every=every, reduce_dtypes=reduce_dtypes(pc.reduce_dtype, precision),
-                 checkpointing=(True, False) if pc.activation_checkpointing else (False,), chunking=True,
-                 offload=cuda)  # fmt: skip
+    return Space(
+        strategies=tuple(strategies),
+        reduce_every=every,
+        reduce_dtypes=reduce_dtypes(pc.reduce_dtype, precision),
+        checkpointing=(True, False) if pc.activation_checkpointing else (False,),
+        chunking=True,
+        offload=cuda,
+    )
 
 
-def searched_layout(config: Config, env: DistEnv, model_config: Any, precision: str, gpu: tuple[int, str] | None) -> Layout:
+def searched_layout(
+    config: Config, env: DistEnv, model_config: Any, precision: str, gpu: tuple[int, str] | None
+) -> Layout:
     """--batch_size auto: the fastest configuration that fits, at the run's sequences per step."""
     pc = config.parallel
     samples = config.train.samples_per_step(env.world_size)
     if samples % env.world_size:
-        raise ConfigError(f"--global_batch {samples}: does not split over {env.world_size} rank(s); use a multiple "
-                          f"of {env.world_size}")  # fmt: skip
+        raise ConfigError(
+            f"--global_batch {samples}: does not split over {env.world_size} rank(s); use a multiple "
+            f"of {env.world_size}"
+        )
     if gpu is None:
         measured = measure(env, (precision,))  # the run's dtype: CPU fp16 and bf16 products take seconds each
         rates = Rates.measured(measured, precision)
@@ -145,17 +211,105 @@ def searched_layout(config: Config, env: DistEnv, model_config: Any, precision: 
         where = f"{gpu[1]}, {gib(gpu[0])} each, {rates.tflops:.0f} TFLOPS, link {rates.link_gbps:g} GB/s"
     inputs = run_inputs(config, env, precision, gpu, attention=getattr(model_config, "_attn_implementation", None))
     shape = Shape.of(model_config)
-    best = recommend(shape, inputs, samples, rates, search_space(config, env, precision, gpu is not None),
-                     None if gpu is None else total_memory_bytes(), config.checkpoint.state_dict_type == "sharded")  # fmt: skip
+    best = recommend(
+        shape,
+        inputs,
+        samples,
+        rates,
+        search_space(config, env, precision, gpu is not None),
+        None if gpu is None else total_memory_bytes(),
+        config.checkpoint.state_dict_type == "sharded",
+    )
     if best is None:
-        raise ConfigError(f"--batch_size auto: no configuration of {samples} sequences per step fits "
-                          f"{env.world_size} rank(s) of {gib(inputs.gpu_memory)}; a smaller --global_batch will not "
-                          "help (each rank needs one sequence at least): try --lora_rank or more GPUs")  # fmt: skip
-    print0(f"--batch_size auto: {describe(best)} ({samples} sequences per step); predicted "
-           f"{best['predicted_step_time_s']:.3f} s per step, peak {gib(best['peak_bytes'])} per rank ({where})")  # fmt: skip
+        raise ConfigError(
+            f"--batch_size auto: no configuration of {samples} sequences per step fits "
+            f"{env.world_size} rank(s) of {gib(inputs.gpu_memory)}; a smaller --global_batch will not "
+            "help (each rank needs one sequence at least): try --lora_rank or more GPUs"
+        )
+    print0(
+        f"--batch_size auto: {describe(best)} ({samples} sequences per step); predicted "
+        f"{best['predicted_step_time_s']:.3f} s per step, peak {gib(best['peak_bytes'])} per rank ({where})"
+    )
     p = best["prediction"]
-    return Layout(best["sharding_strategy"], best["reduce_every_microbatch"],
-                  {**p, "strategy": best["sharding_strategy"], "tflops": rates.tflops, "link_gbps": rates.link_gbps, "hbm_gbps": rates.hbm_gbps},
-                  batch_size=best["batch_size"], accum_steps=best["accum_steps"],
-                  activation_checkpointing=best["activation_checkpointing"], loss_chunk_tokens=best["loss_chunk_tokens"],
-                  cpu_offload=best["cpu_offload"], reduce_dtype=best["reduce_dtype"], searched=True)  # fmt: skip
+    return Layout(
+        best["sharding_strategy"],
+        best["reduce_every_microbatch"],
+        {
+            **p,
+            "strategy": best["sharding_strategy"],
+            "tflops": rates.tflops,
+            "link_gbps": rates.link_gbps,
+            "hbm_gbps": rates.hbm_gbps,
+        },
+        batch_size=best["batch_size"],
+        accum_steps=best["accum_steps"],
+        activation_checkpointing=best["activation_checkpointing"],
+        loss_chunk_tokens=best["loss_chunk_tokens"],
+        cpu_offload=best["cpu_offload"],
+        reduce_dtype=best["reduce_dtype"],
+        searched=True,
+    )
+
+
+def with_generation_phase(
+    layout: Layout,
+    config: Config,
+    env: DistEnv,
+    model_config: Any,
+    precision: str,
+    global_batch: int,
+    gathered: bool,
+    graphs: bool,
+    slices: int,
+) -> Layout:
+    """A GRPO run's layout with its step prediction counting the generation, the reference forward and the old
+    log-probabilities' forward (planner/generation.py), as `plan` counts them."""
+    if layout.prediction is None:
+        return layout
+    m, lc = config.method, config.lora
+    inputs = Inputs(
+        gpus=env.world_size,
+        nodes=env.num_nodes,
+        max_length=config.data.max_length,
+        precision=precision,
+        lora_rank=lc.lora_rank,
+        lora_targets=lc.lora_targets,
+        base_bits=lc.base_bits,
+    )
+    prediction = with_generation(
+        layout.prediction,
+        Shape.of(model_config),
+        layout.strategy,
+        inputs,
+        global_batch,
+        m.num_generations,
+        m.max_completion_length,
+        m.uses_reference,
+        gathered,
+        graphs=graphs,
+        steps_per_generation=slices,
+        iterations=m.num_iterations,
+    )
+    return dataclasses.replace(layout, prediction=prediction)
+
+
+def gathered_generation_fits(
+    config: Config, env: DistEnv, model_config: Any, precision: str, global_batch: int
+) -> bool:
+    """Whether this run's model gathered whole and its KV cache fit its GPU (or --max_gpu_memory) beside training."""
+    if env.device.type != "cuda":
+        return True
+    gpu = cap_gpu_memory(config, env)
+    return gathered_fits(
+        model_config,
+        env.device.type,
+        env.world_size,
+        env.num_nodes,
+        config.data.max_length,
+        config.method.num_generations,
+        global_batch,
+        precision,
+        gpu[0],
+        config.lora.lora_rank,
+        config.lora.base_bits,
+    )

@@ -65,7 +65,9 @@ def components(shape, strategy: str, inputs, b: int, c: int, r: int = 4) -> dict
     buffer = max(c * shape.root_params, gathered_block) if f > 1 else 0
     # An NF4 weight is dequantized for its matmul, one at a time, through temporaries (the unpacked codes, their
     # values, the scales spread out) that peak at NF4_DEQUANT_BYTES per weight, the compute-dtype result included.
-    dequantized = NF4_DEQUANT_BYTES * max((i * o for _, i, o in shape.linears), default=0) if inputs.base_bits == 4 else 0
+    dequantized = (
+        NF4_DEQUANT_BYTES * max((i * o for _, i, o in shape.linears), default=0) if inputs.base_bits == 4 else 0
+    )
     # lora_dropout makes its own copy of each adapted layer's input, kept for backward: one block's worth under
     # activation checkpointing (the block being recomputed), every block's without.
     inputs_of_adapted = sum(i for _, i, _ in chosen(shape, inputs.lora_targets))
@@ -97,5 +99,7 @@ def describe(shape, inputs) -> str:  # noqa: ANN001
     a = adapter_params(shape, inputs)
     names = ", ".join(name for name, _, _ in chosen(shape, inputs.lora_targets))
     base = "NF4 (4-bit)" if inputs.base_bits == 4 else inputs.precision
-    return (f"LoRA rank {inputs.lora_rank} on {names} of each block: {a:,} trainable parameters "
-            f"({100 * a / shape.params:.2f}%); the base frozen in {base}")  # fmt: skip
+    return (
+        f"LoRA rank {inputs.lora_rank} on {names} of each block: {a:,} trainable parameters "
+        f"({100 * a / shape.params:.2f}%); the base frozen in {base}"
+    )

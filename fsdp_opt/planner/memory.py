@@ -4,6 +4,7 @@ of it: the peak, the largest micro-batch that fits, whether gradients must be re
 
 from __future__ import annotations
 
+from fsdp_opt.config.method import spec
 from fsdp_opt.model.shapes import Shape
 from fsdp_opt.planner.inputs import (
     CUDA_CONTEXT_BYTES,
@@ -13,7 +14,6 @@ from fsdp_opt.planner.inputs import (
     shard_factor,
     state_bytes,
 )
-from fsdp_opt.config.method import spec
 from fsdp_opt.planner.lora import components
 
 
@@ -28,7 +28,9 @@ def memory(shape: Shape, strategy: str, inputs: Inputs, batch_size: int | None =
     out = state_bytes(shape, strategy, inputs)
     # Without gradient sync between micro-batches FSDP keeps an unsharded gradient until the last one, in the reduce
     # dtype (fp32; with --reduce_dtype fp16 the compute dtype's own gradient).
-    out["accumulated_gradients"] = r * shape.params if inputs.accum_steps > 1 and not inputs.reduce_every_microbatch else 0
+    out["accumulated_gradients"] = (
+        r * shape.params if inputs.accum_steps > 1 and not inputs.reduce_every_microbatch else 0
+    )
     # Gathered weights: the root stays gathered through forward and backward; FULL_SHARD/HYBRID hold the block
     # being computed and the one prefetched (`prefetch` of them with --prefetch); SHARD_GRAD_OP and NO_SHARD
     # keep every block from forward to backward.
@@ -58,7 +60,6 @@ def memory(shape: Shape, strategy: str, inputs: Inputs, batch_size: int | None =
         # One chunk at a time, at its peak in backward's recompute: the same, plus its gradient in the compute dtype.
         out["logits"] = min(inputs.loss_chunk_tokens, s * b) * shape.vocab * (2 * c + 12 if c == 2 else 16)
     if inputs.lora_rank:
-
         out.update(components(shape, strategy, inputs, b, c, r))
     if inputs.cpu_offload:  # the sharded state lives in host memory (host.py counts it there)
         out.update(parameters=0, gradients=0, optimizer=0)
@@ -126,7 +127,9 @@ def reduce_every_microbatch_needed(shape: Shape, strategy: str, inputs: Inputs) 
 
 
 def activation_bytes(shape: Shape, inputs: Inputs, checkpointing: bool) -> int:
-    return memory(shape, "FULL_SHARD", Inputs(**{**inputs.__dict__, "activation_checkpointing": checkpointing}))["activations"]
+    return memory(shape, "FULL_SHARD", Inputs(**{**inputs.__dict__, "activation_checkpointing": checkpointing}))[
+        "activations"
+    ]
 
 
 def largest_micro_batch(shape: Shape, strategy: str, inputs: Inputs, limit: int = 4096) -> int:

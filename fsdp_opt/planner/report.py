@@ -12,9 +12,9 @@ from typing import Any
 
 from fsdp_opt.base import gib
 from fsdp_opt.config.choices import STRATEGIES
+from fsdp_opt.config.method import GENERATION, REFERENCE_PASS, spec
 from fsdp_opt.model.shapes import Shape, model_config
 from fsdp_opt.planner.disk import disk_and_hub, disk_line
-from fsdp_opt.config.method import GENERATION, REFERENCE_PASS, spec
 from fsdp_opt.planner.dpo import reference_line, reference_pass
 from fsdp_opt.planner.generation import grpo_lines, grpo_plan
 from fsdp_opt.planner.host import host_memory as host_phases
@@ -35,10 +35,23 @@ from fsdp_opt.planner.search import (
 from fsdp_opt.planner.steptime import candidates, comm_bytes, render_configurations, step_time
 
 
-def make_plan(model: str, inputs: Inputs, *, disk: int, host_memory: int, keep_last: int, save_optimizer: bool,
-              sharded: bool = False, offload: bool = False, slices: int = 10, keep_full: int = 1,
-              rates=None, samples: int | None = None, space: Space | None = None,
-              data_bytes: int = 0) -> dict[str, Any]:  # fmt: skip
+def make_plan(
+    model: str,
+    inputs: Inputs,
+    *,
+    disk: int,
+    host_memory: int,
+    keep_last: int,
+    save_optimizer: bool,
+    sharded: bool = False,
+    offload: bool = False,
+    slices: int = 10,
+    keep_full: int = 1,
+    rates=None,
+    samples: int | None = None,
+    space: Space | None = None,
+    data_bytes: int = 0,
+) -> dict[str, Any]:
     """`samples`: sequences per optimizer step to search for (default: what the inputs imply); `space`: what the
     search may vary (default: everything, the fp16 reduce only with fp16 compute)."""
 
@@ -64,8 +77,16 @@ def make_plan(model: str, inputs: Inputs, *, disk: int, host_memory: int, keep_l
     recommended = recommend(shape, inputs, samples, rates, space, host_memory, sharded)
     change = None if recommended else cheapest_change(shape, inputs, samples, rates, space, host_memory, sharded)
     gpu_counts = by_gpu_count(shape, inputs, samples, rates, space, host_memory, sharded)
-    stored = disk_and_hub(shape, inputs, disk=disk, keep_last=keep_last, save_optimizer=save_optimizer, slices=slices,
-                          keep_full=keep_full, data_bytes=data_bytes)  # fmt: skip
+    stored = disk_and_hub(
+        shape,
+        inputs,
+        disk=disk,
+        keep_last=keep_last,
+        save_optimizer=save_optimizer,
+        slices=slices,
+        keep_full=keep_full,
+        data_bytes=data_bytes,
+    )
     saved = stored.pop("saved")
 
     given = configurations[0] if configurations and configurations[0]["fits"] else None
@@ -74,7 +95,13 @@ def make_plan(model: str, inputs: Inputs, *, disk: int, host_memory: int, keep_l
         "shape": shape.summary(),
         "lora": describe(shape, inputs) if inputs.lora_rank else None,
         "adapter_params": adapter_params(shape, inputs) if inputs.lora_rank else 0,
-        "inputs": {**inputs.__dict__, "disk": disk, "host_memory": host_memory, "keep_last": keep_last, "save_optimizer": save_optimizer},
+        "inputs": {
+            **inputs.__dict__,
+            "disk": disk,
+            "host_memory": host_memory,
+            "keep_last": keep_last,
+            "save_optimizer": save_optimizer,
+        },
         "activations": {
             "with_checkpointing": activation_bytes(shape, inputs, True),
             "without_checkpointing": activation_bytes(shape, inputs, False),
@@ -84,8 +111,9 @@ def make_plan(model: str, inputs: Inputs, *, disk: int, host_memory: int, keep_l
         "auto_pick": configurations[0] if configurations and configurations[0]["fits"] else None,
         "samples_per_step": samples,
         "recommended": {k: recommended[k] for k in KEYS} if recommended else None,
-        "by_gpu_count": [{k: r[k] for k in (*KEYS, "fits") if k in r} | ({"why": r["why"]} if "why" in r else {})
-                         for r in gpu_counts],
+        "by_gpu_count": [
+            {k: r[k] for k in (*KEYS, "fits") if k in r} | ({"why": r["why"]} if "why" in r else {}) for r in gpu_counts
+        ],
         "recommended_line": "",
         "fits_with": {k: change[k] for k in (*KEYS, "change", "max_length")} if change else None,
         "fits_with_line": None if recommended else change_line(not inputs.lora_rank, inputs, change),
@@ -93,27 +121,48 @@ def make_plan(model: str, inputs: Inputs, *, disk: int, host_memory: int, keep_l
         **stored,
         "host_ram": host_ram(
             host_phases(shape, "FULL_SHARD", inputs, save_optimizer=save_optimizer, sharded=sharded, offload=offload),
-            shape, host_memory, save_optimizer, saved,
+            shape,
+            host_memory,
+            save_optimizer,
+            saved,
         ),
     }
     if REFERENCE_PASS in spec(inputs.method).phases:  # a pass of the reference before training, keyed by the method
-        strategy = next((s for s in ("FULL_SHARD", "HYBRID_SHARD", "SHARD_GRAD_OP", "NO_SHARD") if s in strategies))
+        strategy = next(s for s in ("FULL_SHARD", "HYBRID_SHARD", "SHARD_GRAD_OP", "NO_SHARD") if s in strategies)
         own = bool(inputs.lora_rank) and not inputs.ref_model
         plan[inputs.method] = reference_pass(shape, strategy, inputs, rates, own)
         plan[inputs.method]["strategy"] = strategy
-    if GENERATION in spec(inputs.method).phases:  # GRPO: the generation phase beside the training step, keyed by the method
+    if (
+        GENERATION in spec(inputs.method).phases
+    ):  # GRPO: the generation phase beside the training step, keyed by the method
         # the flags given where they fit (what the command runs), else the recommended layout
         strategy = given["strategy"] if given else recommended["sharding_strategy"] if recommended else "FULL_SHARD"
         training_s = given["step_s"] if given else recommended["predicted_step_time_s"] if recommended else None
         own_reference = inputs.beta > 0 and (not inputs.lora_rank or inputs.ref_model)
-        plan[inputs.method] = grpo_plan(shape, strategy, inputs, samples, inputs.generations, inputs.completion_length,
-                                        inputs.beta, own_reference, training_s, rates, inputs.decoding,
-                                        inputs.generation_slices, inputs.iterations)  # fmt: skip
-    plan["recommended_line"] = recommended_line(recommended, given if samples == inputs.batch_size * inputs.accum_steps * inputs.gpus else None, samples)
+        plan[inputs.method] = grpo_plan(
+            shape,
+            strategy,
+            inputs,
+            samples,
+            inputs.generations,
+            inputs.completion_length,
+            inputs.beta,
+            own_reference,
+            training_s,
+            rates,
+            inputs.decoding,
+            inputs.generation_slices,
+            inputs.iterations,
+        )
+    plan["recommended_line"] = recommended_line(
+        recommended, given if samples == inputs.batch_size * inputs.accum_steps * inputs.gpus else None, samples
+    )
     return plan
 
 
-def host_ram(phases: dict[str, Any], shape: Shape, host_memory: int, save_optimizer: bool, saved: int) -> dict[str, Any]:
+def host_ram(
+    phases: dict[str, Any], shape: Shape, host_memory: int, save_optimizer: bool, saved: int
+) -> dict[str, Any]:
     worst = max(phases["peak_fresh"]["machine"], phases["peak_resumed"]["machine"])
     # gather_bytes: what rank 0 gathers for a full save (and maps again to resume).
     gather = (12 if save_optimizer else 4) * saved
@@ -125,8 +174,11 @@ def render(plan: dict[str, Any]) -> str:
     lines = [
         f"{plan['model']}: {shape['params']:,} parameters ({shape['layers']} blocks of {shape['block_params']:,}, "
         f"root {shape['root_params']:,})",
-        (f"{i['gpus']} GPU(s) on {i['nodes']} node(s), {gib(i['gpu_memory'])} each" if i["cuda"] else
-         f"{i['gpus']} CPU process(es) on {i['nodes']} machine(s), in host memory")
+        (
+            f"{i['gpus']} GPU(s) on {i['nodes']} node(s), {gib(i['gpu_memory'])} each"
+            if i["cuda"]
+            else f"{i['gpus']} CPU process(es) on {i['nodes']} machine(s), in host memory"
+        )
         + f"; micro-batch {i['batch_size']} x {i['max_length']} tokens, {i['precision']}, accum {i['accum_steps']}, "
         "activation checkpointing "
         f"{'on' if i['activation_checkpointing'] else 'off'}",
@@ -139,12 +191,18 @@ def render(plan: dict[str, Any]) -> str:
     lines.append("| --- |" + " --- |" * len(names))
     for comp in comps:
         lines.append(f"| {comp} | " + " | ".join(gib(plan["strategies"][n]["components"][comp]) for n in names) + " |")
-    lines.append("| **total** | " + " | ".join(f"**{gib(plan['strategies'][n]['total_bytes'])}**" for n in names) + " |")
+    lines.append(
+        "| **total** | " + " | ".join(f"**{gib(plan['strategies'][n]['total_bytes'])}**" for n in names) + " |"
+    )
     lines.append("| fits | " + " | ".join("yes" if plan["strategies"][n]["fits"] else "NO" for n in names) + " |")
-    lines.append("| largest micro-batch | " + " | ".join(str(plan["strategies"][n]["max_micro_batch"]) for n in names) + " |")
+    lines.append(
+        "| largest micro-batch | " + " | ".join(str(plan["strategies"][n]["max_micro_batch"]) for n in names) + " |"
+    )
     if any(plan["strategies"][n]["components"]["accumulated_gradients"] for n in names):
-        lines.append("(total: accumulating without sync, the sharded gradients appear only as the accumulated ones are "
-                     "reduce-scattered, so they are not added to them)")
+        lines.append(
+            "(total: accumulating without sync, the sharded gradients appear only as the accumulated ones are "
+            "reduce-scattered, so they are not added to them)"
+        )
 
     lines += ["", *render_configurations(plan), plan["recommended_line"], plan["gpu_count_line"]]
     ref = plan.get(i["method"]) if REFERENCE_PASS in spec(i["method"]).phases else None
@@ -160,7 +218,8 @@ def render(plan: dict[str, Any]) -> str:
         f"activations: {gib(a['with_checkpointing'])} with checkpointing, {gib(a['without_checkpointing'])} without",
         f"checkpoints{' (the adapters)' if plan.get('lora') else ''}: full {gib(c['full_with_optimizer'])} (weights "
         f"only {gib(c['full_weights_only'])}), sharded {gib(c['sharded_with_optimizer_per_rank'])} per rank, fp16 "
-        f"export {gib(c['export_fp16'])}" + (f" (merged into the base: {gib(c['merged_export_fp16'])})" if plan.get("lora") else ""),
+        f"export {gib(c['export_fp16'])}"
+        + (f" (merged into the base: {gib(c['merged_export_fp16'])})" if plan.get("lora") else ""),
         disk_line(d, i["keep_last"], i["disk"]),
         f"Hub repo after {plan['hub']['slices']} slices with --hub_keep_full {plan['hub']['keep_full']}: "
         f"{plan['hub']['total'] / 1e9:,.1f} GB ({plan['hub']['full_checkpoints'] / 1e9:,.1f} GB of full checkpoints, "

@@ -23,8 +23,19 @@ LOSS_CHUNK = 1024  # tokens per chunk when the search turns loss chunking on
 MICRO_BATCH_LIMIT = 256
 
 # The keys of a configuration as `plan --json` gives it (`recommended`, each of `by_gpu_count`).
-KEYS = ("batch_size", "accum_steps", "gpus", "sharding_strategy", "reduce_every_microbatch", "reduce_dtype",
-        "loss_chunk_tokens", "activation_checkpointing", "cpu_offload", "predicted_step_time_s", "peak_bytes")  # fmt: skip
+KEYS = (
+    "batch_size",
+    "accum_steps",
+    "gpus",
+    "sharding_strategy",
+    "reduce_every_microbatch",
+    "reduce_dtype",
+    "loss_chunk_tokens",
+    "activation_checkpointing",
+    "cpu_offload",
+    "predicted_step_time_s",
+    "peak_bytes",
+)
 
 
 @dataclass(frozen=True)
@@ -60,13 +71,24 @@ def _options(shape: Shape, inputs: Inputs, per_gpu: int, space: Space, offload: 
                 for rdtype in space.reduce_dtypes:
                     for ac in space.checkpointing:
                         for chunk in chunks:
-                            yield strategy, replace(inputs, batch_size=b, accum_steps=accum, reduce_every_microbatch=every,
-                                                    reduce_dtype=rdtype, activation_checkpointing=ac,
-                                                    loss_chunk_tokens=chunk, cpu_offload=offload)  # fmt: skip
+                            yield (
+                                strategy,
+                                replace(
+                                    inputs,
+                                    batch_size=b,
+                                    accum_steps=accum,
+                                    reduce_every_microbatch=every,
+                                    reduce_dtype=rdtype,
+                                    activation_checkpointing=ac,
+                                    loss_chunk_tokens=chunk,
+                                    cpu_offload=offload,
+                                ),
+                            )
 
 
-def describe_option(shape: Shape, strategy: str, inputs: Inputs, rates: Rates, host_memory: int | None,
-                    sharded: bool = False) -> dict[str, Any]:  # fmt: skip
+def describe_option(
+    shape: Shape, strategy: str, inputs: Inputs, rates: Rates, host_memory: int | None, sharded: bool = False
+) -> dict[str, Any]:
     """One configuration as the plan reports it, with its peak, whether it fits, and its predicted step."""
     peak = peak_bytes(memory(shape, strategy, inputs))
     fits = peak <= inputs.gpu_memory
@@ -76,23 +98,41 @@ def describe_option(shape: Shape, strategy: str, inputs: Inputs, rates: Rates, h
         host_peak = max(phases["peak_fresh"]["machine"], phases["peak_resumed"]["machine"])
         fits = host_peak <= host_memory
     t = step_time(shape, strategy, inputs, rates)
-    return {"batch_size": inputs.batch_size, "accum_steps": inputs.accum_steps, "gpus": inputs.gpus,
-            "sharding_strategy": strategy, "reduce_every_microbatch": inputs.reduce_every_microbatch and inputs.accum_steps > 1,
-            "reduce_dtype": inputs.reduce_dtype, "loss_chunk_tokens": inputs.loss_chunk_tokens,
-            "activation_checkpointing": inputs.activation_checkpointing, "cpu_offload": inputs.cpu_offload,
-            "predicted_step_time_s": t["step_s"], "peak_bytes": peak, "fits": fits, "prediction": t,
-            "host_peak_bytes": host_peak}  # fmt: skip
+    return {
+        "batch_size": inputs.batch_size,
+        "accum_steps": inputs.accum_steps,
+        "gpus": inputs.gpus,
+        "sharding_strategy": strategy,
+        "reduce_every_microbatch": inputs.reduce_every_microbatch and inputs.accum_steps > 1,
+        "reduce_dtype": inputs.reduce_dtype,
+        "loss_chunk_tokens": inputs.loss_chunk_tokens,
+        "activation_checkpointing": inputs.activation_checkpointing,
+        "cpu_offload": inputs.cpu_offload,
+        "predicted_step_time_s": t["step_s"],
+        "peak_bytes": peak,
+        "fits": fits,
+        "prediction": t,
+        "host_peak_bytes": host_peak,
+    }
 
 
-def recommend(shape: Shape, inputs: Inputs, samples: int, rates: Rates | None = None, space: Space = Space(),
-              host_memory: int | None = None, sharded: bool = False) -> dict[str, Any] | None:  # fmt: skip
+def recommend(
+    shape: Shape,
+    inputs: Inputs,
+    samples: int,
+    rates: Rates | None = None,
+    space: Space = Space(),
+    host_memory: int | None = None,
+    sharded: bool = False,
+) -> dict[str, Any] | None:
     """The fastest configuration of `samples` sequences per step on inputs.gpus GPUs that fits; None when none does
     (or when the GPUs do not divide `samples`)."""
     return _search(shape, inputs, samples, rates or Rates(), space, host_memory, sharded)[0]
 
 
-def _search(shape: Shape, inputs: Inputs, samples: int, rates: Rates, space: Space, host_memory: int | None,
-            sharded: bool) -> tuple[dict[str, Any] | None, str]:  # fmt: skip
+def _search(
+    shape: Shape, inputs: Inputs, samples: int, rates: Rates, space: Space, host_memory: int | None, sharded: bool
+) -> tuple[dict[str, Any] | None, str]:
     """The best configuration, or None and why."""
     if samples % inputs.gpus:
         return None, f"{samples} sequences do not split over {inputs.gpus} GPUs"
@@ -108,14 +148,19 @@ def _search(shape: Shape, inputs: Inputs, samples: int, rates: Rates, space: Spa
             option = describe_option(shape, strategy, this, rates, host_memory, sharded)
             if option["host_peak_bytes"] is not None and not option["fits"]:
                 least_host = min(least_host or option["host_peak_bytes"], option["host_peak_bytes"])
-            if option["fits"] and (best is None or (option["predicted_step_time_s"], option["peak_bytes"])
-                                   < (best["predicted_step_time_s"], best["peak_bytes"])):  # fmt: skip
+            if option["fits"] and (
+                best is None
+                or (option["predicted_step_time_s"], option["peak_bytes"])
+                < (best["predicted_step_time_s"], best["peak_bytes"])
+            ):
                 best = option
         if best is not None:
             return best, ""
     if least_host is not None:
-        return None, (f"it fits the GPU only with --cpu_offload, and then host RAM peaks at {least_host / 1e9:.1f} GB "
-                      f"(a full save included) of {host_memory / 1e9:.1f} GB")  # fmt: skip
+        return None, (
+            f"it fits the GPU only with --cpu_offload, and then host RAM peaks at {least_host / 1e9:.1f} GB "
+            f"(a full save included) of {host_memory / 1e9:.1f} GB"
+        )
     if inputs.lora_rank and inputs.base_bits == 16:
         return None, "nothing fits the GPU's memory (a 4-bit base, --base_bits 4, is smaller)"
     return None, "nothing fits the GPU's memory"
@@ -124,8 +169,15 @@ def _search(shape: Shape, inputs: Inputs, samples: int, rates: Rates, space: Spa
 SUGGESTED_RANK = 16  # the LoRA rank a suggestion names
 
 
-def cheapest_change(shape: Shape, inputs: Inputs, samples: int, rates: Rates | None = None, space: Space = Space(),
-                    host_memory: int | None = None, sharded: bool = False) -> dict[str, Any] | None:  # fmt: skip
+def cheapest_change(
+    shape: Shape,
+    inputs: Inputs,
+    samples: int,
+    rates: Rates | None = None,
+    space: Space = Space(),
+    host_memory: int | None = None,
+    sharded: bool = False,
+) -> dict[str, Any] | None:
     """When nothing fits: the first change that does, in order of what it gives up: LoRA (rank 16) instead of
     full fine-tuning, then a 4-bit base, then a shorter --max_length (halved, down to 128). Returns the fastest
     configuration with that change, with "change" (the flags), "max_length" and "inputs" (the plan's inputs with the
@@ -155,15 +207,26 @@ def cheapest_change(shape: Shape, inputs: Inputs, samples: int, rates: Rates | N
 def change_line(full: bool, inputs: Inputs, found: dict[str, Any] | None) -> str:
     """The plan's line when nothing fits: what does, e.g. "full fine-tuning does not fit 2 x 14.50 GiB; --lora_rank 16
     fits, 10.40 s per step"."""
-    what = "full fine-tuning" if full else f"LoRA rank {inputs.lora_rank}" + (" on a 4-bit base" if inputs.base_bits == 4 else "")
+    what = (
+        "full fine-tuning"
+        if full
+        else f"LoRA rank {inputs.lora_rank}" + (" on a 4-bit base" if inputs.base_bits == 4 else "")
+    )
     line = f"{what} does not fit {inputs.gpus} x {inputs.gpu_memory / 2**30:.2f} GiB"
     if found is None:
         return line + "; nor does LoRA on a 4-bit base at 128 tokens"
     return line + f"; {found['change']} fits, {found['predicted_step_time_s']:.2f} s per step ({describe(found)})"
 
 
-def by_gpu_count(shape: Shape, inputs: Inputs, samples: int, rates: Rates | None = None, space: Space = Space(),
-                 host_memory: int | None = None, sharded: bool = False) -> list[dict[str, Any]]:  # fmt: skip
+def by_gpu_count(
+    shape: Shape,
+    inputs: Inputs,
+    samples: int,
+    rates: Rates | None = None,
+    space: Space = Space(),
+    host_memory: int | None = None,
+    sharded: bool = False,
+) -> list[dict[str, Any]]:
     """The best configuration for 1, 2, ... inputs.gpus GPUs at the same sequences per step (on one node while the
     count fits in one: gpus per node = inputs.gpus / inputs.nodes)."""
     per_node = max(1, inputs.gpus // inputs.nodes)
@@ -215,13 +278,20 @@ def gpu_count_line(rows: list[dict[str, Any]]) -> str:
     fastest = min(ok, key=lambda r: r["predicted_step_time_s"])
     if one is None:
         why = next((r["why"] for r in rows if r["gpus"] == 1), "")
-        return (f"{most['gpus']} GPUs: {most['predicted_step_time_s']:.2f} s per step; one GPU does not fit ({why})"
-                + ("" if fastest is most else f"; {fastest['gpus']} GPUs are fastest ({fastest['predicted_step_time_s']:.2f} s)"))
+        return f"{most['gpus']} GPUs: {most['predicted_step_time_s']:.2f} s per step; one GPU does not fit ({why})" + (
+            ""
+            if fastest is most
+            else f"; {fastest['gpus']} GPUs are fastest ({fastest['predicted_step_time_s']:.2f} s)"
+        )
     if most is one:
         return "1 GPU: the only count that fits"
     speedup = one["predicted_step_time_s"] / most["predicted_step_time_s"]
     if speedup >= 1:
-        return (f"{most['gpus']} GPUs: {speedup:.2f}x one GPU ({most['predicted_step_time_s']:.2f} s against "
-                f"{one['predicted_step_time_s']:.2f} s per step)")  # fmt: skip
-    return (f"1 GPU: {1 / speedup:.2f}x {most['gpus']} GPUs ({one['predicted_step_time_s']:.2f} s against "
-            f"{most['predicted_step_time_s']:.2f} s per step): the link costs more than the second GPU gives")  # fmt: skip
+        return (
+            f"{most['gpus']} GPUs: {speedup:.2f}x one GPU ({most['predicted_step_time_s']:.2f} s against "
+            f"{one['predicted_step_time_s']:.2f} s per step)"
+        )
+    return (
+        f"1 GPU: {1 / speedup:.2f}x {most['gpus']} GPUs ({one['predicted_step_time_s']:.2f} s against "
+        f"{most['predicted_step_time_s']:.2f} s per step): the link costs more than the second GPU gives"
+    )

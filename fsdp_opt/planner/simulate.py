@@ -33,10 +33,9 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from fsdp_opt.base import GIB, MIB
 from fsdp_opt.config.choices import DTYPES, shard_count
+from fsdp_opt.config.layout import LoraConfig
 from fsdp_opt.config.method import spec
-from fsdp_opt.config.training import LoraConfig
 from fsdp_opt.data.packing import document_mask, segment_positions
 from fsdp_opt.data.pairs import Pairs
 from fsdp_opt.engine.dpo import dpo_terms, micro_logps
@@ -48,7 +47,6 @@ from fsdp_opt.model.adapters import Adapters
 from fsdp_opt.model.parallelize import shard_model
 from fsdp_opt.model.shapes import model_config
 from fsdp_opt.model.sources import build_meta_model
-from fsdp_opt.planner.memory import peak_bytes
 from fsdp_opt.runtime.distributed import DistEnv
 
 # Groups compared with the plan: simulated labels on the left, the plan's components on the right.
@@ -101,7 +99,9 @@ def accumulated_gradient_bytes(model) -> int:  # noqa: ANN001
         group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
         for fp in group.fsdp_params if group is not None else ():
             grad = fp.unsharded_accumulated_grad
-            if grad is None and getattr(fp, "_unsharded_param", None) is not None:  # same dtype: accumulated in the parameter's .grad
+            if (
+                grad is None and getattr(fp, "_unsharded_param", None) is not None
+            ):  # same dtype: accumulated in the parameter's .grad
                 grad = getattr(fp._unsharded_param, "grad", None)
             total += 0 if grad is None else grad.numel() * grad.element_size()
     return total
@@ -143,8 +143,13 @@ def _rank0(inputs) -> DistEnv:  # noqa: ANN001
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=inputs.gpus)
     world = dist.get_world_size()
-    return DistEnv(rank=dist.get_rank(), world_size=world, local_rank=0,
-                   local_world_size=max(1, world // inputs.nodes), device=torch.device("cpu"))  # fmt: skip
+    return DistEnv(
+        rank=dist.get_rank(),
+        world_size=world,
+        local_rank=0,
+        local_world_size=max(1, world // inputs.nodes),
+        device=torch.device("cpu"),
+    )
 
 
 def _meta_model(model_name: str, inputs):  # noqa: ANN001, ANN202
@@ -157,8 +162,12 @@ def _meta_model(model_name: str, inputs):  # noqa: ANN001, ANN202
 
 def _optimizer_bytes(optimizer) -> int:  # noqa: ANN001
     """AdamW's state of this rank (its shards), in bytes."""
-    return sum(t.to_local().numel() * t.element_size() if hasattr(t, "to_local") else t.numel() * t.element_size()
-               for state in optimizer.state.values() for t in state.values() if t.dim() > 0)  # fmt: skip
+    return sum(
+        t.to_local().numel() * t.element_size() if hasattr(t, "to_local") else t.numel() * t.element_size()
+        for state in optimizer.state.values()
+        for t in state.values()
+        if t.dim() > 0
+    )
 
 
 def simulate(model_name: str, inputs, strategy: str, *, fake: bool = True, micro_batches: int = 2) -> dict[str, Any]:
@@ -171,12 +180,20 @@ def simulate(model_name: str, inputs, strategy: str, *, fake: bool = True, micro
     world = env.world_size
     config, model = _meta_model(model_name, inputs)
     if inputs.lora_rank:  # the adapters on a frozen base in the compute dtype, as the trainer adds them (16-bit base)
-        settings = LoraConfig(lora_rank=inputs.lora_rank, lora_targets=inputs.lora_targets,
-                              lora_dropout=inputs.lora_dropout)  # fmt: skip
+        settings = LoraConfig(
+            lora_rank=inputs.lora_rank, lora_targets=inputs.lora_targets, lora_dropout=inputs.lora_dropout
+        )
         Adapters(settings, model_name, DTYPES[inputs.precision], 0).add_to(
-            model, shard_count(strategy, world, max(1, world // inputs.nodes)))
-    shard_model(model, env, strategy=strategy, precision=inputs.precision,
-                    activation_checkpointing=inputs.activation_checkpointing, prefetch=inputs.prefetch)  # fmt: skip
+            model, shard_count(strategy, world, max(1, world // inputs.nodes))
+        )
+    shard_model(
+        model,
+        env,
+        strategy=strategy,
+        precision=inputs.precision,
+        activation_checkpointing=inputs.activation_checkpointing,
+        prefetch=inputs.prefetch,
+    )
     micro = min(micro_batches, inputs.accum_steps)
     pairs = DpoMicroBatch(config.vocab_size, inputs, env.device) if spec(inputs.method).sequences_per_row == 2 else None
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext()
@@ -223,8 +240,15 @@ def simulate(model_name: str, inputs, strategy: str, *, fake: bool = True, micro
     for group in GROUPS:
         groups.setdefault(group, 0)
     peak_total = peak.pop("Total") + optimizer_bytes
-    return {"groups": groups, "at_peak": peak, "group_moments": tracker.group_moments, "peak_total": peak_total, "micro_batches": micro, "world_size": world,
-            "fake": fake}  # fmt: skip
+    return {
+        "groups": groups,
+        "at_peak": peak,
+        "group_moments": tracker.group_moments,
+        "peak_total": peak_total,
+        "micro_batches": micro,
+        "world_size": world,
+        "fake": fake,
+    }
 
 
 class DpoMicroBatch:
@@ -238,8 +262,15 @@ class DpoMicroBatch:
         draw = random.Random(0)
         ids = [[draw.randrange(vocab_size) for _ in range(n)] for _ in range(2 * inputs.batch_size)]
         targets = [[k >= n // 2 for k in range(n)] for _ in ids]
-        self.pairs = Pairs(ids, targets, list(range(inputs.batch_size)), 0, inputs.max_length, inputs.packing,
-                           inputs.attn_implementation or "sdpa")  # fmt: skip
+        self.pairs = Pairs(
+            ids,
+            targets,
+            list(range(inputs.batch_size)),
+            0,
+            inputs.max_length,
+            inputs.packing,
+            inputs.attn_implementation or "sdpa",
+        )
         self.members = list(range(inputs.batch_size))
         self.built = self.pairs.micro(self.members, device)
 
@@ -270,15 +301,24 @@ def simulate_reference(model_name: str, inputs, strategy: str) -> dict[str, Any]
     for p in model.parameters():
         p.requires_grad_(False)
         p.data = p.data.to(dtype)
-    shard_model(model, env, strategy=strategy, precision=inputs.precision, activation_checkpointing=False,
-                prefetch=inputs.prefetch)  # fmt: skip
+    shard_model(
+        model,
+        env,
+        strategy=strategy,
+        precision=inputs.precision,
+        activation_checkpointing=False,
+        prefetch=inputs.prefetch,
+    )
     pairs = DpoMicroBatch(config.vocab_size, inputs, env.device)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device=env.device)
         model.eval()
         tracker = _tracker_class()(model)
         tracker.group_peaks, tracker.group_moments = {}, {}
-        with tracker, torch.no_grad():  # the reference pass's forward (engine/dpo.py pair_logps), every position a target
+        with (
+            tracker,
+            torch.no_grad(),
+        ):  # the reference pass's forward (engine/dpo.py pair_logps), every position a target
             pairs.logps(model, HeadLoss.for_run(model, 0, select=False))
         peak = {_label(k): v for k, v in next(iter(tracker.get_tracker_snapshot("peak").values())).items()}
     return {"peak_total": peak.pop("Total"), "at_peak": peak, "world_size": world}
@@ -294,7 +334,8 @@ def simulate_generation(model_name: str, inputs, strategy: str, requests: int) -
     if inputs.lora_rank:
         settings = LoraConfig(lora_rank=inputs.lora_rank, lora_targets=inputs.lora_targets, lora_dropout=0.0)
         Adapters(settings, model_name, DTYPES[inputs.precision], 0).add_to(
-            model, shard_count(strategy, world, max(1, world // inputs.nodes)))
+            model, shard_count(strategy, world, max(1, world // inputs.nodes))
+        )
     shard_model(model, env, strategy=strategy, precision=inputs.precision, activation_checkpointing=False)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device=env.device)
@@ -307,42 +348,9 @@ def simulate_generation(model_name: str, inputs, strategy: str, requests: int) -
         with tracker, torch.no_grad(), gathered(model):
             model(input_ids=ids, use_cache=True, logits_to_keep=1)
         peak = {_label(k): v for k, v in next(iter(tracker.get_tracker_snapshot("peak").values())).items()}
-    return {"peak_total": peak.pop("Total") + optimizer_bytes, "at_peak": peak, "world_size": world,
-            "requests": requests}  # fmt: skip
-
-
-def compare(simulated: dict[str, Any], planned: dict[str, int]) -> dict[str, Any]:
-    """Each group simulated against the plan's components, and the totals (the plan's without its `runtime`)."""
-    rows = {}
-    for group, (_, comps) in GROUPS.items():
-        plan_value = sum(planned.get(c, 0) for c in comps)
-        sim_value = simulated["groups"][group]
-        rows[group] = {"simulated": sim_value, "planned": plan_value, "ratio": plan_value / sim_value if sim_value else None}
-
-    plan_total = peak_bytes({k: v for k, v in planned.items() if k != "runtime"})
-    rows["total"] = {"simulated": simulated["peak_total"], "planned": plan_total,
-                     "ratio": plan_total / simulated["peak_total"] if simulated["peak_total"] else None}  # fmt: skip
-    return rows
-
-
-def render(strategy: str, rows: dict[str, Any], simulated: dict[str, Any]) -> list[str]:
-    small = simulated["peak_total"] < GIB
-    gib, unit = (MIB, "MiB") if small else (GIB, "GiB")
-    lines = [
-        f"simulated ({'fake tensors' if simulated['fake'] else 'real tensors'}, rank 0 of {simulated['world_size']}, "
-        f"{simulated['micro_batches']} micro-batch(es) of the step), {strategy}:",
-        "| per GPU | simulated | planned | plan / simulated |",
-        "| --- | --- | --- | --- |",
-    ]
-    for group, row in rows.items():
-        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}"
-        name = "**peak (plan: its total less runtime)**" if group == "total" else group
-        lines.append(f"| {name} | {row['simulated'] / gib:,.2f} {unit} | {row['planned'] / gib:,.2f} {unit} | {ratio} |")
-    def labels(snap: dict[str, int]) -> str:
-        return ", ".join(f"{k} {v / gib:.2f}" for k, v in snap.items() if v >= gib / 100)
-
-    lines.append(f"at the simulated peak ({unit}, optimizer state aside): {labels(simulated['at_peak'])}")
-    for group, row in rows.items():
-        if row["ratio"] is not None and abs(row["ratio"] - 1) > 0.10 and group in simulated["group_moments"]:
-            lines.append(f"when {group} peaked ({unit}): {labels(simulated['group_moments'][group])}")
-    return lines
+    return {
+        "peak_total": peak.pop("Total") + optimizer_bytes,
+        "at_peak": peak,
+        "world_size": world,
+        "requests": requests,
+    }

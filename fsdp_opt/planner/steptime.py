@@ -48,14 +48,20 @@ class Rates:
     source: str = "2xT4 figures"
 
     @classmethod
-    def measured(cls, m: dict[str, Any], precision: str) -> "Rates":
+    def measured(cls, m: dict[str, Any], precision: str) -> Rates:
         """From a calibration (`planner.calibrate.measure`) for runs in `precision`."""
         cpu = m["device"] == "cpu"
-        return cls(tflops=m["matmul_tflops"][precision], link_gbps=m["all_gather_gbps"]["fp32"],
-                   hbm_gbps=m["optimizer_gbps"], memory_gbps=m["memory_gbps"],
-                   first_touch_gbps=m.get("first_touch_gbps", 0.0), reduce_gbps=m["reduce_scatter_gbps"]["fp32"],
-                   reduce_fp16_gbps=m["reduce_scatter_gbps"]["fp16"], overlap=not cpu,
-                   source=f"measured on {m['device']}, {m['world_size']} ranks")  # fmt: skip
+        return cls(
+            tflops=m["matmul_tflops"][precision],
+            link_gbps=m["all_gather_gbps"]["fp32"],
+            hbm_gbps=m["optimizer_gbps"],
+            memory_gbps=m["memory_gbps"],
+            first_touch_gbps=m.get("first_touch_gbps", 0.0),
+            reduce_gbps=m["reduce_scatter_gbps"]["fp32"],
+            reduce_fp16_gbps=m["reduce_scatter_gbps"]["fp16"],
+            overlap=not cpu,
+            source=f"measured on {m['device']}, {m['world_size']} ranks",
+        )
 
     def reduce_rate(self, fp16: bool) -> float:
         base = self.reduce_gbps or self.link_gbps
@@ -166,7 +172,9 @@ def step_time(shape, strategy: str, inputs, rates: Rates | None = None) -> dict[
     flops = compute_flops(shape, inputs)
     compute = flops / (rates.tflops * 1e12)
     traffic, fresh = memory_traffic(shape, strategy, inputs)
-    memory_bound = traffic / (rates.memory_gbps * 1e9) + (fresh / (rates.first_touch_gbps * 1e9) if rates.first_touch_gbps else 0.0)
+    memory_bound = traffic / (rates.memory_gbps * 1e9) + (
+        fresh / (rates.first_touch_gbps * 1e9) if rates.first_touch_gbps else 0.0
+    )
     busy = compute + memory_bound  # the device's own work: matmuls, then what memory bandwidth bounds
     comm = comm_bytes(shape, strategy, inputs)
     link, reduce = rates.link_gbps * 1e9, rates.reduce_rate(inputs.reduce_dtype == "fp16") * 1e9
@@ -185,9 +193,16 @@ def step_time(shape, strategy: str, inputs, rates: Rates | None = None) -> dict[
         step = max(busy, communication + host_s - exposed) + exposed + optimizer
     else:  # one set of cores does everything in turn
         step = busy + communication + host_s + optimizer
-    return {"compute_s": compute, "memory_bound_s": memory_bound, "communication_s": communication, "exposed_communication_s": exposed if rates.overlap
-            else communication, "host_copies_s": host_s, "optimizer_s": optimizer, "step_s": step,
-            "hardware_flops_per_token": flops / (inputs.batch_size * inputs.max_length * inputs.accum_steps)}  # fmt: skip
+    return {
+        "compute_s": compute,
+        "memory_bound_s": memory_bound,
+        "communication_s": communication,
+        "exposed_communication_s": exposed if rates.overlap else communication,
+        "host_copies_s": host_s,
+        "optimizer_s": optimizer,
+        "step_s": step,
+        "hardware_flops_per_token": flops / (inputs.batch_size * inputs.max_length * inputs.accum_steps),
+    }
 
 
 def forward_time(shape, strategy: str, inputs, rows: int, rates: Rates | None = None) -> dict[str, float]:  # noqa: ANN001
@@ -221,11 +236,18 @@ def candidates(shape, inputs, strategies: list[str], rates: Rates | None = None)
 
     out = []
     for strategy in strategies:
-        for every in ((False, True) if inputs.accum_steps > 1 else (False,)):
+        for every in (False, True) if inputs.accum_steps > 1 else (False,):
             this = Inputs(**{**inputs.__dict__, "reduce_every_microbatch": every})
             peak = peak_bytes(memory(shape, strategy, this))
-            out.append({"strategy": strategy, "reduce_every_microbatch": every, "peak_bytes": peak,
-                        "fits": peak <= inputs.gpu_memory, **step_time(shape, strategy, this, rates)})  # fmt: skip
+            out.append(
+                {
+                    "strategy": strategy,
+                    "reduce_every_microbatch": every,
+                    "peak_bytes": peak,
+                    "fits": peak <= inputs.gpu_memory,
+                    **step_time(shape, strategy, this, rates),
+                }
+            )
     return sorted(out, key=lambda r: (not r["fits"], r["step_s"]))
 
 
@@ -246,15 +268,27 @@ def rates_for(gpu_name: str, tflops: float, link_gbps: float) -> Rates:
 
 
 def render_configurations(plan: dict[str, Any]) -> list[str]:
-    lines = ["| configuration | peak per GPU | fits | comm per step (wire) | compute | step (predicted) |",
-             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = [
+        "| configuration | peak per GPU | fits | comm per step (wire) | compute | step (predicted) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for c in plan["configurations"]:
         sync = "reduce every micro-batch" if c["reduce_every_microbatch"] else "reduce on the last micro-batch"
-        lines.append(f"| {c['strategy']}, {sync} | {gib(c['peak_bytes'])} | {'yes' if c['fits'] else 'NO'} | "
-                     f"{c['communication_s']:.2f} s | {c['compute_s']:.2f} s | {c['step_s']:.2f} s |")  # fmt: skip
+        lines.append(
+            f"| {c['strategy']}, {sync} | {gib(c['peak_bytes'])} | {'yes' if c['fits'] else 'NO'} | "
+            f"{c['communication_s']:.2f} s | {c['compute_s']:.2f} s | {c['step_s']:.2f} s |"
+        )
     pick = plan["auto_pick"]
-    lines.append("auto picks: " + (f"{pick['strategy']}, " + ("reduce every micro-batch" if pick["reduce_every_microbatch"]
-                 else "reduce on the last micro-batch") + f" ({pick['step_s']:.2f} s per step)" if pick else "nothing fits"))  # fmt: skip
+    lines.append(
+        "auto picks: "
+        + (
+            f"{pick['strategy']}, "
+            + ("reduce every micro-batch" if pick["reduce_every_microbatch"] else "reduce on the last micro-batch")
+            + f" ({pick['step_s']:.2f} s per step)"
+            if pick
+            else "nothing fits"
+        )
+    )
     return lines
 
 
@@ -262,15 +296,19 @@ def describe_prediction(p: dict[str, Any] | None) -> str:
     """The run summary's line for a prediction."""
     if p is None:
         return "GPU runs only (the model's rates are a GPU's)"
-    line = (f"{p['step_s']:.2f} s: compute {p['compute_s']:.2f} s at {p['tflops']:.3g} TFLOPS, memory-bound work "
-            f"{p.get('memory_bound_s', 0.0):.2f} s, communication "
-            f"{p['communication_s']:.2f} s at {p['link_gbps']:.3g} GB/s ({p['exposed_communication_s']:.2f} s not "
-            f"overlapped), optimizer {p['optimizer_s']:.2f} s")  # fmt: skip
+    line = (
+        f"{p['step_s']:.2f} s: compute {p['compute_s']:.2f} s at {p['tflops']:.3g} TFLOPS, memory-bound work "
+        f"{p.get('memory_bound_s', 0.0):.2f} s, communication "
+        f"{p['communication_s']:.2f} s at {p['link_gbps']:.3g} GB/s ({p['exposed_communication_s']:.2f} s not "
+        f"overlapped), optimizer {p['optimizer_s']:.2f} s"
+    )
     if "generation_s" in p:  # --method grpo (planner/generation.py with_generation)
         line += f"; generation {p['generation_s']:.2f} s, reference forward {p['reference_s']:.2f} s"
         if p.get("shared_steps", 1) > 1:
-            line += (f", old log-probabilities {p['old_logps_s']:.2f} s (each a step's share of a generation that "
-                     f"feeds {p['shared_steps']} steps)")  # fmt: skip
+            line += (
+                f", old log-probabilities {p['old_logps_s']:.2f} s (each a step's share of a generation that "
+                f"feeds {p['shared_steps']} steps)"
+            )
     return line
 
 

@@ -12,9 +12,10 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -127,8 +128,10 @@ def end_process(main: Callable[[], int | None]) -> None:
     except ModuleNotFoundError as exc:
         if not exc.name or exc.name.split(".")[0] == "fsdp_opt":
             raise  # the package itself incomplete: a bug, with its traceback
-        say_error(f"error: rank {env_rank()}: the package {exc.name.split('.')[0]!r} is not installed in this Python "
-            f"({sys.executable}): pip install -r requirements.txt installs what fsdp-opt needs")  # fmt: skip
+        say_error(
+            f"error: rank {env_rank()}: the package {exc.name.split('.')[0]!r} is not installed in this Python "
+            f"({sys.executable}): pip install -r requirements.txt installs what fsdp-opt needs"
+        )
         code = 1
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
@@ -145,9 +148,11 @@ def oom_line(message: str) -> str:
     """The one line for a rank that ran out of GPU memory: what torch says of the device (without its advice on the
     allocator), and what makes a run fit."""
     said = message.split(" Of the allocated memory")[0].split(" If reserved")[0].strip().rstrip(";.")
-    return (f"error: rank {env_rank()}: out of GPU memory ({said[:300]}). The run does not fit its GPUs: "
-            "--batch_size auto picks a layout that fits (python -m fsdp_opt.plan with the same flags shows the peak), "
-            "or train LoRA adapters (--lora_rank 16), on more GPUs, or with --cpu_offload")
+    return (
+        f"error: rank {env_rank()}: out of GPU memory ({said[:300]}). The run does not fit its GPUs: "
+        "--batch_size auto picks a layout that fits (python -m fsdp_opt.plan with the same flags shows the peak), "
+        "or train LoRA adapters (--lora_rank 16), on more GPUs, or with --cpu_offload"
+    )
 
 
 def say(line: str) -> None:

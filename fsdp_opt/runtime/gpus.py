@@ -43,7 +43,9 @@ def from_nvidia_smi() -> list[dict[str, Any]]:
         parts = [p.strip() for p in line.split(",")]
         if len(parts) != 4:
             return []  # an older nvidia-smi without compute_cap
-        gpus.append({"index": int(parts[0]), "name": parts[1], "memory_gib": float(parts[2]) / 1024, "capability": parts[3]})
+        gpus.append(
+            {"index": int(parts[0]), "name": parts[1], "memory_gib": float(parts[2]) / 1024, "capability": parts[3]}
+        )
     return gpus
 
 
@@ -65,7 +67,9 @@ print(json.dumps(out))
 def from_a_child_process() -> list[dict[str, Any]]:
     """torch's own reading, from a process that ends (and frees its CUDA contexts) before this returns."""
     try:
-        out = subprocess.run([sys.executable, "-c", CHILD_QUERY], capture_output=True, text=True, timeout=180, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", CHILD_QUERY], capture_output=True, text=True, timeout=180, check=True
+        )
         return json.loads(out.stdout.strip().splitlines()[-1])
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return []

@@ -33,7 +33,12 @@ def _status() -> dict[str, int]:
 def rss_bytes() -> dict[str, int]:
     """Resident bytes now: `rss` in all, `anon` (heap, tensors), `file` (mapped files); and `peak` (VmHWM)."""
     s = _status()
-    return {"rss": s.get("VmRSS", 0), "anon": s.get("RssAnon", 0), "file": s.get("RssFile", 0), "peak": s.get("VmHWM", 0)}
+    return {
+        "rss": s.get("VmRSS", 0),
+        "anon": s.get("RssAnon", 0),
+        "file": s.get("RssFile", 0),
+        "peak": s.get("VmHWM", 0),
+    }
 
 
 def peak_rss_bytes() -> int:

@@ -41,8 +41,10 @@ def format_summary(items: dict[str, Any]) -> str:
 def gpu_memory_line(env) -> str | None:  # noqa: ANN001 - a distributed.DistEnv
     if env.device.type != "cuda":
         return None
-    return (f"GPU memory peak on rank {env.rank}: {gib(torch.cuda.max_memory_allocated(env.device))} "
-            f"allocated, {gib(torch.cuda.max_memory_reserved(env.device))} reserved")  # fmt: skip
+    return (
+        f"GPU memory peak on rank {env.rank}: {gib(torch.cuda.max_memory_allocated(env.device))} "
+        f"allocated, {gib(torch.cuda.max_memory_reserved(env.device))} reserved"
+    )
 
 
 def host_peaks_line(world_size: int) -> str:

@@ -42,7 +42,9 @@ class WandbRun:
     prints one warning and turns logging off; training goes on.
     """
 
-    def __init__(self, *, enabled: bool, project: str, mode: str, run_id: str | None, config: dict[str, Any], out_dir: Path):
+    def __init__(
+        self, *, enabled: bool, project: str, mode: str, run_id: str | None, config: dict[str, Any], out_dir: Path
+    ):
         self.run = None
         self.run_id = run_id
         self._start: tuple[str, str, dict[str, Any], Path] | None = None
@@ -73,9 +75,20 @@ class WandbRun:
             out_dir.mkdir(parents=True, exist_ok=True)
             for attempt in (mode, "offline") if mode == "online" else (mode,):
                 try:
-                    settings = wandb.Settings(console="off", silent=True, x_disable_stats=True, init_timeout=float(os.environ.get("WANDB_INIT_TIMEOUT", 60)))
+                    settings = wandb.Settings(
+                        console="off",
+                        silent=True,
+                        x_disable_stats=True,
+                        init_timeout=float(os.environ.get("WANDB_INIT_TIMEOUT", 60)),
+                    )
                     self.run = wandb.init(
-                        project=project, id=self.run_id, resume="allow", mode=attempt, dir=str(out_dir), config=config, settings=settings
+                        project=project,
+                        id=self.run_id,
+                        resume="allow",
+                        mode=attempt,
+                        dir=str(out_dir),
+                        config=config,
+                        settings=settings,
                     )
                     break
                 except Exception as exc:  # noqa: BLE001 - no network, bad key: never fatal
@@ -84,8 +97,10 @@ class WandbRun:
                         wandb.teardown()  # a failed start leaves W&B's service half-open; the next start needs a fresh one
                     except Exception:  # noqa: BLE001
                         pass
-                    print(f"warning: W&B {attempt} start failed ({type(exc).__name__}: {first})"
-                          + ("; logging offline instead" if attempt == "online" else "; W&B logging is off"))  # fmt: skip
+                    print(
+                        f"warning: W&B {attempt} start failed ({type(exc).__name__}: {first})"
+                        + ("; logging offline instead" if attempt == "online" else "; W&B logging is off")
+                    )
             if self.run is not None:
                 print(f"W&B run {self.run_id} ({attempt}) in project {project}; files under {out_dir / 'wandb'}")
         return self.run is not None
@@ -102,8 +117,12 @@ class WandbRun:
     def log_step(self, record: dict[str, Any]) -> None:
         values = {f"train/{k}": float(v) for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
         # a mixture's per-source counts (source_rows, source_tokens): one series per source, numbered as in its file
-        values |= {f"train/{k}/{n}": float(v) for k, vs in record.items() if k.startswith("source_")
-                   for n, v in enumerate(vs, 1)}  # fmt: skip
+        values |= {
+            f"train/{k}/{n}": float(v)
+            for k, vs in record.items()
+            if k.startswith("source_")
+            for n, v in enumerate(vs, 1)
+        }
         self._safely("log", lambda: self.run.log(values, step=int(record["step"])))
 
     def log_eval(self, step: int, values: dict[str, float]) -> None:
@@ -118,8 +137,10 @@ class WandbRun:
             import wandb
 
             columns = list(rows[0])
-            data = [[r.get(c) if isinstance(r.get(c), (int, float, str, type(None))) else str(r.get(c)) for c in columns]
-                    for r in rows]  # fmt: skip
+            data = [
+                [r.get(c) if isinstance(r.get(c), (int, float, str, type(None))) else str(r.get(c)) for c in columns]
+                for r in rows
+            ]
             self.run.log({key: wandb.Table(columns=columns, data=data)}, step=step)
 
         self._safely("table", log)

@@ -55,8 +55,10 @@ def first_range(config: Config, env: DistEnv) -> Config | None:
         hc = config.hub
         # A repo the token cannot open reads as empty: open (or create) it first, as the uploader would.
         if hc.hf_repo and not HubStore(hc.hf_repo, retries=hc.hub_retries).ensure_repo(private=not hc.hub_public):
-            raise CheckpointError(f"--start_idx auto: cannot read the Hub repo {hc.hf_repo} now (it cannot be "
-                                  "reached); its newest checkpoint decides the range, so none is guessed")  # fmt: skip
+            raise CheckpointError(
+                f"--start_idx auto: cannot read the Hub repo {hc.hf_repo} now (it cannot be "
+                "reached); its newest checkpoint decides the range, so none is guessed"
+            )
         newest = newest_checkpoint(Path(cc.output_dir), hc.hf_repo, hc.hub_retries, "--start_idx auto", strict=True)
         # The split's length: from the chain's record of it where it has one (no card, no footers read), else from
         # the split's metadata; a split stored as parquet is not downloaded for it.
@@ -69,9 +71,11 @@ def first_range(config: Config, env: DistEnv) -> Config | None:
 
     nxt, rows, newest = broadcast_object(all_ranks_ok(lambda: decide() if env.is_main else None))
     if nxt is None:
-        print0(f"chain: done: {config.train.num_epochs} pass(es) over the {rows:,} rows of {dc.dataset} in ranges of "
-               f"{dc.range_size:,}; the newest checkpoint, {newest[0]} (global step {newest[1]}), ends the last range. "
-               "Nothing to train.")  # fmt: skip
+        print0(
+            f"chain: done: {config.train.num_epochs} pass(es) over the {rows:,} rows of {dc.dataset} in ranges of "
+            f"{dc.range_size:,}; the newest checkpoint, {newest[0]} (global step {newest[1]}), ends the last range. "
+            "Nothing to train."
+        )
         return None
     if nxt.resume is None:
         how = "no checkpoint yet: the chain starts"
@@ -97,8 +101,10 @@ def claim(config: Config, env: DistEnv) -> tuple[Config | None, Lease | None]:
         store = HubStore(hc.hf_repo, retries=hc.hub_retries)
         if store.ensure_repo(private=not hc.hub_public):  # a token the Hub refuses: one line, on every rank
             return HubLease(store, new_holder(None, None, hold), hold)
-        print0(f"warning: the Hub cannot be reached now to take the chain's lease on {hc.hf_repo}: this session "
-               "trains without it (uploads will retry)")  # fmt: skip
+        print0(
+            f"warning: the Hub cannot be reached now to take the chain's lease on {hc.hf_repo}: this session "
+            "trains without it (uploads will retry)"
+        )
         return None
 
     lease = all_ranks_ok(lambda: make() if env.is_main else None)
@@ -120,8 +126,10 @@ def claim(config: Config, env: DistEnv) -> tuple[Config | None, Lease | None]:
         if outcome.line:
             print0(outcome.line)
         return (resolved, lease) if outcome.won else (None, None)
-    raise CheckpointError(f"--hf_repo {hc.hf_repo}: the repo kept changing while this session took the chain's lease "
-                          f"({LEASE_TRIES} tries); run it again")  # fmt: skip
+    raise CheckpointError(
+        f"--hf_repo {hc.hf_repo}: the repo kept changing while this session took the chain's lease "
+        f"({LEASE_TRIES} tries); run it again"
+    )
 
 
 def range_fits(steps: int, step_seconds: float, save_seconds: float, seconds_left: float | None) -> bool:
@@ -140,8 +148,10 @@ def next_in_session(s: Session, stop: StopControl, trained_here: int) -> bool:
         print0("chain: done: every pass over the data is trained")
         return False
     if dc.session_ranges and trained_here >= dc.session_ranges:
-        print0(f"chain: {trained_here} range(s) this session (--session_ranges {dc.session_ranges}); the next session "
-               f"goes on with [{after[0]}, {after[1]})")  # fmt: skip
+        print0(
+            f"chain: {trained_here} range(s) this session (--session_ranges {dc.session_ranges}); the next session "
+            f"goes on with [{after[0]}, {after[1]})"
+        )
         return False
     reason = stop.check(save_estimate(s))
     if reason:
@@ -151,17 +161,20 @@ def next_in_session(s: Session, stop: StopControl, trained_here: int) -> bool:
     if why_not:
         print0(f"chain: {why_not}: the next session goes on with [{after[0]}, {after[1]})")
         return False
-    config = range_config(s.config, NextRange(*after, resume=s.last_saved_path.name if s.last_saved_path else None,
-                                              finishing=False))  # fmt: skip
+    config = range_config(
+        s.config, NextRange(*after, resume=s.last_saved_path.name if s.last_saved_path else None, finishing=False)
+    )
     data = read_slice(config, s.tokenizer, s.model_config, s.method, s.data_revision, s.data_pin)
     steps = step_plan(config, s.env, s.method, data.blocks, s.layout.batch_size, s.accum_steps).steps_per_epoch()
     step_s = statistics.median(s.step_seconds) if s.step_seconds else 0.0
     left = stop.seconds_left()
     fits = broadcast_object(range_fits(steps, step_s, save_estimate(s), left) if s.env.is_main else None)
     if not fits:
-        print0(f"chain: the next range, [{after[0]}, {after[1]}) ({steps} steps, about {steps * step_s / 60:,.1f} min at "
-               f"{step_s:.2f} s per step, then a save), does not fit in the {left / 60:,.1f} min left of --time_limit; "
-               "the next session starts it")  # fmt: skip
+        print0(
+            f"chain: the next range, [{after[0]}, {after[1]}) ({steps} steps, about {steps * step_s / 60:,.1f} min at "
+            f"{step_s:.2f} s per step, then a save), does not fit in the {left / 60:,.1f} min left of --time_limit; "
+            "the next session starts it"
+        )
         return False
     switch_range(s, config, data)
     s.method.switch_range(s, data)
@@ -173,15 +186,24 @@ def switch_range(s: Session, config: Config, data: SliceData) -> None:
     s.config = config
     s.blocks, s.end_idx, s.eval_blocks, s.eval_label = data.blocks, data.end_idx, data.eval_blocks, data.eval_label
     if s.data_pin is not None:  # rank 0
-        s.data_pin = with_range(s.data_pin, s.data_pin["source"], config.data.start_idx, data.end_idx, data.rows_digest,
-                                data.tokens_digest, packed_as(config.data.max_length, config.data.packing))  # fmt: skip
+        s.data_pin = with_range(
+            s.data_pin,
+            s.data_pin["source"],
+            config.data.start_idx,
+            data.end_idx,
+            data.rows_digest,
+            data.tokens_digest,
+            packed_as(config.data.max_length, config.data.packing),
+        )
     s.plan = step_plan(config, s.env, s.method, data.blocks, s.layout.batch_size, s.accum_steps)
     s.state = TrainState(s.state.global_step, config.train.initial_epoch, 0)
     seed_dropout(config, s.env)
     s.chain = dataclasses.replace(s.chain, start=config.data.start_idx, end=data.end_idx)
     s.chain.move_to(s.state.epoch, 0, s.plan.num_samples)
-    print0(f"next range in this session: rows [{config.data.start_idx}, {data.end_idx}) -> {len(data.blocks)} blocks, "
-           f"{s.plan.steps_per_epoch()} steps, from global step {s.state.global_step}")  # fmt: skip
+    print0(
+        f"next range in this session: rows [{config.data.start_idx}, {data.end_idx}) -> {len(data.blocks)} blocks, "
+        f"{s.plan.steps_per_epoch()} steps, from global step {s.state.global_step}"
+    )
     print0(s.chain.line())
 
 
@@ -192,11 +214,17 @@ def start_status(s: Session, saved: dict | None, rows: int) -> ChainStatus:
     prev = ChainStatus.from_dict(saved)
     auto = dc.range_size is not None
     status = ChainStatus(
-        rows=rows, start=dc.start_idx, end=s.end_idx, epoch=s.state.epoch, position=float(dc.start_idx),
-        ranges_done=prev.ranges_done if prev else 0, rows_trained=prev.rows_trained if prev else 0.0,
-        train_seconds=prev.train_seconds if prev else 0.0, range_size=dc.range_size,
+        rows=rows,
+        start=dc.start_idx,
+        end=s.end_idx,
+        epoch=s.state.epoch,
+        position=float(dc.start_idx),
+        ranges_done=prev.ranges_done if prev else 0,
+        rows_trained=prev.rows_trained if prev else 0.0,
+        train_seconds=prev.train_seconds if prev else 0.0,
+        range_size=dc.range_size,
         passes=s.config.train.num_epochs if auto else None,
         session_seconds=s.config.checkpoint.time_limit_seconds,
-    )  # fmt: skip
+    )
     status.move_to(s.state.epoch, s.state.offset, s.plan.num_samples)
     return status

@@ -1,6 +1,6 @@
 """Held-out comparison of checkpoints against the base model they were trained from: each is loaded into the same
 sharded model on every rank, evaluated on the same rows, and optionally asked to continue the same prompts. The
-command `python -m fsdp_opt.evaluate` is its front end; `report_markdown` renders what it returns."""
+command `python -m fsdp_opt.evaluate` is its front end; train/report.py renders what it returns."""
 
 from __future__ import annotations
 
@@ -18,9 +18,10 @@ from fsdp_opt.checkpoint.atomic import atomic_save_text
 from fsdp_opt.checkpoint.loading import load_into
 from fsdp_opt.checkpoint.read import check_compatible, read_checkpoint
 from fsdp_opt.config.choices import DTYPES, shard_count
-from fsdp_opt.config.training import DataConfig, LoraConfig, ModelConfig
+from fsdp_opt.config.layout import LoraConfig
 from fsdp_opt.config.method import DEFAULT_METHOD, MethodConfig
 from fsdp_opt.config.parse import Config
+from fsdp_opt.config.training import DataConfig, ModelConfig
 from fsdp_opt.data.formats import held_out_rows, held_out_split, select_rows
 from fsdp_opt.data.mixture import MixtureTable
 from fsdp_opt.data.pin import PIN_KEY, pinned_revision
@@ -36,42 +37,9 @@ from fsdp_opt.model.sources import build_meta_model, load_model_config, load_tok
 from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, broadcast_object, print0, rank0_first
 from fsdp_opt.train.inputs import data_spec
 from fsdp_opt.train.methods import REGISTRY, method_for
+from fsdp_opt.train.report import report_markdown
 
 DEFAULT_EVAL_ROWS = 200
-
-
-def report_markdown(results: dict[str, Any] | str | Path) -> str:
-    """An evaluation report (`--json`) as Markdown: the table of models, then the samples side by side."""
-    if not isinstance(results, dict):
-        results = json.loads(Path(results).read_text())
-    lines = REGISTRY[results.get("method") or DEFAULT_METHOD].table(results)
-    cell = lambda text: text.strip().replace("|", "\\|").replace(chr(10), " / ")  # noqa: E731
-    for sample in results.get("samples", []):
-        lines += ["", f"**Prompt:** {cell(sample['prompt'])}", "", "| model | continuation |", "| --- | --- |"]
-        if sample.get("answer"):
-            lines.append(f"| the row's own answer | {cell(sample['answer'])} |")
-        for name, text in sample["outputs"].items():
-            lines.append(f"| {name} | {cell(text)} |")
-    return "\n".join(lines)
-
-
-def answers_markdown(results: dict[str, Any] | str | Path) -> str:
-    """The generated answers as one table: a row per held-out prompt, the row's own answer, then a column per model."""
-    if not isinstance(results, dict):
-        results = json.loads(Path(results).read_text())
-    samples = results.get("samples", [])
-    if not samples:
-        return "No prompts were asked."
-    cell = lambda text: text.strip().replace("|", "\\|").replace(chr(10), " / ")  # noqa: E731
-    names = list(samples[0]["outputs"])
-    lines = ["| prompt | the row's own answer | " + " | ".join(names) + " |", "|---" * (len(names) + 2) + "|"]
-    for sample in samples:
-        asked = sample["prompt"]
-        if results.get("end_of_turn"):  # a rendered conversation: its last user turn is the question
-            asked = asked.rsplit("user", 1)[-1]
-        outputs = [cell(sample["outputs"][n]) for n in names]
-        lines.append(f"| {cell(asked)[-200:]} | {cell(sample.get('answer', ''))} | " + " | ".join(outputs) + " |")
-    return "\n".join(lines)
 
 
 def _held_out_split(src: DataSource) -> str | None:
@@ -130,15 +98,28 @@ def _adapters(info: dict[str, Any] | None, model: nn.Module, precision: str, env
     if info is None:
         return None
 
-    settings = LoraConfig(lora_rank=info["rank"], lora_alpha=info["alpha"], lora_dropout=info["dropout"],
-                          lora_targets=",".join(info["targets"]), base_bits=info.get("base_bits", 16))  # fmt: skip
+    settings = LoraConfig(
+        lora_rank=info["rank"],
+        lora_alpha=info["alpha"],
+        lora_dropout=info["dropout"],
+        lora_targets=",".join(info["targets"]),
+        base_bits=info.get("base_bits", 16),
+    )
     adapters = Adapters(settings, info["base"], DTYPES[precision], seed)
     adapters.add_to(model, shard_count(strategy, env.world_size, env.local_world_size))
     return adapters
 
 
-def _fill(model: nn.Module, entry: dict[str, Any], payload: dict[str, Any] | None, source, model_config, env: DistEnv,
-          seed: int, adapters: Any = None) -> None:  # fmt: skip
+def _fill(
+    model: nn.Module,
+    entry: dict[str, Any],
+    payload: dict[str, Any] | None,
+    source,
+    model_config,
+    env: DistEnv,
+    seed: int,
+    adapters: Any = None,
+) -> None:
     """Allocate the shards of a sharded meta model and load one candidate's weights into them (a LoRA checkpoint:
     the base from --model, checked against the base the adapters were trained on, then the adapters)."""
 
@@ -149,19 +130,40 @@ def _fill(model: nn.Module, entry: dict[str, Any], payload: dict[str, Any] | Non
     sharded = broadcast_object(bool(payload.get("_sharded")) if env.is_main else None)
     path = Path(entry["path"])
     if adapters is not None:
-
-        initialize(model, env, source, model_config, seed, weights=True, loader=adapters.load_weights,
-                       **adapters.load_options())  # fmt: skip
+        initialize(
+            model,
+            env,
+            source,
+            model_config,
+            seed,
+            weights=True,
+            loader=adapters.load_weights,
+            **adapters.load_options(),
+        )
         adapters.share_fingerprint(env)
-        all_ranks_ok(lambda: check_resume(payload["lora"], adapters.identity(), path, "--checkpoints") if env.is_main else None)
+        all_ranks_ok(
+            lambda: check_resume(payload["lora"], adapters.identity(), path, "--checkpoints") if env.is_main else None
+        )
     else:
         initialize(model, env, source, model_config, seed, weights=False)
     load_into(model, None, payload, env, load_optimizer=False, sharded_path=path if sharded else None)
 
 
 # The data flags evaluate takes, or else the first checkpoint's.
-DATA_FLAGS = ("text_column", "data_format", "prompt_column", "completion_column", "messages_column", "train_on",
-              "dataset_config", "dataset_split", "dataset_files", "eval_split", "chosen_column", "rejected_column")  # fmt: skip
+DATA_FLAGS = (
+    "text_column",
+    "data_format",
+    "prompt_column",
+    "completion_column",
+    "messages_column",
+    "train_on",
+    "dataset_config",
+    "dataset_split",
+    "dataset_files",
+    "eval_split",
+    "chosen_column",
+    "rejected_column",
+)
 FALLBACK_SPLITS = ("test", "validation")  # held-out splits looked for when no row is left after the range
 
 
@@ -188,7 +190,9 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
     # the method's settings as the first checkpoint trained with them (its reward functions, ...), --method and
     # --beta given here aside
     settings = {f.name: trained[f.name] for f in dataclasses.fields(MethodConfig) if f.name in trained}
-    settings.update(method=args.method or trained.get("method") or DEFAULT_METHOD, beta=args.beta or trained.get("beta"))
+    settings.update(
+        method=args.method or trained.get("method") or DEFAULT_METHOD, beta=args.beta or trained.get("beta")
+    )
     if settings["method"] != trained.get("method"):
         settings = {k: settings[k] for k in ("method", "beta")}
     if getattr(args, "reward", None):
@@ -214,29 +218,56 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
         split = dc.eval_split
         if split is None and isinstance(table, MixtureTable) and any(table.held):  # the sources' eval splits
             held = held_out_mixture(src, table, start or 0)
-            return spec, train_on, select_rows(held, spec, 0, min(len(held), args.eval_rows)), "the sources' eval splits", 0
+            return (
+                spec,
+                train_on,
+                select_rows(held, spec, 0, min(len(held), args.eval_rows)),
+                "the sources' eval splits",
+                0,
+            )
         if split is None and (start or 0) >= len(table):
             split = _held_out_split(src)
             if split is None:
                 held_out_rows(table, spec, start, args.eval_rows)  # the error: no rows after the range
-            print0(f"note: no rows after [.., {start}) of {src.describe()}, the end of it: evaluating on its {split} "
-                   "split")  # fmt: skip
+            print0(
+                f"note: no rows after [.., {start}) of {src.describe()}, the end of it: evaluating on its {split} split"
+            )
         if split is not None:
             held = open_source(src.with_split(split))
             return spec, train_on, held_out_split(held, spec, args.eval_rows, split), f"split {split}", 0
         return spec, train_on, held_out_rows(table, spec, start, args.eval_rows), f"split {src.split}", start
 
-    spec, train_on, held_out, where, start = broadcast_object(all_ranks_ok(lambda: read_held_out() if env.is_main else None))
+    spec, train_on, held_out, where, start = broadcast_object(
+        all_ranks_ok(lambda: read_held_out() if env.is_main else None)
+    )
     end = held_out.end_idx
     packing = args.packing or ("concat" if trained.get("packing") == "concat" else "docs")
     pattern = all_ranks_ok(lambda: mask_pattern(model_config) if packing == "docs" else None)
     method.model_config(model_config)
-    blocks = all_ranks_ok(lambda: method.sequences(held_out, spec, tokenizer, train_on=train_on, max_length=max_length,
-                                                   packing=packing, attention=model_config._attn_implementation,
-                                                   pattern=pattern))  # fmt: skip
-    ref_name = method.before_scoring(blocks, env, precision, tokenizer, args.batch_size, model_name,
-                                     args.ref_model or trained.get("reference"), args.sharding_strategy, args.seed,
-                                     model_config=model_config)  # fmt: skip
+    blocks = all_ranks_ok(
+        lambda: method.sequences(
+            held_out,
+            spec,
+            tokenizer,
+            train_on=train_on,
+            max_length=max_length,
+            packing=packing,
+            attention=model_config._attn_implementation,
+            pattern=pattern,
+        )
+    )
+    ref_name = method.before_scoring(
+        blocks,
+        env,
+        precision,
+        tokenizer,
+        args.batch_size,
+        model_name,
+        args.ref_model or trained.get("reference"),
+        args.sharding_strategy,
+        args.seed,
+        model_config=model_config,
+    )
     asked = [generation_prompt(r, spec, tokenizer) for r in held_out.rows[: args.num_prompts]]
     if args.prompts:
         asked = [(p, False, "") for p in args.prompts]
@@ -244,23 +275,35 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
     rendered = bool(asked) and asked[0][1]
     stop = end_of_turn(tokenizer) if rendered else None
     candidates = ([] if args.no_base else [{"name": f"base ({model_name})", "kind": "base"}]) + entries
-    print0(f"evaluating {len(candidates)} model(s) on rows [{start}, {end}) ({where}) of {dataset}: "
-           f"{method.scored_what(blocks, packing, max_length, train_on)}, {env.world_size} rank(s), {precision}")
+    print0(
+        f"evaluating {len(candidates)} model(s) on rows [{start}, {end}) ({where}) of {dataset}: "
+        f"{method.scored_what(blocks, packing, max_length, train_on)}, {env.world_size} rank(s), {precision}"
+    )
 
     models, samples = [], [{"prompt": p, "answer": a, "outputs": {}} for p, _, a in asked]
     for entry in candidates:
         model = build_meta_model(model_config)
         payload, adapters, seed = None, None, args.seed
         if entry["kind"] == "ckpt":
-
-            payload = all_ranks_ok(lambda: read_checkpoint(Path(entry["path"]), "--checkpoints") if env.is_main else None)
+            payload = all_ranks_ok(
+                lambda: read_checkpoint(Path(entry["path"]), "--checkpoints") if env.is_main else None
+            )
             # A LoRA checkpoint's base is built from its run's seed when the base is the built-in or a random: one.
-            info, seed = broadcast_object((payload.get("lora"), int((payload.get("config") or {}).get("seed", args.seed)))
-                                          if env.is_main else None)  # fmt: skip
+            info, seed = broadcast_object(
+                (payload.get("lora"), int((payload.get("config") or {}).get("seed", args.seed)))
+                if env.is_main
+                else None
+            )
             adapters = all_ranks_ok(lambda: _adapters(info, model, precision, env, args.sharding_strategy, seed))
             all_ranks_ok(lambda: _read_checked(Path(entry["path"]), model) if env.is_main else None)
-        shard_model(model, env, strategy=args.sharding_strategy, precision=precision, activation_checkpointing=False,
-                        ignored=adapters.unsharded(model) if adapters else None)  # fmt: skip
+        shard_model(
+            model,
+            env,
+            strategy=args.sharding_strategy,
+            precision=precision,
+            activation_checkpointing=False,
+            ignored=adapters.unsharded(model) if adapters else None,
+        )
         _fill(model, entry, payload, source, model_config, env, seed, adapters)
         payload = None
         tie_and_check(model)
@@ -268,11 +311,23 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
         scored = result.pop("samples", None)  # completions the score was taken on (GRPO): those are shown
         if scored is not None and not args.prompts:
             by_row = {x["row"]: x["completion"] for x in scored}
-            texts_out = [by_row.get(int(r), "(not scored: no room for a completion)") for r in held_out.indices[: len(prompts)]]
+            texts_out = [
+                by_row.get(int(r), "(not scored: no room for a completion)") for r in held_out.indices[: len(prompts)]
+            ]
         else:
-            texts_out = generate(model, tokenizer, prompts, env, max_new_tokens=args.max_new_tokens,
-                                 do_sample=args.do_sample, temperature=args.temperature, top_p=args.top_p,
-                                 seed=args.seed, rendered=rendered, stop=stop)  # fmt: skip
+            texts_out = generate(
+                model,
+                tokenizer,
+                prompts,
+                env,
+                max_new_tokens=args.max_new_tokens,
+                do_sample=args.do_sample,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                seed=args.seed,
+                rendered=rendered,
+                stop=stop,
+            )
         print0(f"  {entry['name']}: {method.score_line(result)}")
         models.append({"name": entry["name"], "kind": entry["kind"], "path": entry.get("path"), **result})
         for sample, text in zip(samples, texts_out):
@@ -283,14 +338,31 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
             torch.cuda.empty_cache()
 
     report = {
-        "rows": f"[{start}, {end})", "start_idx": start, "end_idx": end, "split": where, "dataset": dataset,
-        "method": method.name, "reference": ref_name, "beta": beta,
+        "rows": f"[{start}, {end})",
+        "start_idx": start,
+        "end_idx": end,
+        "split": where,
+        "dataset": dataset,
+        "method": method.name,
+        "reference": ref_name,
+        "beta": beta,
         "data_format": spec.format,
-        "columns": list(spec.columns), "train_on": train_on, "end_of_turn": stop,
-        "max_length": max_length, "world_size": env.world_size, "precision": precision, "models": models,
-        "samples": samples, "generation": {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample,
-        "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed},
-    }  # fmt: skip
+        "columns": list(spec.columns),
+        "train_on": train_on,
+        "end_of_turn": stop,
+        "max_length": max_length,
+        "world_size": env.world_size,
+        "precision": precision,
+        "models": models,
+        "samples": samples,
+        "generation": {
+            "max_new_tokens": args.max_new_tokens,
+            "do_sample": args.do_sample,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "seed": args.seed,
+        },
+    }
     if env.is_main:
         print(report_markdown(report))
         if args.json:

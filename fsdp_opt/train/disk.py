@@ -21,17 +21,26 @@ def make_room(s: Session, keep: Path) -> None:
     cc = s.config.checkpoint
     up = s.uploader
     with s.prune_lock:
-        paths = sorted((p for p in list_checkpoints(s.out_dir) if p != keep),
-                       key=lambda p: (checkpoint_step(p), p.stat().st_mtime))  # fmt: skip
+        paths = sorted(
+            (p for p in list_checkpoints(s.out_dir) if p != keep), key=lambda p: (checkpoint_step(p), p.stat().st_mtime)
+        )
         state = {p: up.upload_state(p) if up is not None else None for p in paths}
-        held = [Held(p, bytes_on_disk(p), on_hub=up is not None and up.is_on_hub(p),
-                          uploading=state[p] == "uploading", queued=state[p] in ("waiting", "uploading"))
-                for p in paths]  # fmt: skip
+        held = [
+            Held(
+                p,
+                bytes_on_disk(p),
+                on_hub=up is not None and up.is_on_hub(p),
+                uploading=state[p] == "uploading",
+                queued=state[p] in ("waiting", "uploading"),
+            )
+            for p in paths
+        ]
         s.out_dir.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(s.out_dir).free
         plan = choose(held, s.last_save_bytes or save_bytes_estimate(s), free, cc.disk_budget_bytes)
         why = f"{plan.needed / 1e9:,.2f} GB needed, {free / 1e9:,.2f} GB free" + (
-            f", --disk_budget {cc.disk_budget}" if cc.disk_budget_bytes is not None else "")  # fmt: skip
+            f", --disk_budget {cc.disk_budget}" if cc.disk_budget_bytes is not None else ""
+        )
         for h in plan.remove:
             on_hub = h.on_hub
             if h is plan.remove[-1] and plan.wait_for_newest:
@@ -48,9 +57,11 @@ def make_room(s: Session, keep: Path) -> None:
             where = "the Hub has it" if on_hub else "a newer checkpoint is kept"
             print0(f"removed {h.path} ({h.bytes / 1e9:,.2f} GB; {where}) to make room for the next save: {why}")
     if plan.fits_disk and not plan.fits_budget:
-        print0(f"warning: --disk_budget {cc.disk_budget}: the checkpoints in {s.out_dir} and the next save need about "
-               f"{(plan.used_after + plan.needed) / 1e9:,.2f} GB; nothing more can be removed (the newest is not on "
-               "the Hub); saving anyway")  # fmt: skip
+        print0(
+            f"warning: --disk_budget {cc.disk_budget}: the checkpoints in {s.out_dir} and the next save need about "
+            f"{(plan.used_after + plan.needed) / 1e9:,.2f} GB; nothing more can be removed (the newest is not on "
+            "the Hub); saving anyway"
+        )
 
 
 def save_bytes_estimate(s: Session) -> int:

@@ -13,7 +13,7 @@ from fsdp_opt.base import ConfigError, DataError
 from fsdp_opt.config.choices import AUTO
 from fsdp_opt.config.parse import Config
 from fsdp_opt.config.training import DataConfig
-from fsdp_opt.data.formats import RowSpec, Rows, held_out_rows, held_out_split, mixed, resolve_spec, select_rows
+from fsdp_opt.data.formats import Rows, RowSpec, held_out_rows, held_out_split, mixed, resolve_spec, select_rows
 from fsdp_opt.data.mixture import MixtureTable
 from fsdp_opt.data.pin import described, mixture_changed, rows_digest, tokens_digest
 from fsdp_opt.data.resolve import DataSource
@@ -56,8 +56,9 @@ class Loaded:
     bf16_pretrained: bool  # as the model's files say (building the model sets the config's dtype to the engine's)
 
 
-def read_inputs(config: Config, source: ModelSource, method: Method, revision: str | None = None,
-                pin: dict[str, Any] | None = None) -> Loaded:  # fmt: skip
+def read_inputs(
+    config: Config, source: ModelSource, method: Method, revision: str | None = None, pin: dict[str, Any] | None = None
+) -> Loaded:
     mc, dc = config.model, config.data
     model_config, tokenizer = rank0_first(
         lambda: (load_model_config(source, mc.attn_implementation), load_tokenizer(source))
@@ -74,8 +75,9 @@ def read_inputs(config: Config, source: ModelSource, method: Method, revision: s
     positions = max_positions(model_config)
     if positions is not None and dc.max_length > positions:
         raise ConfigError(f"--max_length {dc.max_length}: {mc.model} has only {positions} positions")
-    return Loaded(model_config, tokenizer, read_slice(config, tokenizer, model_config, method, revision, pin),
-                  bf16_pretrained)
+    return Loaded(
+        model_config, tokenizer, read_slice(config, tokenizer, model_config, method, revision, pin), bf16_pretrained
+    )
 
 
 def data_spec(dc: DataConfig, table: Table, method: Method) -> tuple[RowSpec, str]:
@@ -93,21 +95,36 @@ def data_spec(dc: DataConfig, table: Table, method: Method) -> tuple[RowSpec, st
         spec = _row_spec(dc, table.column_names, dc.data_format, method)
     method.check_rows(spec)
     if dc.train_on == "completion" and not spec.has_answers:
-        raise ConfigError(f"--train_on completion: the rows are text (column {spec.text_column}), with no completion; "
-                          "use --train_on all, or name the prompt and completion or messages columns")  # fmt: skip
+        raise ConfigError(
+            f"--train_on completion: the rows are text (column {spec.text_column}), with no completion; "
+            "use --train_on all, or name the prompt and completion or messages columns"
+        )
     train_on = dc.train_on if dc.train_on != "auto" else ("completion" if spec.has_answers else "all")
     return spec, train_on
 
 
 def _row_spec(dc: DataConfig, column_names, data_format: str, method: Method) -> RowSpec:
-    return resolve_spec(column_names, data_format, text_column=dc.text_column, prompt_column=dc.prompt_column,
-                        completion_column=dc.completion_column, messages_column=dc.messages_column,
-                        chosen_column=dc.chosen_column, rejected_column=dc.rejected_column,
-                        prefer=method.spec.rows)  # fmt: skip
+    return resolve_spec(
+        column_names,
+        data_format,
+        text_column=dc.text_column,
+        prompt_column=dc.prompt_column,
+        completion_column=dc.completion_column,
+        messages_column=dc.messages_column,
+        chosen_column=dc.chosen_column,
+        rejected_column=dc.rejected_column,
+        prefer=method.spec.rows,
+    )
 
 
-def read_slice(config: Config, tokenizer: PreTrainedTokenizerBase, model_config: PretrainedConfig, method: Method,
-               revision: str | None = None, pin: dict[str, Any] | None = None) -> SliceData:  # fmt: skip
+def read_slice(
+    config: Config,
+    tokenizer: PreTrainedTokenizerBase,
+    model_config: PretrainedConfig,
+    method: Method,
+    revision: str | None = None,
+    pin: dict[str, Any] | None = None,
+) -> SliceData:
     """The slice of config.data as blocks. A range of an auto chain that ends at the end of the data has no rows after
     it: it trains without --eval_rows, with a note, rather than stopping the chain. The chat template (--chat_template,
     else the tokenizer's own) is set on the tokenizer, which the export saves with the model. A Hub dataset is read
@@ -134,20 +151,26 @@ def read_slice(config: Config, tokenizer: PreTrainedTokenizerBase, model_config:
             held = open_source(src.with_split(dc.eval_split))
             missing = [c for c in spec.columns if c not in held.column_names]
             if missing:
-                raise DataError(f"--eval_split {dc.eval_split}: it has no column {missing[0]} (its columns: "
-                                f"{', '.join(held.column_names)})")  # fmt: skip
+                raise DataError(
+                    f"--eval_split {dc.eval_split}: it has no column {missing[0]} (its columns: "
+                    f"{', '.join(held.column_names)})"
+                )
             held_out = held_out_split(held, spec, dc.eval_rows, dc.eval_split)
         elif dc.eval_rows and isinstance(table, MixtureTable) and any(table.held):
             held = held_out_mixture(src, table, rows.end_idx)
             if not len(held):
-                raise DataError(f"--eval_rows {dc.eval_rows}: the mixture's held-out rows (its sources' eval_split, and "
-                                "the rows after the slice of the others) are used up at once: a source has none left")  # fmt: skip
+                raise DataError(
+                    f"--eval_rows {dc.eval_rows}: the mixture's held-out rows (its sources' eval_split, and "
+                    "the rows after the slice of the others) are used up at once: a source has none left"
+                )
             held_out = select_rows(held, spec, 0, min(len(held), dc.eval_rows))
             others = "" if all(table.held) else " (a source with none: its rows after the slice's)"
             label = f"[0, {held_out.end_idx}) of the mixture of the sources' eval splits{others}"
         elif dc.eval_rows and dc.range_size is not None and rows.end_idx >= len(table):
-            print0(f"note: no rows after [{dc.start_idx}, {rows.end_idx}), the end of the data, to evaluate on: this "
-                   "range trains without --eval_rows (--eval_split names a held-out split)")  # fmt: skip
+            print0(
+                f"note: no rows after [{dc.start_idx}, {rows.end_idx}), the end of the data, to evaluate on: this "
+                "range trains without --eval_rows (--eval_split names a held-out split)"
+            )
         elif dc.eval_rows:
             held_out = held_out_rows(table, spec, rows.end_idx, dc.eval_rows)
         if not label:
@@ -160,17 +183,36 @@ def read_slice(config: Config, tokenizer: PreTrainedTokenizerBase, model_config:
     pattern = all_ranks_ok(lambda: mask_pattern(model_config) if dc.packing == "docs" else None)
 
     def blocks_of(part: Rows, packing: str):  # noqa: ANN202
-        return method.sequences(part, spec, tokenizer, train_on=train_on, max_length=dc.max_length, packing=packing,
-                                attention=attention, pattern=pattern)  # fmt: skip
+        return method.sequences(
+            part,
+            spec,
+            tokenizer,
+            train_on=train_on,
+            max_length=dc.max_length,
+            packing=packing,
+            attention=attention,
+            pattern=pattern,
+        )
 
     blocks = all_ranks_ok(lambda: blocks_of(rows, dc.packing))
     eval_blocks = None
     if eval_rows is not None:
         eval_blocks = all_ranks_ok(lambda: blocks_of(eval_rows, method.eval_packing(dc.packing)))
     describe_rows(spec, train_on, rows, blocks)
-    return SliceData(blocks, rows.end_idx, eval_blocks, total, spec, train_on, eval_rows,
-                     rows_digest(rows.rows, rows.indices), tokens_digest(blocks), identity,
-                     box[0] if box else None, label)  # fmt: skip
+    return SliceData(
+        blocks,
+        rows.end_idx,
+        eval_blocks,
+        total,
+        spec,
+        train_on,
+        eval_rows,
+        rows_digest(rows.rows, rows.indices),
+        tokens_digest(blocks),
+        identity,
+        box[0] if box else None,
+        label,
+    )
 
 
 def held_label(held: Rows | None, split: str | None, after: int) -> str:
@@ -187,8 +229,10 @@ def refuse_changed_mixture(dataset: str, pin: dict[str, Any] | None, source: dic
         return
     changed = mixture_changed(pin.get("source"), source)
     if changed:
-        raise DataError(f"--dataset {dataset}: the mixture is not the one this chain trained on: {changed}, which "
-                        "moves rows from one source to another. Restore the mixture file, or start a new chain")  # fmt: skip
+        raise DataError(
+            f"--dataset {dataset}: the mixture is not the one this chain trained on: {changed}, which "
+            "moves rows from one source to another. Restore the mixture file, or start a new chain"
+        )
 
 
 def refuse_changed_mixture_now(config: Config) -> None:
@@ -204,9 +248,15 @@ def refuse_changed_mixture_now(config: Config) -> None:
         refuse_changed_mixture(dc.dataset, pin, definition)
 
 
-def check_pin(config: Config, method: Method, pin: dict[str, Any] | None, data: SliceData,
-              tokenizer: PreTrainedTokenizerBase, model_config: PretrainedConfig,
-              resumed: tuple[int, int] | None) -> dict[str, Any]:  # fmt: skip
+def check_pin(
+    config: Config,
+    method: Method,
+    pin: dict[str, Any] | None,
+    data: SliceData,
+    tokenizer: PreTrainedTokenizerBase,
+    model_config: PretrainedConfig,
+    resumed: tuple[int, int] | None,
+) -> dict[str, Any]:
     """Rank 0: the chain's data pin against the data as read now; returns the source as read now.
 
     The source as recorded: nothing more to read. Another one (a file edited or grown, another revision): every
@@ -223,33 +273,53 @@ def check_pin(config: Config, method: Method, pin: dict[str, Any] | None, data: 
         spec, _ = data_spec(dc, table, method)
         for r in trained:
             if r["end"] > len(table):
-                raise DataError(f"--dataset {dc.dataset}: rows [{r['start']}, {r['end']}), trained by this chain, are "
-                                f"gone: it has {len(table):,} rows now (it was {described(pin.get('source'))}, now "
-                                f"{described(source)}). Restore the data the chain trained on, or start a new chain")  # fmt: skip
+                raise DataError(
+                    f"--dataset {dc.dataset}: rows [{r['start']}, {r['end']}), trained by this chain, are "
+                    f"gone: it has {len(table):,} rows now (it was {described(pin.get('source'))}, now "
+                    f"{described(source)}). Restore the data the chain trained on, or start a new chain"
+                )
             rows = select_rows(table, spec, r["start"], r["end"])
             if rows_digest(rows.rows, rows.indices) != r["rows"]:
-                raise DataError(f"--dataset {dc.dataset}: rows [{r['start']}, {r['end']}), trained by this chain, "
-                                f"changed since (it was {described(pin.get('source'))}, now {described(source)}): the "
-                                "chain would skip rows and train others twice. Restore the data the chain trained on, "
-                                "or start a new chain")  # fmt: skip
-        print0(f"data: {dc.dataset} is not what the chain recorded (it was {described(pin.get('source'))}, now "
-               f"{described(source)}), but the {len(trained)} range(s) it trained have the same rows: going on")  # fmt: skip
+                raise DataError(
+                    f"--dataset {dc.dataset}: rows [{r['start']}, {r['end']}), trained by this chain, "
+                    f"changed since (it was {described(pin.get('source'))}, now {described(source)}): the "
+                    "chain would skip rows and train others twice. Restore the data the chain trained on, "
+                    "or start a new chain"
+                )
+        print0(
+            f"data: {dc.dataset} is not what the chain recorded (it was {described(pin.get('source'))}, now "
+            f"{described(source)}), but the {len(trained)} range(s) it trained have the same rows: going on"
+        )
     last = next((r for r in trained if resumed and (r["start"], r["end"]) == resumed), None)
     # the token fingerprint holds for the blocks as packed then: with --allow_changes to another packing or
     # max_length there is nothing to compare it with
-    if last is not None and (last.get("packing"), last.get("max_length")) in ((dc.packing, dc.max_length), (None, None)):
+    if last is not None and (last.get("packing"), last.get("max_length")) in (
+        (dc.packing, dc.max_length),
+        (None, None),
+    ):
         if (dc.start_idx, data.end_idx) == resumed:
             tokens = data.tokens_digest
         else:
             rows = select_rows(table, data.spec, last["start"], last["end"])
             pattern = mask_pattern(model_config) if dc.packing == "docs" else None
-            tokens = tokens_digest(method.sequences(rows, data.spec, tokenizer, train_on=data.train_on,
-                                                    max_length=dc.max_length, packing=dc.packing,
-                                                    attention=model_config._attn_implementation, pattern=pattern))  # fmt: skip
+            tokens = tokens_digest(
+                method.sequences(
+                    rows,
+                    data.spec,
+                    tokenizer,
+                    train_on=data.train_on,
+                    max_length=dc.max_length,
+                    packing=dc.packing,
+                    attention=model_config._attn_implementation,
+                    pattern=pattern,
+                )
+            )
         if tokens != last["tokens"]:
-            raise DataError(f"--model {config.model.model}: its tokenizer makes other token ids of rows [{last['start']}, "
-                            f"{last['end']}) than the chain trained on (another tokenizer or its settings): use the "
-                            "tokenizer the chain trained with, or start a new chain")  # fmt: skip
+            raise DataError(
+                f"--model {config.model.model}: its tokenizer makes other token ids of rows [{last['start']}, "
+                f"{last['end']}) than the chain trained on (another tokenizer or its settings): use the "
+                "tokenizer the chain trained with, or start a new chain"
+            )
     return source
 
 
@@ -268,6 +338,10 @@ def describe_rows(spec: RowSpec, train_on: str, rows: Rows, blocks) -> None:  # 
     totals = blocks.source_totals()
     if totals is not None:  # a mixture: what each source gives the range once tokenized, cut and packed
         tokens = totals.get("tokens", [None] * len(rows.source_names))
-        print0("data: by source, " + "; ".join(
-            f"{name}: {n:,} rows" + (f", {t:,} tokens trained" if t is not None else "")
-            for name, n, t in zip(rows.source_names, totals["rows"], tokens)))  # fmt: skip
+        print0(
+            "data: by source, "
+            + "; ".join(
+                f"{name}: {n:,} rows" + (f", {t:,} tokens trained" if t is not None else "")
+                for name, n, t in zip(rows.source_names, totals["rows"], tokens)
+            )
+        )

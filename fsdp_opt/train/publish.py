@@ -22,8 +22,14 @@ from fsdp_opt.train.session import Session
 
 def start_uploader(s: Session) -> Any:
     hc = s.config.hub
-    run = run_info(s.flags(), world_size=s.env.world_size, global_batch=s.plan.global_batch, n_params=s.n_params,
-                   rows=s.rows, chat_template=s.chat_template)  # fmt: skip
+    run = run_info(
+        s.flags(),
+        world_size=s.env.world_size,
+        global_batch=s.plan.global_batch,
+        n_params=s.n_params,
+        rows=s.rows,
+        chat_template=s.chat_template,
+    )
     uploader = Uploader(
         HubStore(hc.hf_repo, retries=hc.hub_retries),
         lambda index: render_card(hc.hf_repo, index),
@@ -52,12 +58,16 @@ class NotOnHub:
     resume_from: str | None  # the newest checkpoint the repo has (None: none)
 
     def line(self, repo: str) -> str:
-        then = (f"a session on another machine resumes from {self.resume_from}, the newest the repo has"
-                if self.resume_from else "a session on another machine finds no checkpoint there and starts the chain "
-                "again")  # fmt: skip
-        return (f"the checkpoint {self.name} did not reach {repo} ({self.why}); it is kept whole here: {self.path}. "
-                f"Without it {then}; to go on from it, run the next session with this file in its --output_dir, or "
-                f"push it and give --resume_file {self.name} (docs/checkpoints.md: when the Hub stays down)")
+        then = (
+            f"a session on another machine resumes from {self.resume_from}, the newest the repo has"
+            if self.resume_from
+            else "a session on another machine finds no checkpoint there and starts the chain again"
+        )
+        return (
+            f"the checkpoint {self.name} did not reach {repo} ({self.why}); it is kept whole here: {self.path}. "
+            f"Without it {then}; to go on from it, run the next session with this file in its --output_dir, or "
+            f"push it and give --resume_file {self.name} (docs/checkpoints.md: when the Hub stays down)"
+        )
 
 
 def finish_outside(s: Session) -> NotOnHub | None:
@@ -72,21 +82,32 @@ def finish_outside(s: Session) -> NotOnHub | None:
         log_pushed(s)
         for job in failed:
             what = "did not finish in --hub_wait" if job.status != "failed" else f"failed ({job.error})"
-            print0(f"warning: upload of {job.name} to {s.config.hub.hf_repo} {what}; the local copy is kept: {job.path.resolve()}")
+            print0(
+                f"warning: upload of {job.name} to {s.config.hub.hf_repo} {what}; the local copy is kept: {job.path.resolve()}"
+            )
         if not failed:
             jobs = s.uploader.jobs
             pushed = sum(j.status == "done" for j in jobs)
             replaced = sum(j.status == "superseded" for j in jobs)
-            print0(f"hub: uploads done: {pushed} pushed to {s.config.hub.hf_repo}"
-                   + (f", {replaced} replaced by a newer checkpoint before their turn" if replaced else ""))  # fmt: skip
+            print0(
+                f"hub: uploads done: {pushed} pushed to {s.config.hub.hf_repo}"
+                + (f", {replaced} replaced by a newer checkpoint before their turn" if replaced else "")
+            )
         storage = s.uploader.index.get("storage")
         if storage:
-            print0(f"hub: {s.config.hub.hf_repo} holds {storage['bytes'] / 1e9:,.2f} GB: {storage['full_checkpoints']} "
-                   f"full checkpoint(s), {storage['weights_files']} weights file(s) (--hub_keep_full {s.config.hub.keep_full})")  # fmt: skip
+            print0(
+                f"hub: {s.config.hub.hf_repo} holds {storage['bytes'] / 1e9:,.2f} GB: {storage['full_checkpoints']} "
+                f"full checkpoint(s), {storage['weights_files']} weights file(s) (--hub_keep_full {s.config.hub.keep_full})"
+            )
         lost = newest_not_on_hub(s, failed)
         if lost is not None and s.wandb is not None:
-            s.wandb.summarize({"hub/not_pushed": lost.name, "hub/kept_at": str(lost.path),
-                               "hub/resume_from": lost.resume_from or "none"})  # fmt: skip
+            s.wandb.summarize(
+                {
+                    "hub/not_pushed": lost.name,
+                    "hub/kept_at": str(lost.path),
+                    "hub/resume_from": lost.resume_from or "none",
+                }
+            )
     if s.wandb is not None:
         s.wandb.finish()
     return lost
@@ -109,8 +130,10 @@ def release_lease(lease: Lease) -> None:
     try:
         lease.release()
     except Exception as exc:  # noqa: BLE001 - the session's work is done; the lease then ends at its expiry
-        print0(f"warning: the chain's lease on {lease.where} could not be released ({str(exc).splitlines()[0][:200]}); "
-               f"it ends at its expiry")  # fmt: skip
+        print0(
+            f"warning: the chain's lease on {lease.where} could not be released ({str(exc).splitlines()[0][:200]}); "
+            f"it ends at its expiry"
+        )
 
 
 def log_pushed(s: Session) -> None:
@@ -130,16 +153,28 @@ def export_final(s: Session) -> None:
     dest = Path(cc.export_hf)
     if s.env.is_main:
         if s.lora is not None:
-            all_ranks_ok(lambda: export_lora(model_sd, s.lora, dest, cc.export_dtype, merge=cc.export_merge,
-                                             seed=s.config.train.seed, chat_template=s.chat_template))  # fmt: skip
+            all_ranks_ok(
+                lambda: export_lora(
+                    model_sd,
+                    s.lora,
+                    dest,
+                    cc.export_dtype,
+                    merge=cc.export_merge,
+                    seed=s.config.train.seed,
+                    chat_template=s.chat_template,
+                )
+            )
             what = "the base with the adapters merged in" if cc.export_merge else "a peft adapter folder"
         else:
             all_ranks_ok(lambda: export_model_folder(model_sd, s.model_config, s.tokenizer, dest, cc.export_dtype))
             what = "safetensors, tokenizer, generation config"
         print0(f"exported {dest} ({cc.export_dtype}, {what})")
         if s.uploader is not None:
-            entry = {"global_step": s.state.global_step, "dtype": cc.export_dtype,
-                     "adapter": s.lora is not None and not cc.export_merge}  # fmt: skip
+            entry = {
+                "global_step": s.state.global_step,
+                "dtype": cc.export_dtype,
+                "adapter": s.lora is not None and not cc.export_merge,
+            }
             s.uploader.submit(dest, "export", entry)
     else:
         all_ranks_ok(lambda: None)

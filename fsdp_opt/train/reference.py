@@ -8,6 +8,9 @@ log-probabilities of every pair of the session's range (and of its held-out pair
   T4), run once in eval mode, and freed before the trainable model is built: the two never share the GPUs.
 - The result, by dataset row, goes into every checkpoint; a session that resumes inside its range, with the same
   reference, reads it from there and runs nothing.
+
+--method grpo's reference (policy_reference) is loaded the same way but kept beside the policy for the session: its
+completions are new every step.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from fsdp_opt.base import ConfigError
 from fsdp_opt.config.choices import DTYPES
 from fsdp_opt.config.parse import Config
 from fsdp_opt.data.pairs import Pairs
-from fsdp_opt.engine.dpo import Reference, adapters_off, pair_logps
+from fsdp_opt.engine.dpo import Reference, adapters_off, head_logps, pair_logps
+from fsdp_opt.engine.loss import HeadLoss
 from fsdp_opt.model.nf4 import store_base
 from fsdp_opt.model.parallelize import fp32_products_on_cpu, initialize, shard_model, tie_and_check
 from fsdp_opt.model.sources import build_meta_model, load_model_config, load_tokenizer, resolve_model, without_dropout
@@ -62,16 +66,36 @@ def _frozen(model: torch.nn.Module, dtype: torch.dtype) -> None:
     store_base(model, dtype)
 
 
-def with_model(config: Config, env: DistEnv, name: str, precision: str, tokenizer, batch_size: int,
-               *pairs: Pairs | None) -> list[Reference | None]:  # fmt: skip
+def with_model(
+    config: Config, env: DistEnv, name: str, precision: str, tokenizer, batch_size: int, *pairs: Pairs | None
+) -> list[Reference | None]:
     """The reference model loaded (sharded, frozen, compute dtype), run over the pairs, and freed."""
     strategy = config.parallel.sharding_strategy if config.parallel.sharding_strategy != "AUTO" else "FULL_SHARD"
-    return score_model(name, env, precision, tokenizer, batch_size, *pairs, policy=config.model.model,
-                       attention=config.model.attn_implementation, strategy=strategy, seed=config.train.seed)  # fmt: skip
+    return score_model(
+        name,
+        env,
+        precision,
+        tokenizer,
+        batch_size,
+        *pairs,
+        policy=config.model.model,
+        attention=config.model.attn_implementation,
+        strategy=strategy,
+        seed=config.train.seed,
+    )
 
 
-def load_frozen(name: str, env: DistEnv, precision: str, tokenizer, *, policy: str, attention: str = "auto",
-                strategy: str = "FULL_SHARD", seed: int = 42) -> torch.nn.Module:  # noqa: ANN001  # fmt: skip
+def load_frozen(
+    name: str,
+    env: DistEnv,
+    precision: str,
+    tokenizer,
+    *,
+    policy: str,
+    attention: str = "auto",
+    strategy: str = "FULL_SHARD",
+    seed: int = 42,
+) -> torch.nn.Module:  # noqa: ANN001
     """A reference model by name, loaded sharded like the run's, its weights frozen in the compute dtype, in eval mode;
     refused in one line when its tokenizer is not the policy's."""
     source = all_ranks_ok(lambda: resolve_model(name))
@@ -79,8 +103,10 @@ def load_frozen(name: str, env: DistEnv, precision: str, tokenizer, *, policy: s
 
     def same_tokens() -> None:
         if ref_tokenizer.get_vocab() != tokenizer.get_vocab() or ref_tokenizer.eos_token_id != tokenizer.eos_token_id:
-            raise ConfigError(f"--ref_model {name}: its tokenizer is not the policy's ({policy}): their "
-                              "log-probabilities of the same answers would be of other tokens")  # fmt: skip
+            raise ConfigError(
+                f"--ref_model {name}: its tokenizer is not the policy's ({policy}): their "
+                "log-probabilities of the same answers would be of other tokens"
+            )
 
     all_ranks_ok(same_tokens)
     without_dropout(ref_config)
@@ -95,6 +121,45 @@ def load_frozen(name: str, env: DistEnv, precision: str, tokenizer, *, policy: s
     return model
 
 
+def policy_reference(s, name: str, temperature: float, strategy: str) -> tuple[Any, torch.nn.Module | None]:  # noqa: ANN001
+    """--method grpo's reference, kept beside the policy for the session: a function from a packed micro-batch to the
+    reference's token log-probabilities (at the sampling temperature), and the model it loaded (None for a LoRA run's
+    base with its adapters off, which is the policy's own model)."""
+    if name == ADAPTERS_OFF:
+        print0("grpo: reference: the base with the adapters switched off")
+
+        @torch.no_grad()
+        def off(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            was = s.model.training
+            s.model.eval()
+            try:
+                with adapters_off(s.model):
+                    return head_logps(s.model, s.head_loss, batch, temperature)[0]
+            finally:
+                s.model.train(was)
+
+        return off, None
+    c = s.config
+    model = load_frozen(
+        name,
+        s.env,
+        s.precision,
+        s.tokenizer,
+        policy=c.model.model,
+        attention=c.model.attn_implementation,
+        strategy=strategy,
+        seed=c.train.seed,
+    )
+    print0(f"grpo: reference {name}: loaded sharded in {s.precision}, kept beside the policy")
+    head = HeadLoss.for_run(model, 0)
+
+    @torch.no_grad()
+    def logps(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return head_logps(model, head, batch, temperature)[0]
+
+    return logps, model
+
+
 def free(env: DistEnv) -> None:
     """Hand back the memory of a model just dropped (the caller's last reference deleted): the GPU's cache, the host's
     arenas."""
@@ -104,13 +169,23 @@ def free(env: DistEnv) -> None:
     release_host_memory()
 
 
-def score_model(name: str, env: DistEnv, precision: str, tokenizer, batch_size: int, *pairs: Pairs | None,
-                policy: str, attention: str = "auto", strategy: str = "FULL_SHARD",
-                seed: int = 42) -> list[Reference | None]:  # fmt: skip
+def score_model(
+    name: str,
+    env: DistEnv,
+    precision: str,
+    tokenizer,
+    batch_size: int,
+    *pairs: Pairs | None,
+    policy: str,
+    attention: str = "auto",
+    strategy: str = "FULL_SHARD",
+    seed: int = 42,
+) -> list[Reference | None]:
     """A model by name, loaded sharded and frozen in the compute dtype, run over the pairs, and freed (the training
     run's reference pass, and evaluate's)."""
-    model = load_frozen(name, env, precision, tokenizer, policy=policy, attention=attention, strategy=strategy,
-                        seed=seed)  # fmt: skip
+    model = load_frozen(
+        name, env, precision, tokenizer, policy=policy, attention=attention, strategy=strategy, seed=seed
+    )
     print0(f"dpo: reference {name}: loaded sharded in {precision}, scoring the pairs")
     ref = _score(model, env, batch_size, *pairs)
     del model
@@ -118,8 +193,9 @@ def score_model(name: str, env: DistEnv, precision: str, tokenizer, batch_size: 
     return ref
 
 
-def with_adapters_off(model: torch.nn.Module, env: DistEnv, batch_size: int,
-                      *pairs: Pairs | None) -> list[Reference | None]:  # fmt: skip
+def with_adapters_off(
+    model: torch.nn.Module, env: DistEnv, batch_size: int, *pairs: Pairs | None
+) -> list[Reference | None]:
     """A LoRA run's reference: its own model with the adapters switched off."""
     print0("dpo: reference: the base with the adapters switched off, scoring the pairs")
     with adapters_off(model):
@@ -128,12 +204,22 @@ def with_adapters_off(model: torch.nn.Module, env: DistEnv, batch_size: int,
 
 def _score(model: torch.nn.Module, env: DistEnv, batch_size: int, *pairs: Pairs | None) -> list[Reference | None]:
     """Each set of pairs' reference (None for None: nothing to score)."""
-    return [None if p is None else Reference(p.index.clone(), pair_logps(model, p, batch_size, env).view(-1, 2))
-            for p in pairs]  # fmt: skip
+    return [
+        None if p is None else Reference(p.index.clone(), pair_logps(model, p, batch_size, env).view(-1, 2))
+        for p in pairs
+    ]
 
 
-def prepare(config: Config, env: DistEnv, payload: dict[str, Any] | None, key: str, pairs: Pairs, held: Pairs | None,
-            precision: str, tokenizer) -> tuple[str, list[Reference | None]]:  # fmt: skip
+def prepare(
+    config: Config,
+    env: DistEnv,
+    payload: dict[str, Any] | None,
+    key: str,
+    pairs: Pairs,
+    held: Pairs | None,
+    precision: str,
+    tokenizer,
+) -> tuple[str, list[Reference | None]]:
     """Before the model is built: the reference's name, and its log-probabilities of the training and held-out pairs
     where the checkpoint has them or a model must be loaded for them (a LoRA run's adapters-off reference is scored
     once the model is built: finish())."""
@@ -141,8 +227,10 @@ def prepare(config: Config, env: DistEnv, payload: dict[str, Any] | None, key: s
     name = reference_name(config, saved)
     found = [reusable(saved, "reference", name, pairs), reusable(saved, "eval_reference", name, held)]
     if found[0] is not None:
-        print0(f"dpo: reference {name}: its log-probabilities of rows [{config.data.start_idx}, ..) read from the "
-               "checkpoint")  # fmt: skip
+        print0(
+            f"dpo: reference {name}: its log-probabilities of rows [{config.data.start_idx}, ..) read from the "
+            "checkpoint"
+        )
     missing = [p if f is None else None for p, f in zip((pairs, held), found)]
     if name != ADAPTERS_OFF and any(m is not None for m in missing):
         batch = config.train.batch_size if isinstance(config.train.batch_size, int) else 1
@@ -151,8 +239,15 @@ def prepare(config: Config, env: DistEnv, payload: dict[str, Any] | None, key: s
     return name, found
 
 
-def finish(name: str, found: list[Reference | None], model: torch.nn.Module, env: DistEnv, batch_size: int,
-           pairs: Pairs, held: Pairs | None) -> list[Reference | None]:  # fmt: skip
+def finish(
+    name: str,
+    found: list[Reference | None],
+    model: torch.nn.Module,
+    env: DistEnv,
+    batch_size: int,
+    pairs: Pairs,
+    held: Pairs | None,
+) -> list[Reference | None]:
     """After the model is built: the adapters-off reference's missing log-probabilities."""
     missing = [p if f is None else None for p, f in zip((pairs, held), found)]
     if name == ADAPTERS_OFF and any(m is not None for m in missing):
@@ -164,5 +259,9 @@ def finish(name: str, found: list[Reference | None], model: torch.nn.Module, env
 def record(name: str, beta: float, found: list[Reference | None]) -> dict[str, Any]:
     """What checkpoints keep of the reference."""
     train, held = found
-    return {"ref_model": name, "beta": beta, "reference": train.state_dict(),
-            "eval_reference": held.state_dict() if held is not None else None}  # fmt: skip
+    return {
+        "ref_model": name,
+        "beta": beta,
+        "reference": train.state_dict(),
+        "eval_reference": held.state_dict() if held is not None else None,
+    }

@@ -1,69 +1,27 @@
-"""The training run: set up in a fixed order, then a short loop over optimizer steps.
+"""The training run: a session set up (train/build.py), then a short loop over optimizer steps.
 
-setup():  flags -> process group -> tokenizer + data (validated) -> checkpoint (validated) -> model on meta
-          -> activation checkpointing -> shard -> weights -> optimizer, scaler, schedule, position
 train():  for each step: micro-batches forward/backward -> global norm -> unscale+clip -> step -> log -> save
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
-from torch import nn
-
-from fsdp_opt.base import ConfigError, NotPushedError
+from fsdp_opt.base import NotPushedError
 from fsdp_opt.checkpoint.atomic import remove_stale_temp
-from fsdp_opt.checkpoint.chain import CHAIN_KEY
-from fsdp_opt.checkpoint.drift import CHANGES_KEY, global_batch_change, refuse_if_breaking, settings_drift
-from fsdp_opt.checkpoint.drift import line as drift_line
-from fsdp_opt.checkpoint.read import check_compatible
-from fsdp_opt.checkpoint.resume import restore
-from fsdp_opt.checkpoint.save import BackgroundWriter
-from fsdp_opt.config.choices import AUTO, DTYPES, shard_count
 from fsdp_opt.config.parse import Config
-from fsdp_opt.data.pin import PIN_KEY, packed_as, pinned_revision, with_range
-from fsdp_opt.data.prompts import check_groups, generation_slices
-from fsdp_opt.data.resolve import DataSource
-from fsdp_opt.data.sources import check_exists
-from fsdp_opt.engine.fp16watch import Fp16Overflow, overflow_probe
-from fsdp_opt.engine.loss import HeadLoss
-from fsdp_opt.engine.optim import LossScaler, LRSchedule, build_optimizer
-from fsdp_opt.engine.step import TrainState, first_batch_loss, train_step
-from fsdp_opt.hub.lease import Lease
-from fsdp_opt.hub.store import read_resume
-from fsdp_opt.model.adapters import KEY, Adapters, check_resume
-from fsdp_opt.model.parallelize import fp32_products_on_cpu, initialize, resolve_precision, shard_model, tie_and_check
-from fsdp_opt.model.shapes import count_params, flops_per_token
-from fsdp_opt.model.sources import ModelSource, build_meta_model, model_tag, resolve_model
-from fsdp_opt.planner.layout import Layout, choose_layout
+from fsdp_opt.engine.fp16watch import Fp16Overflow
+from fsdp_opt.engine.step import train_step
 from fsdp_opt.planner.steptime import step_time_line
-from fsdp_opt.runtime.distributed import (
-    DistEnv,
-    all_ranks_ok,
-    barrier,
-    cap_gpu_memory,
-    init_distributed,
-    print0,
-    broadcast_object,
-    teardown,
-)
-from fsdp_opt.runtime.gpus import peak_flops
-from fsdp_opt.runtime.hostmem import configure_allocator, freeze_imported, release_host_memory
+from fsdp_opt.runtime.distributed import barrier, init_distributed, print0, teardown
+from fsdp_opt.runtime.hostmem import configure_allocator, freeze_imported
 from fsdp_opt.runtime.stopping import WRITE_FAILED, StopControl, resume_command
-from fsdp_opt.runtime.torchao_gate import check_for_nf4
-from fsdp_opt.tracking.metrics import MetricsWriter
 from fsdp_opt.tracking.progress import Progress, gpu_memory_line, host_peaks_line
-from fsdp_opt.tracking.wandb_run import WandbRun
-from fsdp_opt.train.publish import export_final, finish_outside, log_pushed, release_lease, start_uploader
-from fsdp_opt.train.saving import raise_if_write_failed, save, save_estimate, uses_async_save, wait_for_writes
-from fsdp_opt.train.chain import claim, next_in_session, start_status
-from fsdp_opt.train.inputs import Loaded, check_pin, read_inputs, refuse_changed_mixture_now
-from fsdp_opt.train.methods import Method, method_for
-from fsdp_opt.train.session import Session, seed_dropout, step_plan
-from fsdp_opt.train.summary import print_summary
+from fsdp_opt.train.build import check_flags, setup
+from fsdp_opt.train.chain import claim, next_in_session
+from fsdp_opt.train.publish import export_final, finish_outside, log_pushed, release_lease
+from fsdp_opt.train.saving import raise_if_write_failed, save, save_estimate, wait_for_writes
+from fsdp_opt.train.session import Session
 
 
 def run(config: Config) -> None:
@@ -94,213 +52,6 @@ def run(config: Config) -> None:
             release_lease(lease)
     if lost is not None:  # the session trained, but its newest checkpoint is not on the Hub: the last line says so
         raise NotPushedError(lost.line(config.hub.hf_repo))
-
-
-# ---------------------------------------------------------------- setup
-
-
-@dataclass
-class Checked:
-    """What the flags name, checked on every rank before anything is read or built."""
-
-    source: ModelSource
-    precision: str  # --precision, with auto decided for this device
-    accum_steps: int | None  # --accum_steps, or what --global_batch implies for this many ranks (None: auto decides)
-
-
-@dataclass
-class Built:
-    """The sharded model with its weights in place, and what building it decided."""
-
-    model: nn.Module
-    adapters: Adapters | None
-    layout: Layout
-    block_classes: set[type]
-    units: int
-    head_loss: HeadLoss | None
-    n_params: int  # of the model without adapters
-    flops_per_token: float
-
-
-def setup(config: Config, env: DistEnv, checked: Checked | None = None, lease: Lease | None = None) -> Session:
-    """The fixed order: check the flags (unless `run` did) -> read the checkpoint to resume -> read model config,
-    tokenizer and data -> build the model (meta, adapters, layout, shard, weights) -> optimizer and position -> the
-    session and its side work (summary, fp16 probe, uploads, W&B). Every step is agreed across ranks: a user error
-    anywhere stops all."""
-    checked = checked or check_flags(config, env)
-    read_started = time.perf_counter()
-    payload = all_ranks_ok(lambda: read_resume(config.checkpoint.resume_file, Path(config.checkpoint.output_dir),
-                                               config.hub.hf_repo, config.hub.hub_retries) if env.is_main else None)  # fmt: skip
-    read_seconds = time.perf_counter() - read_started
-    changes = all_ranks_ok(lambda: settings_drift(config, payload) if env.is_main else None)
-    pin = payload.get(PIN_KEY) if payload else None
-    # a Hub dataset is read at the revision the chain recorded, unless --dataset_revision names one
-    revision = broadcast_object(config.data.dataset_revision or pinned_revision(pin, DataSource.of(config.data)))
-    method = method_for(config)
-    inputs = read_inputs(config, checked.source, method, revision, pin)
-    resumed = (payload["slice"]["start_idx"], payload["slice"]["end_idx"]) if pin and payload.get("slice") else None
-    data_source = all_ranks_ok(lambda: check_pin(config, method, pin, inputs.data, inputs.tokenizer, inputs.model_config,
-                                                 resumed) if env.is_main else None)  # fmt: skip
-    method.before_model(inputs.data, env, payload, checked.precision, inputs.tokenizer)
-    built = build_model(config, env, checked, inputs, payload, method)
-    session = make_session(config, env, checked, inputs, built, method)
-    method.after_model(session)
-    session.lease = lease
-    session.data_revision = revision
-    if env.is_main:
-        d = inputs.data
-        session.data_pin = with_range(pin, data_source, config.data.start_idx, d.end_idx, d.rows_digest, d.tokens_digest,
-                                      packed_as(config.data.max_length, config.data.packing))  # fmt: skip
-    if config.checkpoint.resume_file:
-        session.settings_changes = all_ranks_ok(
-            lambda: record_changes(session, payload, changes) if env.is_main else None) or []
-    if config.checkpoint.resume_file:  # payload: rank 0's; every rank takes part in restoring it
-        load_started = time.perf_counter()
-        session.state = restore(built.model, session.optimizer, session.scaler, payload, config, env,
-                                inputs.data.end_idx, len(inputs.data.blocks), session.rows,
-                                session.chat_template)  # fmt: skip
-        print0(f"  checkpoint found and read in {read_seconds:.1f} s, loaded into the shards in "
-               f"{time.perf_counter() - load_started:.1f} s")  # fmt: skip
-        run_id = payload.get("wandb_run_id") if env.is_main else None
-        saved_chain = broadcast_object(payload.get(CHAIN_KEY) if env.is_main else None)
-        del payload  # rank 0's copy of the checkpoint: gone before the first save gathers another
-    else:
-        run_id, saved_chain = None, None
-    session.chain = start_status(session, saved_chain, inputs.data.rows)
-    session.chain_seconds_before = session.chain.train_seconds
-    tie_and_check(built.model)
-    built.model.train()
-    start_side_work(session, built, run_id, inputs.bf16_pretrained)
-    release_host_memory()  # every rank: what reading the weights (and a checkpoint) left, so the steps start clean
-    return session
-
-
-def record_changes(s: Session, payload: dict[str, Any], changes: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rank 0: the global batch checked too (it is known once the layout is), then the chain's record of changes:
-    the checkpoint's, and this session's at its first global step."""
-    ts = payload.get("train_state") or {}
-    moved = global_batch_change(payload.get("global_batch"), s.plan.global_batch, mid_range=bool(ts.get("offset") or ts.get("within")))
-    if moved is not None:
-        print0(drift_line(moved))
-        refuse_if_breaking([moved], s.config.checkpoint.allow_changes, Path(payload["_path"]).name)
-        changes = [moved] + changes
-    step = int(ts.get("global_step", 0))
-    return list(payload.get(CHANGES_KEY) or []) + [{**c, "step": step} for c in changes]
-
-
-def check_flags(config: Config, env: DistEnv) -> Checked:
-    mc, pc, cc, lc = config.model, config.parallel, config.checkpoint, config.lora
-    source = all_ranks_ok(lambda: resolve_model(mc.model))
-    precision = all_ranks_ok(lambda: resolve_precision(pc.precision, env.device))
-    if lc.enabled and lc.base_bits == 4:
-        all_ranks_ok(check_for_nf4)  # the torch/torchao pair, before anything is built
-    if pc.cpu_offload and env.device.type != "cuda":
-        raise ConfigError("--cpu_offload: only useful with CUDA devices (the run is on CPU already)")
-    if pc.reduce_dtype == "fp16" and precision != "fp16":
-        raise ConfigError(f"--reduce_dtype fp16: only with fp16 compute (this run computes in {precision}; "
-                          "--precision fp16)")  # fmt: skip
-    if cc.export_merge and not (lc.enabled and cc.export_hf):
-        raise ConfigError("--export_merge: only for a LoRA run (--lora_rank) with --export_hf DIR")
-    # the dataset is there, and what the method names (reward functions): before the chain's lease is taken or
-    # anything is built
-    all_ranks_ok(lambda: check_exists(DataSource.of(config.data), config.data.eval_split) if env.is_main else None)
-    all_ranks_ok(lambda: refuse_changed_mixture_now(config) if env.is_main else None)
-    method_for(config).check()
-    auto = config.train.batch_size == AUTO
-    if config.method.spec.generates:  # a step's completions: whole groups of --num_generations
-        check_groups(config.train.samples_per_step(env.world_size), config.method.num_generations)
-        generation_slices(config.method.steps_per_generation, None if auto else config.train.accum_for(env.world_size))
-    return Checked(source, precision, None if auto else config.train.accum_for(env.world_size))
-
-
-def build_model(config: Config, env: DistEnv, checked: Checked, inputs: Loaded, payload: dict[str, Any] | None,
-                method: Method) -> Built:  # fmt: skip
-    """Meta model -> layout -> adapters -> resume checks (rank 0 holds the payload) -> shard (with activation
-    checkpointing) -> weights."""
-    mc, tc, pc, lc = config.model, config.train, config.parallel, config.lora
-    resuming = bool(config.checkpoint.resume_file)
-    model = build_meta_model(inputs.model_config)
-    n_params = count_params(model)  # the model's own, before any adapters
-    fpt = flops_per_token(model, config.data.max_length, frozen_base=lc.enabled)
-    layout = all_ranks_ok(lambda: choose_layout(config, env, inputs.model_config, checked.precision, checked.accum_steps,
-                                                gpu=cap_gpu_memory(config, env)))  # fmt: skip
-    lc = method.lora(lc)
-    adapters = Adapters(lc, mc.model, DTYPES[checked.precision], tc.seed) if lc.enabled else None
-    if adapters is not None:
-        shards = shard_count(layout.strategy, env.world_size, env.local_world_size)
-        all_ranks_ok(lambda: adapters.add_to(model, shards))
-    head_loss = all_ranks_ok(lambda: HeadLoss.for_run(model, layout.loss_chunk_tokens))
-    if resuming:
-        def check() -> None:
-            path = Path(payload["_path"])
-            same_base = check_resume(payload.get(KEY), adapters.identity() if adapters else None, path)
-            if adapters is None or same_base:  # else checked once the base is read
-                check_compatible(payload, model, path)
-
-        all_ranks_ok(lambda: check() if env.is_main else None)
-    block_classes, units = shard_model(
-        model, env, strategy=layout.strategy, precision=checked.precision, reduce_dtype=layout.reduce_dtype,
-        activation_checkpointing=layout.activation_checkpointing, offload=layout.cpu_offload, compile_blocks=pc.compile,
-        prefetch=pc.prefetch, ignored=adapters.unsharded(model) if adapters else None,
-    )  # fmt: skip
-    fp32_products_on_cpu(model, env.device, checked.precision)
-    # A LoRA run always loads its base from --model; a checkpoint holds only the adapters.
-    initialize(model, env, checked.source, inputs.model_config, tc.seed, weights=not resuming or adapters is not None,
-               loader=adapters.load_weights if adapters else None,
-               **(adapters.load_options() if adapters else {}))  # fmt: skip
-    if adapters is not None:
-        adapters.share_fingerprint(env)
-        if resuming:
-            def check_base() -> None:
-                path = Path(payload["_path"])
-                check_resume(payload.get(KEY), adapters.identity(), path)
-                check_compatible(payload, model, path)
-
-            all_ranks_ok(lambda: check_base() if env.is_main else None)
-    return Built(model, adapters, layout, block_classes, units, head_loss, n_params, fpt)
-
-
-def make_session(config: Config, env: DistEnv, checked: Checked, inputs: Loaded, built: Built, method: Method) -> Session:
-    """Optimizer, loss scaler, schedule and the data order around the built model; the position starts fresh."""
-    tc = config.train
-    model = built.model
-    optimizer = build_optimizer(model, tc.lr, tc.weight_decay, env.device)
-    seed_dropout(config, env)
-    out_dir = Path(config.checkpoint.output_dir)
-    return Session(
-        config=config, env=env, model=model, optimizer=optimizer,
-        schedule=LRSchedule(tc.lr, tc.warmup_steps, tc.lr_schedule, tc.lr_decay_steps, tc.min_lr_ratio),
-        scaler=LossScaler(enabled=checked.precision == "fp16", init_scale=tc.init_loss_scale),
-        blocks=inputs.data.blocks,
-        plan=step_plan(config, env, method, inputs.data.blocks, built.layout.batch_size, built.layout.accum_steps),
-        method=method,
-        state=TrainState(epoch=tc.initial_epoch),
-        writer=MetricsWriter(out_dir, enabled=env.is_main),
-        tag=model_tag(config.model.model), end_idx=inputs.data.end_idx, precision=checked.precision,
-        layout=built.layout,
-        flops_per_token=built.flops_per_token,
-        peak_flops=peak_flops(env.device), out_dir=out_dir, model_config=inputs.model_config,
-        tokenizer=inputs.tokenizer, n_params=built.n_params, params=[p for p in model.parameters() if p.requires_grad],
-        eval_blocks=inputs.data.eval_blocks, eval_label=inputs.data.eval_label, head_loss=built.head_loss,
-        rows=inputs.data.spec.key(inputs.data.train_on),
-        lora=built.adapters.identity() if built.adapters else None,
-        ckpt_writer=BackgroundWriter() if uses_async_save(config, env.device.type) else None,
-    )  # fmt: skip
-
-
-def start_side_work(s: Session, built: Built, run_id: str | None, bf16_pretrained: bool) -> None:
-    """The summary, the fp16 overflow probe, the Hub uploader (rank 0) and the W&B run."""
-    config, env = s.config, s.env
-    print_summary(s, built.block_classes, built.units, s.n_params)
-    probe = overflow_probe(bf16_pretrained, s.precision, lambda: first_batch_loss(s), config.model.model)
-    if probe:
-        print0(probe)
-    s.uploader = all_ranks_ok(lambda: start_uploader(s) if env.is_main and config.hub.hf_repo else None)
-    wc = config.wandb
-    wandb_config = {**s.flags(), "world_size": env.world_size, "global_batch": s.plan.global_batch,
-                    "parameters": s.n_params, CHANGES_KEY: s.settings_changes}  # fmt: skip
-    s.wandb = WandbRun(enabled=env.is_main, project=wc.wandb_project, mode=wc.wandb_mode,
-                       run_id=None if wc.wandb_new_run else run_id, config=wandb_config, out_dir=s.out_dir)  # fmt: skip
 
 
 # ---------------------------------------------------------------- loop

@@ -10,16 +10,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fsdp_opt.checkpoint.drift import CHANGES_KEY
-from fsdp_opt.data.pin import PIN_KEY
-from fsdp_opt.hub.lease import FileLease
 from fsdp_opt.base import VERSION, CheckpointError
 from fsdp_opt.checkpoint.atomic import save_or_explain
 from fsdp_opt.checkpoint.chain import CHAIN_KEY
+from fsdp_opt.checkpoint.drift import CHANGES_KEY
 from fsdp_opt.checkpoint.names import checkpoint_name
 from fsdp_opt.checkpoint.resume import slice_key
 from fsdp_opt.checkpoint.save import save_checkpoint
 from fsdp_opt.config.parse import Config
+from fsdp_opt.data.pin import PIN_KEY
+from fsdp_opt.hub.lease import FileLease
 from fsdp_opt.runtime.distributed import broadcast_object, max_over_ranks, print0
 from fsdp_opt.runtime.hostmem import release_host_memory
 from fsdp_opt.tracking.metrics import EVAL_FILE
@@ -40,8 +40,9 @@ def run_eval(s: Session) -> dict[str, float]:
     result = s.method.evaluate(s)
     if s.env.is_main:
         with (s.out_dir / EVAL_FILE).open("a") as f:
-            f.write(json.dumps({"step": s.state.global_step, "epoch": s.state.epoch, "rows": s.eval_label, **result})
-                    + "\n")  # fmt: skip
+            f.write(
+                json.dumps({"step": s.state.global_step, "epoch": s.state.epoch, "rows": s.eval_label, **result}) + "\n"
+            )
     s.wandb.log_eval(s.state.global_step, {k: result[k] for k in s.method.eval_logged})
     return result
 
@@ -114,15 +115,29 @@ def save(s: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
             save_or_explain(payload, path)
             payload.clear()
             release_host_memory()
-            finished(s, path, kind, entry, {"bytes": float(path.stat().st_size), "seconds": time.perf_counter() - started},
-                     waited=gathered)  # fmt: skip
+            finished(
+                s,
+                path,
+                kind,
+                entry,
+                {"bytes": float(path.stat().st_size), "seconds": time.perf_counter() - started},
+                waited=gathered,
+            )
 
         s.ckpt_writer.start(work)
 
     info = save_checkpoint(
-        path, s.env, s.model, s.optimizer, state=s.state, epochs_run=s.state.epoch, extra=extra,
-        save_optimizer=cc.save_optimizer, sharded=sharded, hand_off=write_in_background if background else None,
-    )  # fmt: skip
+        path,
+        s.env,
+        s.model,
+        s.optimizer,
+        state=s.state,
+        epochs_run=s.state.epoch,
+        extra=extra,
+        save_optimizer=cc.save_optimizer,
+        sharded=sharded,
+        hand_off=write_in_background if background else None,
+    )
     s.last_saved_step, s.last_saved_path = s.state.global_step, path
     if info is not None:
         finished(s, path, kind, entry, info)
@@ -131,7 +146,9 @@ def save(s: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
     return path
 
 
-def finished(s: Session, path: Path, kind: str, entry: dict[str, Any], info: dict[str, float], waited: float | None = None) -> None:
+def finished(
+    s: Session, path: Path, kind: str, entry: dict[str, Any], info: dict[str, float], waited: float | None = None
+) -> None:
     """Rank 0, once a checkpoint is whole on disk: say so, queue its upload, prune older ones."""
     s.last_save_seconds, s.last_save_bytes = info["seconds"], int(info["bytes"])
     note = f"; training waited {waited:.1f} s of it" if waited is not None else ""
@@ -152,4 +169,6 @@ def raise_if_write_failed(s: Session) -> None:
     """Every rank (a collective): stop all ranks with rank 0's write error, if there is one."""
     failed = max_over_ranks(1 if s.ckpt_writer is not None and s.ckpt_writer.error else 0)
     if failed:
-        raise CheckpointError(broadcast_object(s.ckpt_writer.error if s.env.is_main else None) or "writing a checkpoint failed")
+        raise CheckpointError(
+            broadcast_object(s.ckpt_writer.error if s.env.is_main else None) or "writing a checkpoint failed"
+        )

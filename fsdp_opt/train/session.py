@@ -118,8 +118,9 @@ class Session:
         return self.chain.to_dict()
 
 
-def step_plan(config: Config, env: DistEnv, method: Any, sequences: Any, batch_size: int,
-              accum_steps: int) -> StepPlan | Any:  # fmt: skip
+def step_plan(
+    config: Config, env: DistEnv, method: Any, sequences: Any, batch_size: int, accum_steps: int
+) -> StepPlan | Any:
     """The global batches of the slice's epochs, and this rank's share of each (the method's plan of its sequences)."""
     return method.plan(config, env, sequences, batch_size, accum_steps)
 

@@ -1,13 +1,12 @@
-"""The run summary rank 0 prints at start: what trains, how it is sharded, the data, the batch, the prediction.
-"""
+"""The run summary rank 0 prints at start: what trains, how it is sharded, the data, the batch, the prediction."""
 
 from __future__ import annotations
 
 import torch
 
 from fsdp_opt.planner.steptime import describe_prediction
-from fsdp_opt.runtime.distributed import print0
 from fsdp_opt.runtime import torchao_gate
+from fsdp_opt.runtime.distributed import print0
 from fsdp_opt.tracking.progress import format_summary
 from fsdp_opt.train.session import Session
 
@@ -36,7 +35,11 @@ def print_summary(s: Session, classes: set[type], units: int, n_params: int) -> 
                 "loss": describe_loss(s),
                 "predicted step": describe_prediction(s.predicted_step),
                 "checkpoints": f"{c.checkpoint.state_dict_type}, written "
-                + ("in the background while training goes on" if s.ckpt_writer is not None else "before training goes on"),
+                + (
+                    "in the background while training goes on"
+                    if s.ckpt_writer is not None
+                    else "before training goes on"
+                ),
                 "steps/epoch": s.plan.steps_per_epoch(),
                 "start": f"global step {s.state.global_step}, epoch {s.state.epoch}",
                 "chain": s.chain.describe() if s.chain else "-",
@@ -46,8 +49,10 @@ def print_summary(s: Session, classes: set[type], units: int, n_params: int) -> 
     )
     print0("config: " + " ".join(f"--{k} {v}" for k, v in s.flags().items() if v is not None))
     if torchao_gate.hidden_reason:
-        print0(f"note: {torchao_gate.hidden_reason}: it is not used (only --base_bits 4 needs torchao; for this torch: "
-               f"{torchao_gate.install_line(torch.__version__)})")  # fmt: skip
+        print0(
+            f"note: {torchao_gate.hidden_reason}: it is not used (only --base_bits 4 needs torchao; for this torch: "
+            f"{torchao_gate.install_line(torch.__version__)})"
+        )
 
 
 PACKING_WORDS = {
@@ -59,9 +64,11 @@ PACKING_WORDS = {
 
 def describe_lora(s: Session) -> str:
     info, trainable = s.lora, sum(p.numel() for p in s.params)
-    return (f"rank {info['rank']}, alpha {info['alpha']:g}, dropout {info['dropout']:g} on {len(info['targets'])} layers: "
-            f"{trainable:,} trainable parameters ({100 * trainable / max(1, s.n_params):.2f}%); base frozen in "
-            f"{s.precision}, weights {info['base_fingerprint']}")  # fmt: skip
+    return (
+        f"rank {info['rank']}, alpha {info['alpha']:g}, dropout {info['dropout']:g} on {len(info['targets'])} layers: "
+        f"{trainable:,} trainable parameters ({100 * trainable / max(1, s.n_params):.2f}%); base frozen in "
+        f"{s.precision}, weights {info['base_fingerprint']}"
+    )
 
 
 def describe_loss(s: Session) -> str:

@@ -13,23 +13,34 @@ from fsdp_opt.train.chain import range_fits
 ROWS, N = 12_000, 5000
 
 
-@pytest.mark.parametrize("newest,passes,want", [
-    # a fresh chain
-    (None, 1, NextRange(0, 5000, 0, None, False)),
-    # a finished range: the next one, the last cut at the end of the data
-    ("opt_1.3B_0-5000-epoch-1.pt", 1, NextRange(5000, 10000, 0, "opt_1.3B_0-5000-epoch-1.pt", False)),
-    ("opt_1.3B_5000-10000-epoch-1.pt", 1, NextRange(10000, 12000, 0, "opt_1.3B_5000-10000-epoch-1.pt", False)),
-    # the data used up: the next pass from row 0 while --num_epochs allows it, else done
-    ("opt_1.3B_10000-12000-epoch-1.pt", 2, NextRange(0, 5000, 1, "opt_1.3B_10000-12000-epoch-1.pt", False)),
-    ("opt_1.3B_10000-12000-epoch-1.pt", 1, None),
-    ("opt_1.3B_10000-12000-epoch-2.pt", 2, None),
-    ("opt_1.3B_5000-10000-epoch-2.pt", 2, NextRange(10000, 12000, 1, "opt_1.3B_5000-10000-epoch-2.pt", False)),
-    # interrupted inside a range (a -step- name, epoch in progress): finish that same range, whatever the pass
-    ("opt_1.3B_5000-10000-epoch-1-step-61.pt", 1, NextRange(5000, 10000, 0, "opt_1.3B_5000-10000-epoch-1-step-61.pt", True)),
-    ("opt_1.3B_10000-12000-epoch-2-step-300", 2, NextRange(10000, 12000, 1, "opt_1.3B_10000-12000-epoch-2-step-300", True)),
-    # a range of another size typed by hand earlier: the chain goes on from its end
-    ("tiny_opt_0-777-epoch-1.pt", 1, NextRange(777, 5777, 0, "tiny_opt_0-777-epoch-1.pt", False)),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "newest,passes,want",
+    [
+        # a fresh chain
+        (None, 1, NextRange(0, 5000, 0, None, False)),
+        # a finished range: the next one, the last cut at the end of the data
+        ("opt_1.3B_0-5000-epoch-1.pt", 1, NextRange(5000, 10000, 0, "opt_1.3B_0-5000-epoch-1.pt", False)),
+        ("opt_1.3B_5000-10000-epoch-1.pt", 1, NextRange(10000, 12000, 0, "opt_1.3B_5000-10000-epoch-1.pt", False)),
+        # the data used up: the next pass from row 0 while --num_epochs allows it, else done
+        ("opt_1.3B_10000-12000-epoch-1.pt", 2, NextRange(0, 5000, 1, "opt_1.3B_10000-12000-epoch-1.pt", False)),
+        ("opt_1.3B_10000-12000-epoch-1.pt", 1, None),
+        ("opt_1.3B_10000-12000-epoch-2.pt", 2, None),
+        ("opt_1.3B_5000-10000-epoch-2.pt", 2, NextRange(10000, 12000, 1, "opt_1.3B_5000-10000-epoch-2.pt", False)),
+        # interrupted inside a range (a -step- name, epoch in progress): finish that same range, whatever the pass
+        (
+            "opt_1.3B_5000-10000-epoch-1-step-61.pt",
+            1,
+            NextRange(5000, 10000, 0, "opt_1.3B_5000-10000-epoch-1-step-61.pt", True),
+        ),
+        (
+            "opt_1.3B_10000-12000-epoch-2-step-300",
+            2,
+            NextRange(10000, 12000, 1, "opt_1.3B_10000-12000-epoch-2-step-300", True),
+        ),
+        # a range of another size typed by hand earlier: the chain goes on from its end
+        ("tiny_opt_0-777-epoch-1.pt", 1, NextRange(777, 5777, 0, "tiny_opt_0-777-epoch-1.pt", False)),
+    ],
+)
 def test_next_range(newest, passes, want):
     assert next_range(newest, ROWS, N, passes) == want
 
@@ -45,8 +56,19 @@ def test_status_counts_rows_left_and_sessions():
     # Pass 1 of 2 over 12,000 rows, inside [5000, 10000) at 40% (row 7000); 3,000 rows/h measured over 10 h of
     # training; sessions of 11h30m. Left: 5,000 rows of this pass and 12,000 of the next = 17,000 rows,
     # 17,000 / 3,000 = 5.67 h: one session.
-    s = ChainStatus(rows=ROWS, start=5000, end=10000, epoch=0, position=7000.0, ranges_done=1, rows_trained=30_000.0,
-                    train_seconds=36_000.0, range_size=N, passes=2, session_seconds=11.5 * 3600)  # fmt: skip
+    s = ChainStatus(
+        rows=ROWS,
+        start=5000,
+        end=10000,
+        epoch=0,
+        position=7000.0,
+        ranges_done=1,
+        rows_trained=30_000.0,
+        train_seconds=36_000.0,
+        range_size=N,
+        passes=2,
+        session_seconds=11.5 * 3600,
+    )
     assert s.rows_left() == 17_000 and s.rows_per_hour() == pytest.approx(3000.0)
     items = dict(s.items())
     assert items["ranges done"] == "1"
@@ -64,7 +86,9 @@ def test_status_counts_rows_left_and_sessions():
     assert end.rows_left() == 0 and dict(end.items())["range now"] == "none: the chain is done"
     assert dict(end.items())["sessions left"] == "none"
     # An explicit chain (no --range_size): rows to the end of the data, hours without a session length.
-    explicit = ChainStatus(rows=ROWS, start=0, end=5000, epoch=0, position=2500.0, rows_trained=2500.0, train_seconds=1800.0)
+    explicit = ChainStatus(
+        rows=ROWS, start=0, end=5000, epoch=0, position=2500.0, rows_trained=2500.0, train_seconds=1800.0
+    )
     assert dict(explicit.items())["rows left"] == "9,500 (to the end of the data)"
     assert dict(explicit.items())["sessions left"] == "1.9 h at the 5,000 rows/h measured"
     fresh = ChainStatus(rows=ROWS, start=0, end=5000, epoch=0, position=0.0)

@@ -33,8 +33,20 @@ from fsdp_opt.checkpoint.names import MODEL_KEY, checkpoint_name, list_checkpoin
 from fsdp_opt.checkpoint.save import STEP_KEY
 
 END = 80
-TINY = ["--model", "tiny-opt", "--dataset", "python-docs", "--end_idx", str(END), "--max_length", "64",
-        "--batch_size", "2", "--lr", "2e-3"]  # fmt: skip
+TINY = [
+    "--model",
+    "tiny-opt",
+    "--dataset",
+    "python-docs",
+    "--end_idx",
+    str(END),
+    "--max_length",
+    "64",
+    "--batch_size",
+    "2",
+    "--lr",
+    "2e-3",
+]
 NAME = checkpoint_name("tiny_opt", 0, END, 1)
 
 
@@ -88,8 +100,10 @@ def test_refusals_name_the_file_and_what_is_wrong(tmp_path, trained):
     bogus_dir.mkdir()
     cases.append(([str(bogus_dir)], ["not_sharded", "not a sharded fsdp-opt checkpoint"]))
     # each in its own output folder: runs side by side in one folder would meet the chain's lease
-    runs = [(TINY + ["--resume_file"] + resume + ["--output_dir", str(tmp_path / f"out{i}")], tmp_path, None)
-            for i, (resume, _) in enumerate(cases)]  # fmt: skip
+    runs = [
+        (TINY + ["--resume_file"] + resume + ["--output_dir", str(tmp_path / f"out{i}")], tmp_path, None)
+        for i, (resume, _) in enumerate(cases)
+    ]
     for (_, needles), proc in zip(cases, run_cli_concurrently(runs, timeout=120)):
         assert_clean_failure(proc, "--resume_file", *needles)
         assert proc.returncode == 2
@@ -98,8 +112,13 @@ def test_refusals_name_the_file_and_what_is_wrong(tmp_path, trained):
 
 
 @pytest.mark.parametrize("kind", ["full", "sharded"])
-@pytest.mark.parametrize("change,needle", [({"hidden_size": 64, "word_embed_proj_dim": 64}, "has shape"),
-                                           ({"vocab_size": 4000}, "another model size or vocabulary")])  # fmt: skip
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        ({"hidden_size": 64, "word_embed_proj_dim": 64}, "has shape"),
+        ({"vocab_size": 4000}, "another model size or vocabulary"),
+    ],
+)
 def test_checkpoint_of_another_shape_is_refused_on_every_rank(tmp_path, trained, kind, change, needle):
     other = make_local_model(tmp_path / "other", **change)
     ckpt = trained / kind / checkpoint_name("tiny_opt", 0, END, 1, sharded=kind == "sharded")
@@ -127,8 +146,13 @@ print("second", flush=True)
 
 def test_kill_during_save_leaves_the_previous_checkpoint_whole(tmp_path):
     path = tmp_path / "ckpt.pt"
-    proc = subprocess.Popen([sys.executable, "-c", ATOMIC_SCRIPT, str(path)], cwd=tmp_path, env=sandbox_env(tmp_path),
-                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", ATOMIC_SCRIPT, str(path)],
+        cwd=tmp_path,
+        env=sandbox_env(tmp_path),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout.readline().strip() == "first"
     deadline = time.time() + 60
     while time.time() < deadline:
@@ -162,8 +186,15 @@ def test_full_disk_stops_cleanly_and_keeps_the_previous_checkpoint(tmp_path, tra
     args = TINY + ["--num_epochs", "1", "--resume_file", NAME, "--output_dir", str(out)]
     if mode == "background":
         args += ["--async_save", "true", "--save_every_steps", "2"]
-    proc = subprocess.run(torchrun_cmd(2) + args, cwd=tmp_path, env=sandbox_env(tmp_path), capture_output=True,
-                          text=True, timeout=300, preexec_fn=small_files)  # fmt: skip
+    proc = subprocess.run(
+        torchrun_cmd(2) + args,
+        cwd=tmp_path,
+        env=sandbox_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=small_files,
+    )
     resumed_at = torch.load(previous, weights_only=True)[STEP_KEY]
     first_save = next(k for k in (resumed_at + 1, resumed_at + 2) if k % 2 == 0)  # --save_every_steps 2
     failing = checkpoint_name("tiny_opt", 0, END, 2, first_save if mode == "background" else None)
@@ -197,7 +228,9 @@ def test_export_round_trip_gives_the_trained_models_loss(tmp_path, trained):
     assert want < 7.5  # trained, not the random init (about 8.3)
     # --export_hf at the end of training, fp32.
     exported = AutoModelForCausalLM.from_pretrained(trained / "export").eval()
-    assert (trained / "export" / "model.safetensors").exists() and (trained / "export" / "generation_config.json").exists()
+    assert (trained / "export" / "model.safetensors").exists() and (
+        trained / "export" / "generation_config.json"
+    ).exists()
     assert _loss(exported, AutoTokenizer.from_pretrained(trained / "export")) == pytest.approx(want, abs=1e-5)
     # The command, from a full file (fp16 default) and from a sharded folder.
     for source in (trained / "full" / NAME, trained / "sharded" / checkpoint_name("tiny_opt", 0, END, 1, sharded=True)):

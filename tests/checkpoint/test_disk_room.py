@@ -40,7 +40,9 @@ def test_the_hubs_copies_go_first_then_older_ones_and_the_newest_only_once_on_th
     room = choose([b, a, c], 30 * GB, int(5 * GB), None)
     assert names(room) == ["a", "b"] and room.fits_disk and room.used_after == int(15.8 * GB)
     # An older checkpoint being uploaded right now is never removed (its file is being read).
-    room = choose([held("b", 15.8, 200, uploading=True, queued=True), held("c", 15.8, 300)], 15.8 * GB, int(5 * GB), None)
+    room = choose(
+        [held("b", 15.8, 200, uploading=True, queued=True), held("c", 15.8, 300)], 15.8 * GB, int(5 * GB), None
+    )
     assert room.remove == [] and not room.fits_disk
     # --disk_budget caps what stays even with free space; the newest not on the Hub stays over it (a warning).
     room = choose([a, b, c], 15.8 * GB, 100 * GB, 40 * GB)
@@ -51,8 +53,26 @@ def test_the_hubs_copies_go_first_then_older_ones_and_the_newest_only_once_on_th
     assert choose([a, b, c], 1 * GB, 50 * GB, None).remove == []
 
 
-RUN = ["--model", "tiny-opt", "--dataset", "python-docs", "--end_idx", "64", "--max_length", "32", "--batch_size", "2",
-       "--accum_steps", "1", "--precision", "fp32", "--num_epochs", "1", "--seed", "5"]  # fmt: skip
+RUN = [
+    "--model",
+    "tiny-opt",
+    "--dataset",
+    "python-docs",
+    "--end_idx",
+    "64",
+    "--max_length",
+    "32",
+    "--batch_size",
+    "2",
+    "--accum_steps",
+    "1",
+    "--precision",
+    "fp32",
+    "--num_epochs",
+    "1",
+    "--seed",
+    "5",
+]
 
 
 @pytest.fixture
@@ -61,7 +81,9 @@ def small_disk(tmp_path):
     mount.mkdir()
 
     def make(size: int) -> Path:
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True, text=True)
+        proc = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True, text=True
+        )
         if proc.returncode != 0:
             pytest.skip(f"a small disk needs a tmpfs mount (root): {proc.stderr.strip()}")
         return mount
@@ -71,7 +93,9 @@ def small_disk(tmp_path):
 
 
 def test_saves_every_few_steps_run_to_the_end_on_a_disk_for_two_checkpoints(tmp_path, small_disk):
-    ref = run_cli(RUN + ["--output_dir", str(tmp_path / "ref"), "--keep_last", "0", "--save_every_steps", "2"], tmp_path)
+    ref = run_cli(
+        RUN + ["--output_dir", str(tmp_path / "ref"), "--keep_last", "0", "--save_every_steps", "2"], tmp_path
+    )
     assert ref.returncode == 0, ref.stdout + ref.stderr
     saved = sorted((tmp_path / "ref").glob("*.pt"))
     size = max(p.stat().st_size for p in saved)
@@ -89,8 +113,9 @@ def test_saves_every_few_steps_run_to_the_end_on_a_disk_for_two_checkpoints(tmp_
     left = sorted(out.glob("*.pt"))
     assert saved[-1].name in [p.name for p in left]  # the epoch's end
     math = ("step", "loss", "grad_norm", "lr", "tokens")  # the same run, step for step
-    assert [[m[k] for k in math] for m in read_jsonl(out / "metrics.jsonl")] == \
-        [[m[k] for k in math] for m in read_jsonl(tmp_path / "ref" / "metrics.jsonl")]
+    assert [[m[k] for k in math] for m in read_jsonl(out / "metrics.jsonl")] == [
+        [m[k] for k in math] for m in read_jsonl(tmp_path / "ref" / "metrics.jsonl")
+    ]
 
     # The newest mid-epoch checkpoint on the small disk resumes exactly: the reference's losses, bit for bit.
     mid = max((p for p in left if "-step-" in p.name), key=lambda p: int(p.stem.rsplit("-", 1)[1]))

@@ -14,26 +14,44 @@ SAVED = parse_args(["--model", "tiny-opt", "--dataset", "python-docs", "--lr", "
 
 
 def changed(*argv: str) -> list[dict]:
-    return compare(SAVED, parse_args(["--model", "tiny-opt", "--dataset", "python-docs", "--lr", "3e-4", "--max_length",
-                                      "512", *argv]).flat())  # fmt: skip
+    return compare(
+        SAVED,
+        parse_args(
+            ["--model", "tiny-opt", "--dataset", "python-docs", "--lr", "3e-4", "--max_length", "512", *argv]
+        ).flat(),
+    )
 
 
-@pytest.mark.parametrize("argv,flag", [
-    (["--model", "facebook/opt-125m"], "model"), (["--dataset", "someone/rows"], "dataset"),
-    (["--max_length", "1024"], "max_length"), (["--packing", "pad"], "packing"), (["--seed", "7"], "seed"),
-    (["--data_format", "text"], "data_format"), (["--train_on", "all"], "train_on"),
-    (["--chat_template", "chatml"], "chat_template"), (["--text_column", "body"], "text_column"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["--model", "facebook/opt-125m"], "model"),
+        (["--dataset", "someone/rows"], "dataset"),
+        (["--max_length", "1024"], "max_length"),
+        (["--packing", "pad"], "packing"),
+        (["--seed", "7"], "seed"),
+        (["--data_format", "text"], "data_format"),
+        (["--train_on", "all"], "train_on"),
+        (["--chat_template", "chatml"], "chat_template"),
+        (["--text_column", "body"], "text_column"),
+    ],
+)
 def test_changes_that_break_exactness(argv, flag):
     got = changed(*argv)
     assert [c["flag"] for c in got] == [flag] and got[0]["breaks"] == BREAKING[flag]
 
 
-@pytest.mark.parametrize("argv,flag", [
-    (["--lr", "1e-4"], "lr"), (["--max_grad_norm", "0.5"], "max_grad_norm"), (["--time_limit", "11h"], "time_limit"),
-    (["--eval_rows", "50"], "eval_rows"), (["--warmup_steps", "10"], "warmup_steps"),
-    (["--weight_decay", "0.1"], "weight_decay"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["--lr", "1e-4"], "lr"),
+        (["--max_grad_norm", "0.5"], "max_grad_norm"),
+        (["--time_limit", "11h"], "time_limit"),
+        (["--eval_rows", "50"], "eval_rows"),
+        (["--warmup_steps", "10"], "warmup_steps"),
+        (["--weight_decay", "0.1"], "weight_decay"),
+    ],
+)
 def test_changes_that_are_choices(argv, flag):
     got = changed(*argv)
     assert [c["flag"] for c in got] == [flag] and got[0]["breaks"] is None
@@ -41,8 +59,10 @@ def test_changes_that_are_choices(argv, flag):
 
 
 def test_a_model_folder_or_data_file_at_another_path_is_the_same_one():
-    moved = compare({**SAVED, "model": "model", "dataset": "/kaggle/input/rows-v1/rows.jsonl"},
-                    {**SAVED, "model": "/tmp/work/model", "dataset": "/kaggle/input/rows-v2/rows.jsonl"})  # fmt: skip
+    moved = compare(
+        {**SAVED, "model": "model", "dataset": "/kaggle/input/rows-v1/rows.jsonl"},
+        {**SAVED, "model": "/tmp/work/model", "dataset": "/kaggle/input/rows-v2/rows.jsonl"},
+    )
     assert [(c["flag"], c["breaks"]) for c in moved] == [("model", None), ("dataset", None)]
     other = compare({**SAVED, "model": "/data/model-a"}, {**SAVED, "model": "/data/model-b"})
     assert other[0]["breaks"] == BREAKING["model"]
@@ -50,8 +70,25 @@ def test_a_model_folder_or_data_file_at_another_path_is_the_same_one():
 
 def test_what_is_not_compared_and_values_read_back():
     # where the session is in the chain and how this machine lays a step out
-    assert changed("--start_idx", "5000", "--end_idx", "10000", "--batch_size", "8", "--accum_steps", "2",
-                   "--precision", "fp32", "--num_epochs", "3", "--output_dir", "elsewhere") == []  # fmt: skip
+    assert (
+        changed(
+            "--start_idx",
+            "5000",
+            "--end_idx",
+            "10000",
+            "--batch_size",
+            "8",
+            "--accum_steps",
+            "2",
+            "--precision",
+            "fp32",
+            "--num_epochs",
+            "3",
+            "--output_dir",
+            "elsewhere",
+        )
+        == []
+    )
     assert changed("--lr", "0.0003") == []  # the same value written another way
     assert compare(None, SAVED) == [] and compare({"lr": 1e-3}, {"lr": 1e-3, "new_flag": 1}) == []
 
@@ -69,7 +106,9 @@ def test_breaking_changes_are_refused_in_one_line_unless_allowed():
     with pytest.raises(ConfigError) as err:
         refuse_if_breaking(changes, False, "opt_1.3B_0-5000-epoch-1.pt")
     message = str(err.value)
-    assert "\n" not in message and message.startswith("--resume_file opt_1.3B_0-5000-epoch-1.pt: --max_length 512 -> 1024")
+    assert "\n" not in message and message.startswith(
+        "--resume_file opt_1.3B_0-5000-epoch-1.pt: --max_length 512 -> 1024"
+    )
     assert "--packing docs -> pad" in message and "--lr" not in message and "--allow_changes" in message
     refuse_if_breaking(changes, True, "opt_1.3B_0-5000-epoch-1.pt")  # allowed: no error
     assert line(changes[0]) == "settings: --max_length 512 -> 1024 (breaks exactness: the blocks change)"
@@ -77,8 +116,11 @@ def test_breaking_changes_are_refused_in_one_line_unless_allowed():
 
 def test_the_model_card_lists_the_changes_along_the_chain():
     changes = [{**c, "step": 40} for c in changed("--lr", "1e-4")]
-    index = {"checkpoints": {"tiny_opt_0-10-epoch-1.pt": {"global_step": 80, "start_idx": 0, "end_idx": 10,
-                                                          CHANGES_KEY: changes}}}  # fmt: skip
+    index = {
+        "checkpoints": {
+            "tiny_opt_0-10-epoch-1.pt": {"global_step": 80, "start_idx": 0, "end_idx": 10, CHANGES_KEY: changes}
+        }
+    }
     card = render_card("me/run", index)
     assert "## Settings changed along the chain" in card
     assert "| 40 | `--lr` | 0.0003 | 0.0001 | kept (a choice) |" in card

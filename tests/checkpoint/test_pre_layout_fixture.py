@@ -13,9 +13,27 @@ from conftest import ROOT, read_jsonl, run_cli
 FIXTURE = ROOT / "tests" / "fixtures" / "pre_layout"
 STEP = 4  # the fixture's checkpoints were saved after optimizer step 4 of 10
 ARGS = [
-    "--dataset", "python-docs", "--end_idx", "60", "--max_length", "64", "--batch_size", "2", "--accum_steps", "2",
-    "--lr", "2e-3", "--precision", "fp32", "--seed", "11", "--num_epochs", "1", "--keep_last", "3",
-]  # fmt: skip
+    "--dataset",
+    "python-docs",
+    "--end_idx",
+    "60",
+    "--max_length",
+    "64",
+    "--batch_size",
+    "2",
+    "--accum_steps",
+    "2",
+    "--lr",
+    "2e-3",
+    "--precision",
+    "fp32",
+    "--seed",
+    "11",
+    "--num_epochs",
+    "1",
+    "--keep_last",
+    "3",
+]
 
 
 def losses(path: Path) -> dict[int, float]:
@@ -36,8 +54,11 @@ def test_pre_layout_checkpoint_resumes_exactly(tmp_path, kind):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"at global step {STEP}" in resumed.stdout
     straight_out = tmp_path / "straight"
-    straight = run_cli(ARGS + ["--model", str(work / "model"), "--state_dict_type", kind,
-                               "--output_dir", str(straight_out)], work, nproc=2)  # fmt: skip
+    straight = run_cli(
+        ARGS + ["--model", str(work / "model"), "--state_dict_type", kind, "--output_dir", str(straight_out)],
+        work,
+        nproc=2,
+    )
     assert straight.returncode == 0, straight.stderr[-3000:]
 
     got = {s: l for s, l in losses(out / "metrics.jsonl").items() if s > STEP}

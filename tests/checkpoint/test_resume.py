@@ -12,8 +12,8 @@ import pytest
 import torch
 from conftest import (
     ASSETS,
-    assert_clean_failure,
     ENTRY,
+    assert_clean_failure,
     built_once,
     kill_all_with,
     losses_by_step,
@@ -24,15 +24,29 @@ from conftest import (
 )
 
 from fsdp_opt.checkpoint.drift import CHANGES_KEY
-from fsdp_opt.hub.lease import LOCAL_LEASE
 from fsdp_opt.checkpoint.names import MODEL_KEY, checkpoint_name, list_checkpoints
 from fsdp_opt.checkpoint.save import EPOCHS_KEY, STEP_KEY
+from fsdp_opt.hub.lease import LOCAL_LEASE
 
 END = 60
 BASE = [
-    "--dataset", "python-docs", "--end_idx", str(END), "--max_length", "64", "--batch_size", "2",
-    "--accum_steps", "2", "--lr", "2e-3", "--precision", "fp32", "--seed", "11",
-]  # fmt: skip
+    "--dataset",
+    "python-docs",
+    "--end_idx",
+    str(END),
+    "--max_length",
+    "64",
+    "--batch_size",
+    "2",
+    "--accum_steps",
+    "2",
+    "--lr",
+    "2e-3",
+    "--precision",
+    "fp32",
+    "--seed",
+    "11",
+]
 TINY = ["--model", "tiny-opt"] + BASE  # dropout 0.1: exactness needs every rank's RNG restored
 
 
@@ -81,10 +95,26 @@ def test_one_epoch_plus_resume_equals_two_epochs(tmp_path, straight, kind):
 
 def test_sigkill_after_mid_epoch_checkpoint_then_resume_latest(tmp_path, straight):
     out = tmp_path / "out"
-    args = TINY + ["--num_epochs", "2", "--save_every_steps", "4", "--keep_last", "0", "--output_dir", str(out),
-                   "--async_save", "true"]  # the kill can land while a later checkpoint is being written
-    proc = subprocess.Popen(torchrun_cmd(2) + args, cwd=tmp_path, env=sandbox_env(tmp_path),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    args = TINY + [
+        "--num_epochs",
+        "2",
+        "--save_every_steps",
+        "4",
+        "--keep_last",
+        "0",
+        "--output_dir",
+        str(out),
+        "--async_save",
+        "true",
+    ]  # the kill can land while a later checkpoint is being written
+    proc = subprocess.Popen(
+        torchrun_cmd(2) + args,
+        cwd=tmp_path,
+        env=sandbox_env(tmp_path),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     per_epoch = len(straight) // 2
     target = out / checkpoint_name("tiny_opt", 0, END, 2, (per_epoch // 4 + 1) * 4)  # first save of epoch 2
     deadline = time.time() + 240
@@ -96,7 +126,9 @@ def test_sigkill_after_mid_epoch_checkpoint_then_resume_latest(tmp_path, straigh
     assert target.exists(), "the run ended before the mid-epoch checkpoint"
     killed_at = max(r["step"] for r in read_jsonl(out / "metrics.jsonl"))
     assert killed_at < len(straight)
-    resumed = run_cli(TINY + ["--num_epochs", "1", "--resume_file", "latest", "--output_dir", str(out)], tmp_path, nproc=2)
+    resumed = run_cli(
+        TINY + ["--num_epochs", "1", "--resume_file", "latest", "--output_dir", str(out)], tmp_path, nproc=2
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     latest = max(list_checkpoints(out), key=lambda p: p.stat().st_mtime)
     assert latest.name == checkpoint_name("tiny_opt", 0, END, 2)
@@ -107,17 +139,32 @@ def test_sigkill_after_mid_epoch_checkpoint_then_resume_latest(tmp_path, straigh
 @pytest.mark.parametrize("kind", ["full", "sharded"])
 def test_resume_on_another_rank_count_keeps_the_global_batches(tmp_path, det_model, kind):
     """2 ranks x batch 2 -> 1 rank x batch 4: same global batches, same losses (dropout off)."""
-    base = ["--model", str(det_model)] + BASE + ["--state_dict_type", kind, "--save_every_steps", "3", "--keep_last", "0"]
+    base = (
+        ["--model", str(det_model)] + BASE + ["--state_dict_type", kind, "--save_every_steps", "3", "--keep_last", "0"]
+    )
     ref_out, out = tmp_path / "ref", tmp_path / "out"
     ref = run_cli(base + ["--num_epochs", "1", "--output_dir", str(ref_out)], tmp_path, nproc=2)
     assert ref.returncode == 0, ref.stderr[-3000:]
     want = losses_by_step(ref_out / "metrics.jsonl")
     name = checkpoint_name("tiny_det", 0, END, 1, 6, sharded=kind == "sharded")
     resumed = run_cli(
-        ["--model", str(det_model)] + BASE + ["--batch_size", "4", "--state_dict_type", kind, "--num_epochs", "1",
-         "--resume_file", str(ref_out / name), "--output_dir", str(out)],
-        tmp_path, nproc=0,
-    )  # fmt: skip
+        ["--model", str(det_model)]
+        + BASE
+        + [
+            "--batch_size",
+            "4",
+            "--state_dict_type",
+            kind,
+            "--num_epochs",
+            "1",
+            "--resume_file",
+            str(ref_out / name),
+            "--output_dir",
+            str(out),
+        ],
+        tmp_path,
+        nproc=0,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "1 rank(s)" in resumed.stdout and "= 8 sequences per step" in resumed.stdout
     got = losses_by_step(out / "metrics.jsonl")
@@ -128,13 +175,30 @@ def test_resume_on_another_rank_count_keeps_the_global_batches(tmp_path, det_mod
 
 def test_new_slice_keeps_the_run_and_starts_at_its_first_batch(tmp_path):
     out = tmp_path / "out"
-    common = ["--model", "tiny-opt", "--dataset", "python-docs", "--max_length", "64", "--batch_size", "2",
-              "--warmup_steps", "30", "--lr", "3e-3", "--output_dir", str(out)]  # fmt: skip
+    common = [
+        "--model",
+        "tiny-opt",
+        "--dataset",
+        "python-docs",
+        "--max_length",
+        "64",
+        "--batch_size",
+        "2",
+        "--warmup_steps",
+        "30",
+        "--lr",
+        "3e-3",
+        "--output_dir",
+        str(out),
+    ]
     a = run_cli(common + ["--start_idx", "0", "--end_idx", "60"], tmp_path, nproc=2)
     assert a.returncode == 0, a.stderr[-3000:]
     steps_a = len(read_jsonl(out / "metrics.jsonl"))
-    b = run_cli(common + ["--start_idx", "60", "--end_idx", "120", "--resume_file", checkpoint_name("tiny_opt", 0, 60, 1)],
-                tmp_path, nproc=2)  # fmt: skip
+    b = run_cli(
+        common + ["--start_idx", "60", "--end_idx", "120", "--resume_file", checkpoint_name("tiny_opt", 0, 60, 1)],
+        tmp_path,
+        nproc=2,
+    )
     assert b.returncode == 0, b.stderr[-3000:]
     assert "the first batch of slice [60, 120)" in b.stdout
     rows = read_jsonl(out / "metrics.jsonl")
@@ -157,23 +221,28 @@ def test_changed_settings_are_each_one_line_breaking_ones_refused_unless_allowed
     ckpt = straight_dir / checkpoint_name("tiny_opt", 0, END, 1)
     args = TINY + ["--packing", "concat", "--lr", "1e-3", "--resume_file", str(ckpt), "--output_dir", str(out)]
     refused = run_cli(args, tmp_path)
-    line = assert_clean_failure(refused, f"--resume_file {ckpt.name}: --packing docs -> concat (the blocks change)",
-                                "--allow_changes")  # fmt: skip
+    line = assert_clean_failure(
+        refused, f"--resume_file {ckpt.name}: --packing docs -> concat (the blocks change)", "--allow_changes"
+    )
     assert "--lr" not in line  # only the breaking changes stop the run
     assert "settings: --lr 0.002 -> 0.001 (a choice: applied from this session on)" in refused.stdout
     assert not out.exists()
     proc = run_cli(args + ["--allow_changes"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "settings: --packing docs -> concat (breaks exactness: the blocks change)" in proc.stdout
-    assert ("note: the checkpoint packed this slice with --packing docs; this run packs it with --packing concat, "
-            "so its blocks differ and the slice starts again from its first batch") in proc.stdout
+    assert (
+        "note: the checkpoint packed this slice with --packing docs; this run packs it with --packing concat, "
+        "so its blocks differ and the slice starts again from its first batch"
+    ) in proc.stdout
     per_epoch = len(straight) // 2
     assert f"at global step {per_epoch}; continuing at the first batch of slice [0, {END})" in proc.stdout
     rows = read_jsonl(out / "metrics.jsonl")
     assert rows[0]["step"] == per_epoch + 1 and rows[0]["epoch"] == 0
     saved = torch.load(out / checkpoint_name("tiny_opt", 0, END, 1), weights_only=True)
     assert [(c["flag"], c["from"], c["to"], c["step"]) for c in saved[CHANGES_KEY]] == [
-        ("packing", "docs", "concat", per_epoch), ("lr", 0.002, 0.001, per_epoch)]
+        ("packing", "docs", "concat", per_epoch),
+        ("lr", 0.002, 0.001, per_epoch),
+    ]
 
 
 def test_checkpoint_contents_load_with_weights_only(straight_dir):
@@ -189,14 +258,19 @@ def test_checkpoint_contents_load_with_weights_only(straight_dir):
 
 def test_weights_only_checkpoint_is_smaller_and_resumes_and_keep_last_keeps_the_newest(tmp_path, straight_dir):
     out = tmp_path / "out"
-    small = run_cli(TINY + ["--save_optimizer", "false", "--save_every_steps", "3", "--keep_last", "2",
-                            "--output_dir", str(out)], tmp_path, nproc=2)  # fmt: skip
+    small = run_cli(
+        TINY + ["--save_optimizer", "false", "--save_every_steps", "3", "--keep_last", "2", "--output_dir", str(out)],
+        tmp_path,
+        nproc=2,
+    )
     assert small.returncode == 0, small.stderr[-3000:]
     name = checkpoint_name("tiny_opt", 0, END, 1)
     # --keep_last 2: the final checkpoint and the newest mid-epoch one, by global step.
     steps = len(read_jsonl(out / "metrics.jsonl"))
     last_mid = steps - 1 - (steps - 1) % 3
-    assert sorted(p.name for p in list_checkpoints(out)) == sorted([name, checkpoint_name("tiny_opt", 0, END, 1, last_mid)])
+    assert sorted(p.name for p in list_checkpoints(out)) == sorted(
+        [name, checkpoint_name("tiny_opt", 0, END, 1, last_mid)]
+    )
     # Independent sizes: fp32 weights are 4 bytes per unique parameter; AdamW adds m and v (8 more).
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -213,8 +287,14 @@ def test_weights_only_checkpoint_is_smaller_and_resumes_and_keep_last_keeps_the_
 def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path):
     out = tmp_path / "out"
     args = TINY + ["--num_epochs", "20", "--output_dir", str(out)]
-    proc = subprocess.Popen([sys.executable, str(ENTRY)] + args, cwd=tmp_path, env=sandbox_env(tmp_path),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, str(ENTRY)] + args,
+        cwd=tmp_path,
+        env=sandbox_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     metrics = out / "metrics.jsonl"
     deadline = time.time() + 120
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3) and time.time() < deadline:

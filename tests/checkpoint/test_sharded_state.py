@@ -12,8 +12,9 @@ from fsdp_opt.model.sources import build_meta_model, load_model_config, resolve_
 
 def test_full_shard_halves_per_rank_state(tmp_path):
     out = tmp_path / "state.json"
-    proc = launch([str(ROOT / "tests" / "workers" / "state_bytes.py")], [str(out), "FULL_SHARD", "NO_SHARD"], tmp_path,
-                  nproc=2)
+    proc = launch(
+        [str(ROOT / "tests" / "workers" / "state_bytes.py")], [str(out), "FULL_SHARD", "NO_SHARD"], tmp_path, nproc=2
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"state.json.rank{r}").read_text()) for r in range(2)]
     # Independent size: the model's unique fp32 parameters, counted on an unsharded skeleton.

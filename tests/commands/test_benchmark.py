@@ -12,9 +12,26 @@ from conftest import ROOT, sandbox_env
 
 def test_memory_only_report(tmp_path):
     """--memory-only: a row per sharding strategy (here in one launch: --one_launch), HYBRID_SHARD not launched."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--memory-only", "--configs", "FULL_SHARD",
-           "NO_SHARD", "HYBRID_SHARD", "--nproc", "2", "--warmup", "0", "--steps", "1", "--max_length", "64", "--json",
-           str(tmp_path / "bench.json"), "--one_launch"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "throughput.py"),
+        "--memory-only",
+        "--configs",
+        "FULL_SHARD",
+        "NO_SHARD",
+        "HYBRID_SHARD",
+        "--nproc",
+        "2",
+        "--warmup",
+        "0",
+        "--steps",
+        "1",
+        "--max_length",
+        "64",
+        "--json",
+        str(tmp_path / "bench.json"),
+        "--one_launch",
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "bench.json").read_text())
@@ -34,15 +51,35 @@ def test_memory_only_report(tmp_path):
 def test_throughput_report_runs_the_trainer_under_fsdp2(tmp_path):
     """hf_trainer really is transformers' Trainer with FSDP2 shards (the worker refuses a DDP-wrapped model); the
     engine's configurations one after another in one launch (--one_launch), hf_trainer in its own."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--configs", "packed", "hf_trainer", "packed_lora",
-           "chat_docs", "chat_all", "--nproc", "2", "--warmup", "1", "--steps", "1", "--max_length", "128", "--json",
-           str(tmp_path / "bench.json"), "--one_launch"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "throughput.py"),
+        "--configs",
+        "packed",
+        "hf_trainer",
+        "packed_lora",
+        "chat_docs",
+        "chat_all",
+        "--nproc",
+        "2",
+        "--warmup",
+        "1",
+        "--steps",
+        "1",
+        "--max_length",
+        "128",
+        "--json",
+        str(tmp_path / "bench.json"),
+        "--one_launch",
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     configs = json.loads((tmp_path / "bench.json").read_text())["configs"]
     ours, trainer = configs["packed"], configs["hf_trainer"]
     assert "error" not in trainer, trainer
-    assert trainer["global_batch"] == ours["global_batch"] == 8 and trainer["flops_per_token"] == ours["flops_per_token"]
+    assert (
+        trainer["global_batch"] == ours["global_batch"] == 8 and trainer["flops_per_token"] == ours["flops_per_token"]
+    )
     # Sharded: each rank holds half of the parameters, gradients and Adam state, as the planner says.
     assert trainer["peak_state_bytes_per_rank"] == trainer["predicted_state_bytes_per_rank"]
     assert trainer["peak_state_bytes_per_rank"] == ours["peak_state_bytes_per_rank"]
@@ -144,8 +181,20 @@ def test_session_benchmark_reports_every_stage_against_its_floor(tmp_path):
     """benchmarks/session.py at tiny size: two real sessions through the loopback Hub, each stage next to a floor
     measured in the same run, host peaks beside the plan, and the Kaggle prediction's arithmetic."""
     out = tmp_path / "session.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "session.py"), "--shape", "tiny-opt", "--rows", "40", "--max_length",
-           "64", "--batch_size", "2", "--json", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "session.py"),
+        "--shape",
+        "tiny-opt",
+        "--rows",
+        "40",
+        "--max_length",
+        "64",
+        "--batch_size",
+        "2",
+        "--json",
+        str(out),
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
@@ -172,14 +221,31 @@ def test_session_benchmark_reports_every_stage_against_its_floor(tmp_path):
     want = k["checkpoint_bytes"] / (k["assumed_mbps"]["disk"] * 1e6) + beyond
     assert k["stages_s"]["resume: read and load the checkpoint"] == pytest.approx(want)
     assert 0 <= resumed["resume_read_s"] <= resumed["resume_load_s"]
-    assert "| push to the Hub stand-in (checkpoint + weights file) |" in proc.stdout and "Kaggle 2xT4, opt-1.3b (prediction)" in proc.stdout
+    assert (
+        "| push to the Hub stand-in (checkpoint + weights file) |" in proc.stdout
+        and "Kaggle 2xT4, opt-1.3b (prediction)" in proc.stdout
+    )
 
 
 def test_data_benchmark_reports_a_range_against_the_whole_split(tmp_path):
     """benchmarks/data.py: three sessions (start, middle, end) and load_dataset of the whole split, each on an empty
     cache; a range fetches a small part of what the whole split costs, and keeps none of it on disk."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "data.py"), "--rows", "20000", "--shards", "2", "--row_group",
-           "500", "--range", "16", "--nproc", "0", "--json", str(tmp_path / "data.json")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "data.py"),
+        "--rows",
+        "20000",
+        "--shards",
+        "2",
+        "--row_group",
+        "500",
+        "--range",
+        "16",
+        "--nproc",
+        "0",
+        "--json",
+        str(tmp_path / "data.json"),
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "data.json").read_text())
@@ -199,8 +265,20 @@ def test_generation_benchmark_gathers_once_against_once_per_token(tmp_path):
     from transformers import AutoConfig
 
     layers = AutoConfig.from_pretrained(ROOT / "fsdp_opt" / "assets" / "tiny-opt").num_hidden_layers
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "generation.py"), "--model", "tiny-opt", "--repeat", "1",
-           "--new_tokens", "8", "--prompts", "4", "--json", str(tmp_path / "gen.json")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "generation.py"),
+        "--model",
+        "tiny-opt",
+        "--repeat",
+        "1",
+        "--new_tokens",
+        "8",
+        "--prompts",
+        "4",
+        "--json",
+        str(tmp_path / "gen.json"),
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "gen.json").read_text())
@@ -214,8 +292,20 @@ def test_allocator_benchmark_runs_both_thresholds_to_the_same_losses(tmp_path):
     """benchmarks/allocator.py at a few steps, each arm launched alone (the default adds two launches at once, the same
     code with two processes): each reports its step, wall, CPU and RAM, and both train to the same loss (the
     allocator's threshold moves no number); no time is asserted."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "allocator.py"), "--rounds", "1", "--end_idx", "24",
-           "--num_epochs", "1", "--ways", "1", "--json", str(tmp_path / "alloc.json")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "allocator.py"),
+        "--rounds",
+        "1",
+        "--end_idx",
+        "24",
+        "--num_epochs",
+        "1",
+        "--ways",
+        "1",
+        "--json",
+        str(tmp_path / "alloc.json"),
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "alloc.json").read_text())
@@ -231,8 +321,16 @@ def test_head_loss_benchmark_runs_both_arms_to_the_same_loss(tmp_path):
     """benchmarks/head_loss.py at one round and tiny-opt's vocabulary: each case's two arms (whole logits, the output
     layer at the targets) report a time and a peak, on the targets the case names, at the same loss to rounding; no
     time is asserted."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "head_loss.py"), "--rounds", "1", "--vocabs", "4096",
-           "--json", str(tmp_path / "head.json")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "head_loss.py"),
+        "--rounds",
+        "1",
+        "--vocabs",
+        "4096",
+        "--json",
+        str(tmp_path / "head.json"),
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     cases = json.loads((tmp_path / "head.json").read_text())["cases"]
@@ -248,8 +346,22 @@ def test_decode_step_benchmark_takes_a_decoding_step_apart(tmp_path):
     """benchmarks/decode_step.py on CPU at a few tokens: the ways (the forward alone, generate, the run's sampler, LoRA
     adapters beside the weights, the run's static-cache decoding, transformers' static-cache generate) each report a
     step's milliseconds and tokens/s, and the CUDA graph path says it needs CUDA; no time is asserted."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "decode_step.py"), "--model", "tiny-opt", "--new_tokens", "6",
-           "--prompts", "2", "--prompt_length", "8", "--repeat", "1", "--json", str(tmp_path / "decode.json")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "decode_step.py"),
+        "--model",
+        "tiny-opt",
+        "--new_tokens",
+        "6",
+        "--prompts",
+        "2",
+        "--prompt_length",
+        "8",
+        "--repeat",
+        "1",
+        "--json",
+        str(tmp_path / "decode.json"),
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "decode.json").read_text())
@@ -257,4 +369,8 @@ def test_decode_step_benchmark_takes_a_decoding_step_apart(tmp_path):
     assert list(report["ways"]) == ways and report["device"] == "cpu"
     assert report["ways"].pop("graphs") == {"skipped": "CUDA graphs need a CUDA device"}
     assert all(w["ms_per_step"] > 0 and w["tokens_per_s"] > 0 for w in report["ways"].values())
-    assert report["weights_read_ms_per_step"] is None and "| sampler_lora |" in proc.stdout and "| hf_static |" in proc.stdout
+    assert (
+        report["weights_read_ms_per_step"] is None
+        and "| sampler_lora |" in proc.stdout
+        and "| hf_static |" in proc.stdout
+    )

@@ -66,10 +66,25 @@ def _end(stdout: str) -> int:
 def test_fp16_with_loss_scaling_trains_and_counts_skipped_steps(tmp_path):
     # A loss scale of 2^32 overflows fp16 gradients at first: those steps must be skipped and counted.
     args = [
-        "--model", "tiny-opt", "--dataset", "python-docs", "--end_idx", "120", "--max_length", "64",
-        "--batch_size", "4", "--lr", "3e-3", "--precision", "fp16", "--init_loss_scale", str(2.0**32),
-        "--output_dir", str(tmp_path / "out"),
-    ]  # fmt: skip
+        "--model",
+        "tiny-opt",
+        "--dataset",
+        "python-docs",
+        "--end_idx",
+        "120",
+        "--max_length",
+        "64",
+        "--batch_size",
+        "4",
+        "--lr",
+        "3e-3",
+        "--precision",
+        "fp16",
+        "--init_loss_scale",
+        str(2.0**32),
+        "--output_dir",
+        str(tmp_path / "out"),
+    ]
     proc = run_cli(args, tmp_path, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "fp16 compute" in proc.stdout and "dynamic loss scaling" in proc.stdout
@@ -109,10 +124,18 @@ BAD_INPUT = [
     (["--range_size", "10"], ["--range_size 10", "only with --start_idx auto"]),
     (["--session_ranges", "2"], ["--session_ranges 2", "only with --start_idx auto"]),
     (["--start_idx", "auto", "--range_size", "10", "--session_ranges", "-1"], ["--session_ranges -1"]),
-    (["--start_idx", "auto", "--range_size", "10", "--resume_file", "x.pt"], ["--resume_file x.pt", "not with --start_idx auto"]),
-    (["--start_idx", "auto", "--range_size", "10", "--initial_epoch", "1"], ["--initial_epoch 1", "not with --start_idx auto"]),
-    (["--start_idx", "auto", "--range_size", "10", "--hf_repo", "me/run", "--hub_retries", "0"],
-     ["--start_idx auto", "cannot read the Hub repo me/run"]),
+    (
+        ["--start_idx", "auto", "--range_size", "10", "--resume_file", "x.pt"],
+        ["--resume_file x.pt", "not with --start_idx auto"],
+    ),
+    (
+        ["--start_idx", "auto", "--range_size", "10", "--initial_epoch", "1"],
+        ["--initial_epoch 1", "not with --start_idx auto"],
+    ),
+    (
+        ["--start_idx", "auto", "--range_size", "10", "--hf_repo", "me/run", "--hub_retries", "0"],
+        ["--start_idx auto", "cannot read the Hub repo me/run"],
+    ),
     # --batch_size auto and the flags it decides
     (["--batch_size", "many"], ["--batch_size", "'many'"]),
     (["--batch_size", "auto", "--loss_chunk_tokens", "256"], ["--loss_chunk_tokens 256", "not with --batch_size auto"]),
@@ -132,8 +155,10 @@ def bad_input_runs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProc
         folders = [root / f"case{i}" for i in range(len(BAD_INPUT))]
         for d in folders:
             d.mkdir()
-        runs = [(["--model", "tiny-opt", "--dataset", "python-docs", "--output_dir", str(d / "out"), *extra], d, None)
-                for d, (extra, _) in zip(folders, BAD_INPUT)]  # fmt: skip
+        runs = [
+            (["--model", "tiny-opt", "--dataset", "python-docs", "--output_dir", str(d / "out"), *extra], d, None)
+            for d, (extra, _) in zip(folders, BAD_INPUT)
+        ]
         procs = run_cli_concurrently(runs, timeout=120)
         (root / "runs.json").write_text(json.dumps([[p.args, p.returncode, p.stdout, p.stderr] for p in procs]))
 
@@ -153,8 +178,22 @@ def test_bad_input_fails_fast_with_one_line(bad_input_runs, extra, needles):
 def test_a_missing_dataset_stops_before_the_chains_lease_and_the_model(tmp_path):
     """Validate before building: the dataset's line comes before the chain's lease is taken (a file in the output
     folder, or a commit on the Hub) and before the model is read, for an explicit range and for --start_idx auto."""
-    runs = [(["--model", "tiny-opt", "--dataset", "no/such/rows.jsonl", "--output_dir", str(tmp_path / f"out{i}"), *extra],
-             tmp_path, None) for i, extra in enumerate([[], ["--start_idx", "auto", "--range_size", "8"]])]  # fmt: skip
+    runs = [
+        (
+            [
+                "--model",
+                "tiny-opt",
+                "--dataset",
+                "no/such/rows.jsonl",
+                "--output_dir",
+                str(tmp_path / f"out{i}"),
+                *extra,
+            ],
+            tmp_path,
+            None,
+        )
+        for i, extra in enumerate([[], ["--start_idx", "auto", "--range_size", "8"]])
+    ]
     for proc in run_cli_concurrently(runs, timeout=120):
         assert_clean_failure(proc, "--dataset no/such/rows.jsonl: no such file or folder")
         assert proc.returncode == 2 and "lease" not in proc.stdout and "model" not in proc.stdout, proc.stdout
@@ -169,13 +208,16 @@ def test_empty_dataset_is_refused(tmp_path):
     _no_outputs(tmp_path)
 
 
-@pytest.mark.parametrize("extra,needles", [
-    (["--end_idx", "100000"], ["--end_idx 100000"]),
-    (["--model", "./no/such/model"], ["--model ./no/such/model"]),
-    (["--text_column", "body"], ["--text_column body"]),
-    (["--total_batch_size", "6", "--batch_size", "2"], ["--global_batch 6", "2 rank(s) = 4", "use 4 or 8"]),
-    (["--batch_size", "auto", "--global_batch", "15"], ["--global_batch 15", "does not split over 2 rank(s)"]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "extra,needles",
+    [
+        (["--end_idx", "100000"], ["--end_idx 100000"]),
+        (["--model", "./no/such/model"], ["--model ./no/such/model"]),
+        (["--text_column", "body"], ["--text_column body"]),
+        (["--total_batch_size", "6", "--batch_size", "2"], ["--global_batch 6", "2 rank(s) = 4", "use 4 or 8"]),
+        (["--batch_size", "auto", "--global_batch", "15"], ["--global_batch 15", "does not split over 2 rank(s)"]),
+    ],
+)
 def test_bad_input_under_torchrun_does_not_hang_the_other_rank(tmp_path, extra, needles):
     # The first case under torchrun itself (its failure report, its stop of the other rank); the rest on ranks forked
     # by the tests' launcher, which stops the other ranks as torchrun does: what they check is the package's own
@@ -190,14 +232,37 @@ def test_unreachable_hub_ids_say_so_and_point_to_builtins(tmp_path):
     # The Hub endpoint is a closed local port: the real download path fails (after huggingface_hub's retries, about
     # 23 s, which the three runs spend side by side). A dataset with a config and split, from an empty cache, is one
     # line too, and writes nothing.
-    model, dataset, split = run_cli_concurrently([
-        (["--model", "facebook/opt-125m", "--dataset", "python-docs", "--output_dir", str(tmp_path / "out1")],
-         tmp_path, sandbox_env(tmp_path, HF_ENDPOINT=DEAD_ENDPOINT)),
-        (["--model", "tiny-opt", "--dataset", "someone/abstracts", "--output_dir", str(tmp_path / "out2")],
-         tmp_path, sandbox_env(tmp_path, HF_HUB_OFFLINE="1")),
-        (["--model", "tiny-opt", "--dataset", "me/chat", "--dataset_split", "train_sft", "--chat_template", "chatml",
-          "--output_dir", str(tmp_path / "out3")], tmp_path, sandbox_env(tmp_path, HF_ENDPOINT=DEAD_ENDPOINT)),
-    ], timeout=180)  # fmt: skip
+    model, dataset, split = run_cli_concurrently(
+        [
+            (
+                ["--model", "facebook/opt-125m", "--dataset", "python-docs", "--output_dir", str(tmp_path / "out1")],
+                tmp_path,
+                sandbox_env(tmp_path, HF_ENDPOINT=DEAD_ENDPOINT),
+            ),
+            (
+                ["--model", "tiny-opt", "--dataset", "someone/abstracts", "--output_dir", str(tmp_path / "out2")],
+                tmp_path,
+                sandbox_env(tmp_path, HF_HUB_OFFLINE="1"),
+            ),
+            (
+                [
+                    "--model",
+                    "tiny-opt",
+                    "--dataset",
+                    "me/chat",
+                    "--dataset_split",
+                    "train_sft",
+                    "--chat_template",
+                    "chatml",
+                    "--output_dir",
+                    str(tmp_path / "out3"),
+                ],
+                tmp_path,
+                sandbox_env(tmp_path, HF_ENDPOINT=DEAD_ENDPOINT),
+            ),
+        ],
+        timeout=180,
+    )
     assert_clean_failure(model, "--model facebook/opt-125m", "Hugging Face Hub", "tiny-opt")
     assert_clean_failure(dataset, "--dataset someone/abstracts", "python-docs")
     assert_clean_failure(split, "--dataset me/chat", "cannot load it from the Hugging Face Hub")
@@ -225,11 +290,33 @@ def test_bf16_on_a_gpu_without_it_is_refused(monkeypatch):
 def test_help_lists_every_flag():
     proc = subprocess.run([sys.executable, str(ROOT / "fsdp_finetune.py"), "--help"], capture_output=True, text=True)
     assert proc.returncode == 0
-    for flag in ("--num_epochs", "--start_idx", "--end_idx", "--batch_size", "--accum_steps", "--hf_repo",
-                 "--resume_file", "--initial_epoch", "--model", "--dataset", "--text_column", "--max_length",
-                 "--lr", "--warmup_steps", "--weight_decay", "--max_grad_norm", "--precision",
-                 "--sharding_strategy", "--activation_checkpointing", "--cpu_offload", "--pad_to_max_length", "--packing",
-                 "--seed", "--output_dir", "--save_every_steps"):  # fmt: skip
+    for flag in (
+        "--num_epochs",
+        "--start_idx",
+        "--end_idx",
+        "--batch_size",
+        "--accum_steps",
+        "--hf_repo",
+        "--resume_file",
+        "--initial_epoch",
+        "--model",
+        "--dataset",
+        "--text_column",
+        "--max_length",
+        "--lr",
+        "--warmup_steps",
+        "--weight_decay",
+        "--max_grad_norm",
+        "--precision",
+        "--sharding_strategy",
+        "--activation_checkpointing",
+        "--cpu_offload",
+        "--pad_to_max_length",
+        "--packing",
+        "--seed",
+        "--output_dir",
+        "--save_every_steps",
+    ):
         assert flag in proc.stdout, flag
 
 
@@ -245,9 +332,20 @@ def test_the_error_line_reaches_the_user_when_another_rank_exits_first(tmp_path,
     n = 3 if late is None else 20
     args = ["--start_idx", "100", "--end_idx", "50", "--output_dir"]
     with ThreadPoolExecutor(n) as pool:
-        procs = list(pool.map(lambda i: launch([str(ENTRY)], args + [str(tmp_path / f"out{i}")], tmp_path, nproc=2,
-                                               timeout=180, real=late is None, late=None if late is None else {0: late}),
-                              range(n)))  # fmt: skip
+        procs = list(
+            pool.map(
+                lambda i: launch(
+                    [str(ENTRY)],
+                    args + [str(tmp_path / f"out{i}")],
+                    tmp_path,
+                    nproc=2,
+                    timeout=180,
+                    real=late is None,
+                    late=None if late is None else {0: late},
+                ),
+                range(n),
+            )
+        )
     got = [assert_clean_failure(p, "--end_idx 50: must be greater than --start_idx 100") for p in procs]
     assert got == ["error: --end_idx 50: must be greater than --start_idx 100"] * n
     assert not any((tmp_path / f"out{i}").exists() for i in range(n))

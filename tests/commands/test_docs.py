@@ -30,8 +30,12 @@ def test_a_flag_the_page_lacks_fails_the_check(tmp_path):
     page = (ROOT / FLAGS_PAGE).read_text().splitlines()
     (tmp_path / "docs").mkdir()
     (tmp_path / FLAGS_PAGE).write_text("\n".join(l for l in page if not l.startswith("| `--lr` ")))
-    proc = subprocess.run([sys.executable, "-m", "fsdp_opt.docs", "--check", "--root", str(tmp_path)], cwd=ROOT,
-                          capture_output=True, text=True)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "fsdp_opt.docs", "--check", "--root", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 1 and "stale: docs/flags.md" in proc.stdout
     assert stale(tmp_path) == [str(FLAGS_PAGE)]
 
@@ -42,8 +46,11 @@ def test_every_command_block_of_the_readme_and_docs_runs_or_says_why_not(tmp_pat
     blocks = command_blocks(ROOT)
     run = [b for b in blocks if b.marker is None]
     assert {b.page for b in run} >= {"docs/planner.md", "docs/launching.md", "docs/lora.md", "docs/kaggle.md"}
-    assert all(b.marker.startswith(("not run here: needs", "not run here: a Kaggle", "run by tests/"))
-               for b in blocks if b.marker)  # fmt: skip
+    assert all(
+        b.marker.startswith(("not run here: needs", "not run here: a Kaggle", "run by tests/"))
+        for b in blocks
+        if b.marker
+    )
     env = sandbox_env(tmp_path, WANDB_MODE="disabled")
     assert run_blocks(ROOT, blocks, timeout=600, env=env) == []
     shutil.rmtree(ROOT / "outputs" / "cpu", ignore_errors=True)  # what the CPU launch example wrote
@@ -52,16 +59,23 @@ def test_every_command_block_of_the_readme_and_docs_runs_or_says_why_not(tmp_pat
 def test_the_docs_check_fails_on_a_block_that_fails_or_names_no_test(tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "README.md").write_text("# x\n\n```bash\ntrue\n```\n\n```bash\nfalse\n```\n")
-    (tmp_path / "docs" / "page.md").write_text("<!-- run by tests/nowhere.py -->\n```python\nprint(1)\n```\n\n"
-                                               "<!-- not run here: needs a GPU -->\n```bash\nnvidia-smi\n```\n")  # fmt: skip
+    (tmp_path / "docs" / "page.md").write_text(
+        "<!-- run by tests/nowhere.py -->\n```python\nprint(1)\n```\n\n"
+        "<!-- not run here: needs a GPU -->\n```bash\nnvidia-smi\n```\n"
+    )
     # Plan blocks run together in one process: the one that is refused is named; --help (which exits) and the one
     # after it still run.
-    (tmp_path / "docs" / "plans.md").write_text("```bash\npython -m fsdp_opt.plan --no_such_flag 1\n```\n\n"
-                                                "```bash\npython -m fsdp_opt.plan --help\n```\n\n"
-                                                "```bash\npython -m fsdp_opt.plan --batch_size 2\n```\n")  # fmt: skip
+    (tmp_path / "docs" / "plans.md").write_text(
+        "```bash\npython -m fsdp_opt.plan --no_such_flag 1\n```\n\n"
+        "```bash\npython -m fsdp_opt.plan --help\n```\n\n"
+        "```bash\npython -m fsdp_opt.plan --batch_size 2\n```\n"
+    )
     failures = run_blocks(tmp_path, command_blocks(tmp_path), env=sandbox_env(tmp_path))
-    assert failures == ["README.md:7: exit 1 ()", "docs/page.md:2: the test it names, tests/nowhere.py, does not exist",
-                        "docs/plans.md:1 (python -m fsdp_opt.plan --no_such_flag 1): exit 2"]  # fmt: skip
+    assert failures == [
+        "README.md:7: exit 1 ()",
+        "docs/page.md:2: the test it names, tests/nowhere.py, does not exist",
+        "docs/plans.md:1 (python -m fsdp_opt.plan --no_such_flag 1): exit 2",
+    ]
 
 
 def test_the_version_is_one_number_everywhere():
@@ -74,7 +88,9 @@ def test_the_version_is_one_number_everywhere():
     assert proc.returncode == 0 and proc.stdout.strip() == f"fsdp-opt {VERSION}"
     assert version("fsdp-opt") == VERSION  # pyproject.toml reads it
     run = run_info({"model": "tiny-opt", "dataset": "python-docs"}, world_size=2, global_batch=8, n_params=1)
-    assert f"with fsdp-opt {VERSION}, one session per row range" in render_card("me/run", {"run": run, "checkpoints": {}})
+    assert f"with fsdp-opt {VERSION}, one session per row range" in render_card(
+        "me/run", {"run": run, "checkpoints": {}}
+    )
     changelog = (ROOT / "CHANGELOG.md").read_text()
     assert f"## {VERSION} (" in changelog
 
@@ -102,11 +118,13 @@ def test_a_figure_the_pages_quote_is_held_against_the_command_that_prints_it(tmp
         "# x\n\n<!-- run as plan -->\n```bash\nprintf 'peak 16.54 GiB\\n| a | 1.00 |\\n| b | 2.00 |\\nstep 25.84 s\\n'\n```\n\n"
         "<!-- printed by plan -->\n```text\npeak 16.54 GiB\nstep 25.84 s\n```\n\n"
         "<!-- printed by plan -->\n| a | 1.00 |\n| b | 2.00 |\n\n"
-        "It needs 16.54 GiB<!-- from plan --> per GPU, a step of 25.84 s<!-- from plan -->.\n")
+        "It needs 16.54 GiB<!-- from plan --> per GPU, a step of 25.84 s<!-- from plan -->.\n"
+    )
     (tmp_path / "docs" / "page.md").write_text(
         "<!-- command other: echo 'host RAM 18,330 MB' -->\n"
         "Host RAM 18,330 MB<!-- from other -->; a step of 25.8 s<!-- from plan -->, 9.9 GiB<!-- from nothing -->.\n\n"
-        "<!-- printed by plan -->\n| b | 2.00 |\n| a | 1.00 |\n")
+        "<!-- printed by plan -->\n| b | 2.00 |\n| a | 1.00 |\n"
+    )
     failures = run_blocks(tmp_path, command_blocks(tmp_path))
     assert failures == [
         "docs/page.md:2: 25.8 is not a number plan prints",

@@ -12,8 +12,25 @@ from conftest import run_cli_concurrently, sandbox_env
 
 def test_gpu_check_trains_saves_resumes_and_reports(tmp_path):
     # --workdir relative to where the command runs, as a user types it
-    cmd = [sys.executable, "-m", "fsdp_opt.gpu_check", "--device", "cpu", "--max_length", "32", "--batch_size", "2",
-           "--steps", "3", "--workdir", "work", "--json", str(tmp_path / "check.json"), "--max_completion_length", "16"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "fsdp_opt.gpu_check",
+        "--device",
+        "cpu",
+        "--max_length",
+        "32",
+        "--batch_size",
+        "2",
+        "--steps",
+        "3",
+        "--workdir",
+        "work",
+        "--json",
+        str(tmp_path / "check.json"),
+        "--max_completion_length",
+        "16",
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     f = json.loads((tmp_path / "check.json").read_text())
@@ -42,8 +59,10 @@ def test_gpu_check_trains_saves_resumes_and_reports(tmp_path):
 
 
 def test_random_shapes_and_the_gpu_cap_flag_refuse_bad_input(tmp_path):
-    runs = [(["--model", "random:facebook/opt-99b"], tmp_path, None),
-            (["--model", "tiny-opt", "--max_gpu_memory", "lots"], tmp_path, None)]  # fmt: skip
+    runs = [
+        (["--model", "random:facebook/opt-99b"], tmp_path, None),
+        (["--model", "tiny-opt", "--max_gpu_memory", "lots"], tmp_path, None),
+    ]
     first, second = run_cli_concurrently(runs, timeout=120)
     assert first.returncode != 0 and "--model random:facebook/opt-99b: random weights are built for" in first.stderr
     assert second.returncode != 0 and "--max_gpu_memory 'lots'" in second.stderr
@@ -67,13 +86,25 @@ def test_on_one_t4_sized_gpu_the_check_trains_what_the_plan_says_fits(capsys):
 
     a, opt = parse([]), model_config("facebook/opt-1.3b")
     inputs, flags, line = fitted("facebook/opt-1.3b", 1, a, cuda=True)
-    assert line.startswith("full fine-tuning does not fit 1 x 14.56 GiB; --lora_rank 16 fits") and "gpu_check runs that" in line
+    assert (
+        line.startswith("full fine-tuning does not fit 1 x 14.56 GiB; --lora_rank 16 fits")
+        and "gpu_check runs that" in line
+    )
     assert flags[:2] == ["--lora_rank", "16"] and inputs.lora_rank == 16
     assert inputs.batch_size * inputs.accum_steps == a.batch_size * a.accum_steps
     assert peak_bytes(memory(Shape.of(opt), "FULL_SHARD", inputs)) <= int(14.56 * GIB)
     env = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
-    config = parse_args(["--max_length", str(inputs.max_length), "--batch_size", str(inputs.batch_size), "--accum_steps",
-                         str(inputs.accum_steps), *flags])  # fmt: skip
+    config = parse_args(
+        [
+            "--max_length",
+            str(inputs.max_length),
+            "--batch_size",
+            str(inputs.batch_size),
+            "--accum_steps",
+            str(inputs.accum_steps),
+            *flags,
+        ]
+    )
     capsys.readouterr()
     layout = choose_layout(config, env, opt, "fp16", inputs.accum_steps, gpu=(int(14.56 * GIB), "Tesla T4"))
     assert layout.prediction["fits"] and "warning" not in capsys.readouterr().out

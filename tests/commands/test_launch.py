@@ -12,16 +12,42 @@ from pathlib import Path
 
 from conftest import ROOT, run_cli, sandbox_env
 
-PROMPT_FLAGS = ["--model", "tiny-opt", "--dataset", "python-docs-prompts", "--chat_template", "chatml", "--method",
-                "grpo", "--num_generations", "2", "--max_completion_length", "8", "--max_length", "128", "--end_idx",
-                "8", "--batch_size", "2", "--device", "cpu"]  # fmt: skip
+PROMPT_FLAGS = [
+    "--model",
+    "tiny-opt",
+    "--dataset",
+    "python-docs-prompts",
+    "--chat_template",
+    "chatml",
+    "--method",
+    "grpo",
+    "--num_generations",
+    "2",
+    "--max_completion_length",
+    "8",
+    "--max_length",
+    "128",
+    "--end_idx",
+    "8",
+    "--batch_size",
+    "2",
+    "--device",
+    "cpu",
+]
 MIXTURE = "datasets:\n  - path: a.jsonl\n    weight: 0.5\n  - path: b.jsonl\n    weight: 0.5\n"
 
 
 def screen(args: list[str], cwd: Path, launcher: list[str]) -> subprocess.CompletedProcess:
     """A real launch (not forked: the launcher is what is tested), stdout and stderr in the order they came."""
-    return subprocess.run([*launcher, *args], cwd=cwd, env=sandbox_env(cwd), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=300)  # fmt: skip
+    return subprocess.run(
+        [*launcher, *args],
+        cwd=cwd,
+        env=sandbox_env(cwd),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+    )
 
 
 def files_under(folder: Path) -> list[str]:
@@ -31,24 +57,54 @@ def files_under(folder: Path) -> list[str]:
 def test_a_user_error_is_the_last_line_on_the_screen(tmp_path):
     (tmp_path / "bad.py").write_text("def boom(completions, **kwargs):\n    raise ValueError('no rule for this one')\n")
     for name, weight in (("a", "alpha"), ("b", "beta")):
-        rows = "".join(f'{{"text": "{weight} row {i} of the mixture, a sentence long enough to train on"}}\n' for i in range(40))
+        rows = "".join(
+            f'{{"text": "{weight} row {i} of the mixture, a sentence long enough to train on"}}\n' for i in range(40)
+        )
         (tmp_path / f"{name}.jsonl").write_text(rows)
     (tmp_path / "mix.yaml").write_text(MIXTURE)
-    mixed = ["--model", "tiny-opt", "--dataset", "mix.yaml", "--start_idx", "auto", "--range_size", "16", "--max_length",
-             "64", "--batch_size", "2", "--device", "cpu", "--wandb_mode", "offline", "--output_dir", "chain"]  # fmt: skip
+    mixed = [
+        "--model",
+        "tiny-opt",
+        "--dataset",
+        "mix.yaml",
+        "--start_idx",
+        "auto",
+        "--range_size",
+        "16",
+        "--max_length",
+        "64",
+        "--batch_size",
+        "2",
+        "--device",
+        "cpu",
+        "--wandb_mode",
+        "offline",
+        "--output_dir",
+        "chain",
+    ]
     first = run_cli(mixed, tmp_path, nproc=2)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     (tmp_path / "mix.yaml").write_text(MIXTURE.replace("0.5\n  - path: b", "0.6\n  - path: b"))
     chain_before = files_under(tmp_path / "chain")
     ours = [sys.executable, "-m", "fsdp_opt", "--nproc_per_node", "2"]
     cases = {
-        "reward": (PROMPT_FLAGS + ["--reward", "bad.py:boom", "--output_dir", "grpo"], "grpo",
-                   "error: --reward bad.py:boom: it raised on row "),
-        "mixture": (mixed, "chain", "error: --dataset mix.yaml: the mixture is not the one this chain trained on: its "
-                                    "weights changed (1:1 -> 6:5)"),
-        "dataset": (["--model", "tiny-opt", "--dataset", "nowhere.jsonl", "--device", "cpu", "--output_dir", "gone"],
-                    "gone", "error: --dataset nowhere.jsonl: no such file or folder"),
-    }  # fmt: skip
+        "reward": (
+            PROMPT_FLAGS + ["--reward", "bad.py:boom", "--output_dir", "grpo"],
+            "grpo",
+            "error: --reward bad.py:boom: it raised on row ",
+        ),
+        "mixture": (
+            mixed,
+            "chain",
+            "error: --dataset mix.yaml: the mixture is not the one this chain trained on: its "
+            "weights changed (1:1 -> 6:5)",
+        ),
+        "dataset": (
+            ["--model", "tiny-opt", "--dataset", "nowhere.jsonl", "--device", "cpu", "--output_dir", "gone"],
+            "gone",
+            "error: --dataset nowhere.jsonl: no such file or folder",
+        ),
+    }
     for name, (args, out, needle) in cases.items():
         before = files_under(tmp_path / out)
         proc = screen(args, tmp_path, ours)
@@ -61,8 +117,11 @@ def test_a_user_error_is_the_last_line_on_the_screen(tmp_path):
             assert not [line for line in lines if line.startswith(("chain:", "data:"))], lines
     assert chain_before == files_under(tmp_path / "chain")
     # torchrun, on the same missing dataset: its own report comes after the tool's line
-    theirs = screen(cases["dataset"][0], tmp_path, [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                    "--nproc_per_node=2", "-m", "fsdp_opt"])  # fmt: skip
+    theirs = screen(
+        cases["dataset"][0],
+        tmp_path,
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "fsdp_opt"],
+    )
     assert theirs.returncode != 0 and cases["dataset"][2] in theirs.stdout
     assert not theirs.stdout.strip().splitlines()[-1].startswith("error: --dataset"), theirs.stdout[-2000:]
 
@@ -70,8 +129,26 @@ def test_a_user_error_is_the_last_line_on_the_screen(tmp_path):
 def test_a_clean_run_and_a_stopped_ones_resume_command(tmp_path):
     """Two workers train and save, exit 0; a --time_limit stop prints a resume command in the same form, which
     resumes."""
-    args = ["--model", "tiny-opt", "--dataset", "python-docs", "--end_idx", "400", "--batch_size", "2", "--max_length",
-            "64", "--device", "cpu", "--wandb_mode", "disabled", "--output_dir", "out", "--time_limit", "4s"]  # fmt: skip
+    args = [
+        "--model",
+        "tiny-opt",
+        "--dataset",
+        "python-docs",
+        "--end_idx",
+        "400",
+        "--batch_size",
+        "2",
+        "--max_length",
+        "64",
+        "--device",
+        "cpu",
+        "--wandb_mode",
+        "disabled",
+        "--output_dir",
+        "out",
+        "--time_limit",
+        "4s",
+    ]
     proc = screen(args, tmp_path, [sys.executable, "-m", "fsdp_opt", "--nproc_per_node", "2"])
     assert proc.returncode == 0, proc.stdout[-3000:]
     command = proc.stdout.split("resume with:\n", 1)[1].splitlines()[0].strip()

@@ -12,7 +12,18 @@ from conftest import ROOT, read_jsonl, sandbox_env
 
 NOTEBOOKS = ROOT / "notebooks"
 PAIRS = ["01_train", "02_evaluate"]
-PARAMETERS = {"model", "dataset", "range_size", "session_ranges", "num_epochs", "batch_size", "accum_steps", "hf_repo", "output_dir", "nproc"}
+PARAMETERS = {
+    "model",
+    "dataset",
+    "range_size",
+    "session_ranges",
+    "num_epochs",
+    "batch_size",
+    "accum_steps",
+    "hf_repo",
+    "output_dir",
+    "nproc",
+}
 
 
 @pytest.mark.parametrize("name", PAIRS)
@@ -26,7 +37,9 @@ def test_pair_in_sync(name):
     )
     first = paired.cells[0]
     assert first.cell_type == "code" and first.metadata.get("tags") == ["parameters"]
-    assigned = {line.split("=")[0].strip() for line in first.source.splitlines() if "=" in line and not line.startswith("#")}
+    assigned = {
+        line.split("=")[0].strip() for line in first.source.splitlines() if "=" in line and not line.startswith("#")
+    }
     assert PARAMETERS <= assigned
     if name == "01_train":  # the same cell every session: no row indices to edit
         assert not {"start_idx", "end_idx"} & assigned
@@ -44,9 +57,14 @@ def run_notebook(name: str, tmp, parameters: dict, monkeypatch) -> dict:
         monkeypatch.setenv(key, value)
     out = tmp / f"{name}.out.ipynb"
     papermill.execute_notebook(
-        str(NOTEBOOKS / f"{name}.ipynb"), str(out), parameters=parameters, cwd=str(tmp), kernel_name="python3",
-        progress_bar=False, execution_timeout=600,
-    )  # fmt: skip
+        str(NOTEBOOKS / f"{name}.ipynb"),
+        str(out),
+        parameters=parameters,
+        cwd=str(tmp),
+        kernel_name="python3",
+        progress_bar=False,
+        execution_timeout=600,
+    )
     return json.loads(out.read_text())
 
 
@@ -63,10 +81,19 @@ def cell_text(nb: dict) -> str:
 
 def test_notebooks_run_end_to_end(tmp_path, monkeypatch):
     common = {
-        "model": "tiny-opt", "dataset": "python-docs", "range_size": 40, "num_epochs": 1,
-        "batch_size": 2, "accum_steps": 1, "hf_repo": None, "output_dir": str(tmp_path / "out"), "nproc": 2,
-        "repo_dir": str(ROOT), "max_length": 64, "extra_flags": "--lr 3e-3 --eval_rows 8",
-    }  # fmt: skip
+        "model": "tiny-opt",
+        "dataset": "python-docs",
+        "range_size": 40,
+        "num_epochs": 1,
+        "batch_size": 2,
+        "accum_steps": 1,
+        "hf_repo": None,
+        "output_dir": str(tmp_path / "out"),
+        "nproc": 2,
+        "repo_dir": str(ROOT),
+        "max_length": 64,
+        "extra_flags": "--lr 3e-3 --eval_rows 8",
+    }
     # Session 1: the range of range_size rows the chain starts with.
     train = run_notebook("01_train", tmp_path, common, monkeypatch)
     text = cell_text(train)
@@ -91,9 +118,11 @@ def test_notebooks_run_end_to_end(tmp_path, monkeypatch):
     # Notebook 02 after it, with its default rows: no rows follow the range, so it evaluates on the test split. One
     # process (the evaluation on two ranks has its own tests in tests/train/test_evaluate.py).
     evaluation = run_notebook(
-        "02_evaluate", tmp_path, {**rest, "nproc": 1, "max_new_tokens": 5, "extra_flags": "--num_prompts 2 --max_length 64"},
+        "02_evaluate",
+        tmp_path,
+        {**rest, "nproc": 1, "max_new_tokens": 5, "extra_flags": "--num_prompts 2 --max_length 64"},
         monkeypatch,
-    )  # fmt: skip
+    )
     report = json.loads((tmp_path / "out" / "eval_results.json").read_text())
     assert report["split"] == "split test" and report["rows"] == "[0, 200)"
     assert [m["name"] for m in report["models"]] == ["base (tiny-opt)", "tiny_opt_40-754-epoch-1.pt"]
@@ -115,15 +144,21 @@ def slurm(args: list[str], **env: str) -> subprocess.CompletedProcess:
 def test_slurm_script_syntax_and_arithmetic():
     assert subprocess.run(["bash", "-n", str(SLURM)], capture_output=True).returncode == 0
     for nodes, gpus, per_gpu, total in [(1, 1, 4, 64), (1, 8, 4, 128), (2, 8, 4, 512), (4, 8, 2, 64), (3, 2, 1, 6)]:
-        proc = slurm(["--total_batch_size", str(total), "--batch_size", str(per_gpu), "--model", "facebook/opt-1.3b"],
-                     SLURM_JOB_NUM_NODES=str(nodes), GPUS_PER_NODE=str(gpus), SLURM_JOB_ID="77")  # fmt: skip
+        proc = slurm(
+            ["--total_batch_size", str(total), "--batch_size", str(per_gpu), "--model", "facebook/opt-1.3b"],
+            SLURM_JOB_NUM_NODES=str(nodes),
+            GPUS_PER_NODE=str(gpus),
+            SLURM_JOB_ID="77",
+        )
         assert proc.returncode == 0, proc.stderr
         accum = total // (per_gpu * nodes * gpus)
         assert accum * per_gpu * nodes * gpus == total
         command = proc.stdout.splitlines()[-1].split()
         assert command[:2] == ["srun", "--ntasks-per-node=1"]
+
         def value(flag):
             return command[command.index(flag) + 1]
+
         assert value("--nnodes") == str(nodes) and value("--nproc_per_node") == str(gpus)
         assert value("--accum_steps") == str(accum) and value("--batch_size") == str(per_gpu)
         assert value("--rdzv_endpoint") == "node-a:29500" and value("--rdzv_id") == "77"

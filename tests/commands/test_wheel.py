@@ -18,6 +18,12 @@ def test_wheel_carries_the_package_and_its_command_runs_from_outside_the_repo(tm
     assert "fsdp_opt/__main__.py" in names and any(n.startswith("fsdp_opt/assets/tiny-opt/") for n in names)
     assert not any(n.startswith(("tests/", "notebooks/", "benchmarks/")) for n in names)
     env = {k: v for k, v in sandbox_env(tmp_path).items() if k != "PYTHONPATH"}
-    help_text = subprocess.run([str(wheel_venv / "bin" / "python"), "-m", "fsdp_opt", "--help"], cwd=tmp_path, env=env,
-                               capture_output=True, text=True, timeout=120).stdout  # fmt: skip
+    help_text = subprocess.run(
+        [str(wheel_venv / "bin" / "python"), "-m", "fsdp_opt", "--help"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
     assert "--sharding_strategy" in help_text and "--link_gbps" in help_text

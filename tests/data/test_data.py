@@ -11,8 +11,8 @@ from transformers import AutoTokenizer
 
 from fsdp_opt.base import DataError
 from fsdp_opt.data.blocks import IGNORE_INDEX, StepPlan, build_blocks, pack, pad_rows, tokenize
-from fsdp_opt.data.formats import select_texts
 from fsdp_opt.data.builtins import python_docs_texts
+from fsdp_opt.data.formats import select_texts
 from fsdp_opt.data.sources import load_rows
 
 
@@ -113,7 +113,9 @@ def test_filler_rows_have_no_targets(tokenizer):
 
 def _steps(blocks, batch, accum, world, seed=0, epoch=0):
     """Per step: the set of samples over all ranks, and the micro-batch count."""
-    plans = [StepPlan(blocks, batch_size=batch, accum_steps=accum, rank=r, world_size=world, seed=seed) for r in range(world)]
+    plans = [
+        StepPlan(blocks, batch_size=batch, accum_steps=accum, rank=r, world_size=world, seed=seed) for r in range(world)
+    ]
     per_rank = [list(p.steps(epoch)) for p in plans]
     out = []
     for steps in zip(*per_rank):

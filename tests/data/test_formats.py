@@ -20,11 +20,15 @@ from fsdp_opt.data.sources import load_rows
 from fsdp_opt.data.tokens import CHATML, encode_rows, end_of_turn, generation_prompt, read_template
 
 CHAT = [
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a list?"},
-     {"role": "assistant", "content": "A mutable sequence."}, {"role": "user", "content": "And a tuple?"},
-     {"role": "assistant", "content": "An immutable one."}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is a list?"},
+        {"role": "assistant", "content": "A mutable sequence."},
+        {"role": "user", "content": "And a tuple?"},
+        {"role": "assistant", "content": "An immutable one."},
+    ],
     [{"role": "user", "content": "Name a loop."}, {"role": "assistant", "content": "for"}],
-]  # fmt: skip
+]
 PAIRS = [("Question: what does len() return?\nAnswer:", " The number of items."), ("Say hi.", " hi")]
 
 
@@ -80,8 +84,9 @@ def test_targets_follow_the_rules(fmt, which, request):
     tok = request.getfixturevalue(which)
     rows = rows_of(fmt)
     spec = RowSpec("prompt_completion" if fmt == "conversational" else fmt)
-    enc = encode_rows(rows, spec, tok, train_on="completion" if fmt != "text" else "all",
-                      conversational=fmt == "conversational")  # fmt: skip
+    enc = encode_rows(
+        rows, spec, tok, train_on="completion" if fmt != "text" else "all", conversational=fmt == "conversational"
+    )
     for k, row in enumerate(rows):
         ids, targets = expected(tok, row, spec.format)
         assert enc.ids[k] == ids
@@ -120,18 +125,49 @@ def _ds(rows):
     return datasets.Dataset.from_list(rows)
 
 
-@pytest.mark.parametrize("rows,column,needle", [
-    ([{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
-      {"messages": [{"role": "bot", "content": "q"}]}], "messages", "row 1, column messages: message 0 has the unknown role 'bot'"),
-    ([{"messages": [{"role": "user", "content": "q"}]}], "messages", "row 0, column messages: the conversation has no assistant turn"),
-    ([{"messages": [{"role": "user", "content": [{"type": "text", "text": "q"}]},  # content parts, as vision sets have
-                    {"role": "assistant", "content": [{"type": "text", "text": "a"}]}]}], "messages",
-     "row 0, column messages: message 0's content is list, not a string"),
-    ([{"prompt": "p", "completion": "c"}, {"prompt": "p", "completion": None}], "prompt_completion",
-     "row 1, column completion: expected a string"),
-    ([{"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "user", "content": "x"}]}],
-     "prompt_completion", "row 0, column completion: the completion has no assistant turn"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "rows,column,needle",
+    [
+        (
+            [
+                {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+                {"messages": [{"role": "bot", "content": "q"}]},
+            ],
+            "messages",
+            "row 1, column messages: message 0 has the unknown role 'bot'",
+        ),
+        (
+            [{"messages": [{"role": "user", "content": "q"}]}],
+            "messages",
+            "row 0, column messages: the conversation has no assistant turn",
+        ),
+        (
+            [
+                {
+                    "messages": [
+                        {
+                            "role": "user",
+                            "content": [{"type": "text", "text": "q"}],
+                        },  # content parts, as vision sets have
+                        {"role": "assistant", "content": [{"type": "text", "text": "a"}]},
+                    ]
+                }
+            ],
+            "messages",
+            "row 0, column messages: message 0's content is list, not a string",
+        ),
+        (
+            [{"prompt": "p", "completion": "c"}, {"prompt": "p", "completion": None}],
+            "prompt_completion",
+            "row 1, column completion: expected a string",
+        ),
+        (
+            [{"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "user", "content": "x"}]}],
+            "prompt_completion",
+            "row 0, column completion: the completion has no assistant turn",
+        ),
+    ],
+)
 def test_bad_rows_name_the_row_and_the_column(rows, column, needle):
     ds = _ds(rows)
     with pytest.raises(DataError) as err:
@@ -140,14 +176,18 @@ def test_bad_rows_name_the_row_and_the_column(rows, column, needle):
 
 
 def test_empty_completions_are_dropped_and_counted():
-    ds = _ds([{"prompt": "a", "completion": "b"}, {"prompt": "c", "completion": ""}, {"prompt": "d", "completion": "e"}])
+    ds = _ds(
+        [{"prompt": "a", "completion": "b"}, {"prompt": "c", "completion": ""}, {"prompt": "d", "completion": "e"}]
+    )
     got = select_rows(ds, RowSpec("prompt_completion"), 0, None)
     assert [r["prompt"] for r in got.rows] == ["a", "d"] and got.indices == [0, 2] and got.empty == 1
 
 
 def test_messages_need_a_template(tmp_path):
     tok = AutoTokenizer.from_pretrained(ASSETS)  # tiny-opt's tokenizer has none
-    with pytest.raises(DataError, match="row 4, column messages: the tokenizer has no chat template.*--chat_template chatml"):
+    with pytest.raises(
+        DataError, match="row 4, column messages: the tokenizer has no chat template.*--chat_template chatml"
+    ):
         encode_rows(rows_of("messages"), RowSpec("messages"), tok, train_on="completion", indices=[4, 5])
     assert read_template("chatml", tok) == CHATML
     (tmp_path / "t.jinja").write_text("{{ messages[0]['content'] }}")
@@ -210,7 +250,11 @@ def test_generation_prompts_and_the_end_of_turn(opt_tok, llama_tok):
     assert rendered and answer == "A mutable sequence." and prompt.endswith("<|im_start|>assistant\n")
     assert "What is a list?" in prompt and "tuple" not in prompt
     assert end_of_turn(opt_tok) == "<|im_end|>" and end_of_turn(llama_tok) == "<|eot_id|>"
-    assert generation_prompt({"prompt": "p", "completion": "c"}, RowSpec("prompt_completion"), opt_tok) == ("p", False, "c")
+    assert generation_prompt({"prompt": "p", "completion": "c"}, RowSpec("prompt_completion"), opt_tok) == (
+        "p",
+        False,
+        "c",
+    )
 
 
 @pytest.mark.parametrize("fmt", ["prompt_completion", "messages"])
@@ -220,13 +264,27 @@ def test_trl_trains_the_same_tokens(fmt, opt_tok, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
     from trl import SFTConfig, SFTTrainer
 
-    rows = rows_of(fmt) + [{"messages": m} for m in [r["messages"] for r in load_rows("python-docs-chat").rows(0, 6, ["messages"])]] if fmt == "messages" \
-        else rows_of(fmt)  # fmt: skip
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=4096, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1))  # fmt: skip
+    rows = (
+        rows_of(fmt)
+        + [{"messages": m} for m in [r["messages"] for r in load_rows("python-docs-chat").rows(0, 6, ["messages"])]]
+        if fmt == "messages"
+        else rows_of(fmt)
+    )
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=4096,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    )
     flags = {"completion_only_loss": True} if fmt == "prompt_completion" else {"assistant_only_loss": True}
     args = SFTConfig(output_dir=str(tmp_path), report_to=[], max_length=None, use_cpu=True, bf16=False, **flags)
-    trainer = SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows), processing_class=opt_tok)
+    trainer = SFTTrainer(
+        model=model, args=args, train_dataset=datasets.Dataset.from_list(rows), processing_class=opt_tok
+    )
     enc = encode_rows(rows, RowSpec(fmt), opt_tok, train_on="completion")
     for k, theirs in enumerate(trainer.train_dataset):
         assert theirs["input_ids"] == enc.ids[k]

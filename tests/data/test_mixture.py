@@ -6,6 +6,7 @@ import json
 from fractions import Fraction
 
 import pytest
+from conftest import assert_clean_failure, read_jsonl, run_cli
 
 from fsdp_opt.base import DataError
 from fsdp_opt.data.mixture import (
@@ -20,8 +21,6 @@ from fsdp_opt.data.mixture import (
     source_ranges,
 )
 from fsdp_opt.data.table import RowsTable
-
-from conftest import assert_clean_failure, read_jsonl, run_cli
 
 WEIGHT_LISTS = [(5, 3, 2), (1, 1), (7, 1), (1, 2, 3, 4, 5, 6, 7), (13, 1, 1), (1,), (97, 89)]
 
@@ -79,8 +78,11 @@ def test_integer_weights_scale_decimals_exactly():
 
 @pytest.mark.parametrize("weights", [(5, 3, 2), (1, 2, 3, 4, 5, 6, 7), (2, 1)])
 def test_the_length_stops_at_the_first_source_used_up(weights):
-    for sizes in ([50, 30, 20, 5, 5, 5, 5][: len(weights)], [1000, 3, 900, 7, 7, 7, 7][: len(weights)],
-                  [0] + [10] * (len(weights) - 1)):  # fmt: skip
+    for sizes in (
+        [50, 30, 20, 5, 5, 5, 5][: len(weights)],
+        [1000, 3, 900, 7, 7, 7, 7][: len(weights)],
+        [0] + [10] * (len(weights) - 1),
+    ):
         brute = 0
         while all(c <= s for c, s in zip(counts(brute + 1, weights), sizes)) and brute < sum(sizes):
             brute += 1
@@ -107,7 +109,7 @@ def test_a_range_reads_a_range_of_each_source_and_appended_rows_change_nothing_b
     assert got == want
     spans = [t.read for t in tables]
     assert spans == [[r] for r in source_ranges(300, 364, weights)]
-    assert sum(b - a for (a, b), in spans) == 64
+    assert sum(b - a for ((a, b),) in spans) == 64
     assert mix.given(300, 364) == [b - a for a, b in source_ranges(300, 364, weights)]
     # a source that grows by appended rows: the same rows below the old length, and more of them
     longer = MixtureTable([CountingTable("a", 400), CountingTable("b", 500), CountingTable("c", 160)], weights)
@@ -123,7 +125,10 @@ def write(tmp_path, name, text):  # noqa: ANN001, ANN201
 
 def test_the_file_in_trls_layout_with_weights(tmp_path):
     (tmp_path / "mine.jsonl").write_text('{"text": "x"}\n')
-    file = write(tmp_path, "mix.yaml", """
+    file = write(
+        tmp_path,
+        "mix.yaml",
+        """
 datasets:
   - path: HuggingFaceTB/smoltalk
     name: all
@@ -137,16 +142,26 @@ datasets:
   - path: mine.jsonl
     weight: 2
 streaming: false
-""")
+""",
+    )
     mix = read_mixture(file)
     assert mix.weights == (5, 3, 2)
     first, second, third = mix.sources
     assert (first.source.dataset, first.source.config, first.source.split, first.columns) == (
-        "HuggingFaceTB/smoltalk", "all", "train", ("messages",))
+        "HuggingFaceTB/smoltalk",
+        "all",
+        "train",
+        ("messages",),
+    )
     assert second.source.config == "main" and second.weight == 3
     assert third.source.dataset == str(tmp_path / "mine.jsonl")
     assert third.record() == {"dataset": str(tmp_path / "mine.jsonl"), "weight": "2"}
-    assert first.record() == {"dataset": "HuggingFaceTB/smoltalk", "config": "all", "weight": "5", "columns": ["messages"]}
+    assert first.record() == {
+        "dataset": "HuggingFaceTB/smoltalk",
+        "config": "all",
+        "weight": "5",
+        "columns": ["messages"],
+    }
     # TRL's file without weights: weight 1 each; JSON alike
     plain = write(tmp_path, "trl.json", json.dumps({"datasets": [{"path": "a/b"}, {"path": "c/d", "split": "x"}]}))
     assert is_mixture_file(plain) and read_mixture(plain).weights == (1, 1)
@@ -157,21 +172,30 @@ streaming: false
     assert not is_mixture_file(str(big))
 
 
-@pytest.mark.parametrize("text, needle", [
-    ("datasets:\n  - path: a/b\nshuffle: true\n", "unknown key 'shuffle'"),
-    ("datasets:\n  - path: a/b\n    fraction: 0.5\n", "source 1: unknown key 'fraction'"),
-    ("datasets:\n  - path: a/b\n    weight: 0\n", "source 1 (a/b): weight 0 must be greater than 0"),
-    ("datasets:\n  - path: a/b\n    weight: -2\n", "weight -2 must be greater than 0"),
-    ("datasets:\n  - path: a/b\n    weight: lots\n", "weight 'lots' is not a number"),
-    ("datasets:\n  - path: a/b\n    weight: true\n", "weight True is not a number"),
-    ("datasets: []\n", "lists no source"),
-    ("streaming: false\n", "lists no source"),
-    ("datasets:\n  - name: main\n", "source 1 has no `path`"),
-    ("datasets: [\n", "not a readable mixture file"),
-    ("datasets:\n  - path: a/b\n    data_format: poem\n", "source 1 (a/b): data_format 'poem' is not one of auto, text"),
-    ("datasets:\n  - path: a/b\n    eval_split: train\n", "source 1 (a/b): eval_split train is the split it trains on"),
-    ("datasets:\n  - path: a/b\n    eval_split: [x]\n", "source 1 (a/b): eval_split must be a split's name"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("datasets:\n  - path: a/b\nshuffle: true\n", "unknown key 'shuffle'"),
+        ("datasets:\n  - path: a/b\n    fraction: 0.5\n", "source 1: unknown key 'fraction'"),
+        ("datasets:\n  - path: a/b\n    weight: 0\n", "source 1 (a/b): weight 0 must be greater than 0"),
+        ("datasets:\n  - path: a/b\n    weight: -2\n", "weight -2 must be greater than 0"),
+        ("datasets:\n  - path: a/b\n    weight: lots\n", "weight 'lots' is not a number"),
+        ("datasets:\n  - path: a/b\n    weight: true\n", "weight True is not a number"),
+        ("datasets: []\n", "lists no source"),
+        ("streaming: false\n", "lists no source"),
+        ("datasets:\n  - name: main\n", "source 1 has no `path`"),
+        ("datasets: [\n", "not a readable mixture file"),
+        (
+            "datasets:\n  - path: a/b\n    data_format: poem\n",
+            "source 1 (a/b): data_format 'poem' is not one of auto, text",
+        ),
+        (
+            "datasets:\n  - path: a/b\n    eval_split: train\n",
+            "source 1 (a/b): eval_split train is the split it trains on",
+        ),
+        ("datasets:\n  - path: a/b\n    eval_split: [x]\n", "source 1 (a/b): eval_split must be a split's name"),
+    ],
+)
 def test_a_bad_mixture_file_is_one_line_naming_it(tmp_path, text, needle):
     file = write(tmp_path, "mix.yaml", text)
     with pytest.raises(DataError) as err:
@@ -180,14 +204,37 @@ def test_a_bad_mixture_file_is_one_line_naming_it(tmp_path, text, needle):
     assert line.startswith(f"--dataset {file}: ") and needle in line and "\n" not in line, line
 
 
-TEXT = ["--model", "tiny-opt", "--max_length", "64", "--batch_size", "4", "--lr", "3e-3", "--precision", "fp32",
-        "--num_epochs", "1", "--wandb_mode", "disabled", "--seed", "3", "--activation_checkpointing", "false"]  # fmt: skip
+TEXT = [
+    "--model",
+    "tiny-opt",
+    "--max_length",
+    "64",
+    "--batch_size",
+    "4",
+    "--lr",
+    "3e-3",
+    "--precision",
+    "fp32",
+    "--num_epochs",
+    "1",
+    "--wandb_mode",
+    "disabled",
+    "--seed",
+    "3",
+    "--activation_checkpointing",
+    "false",
+]
 
 
 def text_file(path, name: str, n: int, first: int = 0):  # noqa: ANN001, ANN201
     words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
-    path.write_text("".join(json.dumps({"text": f"{name} row {i}: " + " ".join(words[(i * k) % 8] for k in range(1, 12)),
-                                        "id": i}) + "\n" for i in range(first, first + n)))  # fmt: skip
+    path.write_text(
+        "".join(
+            json.dumps({"text": f"{name} row {i}: " + " ".join(words[(i * k) % 8] for k in range(1, 12)), "id": i})
+            + "\n"
+            for i in range(first, first + n)
+        )
+    )
     return path
 
 
@@ -202,11 +249,25 @@ def test_a_range_far_into_a_mixture_trains_as_a_file_of_its_rows_and_the_chain_k
     for name, n in sizes.items():
         text_file(data / f"{name}.jsonl", name, n)
     mix = data / "mix.yaml"
-    mix.write_text("datasets:\n" + "".join(f"  - path: {n}.jsonl\n    weight: {w}\n" for n, w in
-                                           zip(sizes, ("0.5", "0.3", "0.2"))))  # fmt: skip
+    mix.write_text(
+        "datasets:\n" + "".join(f"  - path: {n}.jsonl\n    weight: {w}\n" for n, w in zip(sizes, ("0.5", "0.3", "0.2")))
+    )
     start, end = 1_200, 1_264
-    run = run_cli(TEXT + ["--dataset", str(mix), "--start_idx", str(start), "--end_idx", str(end), "--output_dir",
-                          str(tmp_path / "mix")], tmp_path, nproc=2)  # fmt: skip
+    run = run_cli(
+        TEXT
+        + [
+            "--dataset",
+            str(mix),
+            "--start_idx",
+            str(start),
+            "--end_idx",
+            str(end),
+            "--output_dir",
+            str(tmp_path / "mix"),
+        ],
+        tmp_path,
+        nproc=2,
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     a, b = -(-start * 5 // 10), -(-end * 5 // 10)  # source a's rows in closed form: the ceiling of half
     assert f"data: mixture rows [1,200, 1,264), weights 5:3:2: 32 of {data / 'a.jsonl'} (rows [{a}, {b}))" in run.stdout
@@ -215,8 +276,9 @@ def test_a_range_far_into_a_mixture_trains_as_a_file_of_its_rows_and_the_chain_k
         j, row = reference_source(i, (5, 3, 2))
         rows.append(json.loads((data / f"{'abc'[j]}.jsonl").read_text().splitlines()[row]))
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    ref = run_cli(TEXT + ["--dataset", str(tmp_path / "rows.jsonl"), "--output_dir", str(tmp_path / "ref")], tmp_path,
-                  nproc=2)  # fmt: skip
+    ref = run_cli(
+        TEXT + ["--dataset", str(tmp_path / "rows.jsonl"), "--output_dir", str(tmp_path / "ref")], tmp_path, nproc=2
+    )
     assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-3000:]
     ours = [(r["step"], r["loss"], r["tokens"]) for r in read_jsonl(tmp_path / "mix" / "metrics.jsonl")]
     theirs = [(r["step"], r["loss"], r["tokens"]) for r in read_jsonl(tmp_path / "ref" / "metrics.jsonl")]
@@ -225,50 +287,99 @@ def test_a_range_far_into_a_mixture_trains_as_a_file_of_its_rows_and_the_chain_k
     # The chain: rows [0, 200) in a session, rows appended to c (the source that ended the mixture at 1,500 rows), the
     # next range; then the weights changed: refused, nothing written.
     chain = tmp_path / "chain"
-    first = run_cli(TEXT + ["--dataset", str(mix), "--start_idx", "auto", "--range_size", "200", "--output_dir",
-                            str(chain)], tmp_path, nproc=2)  # fmt: skip
+    first = run_cli(
+        TEXT + ["--dataset", str(mix), "--start_idx", "auto", "--range_size", "200", "--output_dir", str(chain)],
+        tmp_path,
+        nproc=2,
+    )
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
     with open(data / "c.jsonl", "a") as f:
         f.write(text_file(tmp_path / "more.jsonl", "c", 50, first=300).read_text())
-    second = run_cli(TEXT + ["--dataset", str(mix), "--start_idx", "auto", "--range_size", "200", "--output_dir",
-                             str(chain)], tmp_path, nproc=2)  # fmt: skip
+    second = run_cli(
+        TEXT + ["--dataset", str(mix), "--start_idx", "auto", "--range_size", "200", "--output_dir", str(chain)],
+        tmp_path,
+        nproc=2,
+    )
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-3000:]
     assert "the 1 range(s) it trained have the same rows: going on" in second.stdout
     assert "data: mixture rows [200, 400)" in second.stdout
-    third = run_cli(TEXT + ["--dataset", str(mix), "--start_idx", "auto", "--range_size", "200", "--output_dir",
-                            str(chain)], tmp_path, nproc=2)  # fmt: skip
+    third = run_cli(
+        TEXT + ["--dataset", str(mix), "--start_idx", "auto", "--range_size", "200", "--output_dir", str(chain)],
+        tmp_path,
+        nproc=2,
+    )
     assert third.returncode == 0, third.stdout[-2000:] + third.stderr[-3000:]
     # the three sessions are one straight run over the three ranges, bit for bit
-    straight = run_cli(TEXT + ["--dataset", str(mix), "--start_idx", "auto", "--range_size", "200", "--session_ranges",
-                               "3", "--output_dir", str(tmp_path / "straight")], tmp_path, nproc=2)  # fmt: skip
+    straight = run_cli(
+        TEXT
+        + [
+            "--dataset",
+            str(mix),
+            "--start_idx",
+            "auto",
+            "--range_size",
+            "200",
+            "--session_ranges",
+            "3",
+            "--output_dir",
+            str(tmp_path / "straight"),
+        ],
+        tmp_path,
+        nproc=2,
+    )
     assert straight.returncode == 0, straight.stdout[-2000:] + straight.stderr[-3000:]
     got = [(r["step"], r["loss"], r["slice"]) for r in read_jsonl(chain / "metrics.jsonl")]
     want = [(r["step"], r["loss"], r["slice"]) for r in read_jsonl(tmp_path / "straight" / "metrics.jsonl")]
     assert got == want and {r[2] for r in got} == {"0-200", "200-400", "400-600"}, (got[:3], want[:3])
     mix.write_text(mix.read_text().replace("0.3", "0.4"))
     before = sorted(p.name for p in chain.iterdir())
-    third = run_cli(TEXT + ["--dataset", str(mix), "--start_idx", "auto", "--range_size", "200", "--output_dir",
-                            str(chain)], tmp_path, nproc=2)  # fmt: skip
-    assert_clean_failure(third, f"--dataset {mix}: the mixture is not the one this chain trained on: its weights "
-                         "changed (5:3:2 -> 5:4:2)")  # fmt: skip
+    third = run_cli(
+        TEXT + ["--dataset", str(mix), "--start_idx", "auto", "--range_size", "200", "--output_dir", str(chain)],
+        tmp_path,
+        nproc=2,
+    )
+    assert_clean_failure(
+        third,
+        f"--dataset {mix}: the mixture is not the one this chain trained on: its weights changed (5:3:2 -> 5:4:2)",
+    )
     assert sorted(p.name for p in chain.iterdir()) == before
     # refused before the chain's lease is taken and before the data is described under the new weights
     assert not [l for l in third.stdout.splitlines() if l.startswith(("chain:", "data:"))], third.stdout
 
 
-@pytest.mark.parametrize("flags, text, needle", [
-    (["--dataset_config", "main"], "datasets:\n  - path: a.jsonl\n", "--dataset_config main: not beside a mixture file"),
-    (["--dataset_split", "test"], "datasets:\n  - path: a.jsonl\n", "--dataset_split test: not beside a mixture file"),
-    ([], "datasets:\n  - path: a.jsonl\n  - path: nowhere.jsonl\n", "source 2 (nowhere.jsonl): no such file or folder"),
-    ([], "datasets:\n  - path: a.jsonl\n    weight: 0\n", "source 1 (a.jsonl): weight 0 must be greater than 0"),
-    ([], "datasets:\n  - path: a.jsonl\n    columns: [body]\n", "source 1 ("),
-    ([], "datasets: []\n", "lists no source"),
-    (["--eval_rows", "4", "--eval_split", "test"], "datasets:\n  - path: a.jsonl\n", "--eval_split test: not with a mixture"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "flags, text, needle",
+    [
+        (
+            ["--dataset_config", "main"],
+            "datasets:\n  - path: a.jsonl\n",
+            "--dataset_config main: not beside a mixture file",
+        ),
+        (
+            ["--dataset_split", "test"],
+            "datasets:\n  - path: a.jsonl\n",
+            "--dataset_split test: not beside a mixture file",
+        ),
+        (
+            [],
+            "datasets:\n  - path: a.jsonl\n  - path: nowhere.jsonl\n",
+            "source 2 (nowhere.jsonl): no such file or folder",
+        ),
+        ([], "datasets:\n  - path: a.jsonl\n    weight: 0\n", "source 1 (a.jsonl): weight 0 must be greater than 0"),
+        ([], "datasets:\n  - path: a.jsonl\n    columns: [body]\n", "source 1 ("),
+        ([], "datasets: []\n", "lists no source"),
+        (
+            ["--eval_rows", "4", "--eval_split", "test"],
+            "datasets:\n  - path: a.jsonl\n",
+            "--eval_split test: not with a mixture",
+        ),
+    ],
+)
 def test_bad_mixtures_stop_in_one_line_before_anything_is_written(tmp_path, flags, text, needle):
     text_file(tmp_path / "a.jsonl", "a", 20)
     (tmp_path / "mix.yaml").write_text(text)
-    proc = run_cli(TEXT + ["--dataset", str(tmp_path / "mix.yaml"), *flags, "--output_dir", str(tmp_path / "out")],
-                   tmp_path)  # fmt: skip
+    proc = run_cli(
+        TEXT + ["--dataset", str(tmp_path / "mix.yaml"), *flags, "--output_dir", str(tmp_path / "out")], tmp_path
+    )
     assert_clean_failure(proc, needle)
     assert not (tmp_path / "out").exists()

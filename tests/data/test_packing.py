@@ -15,8 +15,8 @@ from conftest import ASSETS, ROOT, launch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig
 
 from fsdp_opt.data.blocks import IGNORE_INDEX, build_blocks, model_inputs, tokenize
-from fsdp_opt.data.packing import document_mask, place
 from fsdp_opt.data.builtins import python_docs_texts
+from fsdp_opt.data.packing import document_mask, place
 from fsdp_opt.engine.evaluation import evaluate_loss
 from fsdp_opt.runtime.distributed import DistEnv
 
@@ -91,18 +91,28 @@ def test_one_full_row_per_block_needs_no_mask(tokenizer):
 def _model(arch: str, attention: str = "sdpa"):
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(ASSETS)
-    ids = dict(vocab_size=tokenizer.vocab_size + 8, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
+    ids = dict(
+        vocab_size=tokenizer.vocab_size + 8, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id
+    )
     if arch == "opt":
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(ASSETS)
         config.dropout = 0.0
     elif arch == "gpt2":
-        config = GPT2Config(n_layer=2, n_embd=64, n_head=2, n_positions=512, resid_pdrop=0.0, embd_pdrop=0.0,
-                            attn_pdrop=0.0, **ids)  # fmt: skip
+        config = GPT2Config(
+            n_layer=2, n_embd=64, n_head=2, n_positions=512, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **ids
+        )
     else:
-        config = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=2,
-                             num_key_value_heads=1, max_position_embeddings=512, **ids)  # fmt: skip
+        config = LlamaConfig(
+            num_hidden_layers=2,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=512,
+            **ids,
+        )
     config._attn_implementation = attention
     return AutoModelForCausalLM.from_config(config).eval()
 
@@ -142,7 +152,9 @@ def _locate(blocks, piece: list[int]) -> tuple[int, int]:
     for k in range(len(blocks)):
         for at in (blocks.positions[k] == 0).nonzero().flatten().tolist():
             end = at + len(piece)
-            if blocks.input_ids[k, at:end].tolist() == piece and (end >= blocks.max_length or blocks.positions[k, end] == 0):
+            if blocks.input_ids[k, at:end].tolist() == piece and (
+                end >= blocks.max_length or blocks.positions[k, end] == 0
+            ):
                 return k, at
     raise AssertionError("piece not found")
 
@@ -168,9 +180,30 @@ def test_two_ranks_full_shard_gradients_equal_the_padded_recipe(tmp_path, det_mo
     equal its losses alone."""
     out = tmp_path / "out"
     worker = str(ROOT / "tests" / "workers" / "doc_packing.py")
-    args = ["--model", str(det_model), "--dataset", "python-docs", "--end_idx", "24", "--max_length", "256",
-            "--batch_size", "2", "--precision", "fp32", "--output_dir", str(out), "--wandb_mode", "disabled",
-            "--sharding_strategy", "FULL_SHARD", "--activation_checkpointing", "true", "--packing", "docs"]  # fmt: skip
+    args = [
+        "--model",
+        str(det_model),
+        "--dataset",
+        "python-docs",
+        "--end_idx",
+        "24",
+        "--max_length",
+        "256",
+        "--batch_size",
+        "2",
+        "--precision",
+        "fp32",
+        "--output_dir",
+        str(out),
+        "--wandb_mode",
+        "disabled",
+        "--sharding_strategy",
+        "FULL_SHARD",
+        "--activation_checkpointing",
+        "true",
+        "--packing",
+        "docs",
+    ]
     proc = launch([worker], args, tmp_path, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "doc_packing.json").read_text())

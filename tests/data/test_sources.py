@@ -10,9 +10,9 @@ from hubdata import chat_row, text_row, write_split
 
 from fsdp_opt.base import ConfigError, DataError
 from fsdp_opt.config.training import DataConfig
+from fsdp_opt.data.builtins import python_docs_texts
 from fsdp_opt.data.parquet import ParquetFileIndex, SplitIndex
 from fsdp_opt.data.resolve import DataSource
-from fsdp_opt.data.builtins import python_docs_texts
 from fsdp_opt.data.sources import data_on_disk, open_source
 from fsdp_opt.data.table import ParquetTable
 
@@ -40,7 +40,10 @@ def test_local_parquet_is_read_by_row_group_and_equals_load_dataset(tmp_path):
         assert table.rows(a, b, ["messages"]) == list(theirs.select(range(a, b)).select_columns(["messages"]))
         assert table.rows(a, b, ["prompt_id"]) == [{"prompt_id": f"train-{i}"} for i in range(a, b)]
     one = open_source(DataSource(str(files[1])))
-    assert len(one) == 1_000 and one.rows(0, 2, ["prompt_id"]) == [{"prompt_id": "train-1000"}, {"prompt_id": "train-1001"}]
+    assert len(one) == 1_000 and one.rows(0, 2, ["prompt_id"]) == [
+        {"prompt_id": "train-1000"},
+        {"prompt_id": "train-1001"},
+    ]
     # The footer is the file's key: rewriting a row changes it, so the pin sees another source.
     rows = [chat_row(i, "train") for i in range(1_000, 2_000)]
     rows[5]["messages"][1]["content"] += " (edited)"
@@ -54,7 +57,9 @@ def test_folders_of_split_named_files_take_the_split_flag(tmp_path):
     write_split(tmp_path / "hub", "test_sft", 10, 1, 10)
     sft = open_source(DataSource(str(tmp_path / "hub"), split="train_sft"))
     assert len(sft) == 40 and sft.rows(39, 40, ["prompt_id"]) == [{"prompt_id": "train_sft-39"}]
-    with pytest.raises(DataError, match=r"--dataset_split train: .* has no such split \(its splits: test_sft, train_sft\)"):
+    with pytest.raises(
+        DataError, match=r"--dataset_split train: .* has no such split \(its splits: test_sft, train_sft\)"
+    ):
         open_source(DataSource(str(tmp_path / "hub")))
     # At the folder's top, as a user copies them: the files named after the split.
     write_split(tmp_path / "top", "train_sft", 30, 2, 10, folder=".")
@@ -70,7 +75,9 @@ def test_the_builtins_have_a_held_out_split_no_training_row_is_in():
     assert not held & set(python_docs_texts()) and all(120 <= len(t) < 200 for t in held)
     chat = open_source(DataSource("python-docs-chat", split="test"))
     assert len(chat) == len(test) and chat.column_names == ["messages"]
-    with pytest.raises(DataError, match=r"--dataset_split valid: python-docs has no such split \(its splits: train, test\)"):
+    with pytest.raises(
+        DataError, match=r"--dataset_split valid: python-docs has no such split \(its splits: train, test\)"
+    ):
         open_source(DataSource("python-docs", split="valid"))
 
 
@@ -87,7 +94,10 @@ def test_what_a_source_refuses_is_one_line_naming_the_flag(tmp_path):
     for flags, needle in [
         ({"eval_split": "test"}, "--eval_split test: needs --eval_rows N"),
         ({"eval_split": "train", "eval_rows": 4}, "--eval_split train: the split trained on"),
-        ({"eval_split": "test", "eval_rows": 4, "dataset_files": "a/*.parquet"}, "--eval_split test: not with --dataset_files"),
+        (
+            {"eval_split": "test", "eval_rows": 4, "dataset_files": "a/*.parquet"},
+            "--eval_split test: not with --dataset_files",
+        ),
         ({"dataset_split": " "}, "--dataset_split: must not be empty"),
     ]:
         with pytest.raises(ConfigError, match=needle):

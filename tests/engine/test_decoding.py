@@ -33,14 +33,35 @@ def tiny(kind: str) -> torch.nn.Module:
     if kind == "gemma2":
         extra["head_dim"] = 16
     if kind == "opt":
-        config = AutoConfig.for_model("opt", vocab_size=1024, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
-                                      num_attention_heads=4, word_embed_proj_dim=64, max_position_embeddings=128,
-                                      eos_token_id=2, pad_token_id=1, init_std=0.1)  # fmt: skip
+        config = AutoConfig.for_model(
+            "opt",
+            vocab_size=1024,
+            hidden_size=64,
+            ffn_dim=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            word_embed_proj_dim=64,
+            max_position_embeddings=128,
+            eos_token_id=2,
+            pad_token_id=1,
+            init_std=0.1,
+        )
     else:
-        config = AutoConfig.for_model(kind, vocab_size=1024, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=128, eos_token_id=2, pad_token_id=1,
-                                      bos_token_id=0, initializer_range=0.1, **extra)  # fmt: skip
+        config = AutoConfig.for_model(
+            kind,
+            vocab_size=1024,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            eos_token_id=2,
+            pad_token_id=1,
+            bos_token_id=0,
+            initializer_range=0.1,
+            **extra,
+        )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).eval()
 
@@ -57,8 +78,14 @@ def test_the_static_path_decodes_what_transformers_generate_does(kind):
     for prompt, made in zip(PROMPTS, greedy.ids):
         ids = torch.tensor([prompt])
         with torch.no_grad():
-            alone = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                   max_new_tokens=n, eos_token_id=2, pad_token_id=1)[0, len(prompt) :].tolist()  # fmt: skip
+            alone = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=n,
+                eos_token_id=2,
+                pad_token_id=1,
+            )[0, len(prompt) :].tolist()
         assert made == (alone[: alone.index(2) + 1] if 2 in alone else alone), (kind, prompt)
     assert len({tuple(c) for c in greedy.ids}) >= 3  # the completions depend on the prompt
     for sampling in (Sampling(n, temperature=1.3), Sampling(n, temperature=0.8, top_k=40, top_p=0.9)):
@@ -72,11 +99,27 @@ def test_the_loop_stops_once_every_completion_has_ended():
     fewer steps than --max_completion_length (an end-of-text id every prompt's greedy completion reaches early)."""
     model = tiny("llama")
     decoder = Decoder()
-    first = generate(model, PROMPTS, torch.zeros(len(PROMPTS), dtype=torch.int64), Sampling(3, top_k=1), eos_ids=[2],
-                     pad_id=1, device=CPU, decoder=decoder).ids  # fmt: skip
+    first = generate(
+        model,
+        PROMPTS,
+        torch.zeros(len(PROMPTS), dtype=torch.int64),
+        Sampling(3, top_k=1),
+        eos_ids=[2],
+        pad_id=1,
+        device=CPU,
+        decoder=decoder,
+    ).ids
     ends = sorted({c[0] for c in first})  # each completion's first token: as its end, every completion ends at once
-    made = generate(model, PROMPTS, torch.zeros(len(PROMPTS), dtype=torch.int64), Sampling(40, top_k=1), eos_ids=ends,
-                    pad_id=1, device=CPU, decoder=decoder)  # fmt: skip
+    made = generate(
+        model,
+        PROMPTS,
+        torch.zeros(len(PROMPTS), dtype=torch.int64),
+        Sampling(40, top_k=1),
+        eos_ids=ends,
+        pad_id=1,
+        device=CPU,
+        decoder=decoder,
+    )
     assert all(e for e in made.ended) and all(len(c) == 1 for c in made.ids), made
     assert decoder.last.steps == 1 and decoder.last.path == "static"
 
@@ -101,7 +144,9 @@ def test_the_counter_sampler_draws_from_the_warped_distribution():
     want = expected[index] * draws
     chi2 = float(((counts[index] - want) ** 2 / want).sum())
     p_value = float(torch.special.gammaincc(torch.tensor((len(index) - 1) / 2.0), torch.tensor(chi2 / 2.0)))
-    print(f"support {len(index)} tokens; chi-square {chi2:.2f} on {len(index) - 1} degrees of freedom, p = {p_value:.3f}")
+    print(
+        f"support {len(index)} tokens; chi-square {chi2:.2f} on {len(index) - 1} degrees of freedom, p = {p_value:.3f}"
+    )
     assert p_value > 1e-3 and math.isfinite(chi2)
 
 
@@ -149,13 +194,29 @@ def test_the_graph_paths_bookkeeping_decodes_what_the_static_path_does(kind):
     said: list[str] = []
     refusing = Decoder(graphs=True, backend=Rerun(fail=True))
     for _ in range(2):
-        made = refusing.decode(model, PROMPTS, lambda ids, logits: logits.argmax(-1), max_new_tokens=4, eos_ids=[2],
-                               pad_id=1, device=CPU, say=said.append)  # fmt: skip
+        made = refusing.decode(
+            model,
+            PROMPTS,
+            lambda ids, logits: logits.argmax(-1),
+            max_new_tokens=4,
+            eos_ids=[2],
+            pad_id=1,
+            device=CPU,
+            say=said.append,
+        )
         assert refusing.last.path == "static" and len(made) == len(PROMPTS)
     assert len(said) == 1 and "could not be captured as a CUDA graph (RuntimeError: operation not permitted" in said[0]
     windowed, said = tiny("gemma2"), []
     sliding = Decoder(graphs=True, backend=Rerun())
-    made = sliding.decode(windowed, PROMPTS, lambda ids, logits: logits.argmax(-1), max_new_tokens=4, eos_ids=[2],
-                          pad_id=1, device=CPU, say=said.append)  # fmt: skip
+    made = sliding.decode(
+        windowed,
+        PROMPTS,
+        lambda ids, logits: logits.argmax(-1),
+        max_new_tokens=4,
+        eos_ids=[2],
+        pad_id=1,
+        device=CPU,
+        say=said.append,
+    )
     assert sliding.last.path == "static" and sliding.backend.captures == 0 and len(made) == len(PROMPTS)
     assert len(said) == 1 and "sliding-window layers" in said[0], said

@@ -11,8 +11,24 @@ from conftest import read_jsonl, run_cli
 
 from fsdp_opt.engine.fp16watch import STOP_WINDOW, SkipWatch, trained_in_bf16
 
-RUN = ["--dataset", "python-docs", "--end_idx", "400", "--max_length", "32", "--batch_size", "1", "--accum_steps", "1",
-       "--precision", "fp16", "--num_epochs", "1", "--lr", "1e-4"]  # fmt: skip
+RUN = [
+    "--dataset",
+    "python-docs",
+    "--end_idx",
+    "400",
+    "--max_length",
+    "32",
+    "--batch_size",
+    "1",
+    "--accum_steps",
+    "1",
+    "--precision",
+    "fp16",
+    "--num_epochs",
+    "1",
+    "--lr",
+    "1e-4",
+]
 
 
 def overflowing_model(dest):

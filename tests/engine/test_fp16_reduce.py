@@ -9,9 +9,30 @@ from pathlib import Path
 
 from conftest import ROOT, launch, read_jsonl, run_cli_concurrently
 
-ARGS = ["--model", "tiny-opt", "--dataset", "python-docs", "--max_length", "32", "--packing", "concat", "--batch_size",
-        "1", "--accum_steps", "2", "--end_idx", "56", "--lr", "3e-3", "--precision", "fp16", "--save_every_steps", "0",
-        "--wandb_mode", "disabled"]  # fmt: skip
+ARGS = [
+    "--model",
+    "tiny-opt",
+    "--dataset",
+    "python-docs",
+    "--max_length",
+    "32",
+    "--packing",
+    "concat",
+    "--batch_size",
+    "1",
+    "--accum_steps",
+    "2",
+    "--end_idx",
+    "56",
+    "--lr",
+    "3e-3",
+    "--precision",
+    "fp16",
+    "--save_every_steps",
+    "0",
+    "--wandb_mode",
+    "disabled",
+]
 # Each step's loss with the fp16 reduce within this of the fp32 reduce's, and within this on average.
 STEP_TOLERANCE = 0.03  # about 0.5% of the losses here (6.5 to 8.3)
 MEAN_TOLERANCE = 0.005
@@ -22,8 +43,14 @@ def train_pairs(tmp_path: Path, extra: list[str]) -> dict[str, list[dict]]:
     folders = {dtype: tmp_path / f"{dtype}{len(extra)}" for dtype in ("fp32", "fp16")}
     for out in folders.values():
         out.mkdir()
-    procs = run_cli_concurrently([(ARGS + extra + ["--reduce_dtype", dtype, "--output_dir", str(out / "out")], out, None)
-                                  for dtype, out in folders.items()], timeout=400, nproc=2)  # fmt: skip
+    procs = run_cli_concurrently(
+        [
+            (ARGS + extra + ["--reduce_dtype", dtype, "--output_dir", str(out / "out")], out, None)
+            for dtype, out in folders.items()
+        ],
+        timeout=400,
+        nproc=2,
+    )
     rows = {}
     for (dtype, out), proc in zip(folders.items(), procs):
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -37,8 +37,14 @@ def test_accuracy_and_format_are_trls_on_the_same_completions():
     assert ours.count(1.0) >= 4 and ours.count(0.0) >= 2 and None in ours  # the cases are not all one verdict
     strings = accuracy.fn(completions=[c for c, _ in MATH], solution=solutions)  # string prompts: string completions
     assert strings == ours
-    thinking = ["<think>add them</think>5", "<think>a</think><think>b</think>5", "5 <think>late</think>",
-                "<think>\nmulti\nline\n</think>\nThe answer is 5", "no reasoning", "<think>never closed"]  # fmt: skip
+    thinking = [
+        "<think>add them</think>5",
+        "<think>a</think><think>b</think>5",
+        "5 <think>late</think>",
+        "<think>\nmulti\nline\n</think>\nThe answer is 5",
+        "no reasoning",
+        "<think>never closed",
+    ]
     as_messages = [[{"role": "assistant", "content": t}] for t in thinking]
     assert fmt.fn(completions=as_messages) == think_format_reward(as_messages)
     assert fmt.fn(completions=as_messages).count(1.0) == 2
@@ -50,21 +56,34 @@ def test_length_and_choice_follow_their_rules():
     max_words = [1, 1, 1, 3, 1, 1]
     choices = [["list", "dict"]] * 6
     rows = list(range(6))
-    got = score([load("length"), load("choice")], ["q"] * 6, completions, [[1]] * 6,
-                {"max_words": max_words, "choices": choices}, rows, ended)  # fmt: skip
+    got = score(
+        [load("length"), load("choice")],
+        ["q"] * 6,
+        completions,
+        [[1]] * 6,
+        {"max_words": max_words, "choices": choices},
+        rows,
+        ended,
+    )
     # length: ended and at most max_words words; choice: ended and (stripped) one of the row's choices
     assert [r[0] for r in got] == [1.0, 0.0, 0.0, 1.0, 1.0, 1.0]
     assert [r[1] for r in got] == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0]
     default = score([load("length")], ["q"], [" ".join(["w"] * 50)], [[1]], {}, [0], [True])
-    assert default == [[1.0]] and score([load("length")], ["q"], [" ".join(["w"] * 51)], [[1]], {}, [0], [True]) == [[0.0]]
+    assert default == [[1.0]] and score([load("length")], ["q"], [" ".join(["w"] * 51)], [[1]], {}, [0], [True]) == [
+        [0.0]
+    ]
 
 
 def test_functions_by_file_and_module_are_pinned_by_their_whole_source(tmp_path, monkeypatch):
     rules = tmp_path / "rules.py"
-    rules.write_text("def bonus():\n    return 1.0\n\n\ndef mine(completions, **kw):\n    return [bonus()] * len(completions)\n")
+    rules.write_text(
+        "def bonus():\n    return 1.0\n\n\ndef mine(completions, **kw):\n    return [bonus()] * len(completions)\n"
+    )
     first = load(f"{rules}:mine")
     assert first.fn(completions=["a", "b"]) == [1.0, 1.0]
-    rules.write_text("def bonus():\n    return 2.0\n\n\ndef mine(completions, **kw):\n    return [bonus()] * len(completions)\n")
+    rules.write_text(
+        "def bonus():\n    return 2.0\n\n\ndef mine(completions, **kw):\n    return [bonus()] * len(completions)\n"
+    )
     second = load(f"{rules}:mine")
     assert second.fn(completions=["a"]) == [2.0] and second.source != first.source  # the helper changed the rule
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -77,11 +96,13 @@ def test_functions_by_file_and_module_are_pinned_by_their_whole_source(tmp_path,
 
 
 def test_accuracy_without_math_verify_is_refused_when_named():
-    code = ("import sys; sys.modules['math_verify'] = None\n"
-            "from fsdp_opt.engine.rewards import load\n"
-            "from fsdp_opt.base import ConfigError\n"
-            "try:\n    load('accuracy')\n"
-            "except ConfigError as e:\n    print(e)\n")  # fmt: skip
+    code = (
+        "import sys; sys.modules['math_verify'] = None\n"
+        "from fsdp_opt.engine.rewards import load\n"
+        "from fsdp_opt.base import ConfigError\n"
+        "try:\n    load('accuracy')\n"
+        "except ConfigError as e:\n    print(e)\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip() == '--reward accuracy: math-verify is not installed (pip install "math-verify>=0.8")'
 
@@ -94,8 +115,10 @@ def test_a_rule_is_pinned_by_its_syntax_not_its_layout(tmp_path):
     rules.write_text("def mine(completions, **kw):\n    return [min(1.0, len(c) / 10) for c in completions]\n")
     first = load(f"{rules}:mine")
     legacy = hashlib.sha256(rules.read_text().encode()).hexdigest()[:16]
-    rules.write_text("# a note\n\n\ndef mine(completions, **kw):  # the length, in tens\n    return [\n"
-                     "        min(\n            1.0,\n            len(c) / 10,\n        )\n        for c in completions\n    ]\n")  # fmt: skip
+    rules.write_text(
+        "# a note\n\n\ndef mine(completions, **kw):  # the length, in tens\n    return [\n"
+        "        min(\n            1.0,\n            len(c) / 10,\n        )\n        for c in completions\n    ]\n"
+    )
     second = load(f"{rules}:mine")
     assert second.source == first.source and second.source.startswith("ast:")
     assert second.same_rule(first.source) and not first.same_rule("ast:0000000000000000")

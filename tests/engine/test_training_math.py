@@ -21,9 +21,23 @@ from fsdp_opt.data.sources import load_rows
 
 END_IDX, MAX_LEN, LR, CLIP, SEED, GLOBAL_BATCH = 100, 64, 1e-3, 0.5, 3, 8
 COMMON = [
-    "--dataset", "python-docs", "--end_idx", str(END_IDX), "--max_length", str(MAX_LEN), "--lr", str(LR),
-    "--max_grad_norm", str(CLIP), "--seed", str(SEED), "--num_epochs", "1", "--precision", "fp32",
-]  # fmt: skip
+    "--dataset",
+    "python-docs",
+    "--end_idx",
+    str(END_IDX),
+    "--max_length",
+    str(MAX_LEN),
+    "--lr",
+    str(LR),
+    "--max_grad_norm",
+    str(CLIP),
+    "--seed",
+    str(SEED),
+    "--num_epochs",
+    "1",
+    "--precision",
+    "fp32",
+]
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +47,10 @@ def reference(det_model, tmp_path_factory):
     def build(folder) -> None:
         (folder / "reference.json").write_text(json.dumps(_reference(det_model)))
 
-    return [tuple(r) for r in json.loads((built_once(tmp_path_factory, "math_reference", build) / "reference.json").read_text())]
+    return [
+        tuple(r)
+        for r in json.loads((built_once(tmp_path_factory, "math_reference", build) / "reference.json").read_text())
+    ]
 
 
 def _reference(det_model) -> list[tuple[float, float]]:
@@ -80,16 +97,33 @@ def _reference(det_model) -> list[tuple[float, float]]:
 def test_sharded_run_matches_unsharded_reference(tmp_path, det_model, reference, nproc, batch, accum, strategy, extra):
     assert max(nproc, 1) * batch * accum == GLOBAL_BATCH
     accumulation = [] if "--total_batch_size" in extra else ["--accum_steps", str(accum)]
-    args = COMMON + accumulation + extra + [
-        "--model", str(det_model), "--batch_size", str(batch),
-        "--sharding_strategy", strategy, "--output_dir", str(tmp_path / "out"),
-    ]  # fmt: skip
+    args = (
+        COMMON
+        + accumulation
+        + extra
+        + [
+            "--model",
+            str(det_model),
+            "--batch_size",
+            str(batch),
+            "--sharding_strategy",
+            strategy,
+            "--output_dir",
+            str(tmp_path / "out"),
+        ]
+    )
     proc = run_cli(args, tmp_path, nproc=nproc)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"x {accum} accum = {GLOBAL_BATCH} sequences per step" in proc.stdout
-    sync = "every micro-batch" if "--reduce_every_microbatch" in extra or accum == 1 else "last micro-batch of each step"
+    sync = (
+        "every micro-batch" if "--reduce_every_microbatch" in extra or accum == 1 else "last micro-batch of each step"
+    )
     assert any(l.split(":")[0].strip() == "gradient sync" and l.endswith(f": {sync}") for l in proc.stdout.splitlines())
-    chunk = ", " + extra[extra.index("--loss_chunk_tokens") + 1] + " tokens at a time" if "--loss_chunk_tokens" in extra else ""
+    chunk = (
+        ", " + extra[extra.index("--loss_chunk_tokens") + 1] + " tokens at a time"
+        if "--loss_chunk_tokens" in extra
+        else ""
+    )
     chunk = "the output layer at the target tokens only" + chunk  # OPT's head is a bias-free Linear
     assert any(l.split(":")[0].strip() == "loss" and l.endswith(f": {chunk}") for l in proc.stdout.splitlines())
     rows = read_jsonl(tmp_path / "out" / "metrics.jsonl")
@@ -121,17 +155,31 @@ def test_hybrid_shard_across_two_nodes_matches_reference(tmp_path, det_model, re
 
     port = free_port()
     args = COMMON + [
-        "--model", str(det_model), "--batch_size", "2", "--accum_steps", "2",
-        "--sharding_strategy", "HYBRID_SHARD", "--output_dir", str(tmp_path / "out"),
-    ]  # fmt: skip
+        "--model",
+        str(det_model),
+        "--batch_size",
+        "2",
+        "--accum_steps",
+        "2",
+        "--sharding_strategy",
+        "HYBRID_SHARD",
+        "--output_dir",
+        str(tmp_path / "out"),
+    ]
     env = sandbox_env(tmp_path)
     procs = [
-        subprocess.Popen(torchrun_cmd(1, nnodes=2, node_rank=r, port=port) + args, cwd=tmp_path, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            torchrun_cmd(1, nnodes=2, node_rank=r, port=port) + args,
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for r in range(2)
-    ]  # fmt: skip
+    ]
     outs = [p.communicate(timeout=300) for p in procs]
-    for p, (out, err) in zip(procs, outs):
+    for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     assert "HYBRID_SHARD" in outs[0][0] and "2 node(s)" in outs[0][0]
     rows = read_jsonl(tmp_path / "out" / "metrics.jsonl")
@@ -150,4 +198,6 @@ def test_the_optimizer_steps_the_shards_as_torchs_adamw_steps_the_dtensors(tmp_p
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     for kind in ("foreach", "fused"):
         assert r[kind] and r[f"{kind}_state_dict"] and r[f"{kind}_local"], r
-        assert r[f"{kind}_state_dtensor"] and r[f"{kind}_states"] == 5, r  # 2 linears and the norm bias; none frozen or unused
+        assert r[f"{kind}_state_dtensor"] and r[f"{kind}_states"] == 5, (
+            r
+        )  # 2 linears and the norm bias; none frozen or unused

@@ -13,7 +13,8 @@ import pytest
 from conftest import COMMON, HF_TOK, hub_env, run_cli, saved_names, wandb_records
 from hubserver import HubServer
 
-from fsdp_opt.hub.store import HubStore, retry_after, with_retries
+from fsdp_opt.hub.retry import retry_after, with_retries
+from fsdp_opt.hub.store import HubStore
 from fsdp_opt.hub.uploads import Uploader
 
 CALLS = ("preupload", "lfs-upload", "commit")
@@ -98,8 +99,13 @@ def test_retry_after_is_waited_for_as_it_says():
     """A 429 whose Retry-After is 0.4 s: the next try comes after at least that, not after the backoff (0.01 s); an
     HTTP date is read too; a 403 is not tried again."""
     assert retry_after(_Refused({"Retry-After": "7"})) == 7.0 and retry_after(_Refused({})) is None
-    assert 29 <= retry_after(_Refused({"Retry-After": time.strftime("%a, %d %b %Y %H:%M:%S GMT",
-                                                                    time.gmtime(time.time() + 31))})) <= 31  # fmt: skip
+    assert (
+        29
+        <= retry_after(
+            _Refused({"Retry-After": time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime(time.time() + 31))})
+        )
+        <= 31
+    )
     calls: list[float] = []
 
     def flaky() -> str:
@@ -128,8 +134,23 @@ def test_a_training_run_pushes_through_faults_at_every_call_and_exits_0(tmp_path
         server.fail("preupload", 3, status=503)
         server.fail("lfs-upload", 3, kind="reset")
         server.fail("commit", 3, status=502)
-        proc = run_cli(COMMON + ["--end_idx", "16", "--hf_repo", "me/run", "--wandb_mode", "disabled", "--output_dir",
-                                 "out", "--hub_retries", "5"], tmp_path, env=hub_env(tmp_path, server, "a"))  # fmt: skip
+        proc = run_cli(
+            COMMON
+            + [
+                "--end_idx",
+                "16",
+                "--hf_repo",
+                "me/run",
+                "--wandb_mode",
+                "disabled",
+                "--output_dir",
+                "out",
+                "--hub_retries",
+                "5",
+            ],
+            tmp_path,
+            env=hub_env(tmp_path, server, "a"),
+        )
         repo = server.files("me/run")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     name = saved_names(proc.stdout)[-1]
@@ -144,8 +165,23 @@ def test_a_hub_that_refuses_every_checkpoint_ends_the_session_non_zero_and_the_c
     machine would resume from; W&B's summary says the same. The local checkpoint then resumes the next range."""
     with HubServer(token=HF_TOK) as server:
         server.fail("commit", 1000, status=403, match=b"checkpoints/")
-        proc = run_cli(COMMON + ["--end_idx", "16", "--hf_repo", "me/run", "--wandb_mode", "offline", "--output_dir",
-                                 "out", "--hub_wait", "20s"], tmp_path, env=hub_env(tmp_path, server, "a"))  # fmt: skip
+        proc = run_cli(
+            COMMON
+            + [
+                "--end_idx",
+                "16",
+                "--hf_repo",
+                "me/run",
+                "--wandb_mode",
+                "offline",
+                "--output_dir",
+                "out",
+                "--hub_wait",
+                "20s",
+            ],
+            tmp_path,
+            env=hub_env(tmp_path, server, "a"),
+        )
         assert not any(k.startswith("checkpoints/") for k in server.files("me/run"))
     assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
     name = saved_names(proc.stdout)[-1]
@@ -156,8 +192,22 @@ def test_a_hub_that_refuses_every_checkpoint_ends_the_session_non_zero_and_the_c
     (run,) = sorted((tmp_path / "out" / "wandb").glob("offline-run-*"))
     summary = {k: v for r in wandb_records(run) if r["type"] == "summary" for k, v in _summary(r).items()}
     assert summary.get("hub/not_pushed") == name and summary.get("hub/kept_at") == str(path), summary
-    resumed = run_cli(COMMON + ["--start_idx", "16", "--end_idx", "24", "--resume_file", name, "--output_dir", "out",
-                                "--wandb_mode", "disabled"], tmp_path)  # fmt: skip
+    resumed = run_cli(
+        COMMON
+        + [
+            "--start_idx",
+            "16",
+            "--end_idx",
+            "24",
+            "--resume_file",
+            name,
+            "--output_dir",
+            "out",
+            "--wandb_mode",
+            "disabled",
+        ],
+        tmp_path,
+    )
     assert resumed.returncode == 0 and f"resumed out/{name} at global step" in resumed.stdout, resumed.stderr[-2000:]
 
 

@@ -40,11 +40,33 @@ def test_sessions_chain_through_the_hub(tmp_path):
     with HubServer(token=HF_TOK) as server:
         server.fail("commit", 2)
         s1 = run_cli(
-            COMMON + ["--start_idx", "0", "--end_idx", "48", "--eval_rows", "8", "--batch_size", "2", "--save_every_steps", "3",
-                      "--keep_last", "1", "--hf_repo", "me/run", "--hub_keep_full", "0", "--wandb_mode", "offline",
-                      "--output_dir", "s1"],
-            tmp_path, nproc=2, env=hub_env(tmp_path, server, "s1"),
-        )  # fmt: skip
+            COMMON
+            + [
+                "--start_idx",
+                "0",
+                "--end_idx",
+                "48",
+                "--eval_rows",
+                "8",
+                "--batch_size",
+                "2",
+                "--save_every_steps",
+                "3",
+                "--keep_last",
+                "1",
+                "--hf_repo",
+                "me/run",
+                "--hub_keep_full",
+                "0",
+                "--wandb_mode",
+                "offline",
+                "--output_dir",
+                "s1",
+            ],
+            tmp_path,
+            nproc=2,
+            env=hub_env(tmp_path, server, "s1"),
+        )
         assert s1.returncode == 0, s1.stdout + s1.stderr
         repo = server.repos["me/run"]
         assert repo.private
@@ -68,10 +90,29 @@ def test_sessions_chain_through_the_hub(tmp_path):
 
         # Session 2: an empty machine resumes `latest` from the Hub, trains the next slice, exports the model.
         s2 = run_cli(
-            COMMON + ["--start_idx", "48", "--end_idx", "80", "--batch_size", "2", "--resume_file", "latest",
-                      "--hf_repo", "me/run", "--wandb_mode", "offline", "--output_dir", "s2", "--export_hf", "s2/export"],
-            tmp_path, nproc=2, env=hub_env(tmp_path, server, "s2"),
-        )  # fmt: skip
+            COMMON
+            + [
+                "--start_idx",
+                "48",
+                "--end_idx",
+                "80",
+                "--batch_size",
+                "2",
+                "--resume_file",
+                "latest",
+                "--hf_repo",
+                "me/run",
+                "--wandb_mode",
+                "offline",
+                "--output_dir",
+                "s2",
+                "--export_hf",
+                "s2/export",
+            ],
+            tmp_path,
+            nproc=2,
+            env=hub_env(tmp_path, server, "s2"),
+        )
         assert s2.returncode == 0, s2.stdout + s2.stderr
         assert f"latest checkpoint is {saved[-1]} (global step {m1[-1]['step']})" in s2.stdout
         # The step log continues on the new machine: session 1's lines come from the repo, then session 2's.
@@ -85,10 +126,28 @@ def test_sessions_chain_through_the_hub(tmp_path):
         name = saved_names(s2.stdout)[-1]
         assert name == "tiny_opt_48-80-epoch-1.pt"
         s3 = run_cli(
-            COMMON + ["--start_idx", "80", "--end_idx", "112", "--batch_size", "4", "--resume_file", name,
-                      "--hf_repo", "me/run", "--wandb_mode", "offline", "--wandb_new_run", "--output_dir", "s3"],
-            tmp_path, nproc=0, env=hub_env(tmp_path, server, "s3"),
-        )  # fmt: skip
+            COMMON
+            + [
+                "--start_idx",
+                "80",
+                "--end_idx",
+                "112",
+                "--batch_size",
+                "4",
+                "--resume_file",
+                name,
+                "--hf_repo",
+                "me/run",
+                "--wandb_mode",
+                "offline",
+                "--wandb_new_run",
+                "--output_dir",
+                "s3",
+            ],
+            tmp_path,
+            nproc=0,
+            env=hub_env(tmp_path, server, "s3"),
+        )
         assert s3.returncode == 0, s3.stdout + s3.stderr
         assert f"downloading {name} from the Hub repo me/run" in s3.stdout
         m3 = [m for m in read_jsonl(tmp_path / "s3" / "metrics.jsonl") if m["slice"] == "80-112"]
@@ -96,14 +155,23 @@ def test_sessions_chain_through_the_hub(tmp_path):
 
         # The exported model loads with from_pretrained straight from the repo.
         load = subprocess.run(
-            [sys.executable, "-c", "from transformers import AutoModelForCausalLM as M; "
-             "m = M.from_pretrained('me/run'); print(sum(p.numel() for p in m.parameters()))"],
-            env=hub_env(tmp_path, server, "load"), capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-c",
+                "from transformers import AutoModelForCausalLM as M; "
+                "m = M.from_pretrained('me/run'); print(sum(p.numel() for p in m.parameters()))",
+            ],
+            env=hub_env(tmp_path, server, "load"),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert load.returncode == 0, load.stderr
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        expected = sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ASSETS)).parameters())
+        expected = sum(
+            p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ASSETS)).parameters()
+        )
         assert int(load.stdout.split()[-1]) == expected
 
         card = repo.files["README.md"].decode()
@@ -125,7 +193,11 @@ def test_sessions_chain_through_the_hub(tmp_path):
     assert "--start_idx 112 --end_idx 144 --resume_file latest" in card
 
     # W&B: the history holds every step's loss; session 2 continues the same run; session 3 opted out.
-    (run1,), (run2,), (run3,) = offline_runs(tmp_path / "s1"), offline_runs(tmp_path / "s2"), offline_runs(tmp_path / "s3")
+    (run1,), (run2,), (run3,) = (
+        offline_runs(tmp_path / "s1"),
+        offline_runs(tmp_path / "s2"),
+        offline_runs(tmp_path / "s3"),
+    )
     run_id = run1.name.rsplit("-", 1)[-1]
     assert run2.name.endswith("-" + run_id) and not run3.name.endswith("-" + run_id)
     records = wandb_records(run1)
@@ -161,11 +233,34 @@ def test_failed_uploads_never_stop_training(tmp_path):
     with HubServer(token=HF_TOK) as server:
         server.fail("commit", 1000)
         proc = run_cli(
-            COMMON + ["--start_idx", "0", "--end_idx", "32", "--batch_size", "2", "--save_every_steps", "4",
-                      "--keep_last", "1", "--hf_repo", "me/run", "--hub_public", "--hub_retries", "1", "--wandb_mode", "disabled",
-                      "--output_dir", "out", "--hub_wait", "4s"],
-            tmp_path, nproc=2, env=hub_env(tmp_path, server, "a"),
-        )  # fmt: skip
+            COMMON
+            + [
+                "--start_idx",
+                "0",
+                "--end_idx",
+                "32",
+                "--batch_size",
+                "2",
+                "--save_every_steps",
+                "4",
+                "--keep_last",
+                "1",
+                "--hf_repo",
+                "me/run",
+                "--hub_public",
+                "--hub_retries",
+                "1",
+                "--wandb_mode",
+                "disabled",
+                "--output_dir",
+                "out",
+                "--hub_wait",
+                "4s",
+            ],
+            tmp_path,
+            nproc=2,
+            env=hub_env(tmp_path, server, "a"),
+        )
         assert server.repos["me/run"].files == {} and not server.repos["me/run"].private
     # rank 0 exits 3 (under torchrun, as here, the launcher's own code is 1 and its report names rank 0's 3)
     assert proc.returncode != 0 and "rank 0: exit 3" in proc.stderr, proc.stdout + proc.stderr
@@ -184,7 +279,9 @@ def test_hub_bad_input(tmp_path):
         # A token the Hub refuses: one line naming --hf_repo, on both ranks, before any training.
         env = hub_env(tmp_path, server, "bad")
         env["HF_TOKEN"] = "hf_wrong"
-        proc = run_cli(COMMON + ["--end_idx", "16", "--hf_repo", "me/run", "--wandb_mode", "disabled"], tmp_path, nproc=2, env=env)
+        proc = run_cli(
+            COMMON + ["--end_idx", "16", "--hf_repo", "me/run", "--wandb_mode", "disabled"], tmp_path, nproc=2, env=env
+        )
         assert_clean_failure(proc, "--hf_repo me/run", "HTTP 401", "HF_TOKEN")
         assert "hf_wrong" not in proc.stdout + proc.stderr
 
@@ -195,10 +292,20 @@ def test_hub_bad_input(tmp_path):
         api.create_repo("me/run", private=True)
         api.upload_file(path_or_fileobj=b"x", path_in_repo="checkpoints/tiny_opt_0-16-epoch-1.pt", repo_id="me/run")
         proc = run_cli(
-            COMMON + ["--end_idx", "16", "--hf_repo", "me/run", "--resume_file", "tiny_opt_0-99-epoch-1.pt",
-                      "--wandb_mode", "disabled"],
-            tmp_path, env=hub_env(tmp_path, server, "b"),
-        )  # fmt: skip
+            COMMON
+            + [
+                "--end_idx",
+                "16",
+                "--hf_repo",
+                "me/run",
+                "--resume_file",
+                "tiny_opt_0-99-epoch-1.pt",
+                "--wandb_mode",
+                "disabled",
+            ],
+            tmp_path,
+            env=hub_env(tmp_path, server, "b"),
+        )
         line = assert_clean_failure(proc, "--resume_file tiny_opt_0-99-epoch-1.pt", "me/run")
         assert "checkpoints there: tiny_opt_0-16-epoch-1.pt" in line
 
@@ -218,7 +325,9 @@ def test_uploader_order_one_at_a_time(tmp_path):
         store = HubStore("me/q", endpoint=server.url)
         store.api.token = HF_TOK
         log: list[str] = []
-        up = Uploader(store, lambda index: "---\n---\ncard\n", run={}, private=True, retries=2, backoff=0.1, log=log.append)
+        up = Uploader(
+            store, lambda index: "---\n---\ncard\n", run={}, private=True, retries=2, backoff=0.1, log=log.append
+        )
         jobs = [up.submit(files["m_0-8-epoch-1-step-1.pt"], "step", {"global_step": 1})]
         deadline = time.monotonic() + 30
         while server.in_commit == 0 and time.monotonic() < deadline:
@@ -235,7 +344,9 @@ def test_uploader_order_one_at_a_time(tmp_path):
         repo_files = server.files("me/q")
         # A later session that writes a checkpoint under a name the repo already has: until its own upload is
         # done, the local file is the only copy of what it holds.
-        again = Uploader(store, lambda index: "---\n---\ncard\n", run={}, private=True, retries=0, backoff=0.1, log=log.append)
+        again = Uploader(
+            store, lambda index: "---\n---\ncard\n", run={}, private=True, retries=0, backoff=0.1, log=log.append
+        )
         step1 = files["m_0-8-epoch-1-step-1.pt"]
         assert again.is_on_hub(step1)
         server.gate.clear()
@@ -257,18 +368,35 @@ def test_uploader_order_one_at_a_time(tmp_path):
 def test_sharded_checkpoints_through_the_hub(tmp_path):
     """A sharded checkpoint is a folder: pushed whole, and fetched whole by `latest` on an empty machine."""
     with HubServer(token=HF_TOK) as server:
-        args = COMMON + ["--batch_size", "2", "--state_dict_type", "sharded", "--hf_repo", "me/run", "--wandb_mode", "disabled"]
-        s1 = run_cli(args + ["--end_idx", "24", "--output_dir", "s1"], tmp_path, nproc=2, env=hub_env(tmp_path, server, "s1"))
+        args = COMMON + [
+            "--batch_size",
+            "2",
+            "--state_dict_type",
+            "sharded",
+            "--hf_repo",
+            "me/run",
+            "--wandb_mode",
+            "disabled",
+        ]
+        s1 = run_cli(
+            args + ["--end_idx", "24", "--output_dir", "s1"], tmp_path, nproc=2, env=hub_env(tmp_path, server, "s1")
+        )
         assert s1.returncode == 0, s1.stdout + s1.stderr
         folder = tmp_path / "s1" / "tiny_opt_0-24-epoch-1"
         local = {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
-        remote = {k.split("/", 2)[2]: v for k, v in server.files("me/run").items() if k.startswith("checkpoints/tiny_opt_0-24-epoch-1/")}
+        remote = {
+            k.split("/", 2)[2]: v
+            for k, v in server.files("me/run").items()
+            if k.startswith("checkpoints/tiny_opt_0-24-epoch-1/")
+        }
         # on a mismatch, the run's own account of its upload (a failed push is a line of its output, not an exit code)
         assert len(local) >= 3 and remote == local, [l for l in s1.stdout.splitlines() if l.startswith("hub:")]
         s2 = run_cli(
             args + ["--start_idx", "24", "--end_idx", "48", "--resume_file", "latest", "--output_dir", "s2"],
-            tmp_path, nproc=2, env=hub_env(tmp_path, server, "s2"),
-        )  # fmt: skip
+            tmp_path,
+            nproc=2,
+            env=hub_env(tmp_path, server, "s2"),
+        )
         assert s2.returncode == 0, s2.stdout + s2.stderr
     m1, m2 = read_jsonl(tmp_path / "s1" / "metrics.jsonl"), read_jsonl(tmp_path / "s2" / "metrics.jsonl")
     assert m2[: len(m1)] == m1 and m2[len(m1)]["step"] == m1[-1]["step"] + 1 and m2[len(m1)]["slice"] == "24-48"
@@ -282,18 +410,35 @@ def test_exit_wait_is_bounded(tmp_path):
         server.gate.clear()  # every commit hangs
         started = time.monotonic()
         proc = run_cli(
-            COMMON + ["--end_idx", "16", "--hf_repo", "me/run", "--hub_wait", "3s", "--wandb_mode", "disabled",
-                      "--output_dir", "out"],
-            tmp_path, env=hub_env(tmp_path, server, "a"),
-        )  # fmt: skip
+            COMMON
+            + [
+                "--end_idx",
+                "16",
+                "--hf_repo",
+                "me/run",
+                "--hub_wait",
+                "3s",
+                "--wandb_mode",
+                "disabled",
+                "--output_dir",
+                "out",
+            ],
+            tmp_path,
+            env=hub_env(tmp_path, server, "a"),
+        )
         took = time.monotonic() - started
         server.gate.set()
     assert proc.returncode == 3, proc.stdout + proc.stderr
     name = saved_names(proc.stdout)[-1]
     assert "hub: waiting for 1 upload(s)" in proc.stdout
-    assert f"warning: upload of {name} to me/run did not finish in --hub_wait; the local copy is kept: {tmp_path / 'out' / name}" in proc.stdout
+    assert (
+        f"warning: upload of {name} to me/run did not finish in --hub_wait; the local copy is kept: {tmp_path / 'out' / name}"
+        in proc.stdout
+    )
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"error: the checkpoint {name} did not reach me/run (its upload did not end within --hub_wait)")
+    assert last.startswith(
+        f"error: the checkpoint {name} did not reach me/run (its upload did not end within --hub_wait)"
+    )
     assert f"kept whole here: {tmp_path / 'out' / name}" in last
     assert took < 60
 
@@ -316,19 +461,37 @@ def test_wandb_without_network_falls_back(tmp_path):
 def test_disk_budget_makes_room_with_hub_copies(tmp_path):
     """--disk_budget deletes local checkpoints only when the Hub has them, oldest first, before a save."""
     with HubServer(token=HF_TOK) as server:
-        base = COMMON + ["--keep_last", "0", "--hf_repo", "me/run", "--hub_keep_full", "0", "--wandb_mode", "disabled",
-                         "--output_dir", "out"]
-        s1 = run_cli(base + ["--end_idx", "16", "--save_every_steps", "2"], tmp_path, env=hub_env(tmp_path, server, "a"))
+        base = COMMON + [
+            "--keep_last",
+            "0",
+            "--hf_repo",
+            "me/run",
+            "--hub_keep_full",
+            "0",
+            "--wandb_mode",
+            "disabled",
+            "--output_dir",
+            "out",
+        ]
+        s1 = run_cli(
+            base + ["--end_idx", "16", "--save_every_steps", "2"], tmp_path, env=hub_env(tmp_path, server, "a")
+        )
         assert s1.returncode == 0, s1.stdout + s1.stderr
         first = sorted((tmp_path / "out").glob("*.pt"), key=lambda p: p.stat().st_mtime)
         assert len(first) >= 3 and all(f"checkpoints/{p.name}" in server.repos["me/run"].files for p in first)
         one = max(p.stat().st_size for p in first)
         budget = int(2.5 * one)
-        s2 = run_cli(base + ["--start_idx", "16", "--end_idx", "32", "--resume_file", "latest", "--disk_budget", str(budget)],
-                     tmp_path, env=hub_env(tmp_path, server, "b"))  # fmt: skip
+        s2 = run_cli(
+            base + ["--start_idx", "16", "--end_idx", "32", "--resume_file", "latest", "--disk_budget", str(budget)],
+            tmp_path,
+            env=hub_env(tmp_path, server, "b"),
+        )
         assert s2.returncode == 0, s2.stdout + s2.stderr
         repo = set(server.repos["me/run"].files)
-    removed = [Path(p).name for p in re.findall(r"^removed (\S+) \([\d.,]+ GB; the Hub has it\) to make room", s2.stdout, flags=re.M)]
+    removed = [
+        Path(p).name
+        for p in re.findall(r"^removed (\S+) \([\d.,]+ GB; the Hub has it\) to make room", s2.stdout, flags=re.M)
+    ]
     assert removed == [p.name for p in first[: len(removed)]] and len(removed) == len(first) - 1  # oldest first
     assert all(f"checkpoints/{name}" in repo for name in removed)
     left = list((tmp_path / "out").glob("*.pt"))

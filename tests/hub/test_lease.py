@@ -18,8 +18,22 @@ from hubserver import HubServer
 from fsdp_opt.hub.lease import LEASE_FILE, LOCAL_LEASE, FileLease, Holder, HubLease, new_holder
 
 REPO = "me/chain"
-BASE = ["--model", "tiny-opt", "--dataset", "python-docs", "--max_length", "64", "--lr", "3e-3", "--num_epochs", "1",
-        "--batch_size", "2", "--seed", "3"]  # fmt: skip
+BASE = [
+    "--model",
+    "tiny-opt",
+    "--dataset",
+    "python-docs",
+    "--max_length",
+    "64",
+    "--lr",
+    "3e-3",
+    "--num_epochs",
+    "1",
+    "--batch_size",
+    "2",
+    "--seed",
+    "3",
+]
 CHAIN = BASE + ["--start_idx", "auto", "--range_size", "120", "--hf_repo", REPO, "--hub_retries", "1"]
 
 
@@ -90,8 +104,9 @@ def test_a_lease_past_its_expiry_or_of_a_gone_process_is_taken_over(tmp_path):
 
 
 def _start(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(ENTRY)] + args, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, str(ENTRY)] + args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def test_two_identical_auto_chain_commands_two_seconds_apart_one_trains_one_stops(tmp_path):
@@ -132,8 +147,11 @@ def test_two_identical_auto_chain_commands_two_seconds_apart_one_trains_one_stop
         assert steps == list(range(1, len(steps) + 1))
         # every lease the repo ever held is one session's: no commit of the loser landed (when the two start together
         # on a loaded machine, the loser's attempt on the same head can reach the Hub, which refuses it)
-        sessions = {Holder.from_bytes(tree[LEASE_FILE].content).session for tree in repo.snapshots.values()
-                    if LEASE_FILE in tree}  # fmt: skip
+        sessions = {
+            Holder.from_bytes(tree[LEASE_FILE].content).session
+            for tree in repo.snapshots.values()
+            if LEASE_FILE in tree
+        }
         assert len(sessions) == 1, sessions
 
 
@@ -143,15 +161,17 @@ def test_a_killed_session_leaves_its_lease_the_next_takes_it_over_and_finishes_t
     losses of an uninterrupted chain."""
     with HubServer(token=HF_TOK) as server:
         (tmp_path / "straight").mkdir()
-        ref = run_cli(BASE + ["--end_idx", "120", "--output_dir", str(tmp_path / "straight" / "out")],
-                      tmp_path / "straight")  # fmt: skip
+        ref = run_cli(
+            BASE + ["--end_idx", "120", "--output_dir", str(tmp_path / "straight" / "out")], tmp_path / "straight"
+        )
         assert ref.returncode == 0, ref.stderr[-2000:]
         want = {r["step"]: r["loss"] for r in read_jsonl(tmp_path / "straight" / "out" / "metrics.jsonl")}
 
         (tmp_path / "s1").mkdir()
         env = hub_env(tmp_path, server, "s1")
-        killed = _start(CHAIN + ["--save_every_steps", "10", "--output_dir", str(tmp_path / "s1" / "out")],
-                        tmp_path / "s1", env)  # fmt: skip
+        killed = _start(
+            CHAIN + ["--save_every_steps", "10", "--output_dir", str(tmp_path / "s1" / "out")], tmp_path / "s1", env
+        )
         deadline = time.monotonic() + 240
         while "checkpoints/tiny_opt_0-120-epoch-1-step-20.pt" not in server.repos.get(REPO, _Empty).files:
             assert time.monotonic() < deadline and killed.poll() is None, killed.communicate()
@@ -166,18 +186,27 @@ def test_a_killed_session_leaves_its_lease_the_next_takes_it_over_and_finishes_t
         store = _store(server)
         from huggingface_hub import CommitOperationAdd
 
-        store.api.create_commit(REPO, [CommitOperationAdd(LEASE_FILE, holder.to_bytes())], commit_message="as elsewhere")
+        store.api.create_commit(
+            REPO, [CommitOperationAdd(LEASE_FILE, holder.to_bytes())], commit_message="as elsewhere"
+        )
 
         (tmp_path / "s2").mkdir()
-        blocked = run_cli(CHAIN + ["--output_dir", str(tmp_path / "s2" / "out")], tmp_path / "s2",
-                          env=hub_env(tmp_path, server, "s2"))  # fmt: skip
+        blocked = run_cli(
+            CHAIN + ["--output_dir", str(tmp_path / "s2" / "out")], tmp_path / "s2", env=hub_env(tmp_path, server, "s2")
+        )
         assert blocked.returncode == 0, blocked.stderr[-2000:]
-        assert f"chain: another session holds the lease on {REPO}: session {holder.session[:8]} on kaggle-other-machine" in blocked.stdout
+        assert (
+            f"chain: another session holds the lease on {REPO}: session {holder.session[:8]} on kaggle-other-machine"
+            in blocked.stdout
+        )
         assert "fsdp-opt run" not in blocked.stdout
 
         (tmp_path / "s3").mkdir()
-        took = run_cli(CHAIN + ["--take_over", "--output_dir", str(tmp_path / "s3" / "out")], tmp_path / "s3",
-                       env=hub_env(tmp_path, server, "s3"))  # fmt: skip
+        took = run_cli(
+            CHAIN + ["--take_over", "--output_dir", str(tmp_path / "s3" / "out")],
+            tmp_path / "s3",
+            env=hub_env(tmp_path, server, "s3"),
+        )
         assert took.returncode == 0, took.stderr[-2000:]
         assert f"chain: took over the lease of session {holder.session[:8]} on kaggle-other-machine" in took.stdout
         assert "(--take_over)" in took.stdout and "stopped inside its range: finishing it" in took.stdout
@@ -204,4 +233,6 @@ def test_without_a_repo_the_lease_is_a_file_in_output_dir_for_runs_that_share_a_
     stopped = [o for o in outs if "chain: another session holds the lease on " + str(out) in o]
     assert len(stopped) == 1 and "fsdp-opt run" not in stopped[0], outs
     assert not (out / LOCAL_LEASE).exists()  # released at the end
-    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == list(range(1, len(read_jsonl(out / "metrics.jsonl")) + 1))
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == list(
+        range(1, len(read_jsonl(out / "metrics.jsonl")) + 1)
+    )

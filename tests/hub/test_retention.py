@@ -39,7 +39,9 @@ def test_policy_keeps_the_newest_full_and_one_weights_file_per_range():
     assert d3.kept_without_weights == ["m_0-8-epoch-1.pt"] and "m_0-8-epoch-1.pt" in d3.keep_full
     # Only the weights left for a range (its full state retired earlier): they stay, and older ones go.
     d4 = decide(steps, {"m_8-16-epoch-1.pt"}, {"m_0-8-epoch-1.safetensors", "m_0-8-epoch-1-step-2.safetensors"}, 1)
-    assert d4.keep_weights == ["m_0-8-epoch-1.safetensors"] and d4.delete_weights == ["m_0-8-epoch-1-step-2.safetensors"]
+    assert d4.keep_weights == ["m_0-8-epoch-1.safetensors"] and d4.delete_weights == [
+        "m_0-8-epoch-1-step-2.safetensors"
+    ]
 
 
 def _stored_equals_head(server: HubServer, repo_id: str) -> None:
@@ -56,9 +58,25 @@ def test_chain_of_four_slices_keeps_the_policy(tmp_path):
 
         def session(i: int, name: str, nproc: int, extra: list[str] = ()):
             start = i * ROWS
-            args = COMMON + ["--start_idx", str(start), "--end_idx", str(start + ROWS), "--total_batch_size", "4",
-                             "--batch_size", str(4 // max(1, nproc)), "--save_every_steps", "2", "--hf_repo", "me/run",
-                             "--wandb_mode", "disabled", "--output_dir", name, *extra]  # fmt: skip
+            args = COMMON + [
+                "--start_idx",
+                str(start),
+                "--end_idx",
+                str(start + ROWS),
+                "--total_batch_size",
+                "4",
+                "--batch_size",
+                str(4 // max(1, nproc)),
+                "--save_every_steps",
+                "2",
+                "--hf_repo",
+                "me/run",
+                "--wandb_mode",
+                "disabled",
+                "--output_dir",
+                name,
+                *extra,
+            ]
             if i:
                 args += ["--resume_file", "latest"]
             return run_cli(args, tmp_path, nproc=nproc, env=hub_env(tmp_path, server, name))
@@ -111,22 +129,46 @@ def test_chain_of_four_slices_keeps_the_policy(tmp_path):
         assert abs(server.repos["me/run"].used_storage - storage["bytes"]) <= 64 * 1024
         assert f"Repo storage: {storage['bytes'] / 1e9:,.2f} GB (1 full resumable checkpoint(s)" in card
         rows = [line for line in card.splitlines() if line.startswith("| [")]
-        assert [r.split("|")[7].strip() for r in rows[:3]] == [f"`weights/{n.replace('.pt', '.safetensors')}`" for n in finals[:3]]
+        assert [r.split("|")[7].strip() for r in rows[:3]] == [
+            f"`weights/{n.replace('.pt', '.safetensors')}`" for n in finals[:3]
+        ]
         assert rows[3].split("|")[7].strip() == f"`checkpoints/{finals[3]}`"
 
         # A retired range resumes from its weights file: the weights and the global step continue.
         first_step = index["checkpoints"][finals[0]]["global_step"]
         proc = run_cli(
-            COMMON + ["--start_idx", str(ROWS), "--end_idx", str(2 * ROWS), "--total_batch_size", "4", "--batch_size", "4",
-                      "--hf_repo", "me/run", "--hub_keep_full", "0", "--wandb_mode", "disabled", "--output_dir", "branch",
-                      "--resume_file", finals[0]],
-            tmp_path, env=hub_env(tmp_path, server, "branch"),
-        )  # fmt: skip
+            COMMON
+            + [
+                "--start_idx",
+                str(ROWS),
+                "--end_idx",
+                str(2 * ROWS),
+                "--total_batch_size",
+                "4",
+                "--batch_size",
+                "4",
+                "--hf_repo",
+                "me/run",
+                "--hub_keep_full",
+                "0",
+                "--wandb_mode",
+                "disabled",
+                "--output_dir",
+                "branch",
+                "--resume_file",
+                finals[0],
+            ],
+            tmp_path,
+            env=hub_env(tmp_path, server, "branch"),
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert f"only the weights of {finals[0]} are left in the Hub repo me/run" in proc.stdout
         assert "AdamW moments start from zero" in proc.stdout and "RNG is not restored" in proc.stdout
         assert read_jsonl(tmp_path / "branch" / "metrics.jsonl")[-1]["step"] > first_step
-        assert f"resumed {Path('branch') / finals[0].replace('.pt', '.safetensors')} at global step {first_step}" in proc.stdout
+        assert (
+            f"resumed {Path('branch') / finals[0].replace('.pt', '.safetensors')} at global step {first_step}"
+            in proc.stdout
+        )
 
 
 def test_a_purge_the_hub_refused_is_finished_by_the_next_session(tmp_path):
@@ -144,8 +186,16 @@ def test_a_purge_the_hub_refused_is_finished_by_the_next_session(tmp_path):
         log: list[str] = []
 
         def uploader() -> Uploader:
-            return Uploader(store, lambda index: "---\n---\ncard\n", run={}, private=True, retries=0, backoff=0.1,
-                            log=log.append, keep_full=1)  # fmt: skip
+            return Uploader(
+                store,
+                lambda index: "---\n---\ncard\n",
+                run={},
+                private=True,
+                retries=0,
+                backoff=0.1,
+                log=log.append,
+                keep_full=1,
+            )
 
         up = uploader()
         up.submit(tmp_path / names[0], "epoch", {"global_step": 1})
@@ -171,21 +221,33 @@ def test_a_purge_the_hub_refused_is_finished_by_the_next_session(tmp_path):
         up2.submit(tmp_path / names[3], "epoch", {"global_step": 4})
         assert up2.finish(timeout=60) == [up2.jobs[0]]
         _stored_equals_head(server, "me/q")
-        assert set(repo.tree) == {"README.md", "fsdp_opt_index.json", f"checkpoints/{names[3]}",
-                                  "weights/m_0-8-epoch-1.safetensors", "weights/m_8-16-epoch-1.safetensors",
-                                  "weights/m_24-32-epoch-1.safetensors"}  # fmt: skip
+        assert set(repo.tree) == {
+            "README.md",
+            "fsdp_opt_index.json",
+            f"checkpoints/{names[3]}",
+            "weights/m_0-8-epoch-1.safetensors",
+            "weights/m_8-16-epoch-1.safetensors",
+            "weights/m_24-32-epoch-1.safetensors",
+        }
         assert json.loads(repo.files["fsdp_opt_index.json"])["purge_pending"] == []
 
 
-@pytest.mark.parametrize("argv,needles", [
-    (["--hub_keep_full", "2"], ["--hub_keep_full", "--hf_repo"]),
-    (["--hub_keep_full", "-1", "--hf_repo", "me/run"], ["--hub_keep_full -1"]),
-    (["--hub_keep_full", "one", "--hf_repo", "me/run"], ["--hub_keep_full", "one"]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv,needles",
+    [
+        (["--hub_keep_full", "2"], ["--hub_keep_full", "--hf_repo"]),
+        (["--hub_keep_full", "-1", "--hf_repo", "me/run"], ["--hub_keep_full -1"]),
+        (["--hub_keep_full", "one", "--hf_repo", "me/run"], ["--hub_keep_full", "one"]),
+    ],
+)
 def test_bad_retention_flags_get_one_line(tmp_path, argv, needles):
     from conftest import assert_clean_failure
 
-    proc = run_cli(["--model", "tiny-opt", "--dataset", "python-docs", "--output_dir", str(tmp_path / "out"), *argv], tmp_path, timeout=120)
+    proc = run_cli(
+        ["--model", "tiny-opt", "--dataset", "python-docs", "--output_dir", str(tmp_path / "out"), *argv],
+        tmp_path,
+        timeout=120,
+    )
     assert_clean_failure(proc, *needles)
     assert proc.returncode == 2 and not (tmp_path / "out").exists()
     assert not re.search(r"Traceback", proc.stderr)
@@ -196,7 +258,7 @@ def test_network_errors_of_the_hub_client_are_worth_a_retry():
     read is retried (and an unreachable Hub at start is 'not reachable now'), a 4xx is not."""
     import httpx
 
-    from fsdp_opt.hub.store import is_transient
+    from fsdp_opt.hub.retry import is_transient
 
     request = httpx.Request("GET", "http://127.0.0.1:9/api/models/me/run")
     assert is_transient(httpx.ConnectError("[Errno 111] Connection refused", request=request))

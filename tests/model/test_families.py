@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import ASSETS, make_chat_llama
-from transformers.pytorch_utils import Conv1D
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -27,11 +26,12 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
 )
+from transformers.pytorch_utils import Conv1D
 
 from fsdp_opt.base import ModelError
 from fsdp_opt.data.blocks import build_blocks, model_inputs, tokenize
-from fsdp_opt.data.packing import MaskPattern
 from fsdp_opt.data.builtins import python_docs_texts
+from fsdp_opt.data.packing import MaskPattern
 from fsdp_opt.model.families import (
     FAMILIES,
     bos_note,
@@ -44,20 +44,32 @@ from fsdp_opt.model.families import (
 from fsdp_opt.model.parallelize import find_block_classes, find_blocks
 
 WINDOW, LENGTH = 32, 128
-SMALL = dict(vocab_size=4104, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=512, bos_token_id=2, eos_token_id=2, pad_token_id=1)  # fmt: skip
+SMALL = dict(
+    vocab_size=4104,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=2,
+    eos_token_id=2,
+    pad_token_id=1,
+)
 
 CONFIGS = {
     "llama": lambda: LlamaConfig(**SMALL),
     "mistral": lambda: MistralConfig(**SMALL, sliding_window=WINDOW),
     "qwen2": lambda: Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
-    "qwen3": lambda: Qwen3Config(**SMALL, head_dim=16, use_sliding_window=True, sliding_window=WINDOW,
-                                 max_window_layers=1),
+    "qwen3": lambda: Qwen3Config(
+        **SMALL, head_dim=16, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1
+    ),
     "gemma2": lambda: Gemma2Config(**SMALL, head_dim=16, sliding_window=WINDOW),
-    "gemma3_text": lambda: Gemma3TextConfig(**SMALL, head_dim=16, sliding_window=WINDOW,
-                                            layer_types=["sliding_attention", "full_attention"]),
+    "gemma3_text": lambda: Gemma3TextConfig(
+        **SMALL, head_dim=16, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]
+    ),
     "phi3": lambda: Phi3Config(**SMALL, sliding_window=WINDOW),
-}  # fmt: skip
+}
 CASES = [(f, a) for f in CONFIGS for a in ("sdpa", "eager") if not (f == "gemma2" and a == "sdpa")]
 
 
@@ -127,10 +139,11 @@ def test_attention_auto_and_a_kernel_the_model_lacks():
 
 
 TINY_OTHERS = {
-    "opt": lambda: OPTConfig(num_hidden_layers=2, hidden_size=32, ffn_dim=64, num_attention_heads=2, vocab_size=100,
-                             word_embed_proj_dim=32),
+    "opt": lambda: OPTConfig(
+        num_hidden_layers=2, hidden_size=32, ffn_dim=64, num_attention_heads=2, vocab_size=100, word_embed_proj_dim=32
+    ),
     "gpt2": lambda: GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=[f.model_types[0] for f in FAMILIES])
@@ -150,12 +163,15 @@ def test_each_familys_entry_is_what_transformers_builds(family):
     leaves = {n.rsplit(".", 1)[-1] for n, m in block.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D))}
     assert leaves == set(family.lora_targets)
     assert ("sdpa" in family.attention) == bool(type(model)._supports_sdpa)
-    assert bool(config.tie_word_embeddings) == (model.get_output_embeddings().weight is model.get_input_embeddings().weight)
+    assert bool(config.tie_word_embeddings) == (
+        model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    )
 
 
 def test_other_architectures_run_the_generic_path_with_one_line():
-    config = GPTNeoXConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-                           vocab_size=100)  # fmt: skip
+    config = GPTNeoXConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2, vocab_size=100
+    )
     assert family_of(config) is None
     note = untested_note(config)
     assert note.startswith("note: gpt_neox is not one of the tested families (OPT, GPT-2, Llama") and "\n" not in note
@@ -163,8 +179,11 @@ def test_other_architectures_run_the_generic_path_with_one_line():
     assert mask_pattern(config) is None
     # a windowed model outside the families: docs packing is refused, never run inexact
     with pytest.raises(ModelError, match="--packing docs: gemma3 has sliding-window attention"):
-        mask_pattern(Gemma3Config(text_config=dict(sliding_window=WINDOW, layer_types=["sliding_attention"] * 2,
-                                                   num_hidden_layers=2)))  # fmt: skip
+        mask_pattern(
+            Gemma3Config(
+                text_config=dict(sliding_window=WINDOW, layer_types=["sliding_attention"] * 2, num_hidden_layers=2)
+            )
+        )
 
 
 def test_a_family_whose_tokenizer_adds_no_bos_gets_one_line(tokenizer, tmp_path):
@@ -174,7 +193,9 @@ def test_a_family_whose_tokenizer_adds_no_bos_gets_one_line(tokenizer, tmp_path)
     assert bos_note(llama, with_bos) is None
     assert tokenizer("a")["input_ids"][0] != tokenizer.bos_token_id  # the built-in tokenizer adds no BOS
     note = bos_note(llama, tokenizer)
-    assert note.startswith("note: Llama 3.x / SmolLM2 models saw a BOS (</s>) first in pretraining") and "\n" not in note
+    assert (
+        note.startswith("note: Llama 3.x / SmolLM2 models saw a BOS (</s>) first in pretraining") and "\n" not in note
+    )
     assert bos_note(CONFIGS["qwen3"](), tokenizer) is None  # Qwen's tokenizer adds none, as its pretraining had none
 
 

@@ -67,9 +67,34 @@ def test_the_trainer_in_fp16_at_real_width_probes_then_trains_without_overflow(t
     texts = [t.split(".")[0][:60] for t in python_docs_texts()[:4]]
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    proc = run_cli(["--model", str(model), "--dataset", str(data), "--max_length", "16", "--packing", "pad",
-                    "--batch_size", "1", "--num_epochs", "1", "--lr", "1e-5", "--precision", "fp16", "--device", "cpu",
-                    "--save_optimizer", "false", "--output_dir", str(tmp_path / "out")], tmp_path, timeout=900)  # fmt: skip
+    proc = run_cli(
+        [
+            "--model",
+            str(model),
+            "--dataset",
+            str(data),
+            "--max_length",
+            "16",
+            "--packing",
+            "pad",
+            "--batch_size",
+            "1",
+            "--num_epochs",
+            "1",
+            "--lr",
+            "1e-5",
+            "--precision",
+            "fp16",
+            "--device",
+            "cpu",
+            "--save_optimizer",
+            "false",
+            "--output_dir",
+            str(tmp_path / "out"),
+        ],
+        tmp_path,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     probe = [l for l in proc.stdout.splitlines() if l.startswith("fp16 probe: ")]
     assert len(probe) == 1 and "pretrained in bfloat16; its first batch is finite in fp16" in probe[0], proc.stdout

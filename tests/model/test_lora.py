@@ -39,10 +39,29 @@ from fsdp_opt.model.sources import model_tag
 
 END_IDX, MAX_LEN, LR, CLIP, SEED, GLOBAL_BATCH, RANK = 64, 64, 1e-2, 0.5, 3, 8, 4
 COMMON = [
-    "--dataset", "python-docs", "--end_idx", str(END_IDX), "--max_length", str(MAX_LEN), "--lr", str(LR),
-    "--max_grad_norm", str(CLIP), "--seed", str(SEED), "--num_epochs", "1", "--precision", "fp32",
-    "--lora_rank", str(RANK), "--lora_dropout", "0", "--packing", "concat",  # the references below join rows as concat does
-]  # fmt: skip
+    "--dataset",
+    "python-docs",
+    "--end_idx",
+    str(END_IDX),
+    "--max_length",
+    str(MAX_LEN),
+    "--lr",
+    str(LR),
+    "--max_grad_norm",
+    str(CLIP),
+    "--seed",
+    str(SEED),
+    "--num_epochs",
+    "1",
+    "--precision",
+    "fp32",
+    "--lora_rank",
+    str(RANK),
+    "--lora_dropout",
+    "0",
+    "--packing",
+    "concat",  # the references below join rows as concat does
+]
 LINEAR = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
 
 
@@ -75,7 +94,7 @@ def reference_steps(det_model, batches, start=None, steps=None):
     checkpoint's adapters and AdamW state (`start`). Returns per-step losses and adapters (engine names)."""
     model = peft_model(det_model)
     model.train()
-    named = {n[len("base_model.model."):]: p for n, p in model.named_parameters() if p.requires_grad}
+    named = {n[len("base_model.model.") :]: p for n, p in model.named_parameters() if p.requires_grad}
     opt = torch.optim.AdamW(list(named.values()), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     if start is not None:
         with torch.no_grad():
@@ -86,7 +105,9 @@ def reference_steps(det_model, batches, start=None, steps=None):
     losses, snapshots = [], []
     for ids, mask, labels in batches[:steps]:
         logits = model(input_ids=ids, attention_mask=mask).logits
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
+        loss = F.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
+        )
         loss.backward()
         torch.nn.utils.clip_grad_norm_(list(named.values()), CLIP)
         opt.step()
@@ -120,8 +141,24 @@ def test_two_rank_lora_matches_one_process_peft(tmp_path, det_model, batches, re
     second moments. peft's run against itself in micro-batches of 2 differs by 2e-5 at step 6, 2e-3 at step 16.)"""
     want_losses, want_first = reference
     out = tmp_path / "out"
-    args = COMMON + extra + ["--model", str(det_model), "--batch_size", "2", "--sharding_strategy", strategy,
-                             "--output_dir", str(out), "--save_every_steps", "1", "--keep_last", "0"]  # fmt: skip
+    args = (
+        COMMON
+        + extra
+        + [
+            "--model",
+            str(det_model),
+            "--batch_size",
+            "2",
+            "--sharding_strategy",
+            strategy,
+            "--output_dir",
+            str(out),
+            "--save_every_steps",
+            "1",
+            "--keep_last",
+            "0",
+        ]
+    )
     proc = run_cli(args, tmp_path, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rank 4, alpha 8, dropout 0 on 24 layers" in proc.stdout
@@ -130,7 +167,9 @@ def test_two_rank_lora_matches_one_process_peft(tmp_path, det_model, batches, re
     for step, (g, w) in enumerate(zip(got, want_losses), 1):
         assert abs(g - w) <= 1e-4 * max(1.0, abs(w)), (step, g, w)
     tag = model_tag(str(det_model))
-    saved = [torch.load(out / checkpoint_name(tag, 0, END_IDX, 1, step), weights_only=True) for step in range(1, len(got))]
+    saved = [
+        torch.load(out / checkpoint_name(tag, 0, END_IDX, 1, step), weights_only=True) for step in range(1, len(got))
+    ]
     for step, payload in enumerate(saved, 1):
         assert sorted(payload[MODEL_KEY]) == sorted(want_first[0])  # the adapters; nothing of the base
         want = want_first[0] if step == 1 else reference_steps(det_model, batches[step - 1 :], saved[step - 2], 1)[1][0]
@@ -145,9 +184,26 @@ def test_base_unchanged_adapters_fp32_and_export_gives_the_training_logits(tmp_p
     training model's logits on fixed ids. peft, loading the exported adapter on the base, gives the same logits."""
     out = tmp_path / "out"
     export = tmp_path / "adapter"
-    args = COMMON + ["--model", str(det_model), "--batch_size", "2", "--accum_steps", "2", "--output_dir", str(out),
-                     "--end_idx", "40", "--precision", precision, "--export_hf", str(export), "--export_dtype", "fp32",
-                     "--wandb_mode", "disabled"]  # fmt: skip
+    args = COMMON + [
+        "--model",
+        str(det_model),
+        "--batch_size",
+        "2",
+        "--accum_steps",
+        "2",
+        "--output_dir",
+        str(out),
+        "--end_idx",
+        "40",
+        "--precision",
+        precision,
+        "--export_hf",
+        str(export),
+        "--export_dtype",
+        "fp32",
+        "--wandb_mode",
+        "disabled",
+    ]
     worker = str(ROOT / "tests" / "workers" / "lora_base.py")
     proc = launch([worker], args, tmp_path, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -157,7 +213,11 @@ def test_base_unchanged_adapters_fp32_and_export_gives_the_training_logits(tmp_p
     assert report["trainable_dtypes"] == ["float32"]
     assert report["optimizer_params"] == report["trainable_params"] == 48
     assert report["adapters_moved"]
-    assert sorted(p.name for p in export.iterdir()) == ["adapter_config.json", "adapter_model.safetensors", "fsdp_opt_base.json"]
+    assert sorted(p.name for p in export.iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "fsdp_opt_base.json",
+    ]
     from peft import PeftModel
 
     base = AutoModelForCausalLM.from_pretrained(det_model, dtype=torch.float32)
@@ -175,9 +235,30 @@ def test_base_unchanged_adapters_fp32_and_export_gives_the_training_logits(tmp_p
 
 def test_lora_checkpoint_is_small_resumes_exactly_after_sigkill_and_merges(tmp_path):
     """tiny-opt with dropout (base and adapters): exactness needs every rank's RNG and the adapters' optimizer state."""
-    args = ["--model", "tiny-opt", "--dataset", "python-docs", "--end_idx", "80", "--max_length", "64",
-            "--batch_size", "2", "--accum_steps", "2", "--lr", "2e-3", "--precision", "fp32", "--seed", "11",
-            "--lora_rank", "8", "--lora_targets", "q_proj,v_proj,fc2"]  # fmt: skip
+    args = [
+        "--model",
+        "tiny-opt",
+        "--dataset",
+        "python-docs",
+        "--end_idx",
+        "80",
+        "--max_length",
+        "64",
+        "--batch_size",
+        "2",
+        "--accum_steps",
+        "2",
+        "--lr",
+        "2e-3",
+        "--precision",
+        "fp32",
+        "--seed",
+        "11",
+        "--lora_rank",
+        "8",
+        "--lora_targets",
+        "q_proj,v_proj,fc2",
+    ]
     straight = tmp_path / "straight"
     proc = run_cli(args + ["--output_dir", str(straight)], tmp_path, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -190,9 +271,14 @@ def test_lora_checkpoint_is_small_resumes_exactly_after_sigkill_and_merges(tmp_p
     assert lora_bytes * 10 < 12 * n_params, (lora_bytes, n_params)
 
     out = tmp_path / "out"
-    run = subprocess.Popen(torchrun_cmd(2) + args + ["--save_every_steps", "3", "--keep_last", "0", "--output_dir", str(out)],
-                           cwd=tmp_path, env=sandbox_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           start_new_session=True)  # fmt: skip
+    run = subprocess.Popen(
+        torchrun_cmd(2) + args + ["--save_every_steps", "3", "--keep_last", "0", "--output_dir", str(out)],
+        cwd=tmp_path,
+        env=sandbox_env(tmp_path),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     target = out / checkpoint_name("tiny_opt", 0, 80, 1, 6)
     deadline = time.time() + 240
     while not target.exists() and run.poll() is None and time.time() < deadline:
@@ -220,7 +306,9 @@ def test_lora_checkpoint_is_small_resumes_exactly_after_sigkill_and_merges(tmp_p
     info = torch.load(final, weights_only=True)["lora"]
     ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        adapted = PeftModel.from_pretrained(load_base(info, seed=11), str(tmp_path / "adapter")).eval()(input_ids=ids).logits
+        adapted = (
+            PeftModel.from_pretrained(load_base(info, seed=11), str(tmp_path / "adapter")).eval()(input_ids=ids).logits
+        )
         merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()(input_ids=ids).logits
         base = load_base(info, seed=11)(input_ids=ids).logits
     torch.testing.assert_close(merged, adapted, atol=1e-4, rtol=1e-4)
@@ -237,14 +325,29 @@ def test_lora_checkpoint_is_small_resumes_exactly_after_sigkill_and_merges(tmp_p
     ],
 )
 def test_bad_lora_flags_get_one_line(tmp_path, extra, needle):
-    proc = run_cli(["--model", "tiny-opt", "--dataset", "python-docs", "--end_idx", "20", "--output_dir", str(tmp_path / "o")]
-                   + extra, tmp_path, nproc=0)  # fmt: skip
+    proc = run_cli(
+        ["--model", "tiny-opt", "--dataset", "python-docs", "--end_idx", "20", "--output_dir", str(tmp_path / "o")]
+        + extra,
+        tmp_path,
+        nproc=0,
+    )
     assert_clean_failure(proc, needle)
     assert not (tmp_path / "o").exists() or not any((tmp_path / "o").glob("*.pt"))
 
 
 def test_resume_refuses_another_base_rank_or_a_full_checkpoint(tmp_path):
-    base = ["--dataset", "python-docs", "--end_idx", "16", "--max_length", "32", "--batch_size", "2", "--precision", "fp32"]
+    base = [
+        "--dataset",
+        "python-docs",
+        "--end_idx",
+        "16",
+        "--max_length",
+        "32",
+        "--batch_size",
+        "2",
+        "--precision",
+        "fp32",
+    ]
     first = make_local_model(tmp_path / "base-a", seed=1)
     other = make_local_model(tmp_path / "base-b", seed=2)  # the same shape, other weights
     out = tmp_path / "out"
@@ -262,8 +365,11 @@ def test_resume_refuses_another_base_rank_or_a_full_checkpoint(tmp_path):
     full = tmp_path / "full"
     proc = run_cli(base + ["--model", str(first), "--output_dir", str(full)], tmp_path, nproc=0)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = run_cli(base + ["--model", str(first), "--lora_rank", "4", "--output_dir", str(full), "--resume_file", name],
-                   tmp_path, nproc=0)  # fmt: skip
+    proc = run_cli(
+        base + ["--model", str(first), "--lora_rank", "4", "--output_dir", str(full), "--resume_file", name],
+        tmp_path,
+        nproc=0,
+    )
     assert_clean_failure(proc, "a full fine-tuning checkpoint; resume it without --lora_rank")
 
 
@@ -273,17 +379,48 @@ def test_lora_chain_of_three_slices_through_the_hub(tmp_path):
     card that names its base. The third session, on one rank, continues the global step."""
     from hubserver import HubServer
 
-    common = ["--model", "tiny-opt", "--dataset", "python-docs", "--max_length", "64", "--lr", "3e-3", "--num_epochs", "1",
-              "--lora_rank", "4", "--hf_repo", "me/lora", "--wandb_mode", "disabled"]  # fmt: skip
+    common = [
+        "--model",
+        "tiny-opt",
+        "--dataset",
+        "python-docs",
+        "--max_length",
+        "64",
+        "--lr",
+        "3e-3",
+        "--num_epochs",
+        "1",
+        "--lora_rank",
+        "4",
+        "--hf_repo",
+        "me/lora",
+        "--wandb_mode",
+        "disabled",
+    ]
     slices = [(0, 40, 2, []), (40, 72, 2, ["--export_hf", "adapter"]), (72, 100, 0, [])]
     with HubServer(token=HF_TOK) as server:
         steps, previous = [], ""
         for i, (start, end, nproc, extra) in enumerate(slices):
             resume = ["--resume_file", "latest"] if i else []
             out = tmp_path / f"s{i}"
-            proc = run_cli(common + resume + extra + ["--start_idx", str(start), "--end_idx", str(end),
-                                                      "--batch_size", "4" if nproc == 0 else "2", "--output_dir", str(out)],
-                           tmp_path, nproc=nproc, env=hub_env(tmp_path, server, f"s{i}"))  # fmt: skip
+            proc = run_cli(
+                common
+                + resume
+                + extra
+                + [
+                    "--start_idx",
+                    str(start),
+                    "--end_idx",
+                    str(end),
+                    "--batch_size",
+                    "4" if nproc == 0 else "2",
+                    "--output_dir",
+                    str(out),
+                ],
+                tmp_path,
+                nproc=nproc,
+                env=hub_env(tmp_path, server, f"s{i}"),
+            )
             assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
             if i:
                 assert f"latest checkpoint is {previous} " in proc.stdout
@@ -311,15 +448,21 @@ def test_lora_chain_of_three_slices_through_the_hub(tmp_path):
             assert all(".lora_" in k for k in f.keys())
         assert {"adapter_config.json", "adapter_model.safetensors"} <= set(repo.files)
         card = repo.files["README.md"].decode()
-        assert "library_name: peft" in card and "PeftModel.from_pretrained(base, \"me/lora\")" in card
+        assert "library_name: peft" in card and 'PeftModel.from_pretrained(base, "me/lora")' in card
         assert "--lora_rank 4" in card and "tiny-opt" in card
 
 
 @pytest.fixture(scope="module")
 def wide_model(tmp_path_factory):
     """tiny-opt with hidden 256: every linear weight splits into 2 NF4 shards (multiples of 64 x 256 weights)."""
-    return make_local_model(tmp_path_factory.mktemp("wide") / "wide-opt", dropout=0.0, hidden_size=256, ffn_dim=1024,
-                            word_embed_proj_dim=256, num_attention_heads=4)  # fmt: skip
+    return make_local_model(
+        tmp_path_factory.mktemp("wide") / "wide-opt",
+        dropout=0.0,
+        hidden_size=256,
+        ffn_dim=1024,
+        word_embed_proj_dim=256,
+        num_attention_heads=4,
+    )
 
 
 @pytest.mark.parametrize("nproc", [2])  # one process: the resume below
@@ -333,7 +476,9 @@ def test_4bit_base_matches_peft_on_a_whole_tensor_nf4_base(tmp_path, wide_model,
     batches = step_batches(wide_model, 40)
     model = AutoModelForCausalLM.from_pretrained(wide_model, dtype=torch.float32)
     torch.manual_seed(SEED)
-    model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=2 * RANK, lora_dropout=0.0, target_modules=list(LINEAR)))
+    model = get_peft_model(
+        model, LoraConfig(r=RANK, lora_alpha=2 * RANK, lora_dropout=0.0, target_modules=list(LINEAR))
+    )
     for name, module in model.named_modules():
         if name.endswith("base_layer"):
             module.weight = torch.nn.Parameter(to_nf4(module.weight.detach()), requires_grad=False)
@@ -343,7 +488,9 @@ def test_4bit_base_matches_peft_on_a_whole_tensor_nf4_base(tmp_path, wide_model,
     want = []
     for ids, mask, labels in batches[:6]:
         logits = model(input_ids=ids, attention_mask=mask).logits
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
+        loss = F.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
+        )
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, CLIP)
         opt.step()
@@ -352,8 +499,22 @@ def test_4bit_base_matches_peft_on_a_whole_tensor_nf4_base(tmp_path, wide_model,
 
     out = tmp_path / "out"
     per_rank = ["--batch_size", "2", "--accum_steps", "2"] if nproc else ["--batch_size", "8"]
-    args = COMMON + per_rank + ["--model", str(wide_model), "--base_bits", "4", "--end_idx", "40", "--save_every_steps", "2",
-                                "--keep_last", "0"]  # fmt: skip
+    args = (
+        COMMON
+        + per_rank
+        + [
+            "--model",
+            str(wide_model),
+            "--base_bits",
+            "4",
+            "--end_idx",
+            "40",
+            "--save_every_steps",
+            "2",
+            "--keep_last",
+            "0",
+        ]
+    )
     # Written in the background, as a GPU run saves by default: the live-state copy reads the NF4 base's inner tensors.
     proc = run_cli(args + ["--output_dir", str(out), "--async_save", "true"], tmp_path, nproc=nproc)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -369,8 +530,25 @@ def test_4bit_base_matches_peft_on_a_whole_tensor_nf4_base(tmp_path, wide_model,
         again.mkdir()
         step2 = checkpoint_name(model_tag(str(wide_model)), 0, 40, 1, 2)
         (again / step2).write_bytes((out / step2).read_bytes())
-        resumed = run_cli(COMMON + ["--batch_size", "8", "--model", str(wide_model), "--base_bits", "4", "--end_idx", "40",
-                                    "--output_dir", str(again), "--resume_file", step2], tmp_path, nproc=0)  # fmt: skip
+        resumed = run_cli(
+            COMMON
+            + [
+                "--batch_size",
+                "8",
+                "--model",
+                str(wide_model),
+                "--base_bits",
+                "4",
+                "--end_idx",
+                "40",
+                "--output_dir",
+                str(again),
+                "--resume_file",
+                step2,
+            ],
+            tmp_path,
+            nproc=0,
+        )
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         tail = [r["loss"] for r in read_jsonl(again / "metrics.jsonl")]
         assert len(tail) == len(got) - 2
@@ -389,7 +567,9 @@ def _local_model(dest: Path, config) -> Path:
     return dest
 
 
-@pytest.mark.parametrize("arch,layers_adapted,strategy", [("gpt2", 4 * 2, "SHARD_GRAD_OP"), ("llama", 7 * 2, "NO_SHARD")])
+@pytest.mark.parametrize(
+    "arch,layers_adapted,strategy", [("gpt2", 4 * 2, "SHARD_GRAD_OP"), ("llama", 7 * 2, "NO_SHARD")]
+)
 def test_lora_on_gpt2_and_llama_blocks(tmp_path, arch, layers_adapted, strategy):
     """The default targets are found inside the blocks the wrap policy finds (GPT-2's Conv1D layers, Llama's seven
     projections); 2 ranks train them (with the held-out evaluation at the save), and the exported adapter loads with
@@ -398,15 +578,53 @@ def test_lora_on_gpt2_and_llama_blocks(tmp_path, arch, layers_adapted, strategy)
     from transformers import GPT2Config, LlamaConfig
 
     vocab = AutoTokenizer.from_pretrained(ASSETS).vocab_size + 8
-    config = (GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=vocab, n_positions=128) if arch == "gpt2" else
-              LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=2,
-                          num_key_value_heads=1, vocab_size=vocab, max_position_embeddings=128))  # fmt: skip
+    config = (
+        GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=vocab, n_positions=128)
+        if arch == "gpt2"
+        else LlamaConfig(
+            num_hidden_layers=2,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            vocab_size=vocab,
+            max_position_embeddings=128,
+        )
+    )
     base = _local_model(tmp_path / f"tiny-{arch}", config)
     out, export = tmp_path / "out", tmp_path / "adapter"
-    proc = run_cli(["--model", str(base), "--dataset", "python-docs", "--end_idx", "24", "--max_length", "64",
-                    "--batch_size", "2", "--lr", "1e-2", "--precision", "fp32", "--lora_rank", "4",
-                    "--output_dir", str(out), "--export_hf", str(export), "--export_dtype", "fp32", "--eval_rows", "8",
-                    "--sharding_strategy", strategy], tmp_path, nproc=2)  # fmt: skip
+    proc = run_cli(
+        [
+            "--model",
+            str(base),
+            "--dataset",
+            "python-docs",
+            "--end_idx",
+            "24",
+            "--max_length",
+            "64",
+            "--batch_size",
+            "2",
+            "--lr",
+            "1e-2",
+            "--precision",
+            "fp32",
+            "--lora_rank",
+            "4",
+            "--output_dir",
+            str(out),
+            "--export_hf",
+            str(export),
+            "--export_dtype",
+            "fp32",
+            "--eval_rows",
+            "8",
+            "--sharding_strategy",
+            strategy,
+        ],
+        tmp_path,
+        nproc=2,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"on {layers_adapted} layers" in proc.stdout
     (evaluation,) = read_jsonl(out / "eval.jsonl")

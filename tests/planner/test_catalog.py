@@ -25,13 +25,22 @@ from fsdp_opt.planner.search import change_line, cheapest_change, recommend
 # its tied head a second time: 2,031,739,904 there). Gemma-3-4B: its text model (the published 4.3B adds the vision
 # tower).
 PUBLISHED = {
-    "meta-llama/Llama-3.2-1B": 1_235_814_400, "meta-llama/Llama-3.2-3B": 3_212_749_824,
-    "Qwen/Qwen2.5-0.5B": 494_032_768, "Qwen/Qwen2.5-1.5B": 1_543_714_304, "Qwen/Qwen2.5-3B": 3_085_938_688,
-    "Qwen/Qwen2.5-7B": 7_615_616_512, "Qwen/Qwen3-0.6B": 596_049_920, "Qwen/Qwen3-1.7B": 2_031_739_904 - 151936 * 2048,
-    "Qwen/Qwen3-4B": 4_022_468_096, "Qwen/Qwen3-8B": 8_190_735_360, "google/gemma-2-2b": 2_614_341_888,
-    "google/gemma-3-1b-pt": 999_885_952, "HuggingFaceTB/SmolLM2-1.7B": 1_711_376_384,
-    "microsoft/Phi-3.5-mini-instruct": 3_821_079_552, "mistralai/Mistral-7B-v0.3": 7_248_023_552,
-}  # fmt: skip
+    "meta-llama/Llama-3.2-1B": 1_235_814_400,
+    "meta-llama/Llama-3.2-3B": 3_212_749_824,
+    "Qwen/Qwen2.5-0.5B": 494_032_768,
+    "Qwen/Qwen2.5-1.5B": 1_543_714_304,
+    "Qwen/Qwen2.5-3B": 3_085_938_688,
+    "Qwen/Qwen2.5-7B": 7_615_616_512,
+    "Qwen/Qwen3-0.6B": 596_049_920,
+    "Qwen/Qwen3-1.7B": 2_031_739_904 - 151936 * 2048,
+    "Qwen/Qwen3-4B": 4_022_468_096,
+    "Qwen/Qwen3-8B": 8_190_735_360,
+    "google/gemma-2-2b": 2_614_341_888,
+    "google/gemma-3-1b-pt": 999_885_952,
+    "HuggingFaceTB/SmolLM2-1.7B": 1_711_376_384,
+    "microsoft/Phi-3.5-mini-instruct": 3_821_079_552,
+    "mistralai/Mistral-7B-v0.3": 7_248_023_552,
+}
 T4S = dict(gpus=2, gpu_memory=int(14.5 * 2**30), batch_size=4, max_length=512, accum_steps=16, precision="fp16")
 HOST = 31 * 10**9  # Kaggle's RAM: what --cpu_offload must fit in too
 
@@ -78,8 +87,12 @@ def test_nothing_fits_names_the_cheapest_change_that_does():
     assert cheapest_change(big, inputs, 128, host_memory=HOST)["change"] == "--lora_rank 16 --base_bits 4"
     # and where even that does not fit at full length, a shorter one
     tight = Inputs(**{**T4S, "gpu_memory": 10 * 2**30})
-    assert recommend(big, Inputs(**{**T4S, "gpu_memory": 10 * 2**30, "lora_rank": 16, "base_bits": 4}), 128,
-                     host_memory=HOST) is None  # fmt: skip
+    assert (
+        recommend(
+            big, Inputs(**{**T4S, "gpu_memory": 10 * 2**30, "lora_rank": 16, "base_bits": 4}), 128, host_memory=HOST
+        )
+        is None
+    )
     shorter = cheapest_change(big, tight, 128, host_memory=HOST)
     assert shorter["change"].startswith("--lora_rank 16 --base_bits 4 --max_length ") and shorter["max_length"] < 512
 
@@ -92,15 +105,19 @@ def _plan(*args: str) -> str:
 
 
 def test_the_plan_answers_offline_for_every_model_and_the_readme_table_is_its_output():
-    text = _plan("--model", "Qwen/Qwen2.5-1.5B", "--gpu_memory", "14.5GiB", "--host_memory", "31GB", "--global_batch", "128")
+    text = _plan(
+        "--model", "Qwen/Qwen2.5-1.5B", "--gpu_memory", "14.5GiB", "--host_memory", "31GB", "--global_batch", "128"
+    )
     assert "full fine-tuning does not fit 2 x 14.50 GiB; --lora_rank 16 fits" in text
     table = _plan("--catalog", "--gpu_memory", "14.5GiB", "--host_memory", "31GB", "--global_batch", "128").strip()
     assert all(f"| {name} |" in table for name in SHAPES)
     page = (ROOT / "docs" / "models.md").read_text()
     block = re.search(r"<!-- models-table -->\n(.*?)\n<!-- /models-table -->", page, re.S)
     assert block, "docs/models.md has no models table"
-    assert block.group(1).strip() == table, "docs/models.md's models table is stale: run python -m fsdp_opt.plan --catalog " \
-                                            "--gpu_memory 14.5GiB --host_memory 31GB --global_batch 128"
+    assert block.group(1).strip() == table, (
+        "docs/models.md's models table is stale: run python -m fsdp_opt.plan --catalog "
+        "--gpu_memory 14.5GiB --host_memory 31GB --global_batch 128"
+    )
 
 
 def test_when_nothing_fits_even_the_changes_the_line_says_so():

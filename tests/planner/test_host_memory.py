@@ -18,15 +18,24 @@ from fsdp_opt.model.shapes import Shape, model_config
 from fsdp_opt.planner.host import host_memory
 from fsdp_opt.planner.inputs import Inputs
 
-SHAPE = dict(hidden_size=256, ffn_dim=1024, num_hidden_layers=4, num_attention_heads=4, vocab_size=50272,
-             word_embed_proj_dim=256, dropout=0.0)  # fmt: skip
+SHAPE = dict(
+    hidden_size=256,
+    ffn_dim=1024,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    vocab_size=50272,
+    word_embed_proj_dim=256,
+    dropout=0.0,
+)
 BATCH, LENGTH = 2, 64
 
 
 @pytest.fixture(scope="module")
 def wide_vocab_model(tmp_path_factory):
     # one folder for every worker: the fresh session's checkpoint, shared too, names the model it trained
-    return built_once(tmp_path_factory, "wide_vocab", lambda d: make_local_model(d / "wide-vocab", **SHAPE)) / "wide-vocab"
+    return (
+        built_once(tmp_path_factory, "wide_vocab", lambda d: make_local_model(d / "wide-vocab", **SHAPE)) / "wide-vocab"
+    )
 
 
 def run_phases(tmp, name: str, load: str, flags: list[str]) -> list[dict]:
@@ -38,8 +47,24 @@ def run_phases(tmp, name: str, load: str, flags: list[str]) -> list[dict]:
 
 
 def session_flags(model, out) -> list[str]:
-    return ["--model", str(model), "--dataset", "python-docs", "--end_idx", "60", "--max_length", str(LENGTH),
-            "--batch_size", str(BATCH), "--precision", "fp32", "--output_dir", str(out), "--keep_last", "0"]  # fmt: skip
+    return [
+        "--model",
+        str(model),
+        "--dataset",
+        "python-docs",
+        "--end_idx",
+        "60",
+        "--max_length",
+        str(LENGTH),
+        "--batch_size",
+        str(BATCH),
+        "--precision",
+        "fp32",
+        "--output_dir",
+        str(out),
+        "--keep_last",
+        "0",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +79,9 @@ def fresh_session(tmp_path_factory, wide_vocab_model):
 
 
 @pytest.mark.parametrize("load", ["slices", "broadcast"])
-def test_resume_releases_the_checkpoint_and_the_plan_predicts_each_phase(tmp_path, wide_vocab_model, fresh_session, load):
+def test_resume_releases_the_checkpoint_and_the_plan_predicts_each_phase(
+    tmp_path, wide_vocab_model, fresh_session, load
+):
     """slices: one machine, every rank reads its own part of the file. broadcast: rank 0 reads it all and sends it,
     as across machines without a shared filesystem."""
     fresh, fresh_out = fresh_session
@@ -72,14 +99,20 @@ def test_resume_releases_the_checkpoint_and_the_plan_predicts_each_phase(tmp_pat
     shape = Shape.of(model_config(str(wide_vocab_model)))
     # The plan takes several machines to mean the broadcast load (no shared filesystem assumed).
     nodes = 2 if load == "broadcast" else 1
-    inputs = Inputs(gpus=2, nodes=nodes, batch_size=BATCH, max_length=LENGTH, accum_steps=1, precision="fp32", cuda=False)
+    inputs = Inputs(
+        gpus=2, nodes=nodes, batch_size=BATCH, max_length=LENGTH, accum_steps=1, precision="fp32", cuda=False
+    )
     plan = host_memory(shape, "FULL_SHARD", inputs)
     measured = {
-        ("rank0", "start"): fresh[0]["setup"], ("other", "start"): fresh[1]["setup"],
-        ("rank0", "resume"): resumed[0]["setup"], ("other", "resume"): resumed[1]["setup"],
-        ("rank0", "step"): fresh[0]["step"], ("other", "step"): fresh[1]["step"],
-        ("rank0", "save"): fresh[0]["save"], ("other", "save"): fresh[1]["save"],
-    }  # fmt: skip
+        ("rank0", "start"): fresh[0]["setup"],
+        ("other", "start"): fresh[1]["setup"],
+        ("rank0", "resume"): resumed[0]["setup"],
+        ("other", "resume"): resumed[1]["setup"],
+        ("rank0", "step"): fresh[0]["step"],
+        ("other", "step"): fresh[1]["step"],
+        ("rank0", "save"): fresh[0]["save"],
+        ("other", "save"): fresh[1]["save"],
+    }
     table = {k: (plan[k[0]][k[1]], got, round(plan[k[0]][k[1]] / got - 1, 3)) for k, got in measured.items()}
     assert all(abs(error) <= 0.10 for _, _, error in table.values()), table
     # The 10% above can see a leak: a checkpoint left in memory would add more than 20% to either rank's peak.

@@ -28,7 +28,12 @@ from fsdp_opt.planner.memory import memory, peak_bytes, reduce_every_microbatch_
 def test_opt_family_parameter_counts():
     # Published sizes; 1.3b's exact count is the figure the memory math starts from.
     assert Shape.of(model_config("facebook/opt-1.3b")).params == 1_315_758_080
-    approx = {"facebook/opt-125m": 125e6, "facebook/opt-350m": 331e6, "facebook/opt-2.7b": 2.65e9, "facebook/opt-6.7b": 6.66e9}
+    approx = {
+        "facebook/opt-125m": 125e6,
+        "facebook/opt-350m": 331e6,
+        "facebook/opt-2.7b": 2.65e9,
+        "facebook/opt-6.7b": 6.66e9,
+    }
     for name, n in approx.items():
         assert Shape.of(model_config(name)).params == pytest.approx(n, rel=0.02), name
     assert set(approx) | {"facebook/opt-1.3b"} == set(OPT_FAMILY)
@@ -52,7 +57,10 @@ def test_memory_arithmetic_for_opt_1_3b_on_two_t4():
     # ZeRO-3: 16 bytes per parameter split over 2 GPUs (the design figure: about 10.5 GB resident).
     assert full["parameters"] + full["gradients"] + full["optimizer"] == 16 * n // 2
     assert full["accumulated_gradients"] == 4 * n
-    assert memory(shape, "FULL_SHARD", Inputs(**{**t4.__dict__, "reduce_every_microbatch": True}))["accumulated_gradients"] == 0
+    assert (
+        memory(shape, "FULL_SHARD", Inputs(**{**t4.__dict__, "reduce_every_microbatch": True}))["accumulated_gradients"]
+        == 0
+    )
     # Checkpointed activations: one 2-byte hidden state per block input, plus one block's saved tensors: 34*s*b*h
     # bytes for a GeLU MLP, less the 8*s*b*h of the activation's input, which OPT's ReLU does not keep, plus the
     # 2*s*b*h of SDPA's saved output.
@@ -64,7 +72,9 @@ def test_memory_arithmetic_for_opt_1_3b_on_two_t4():
     assert shape.plain_head and full["logits"] == 512 * 4 * 50272 * 12
     assert memory(dataclasses.replace(shape, plain_head=False), "FULL_SHARD", t4)["logits"] == 512 * 4 * 50272 * 14
     # --loss_chunk_tokens 256: one chunk's logits at a time, with its fp16 gradient as well.
-    assert memory(shape, "FULL_SHARD", Inputs(**{**t4.__dict__, "loss_chunk_tokens": 256}))["logits"] == 256 * 50272 * 16
+    assert (
+        memory(shape, "FULL_SHARD", Inputs(**{**t4.__dict__, "loss_chunk_tokens": 256}))["logits"] == 256 * 50272 * 16
+    )
     # --reduce_every_microbatch auto: on 15 GiB the unsharded gradient does not fit; on 80 GiB it does.
     assert reduce_every_microbatch_needed(shape, "FULL_SHARD", t4)
     assert not reduce_every_microbatch_needed(shape, "FULL_SHARD", Inputs(**{**t4.__dict__, "gpu_memory": 80 * GIB}))
@@ -88,14 +98,29 @@ def test_memory_arithmetic_for_opt_1_3b_on_two_t4():
     # Without checkpointing every block keeps its copy; eager attention gets the engine's fp32 mask once.
     off = Inputs(**{**t4.__dict__, "activation_checkpointing": False})
     assert memory(shape, "FULL_SHARD", off)["attention_mask"] == 4 * 512 * 512 + 24 * 4 * 512 * 512 * 2
-    assert memory(shape, "FULL_SHARD", Inputs(**{**off.__dict__, "attn_implementation": "eager"}))["attention_mask"] == 4 * 512 * 512 * 4
+    assert (
+        memory(shape, "FULL_SHARD", Inputs(**{**off.__dict__, "attn_implementation": "eager"}))["attention_mask"]
+        == 4 * 512 * 512 * 4
+    )
     nosync = memory(shape, "NO_SHARD", t4)
     assert nosync["parameters"] == 4 * n and nosync["optimizer"] == 8 * n
 
 
 def test_cli_reports_fit_and_disk(tmp_path):
-    cmd = ["--model", "facebook/opt-1.3b", "--gpus", "2", "--gpu_memory", "15GiB", "--batch_size", "4", "--max_length",
-           "512", "--reduce_every_microbatch", "--json"]  # fmt: skip
+    cmd = [
+        "--model",
+        "facebook/opt-1.3b",
+        "--gpus",
+        "2",
+        "--gpu_memory",
+        "15GiB",
+        "--batch_size",
+        "4",
+        "--max_length",
+        "512",
+        "--reduce_every_microbatch",
+        "--json",
+    ]
     proc = plan_cli(cmd)
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
@@ -105,8 +130,12 @@ def test_cli_reports_fit_and_disk(tmp_path):
     assert full["total_bytes"] == sum(full["components"].values())
     assert full["max_micro_batch"] >= 4 and no["max_micro_batch"] == 0
     n = plan["shape"]["params"]
-    assert plan["checkpoints"] == {"full_with_optimizer": 12 * n, "full_weights_only": 4 * n,
-                                   "sharded_with_optimizer_per_rank": 6 * n, "export_fp16": 2 * n}  # fmt: skip
+    assert plan["checkpoints"] == {
+        "full_with_optimizer": 12 * n,
+        "full_weights_only": 4 * n,
+        "sharded_with_optimizer_per_rank": 6 * n,
+        "export_fp16": 2 * n,
+    }
     # 15.8 GB checkpoints on 20 GB: one fits, not two at once; the previous goes before a save once the Hub has it.
     assert plan["disk"]["fits"] and plan["disk"]["checkpoints_that_fit"] == 0 and plan["disk"]["needs_hub_for_room"]
     assert plan["disk"]["peak_bytes"] == 12 * n and plan["disk"]["kept_while_saving"] == 0
@@ -115,12 +144,19 @@ def test_cli_reports_fit_and_disk(tmp_path):
     assert "| **total** |" in text
     assert "only one checkpoint fits: before each save the previous one is removed once the Hub has it" in text
     bad = plan_cli(["--gpu_memory", "lots"])
-    assert bad.returncode == 2 and bad.stderr.strip() == "error: --gpu_memory 'lots': use a size such as 15GiB, 20GB or 512MiB"
+    assert (
+        bad.returncode == 2
+        and bad.stderr.strip() == "error: --gpu_memory 'lots': use a size such as 15GiB, 20GB or 512MiB"
+    )
 
 
 def test_parse_size():
     assert parse_size("15GiB", "-") == 15 * 2**30 and parse_size("20GB", "-") == 20 * 10**9
-    assert parse_size("31G", "-") == 31 * 2**30 and parse_size("512MiB", "-") == 512 * 2**20 and parse_size("100", "-") == 100
+    assert (
+        parse_size("31G", "-") == 31 * 2**30
+        and parse_size("512MiB", "-") == 512 * 2**20
+        and parse_size("100", "-") == 100
+    )
 
 
 def test_hub_repo_size_of_a_chain_of_ten_opt_1_3b_slices():
@@ -136,8 +172,9 @@ def test_hub_repo_size_of_a_chain_of_ten_opt_1_3b_slices():
     assert hub_repo_bytes(shape, slices=10, keep_full=0)["total"] == 120 * n  # 158 GB: the chain without retention
 
 
-@pytest.mark.parametrize("model,targets", [("facebook/opt-125m", None), ("facebook/opt-6.7b", None),
-                                           ("facebook/opt-1.3b", "q_proj,v_proj")])  # fmt: skip
+@pytest.mark.parametrize(
+    "model,targets", [("facebook/opt-125m", None), ("facebook/opt-6.7b", None), ("facebook/opt-1.3b", "q_proj,v_proj")]
+)
 def test_lora_plan_counts_what_peft_adds(model, targets):
     """The planner's adapter count against peft's own: peft adds its layers to the meta model and counts them."""
     from peft import LoraConfig, get_peft_model
@@ -173,7 +210,10 @@ def test_lora_makes_opt_6_7b_fit_two_t4_and_full_fine_tuning_does_not():
     assert plan["auto_pick"]["strategy"] == "FULL_SHARD" and plan["strategies"]["FULL_SHARD"]["fits"]
     assert plan["host_ram"]["fits"] and plan["checkpoints"]["full_with_optimizer"] < 0.5e9
     bad = plan_cli(["--base_bits", "4"])
-    assert bad.returncode == 2 and bad.stderr.strip() == "error: --base_bits 4: only with --lora_rank (a 4-bit base is frozen)"
+    assert (
+        bad.returncode == 2
+        and bad.stderr.strip() == "error: --base_bits 4: only with --lora_rank (a 4-bit base is frozen)"
+    )
 
 
 def test_a_decoding_step_on_a_gpu_is_the_hosts_launch_time_where_reading_the_weights_is_shorter():
@@ -213,15 +253,34 @@ def test_the_graph_path_replaces_the_hosts_launches_and_a_shared_generation_cost
     graphs = generation_time(shape, "FULL_SHARD", inputs, requests, steps, gathered=True, graphs=True)["decode_s"]
     eager = generation_time(shape, "FULL_SHARD", inputs, requests, steps, gathered=True)["decode_s"]
     kv = shape.layers * 2 * shape.kv_dim * 2
-    by_hand = CAPTURE_S + 2 * shape.layers * HOST_S_PER_BLOCK + sum(
-        (2 * shape.params + requests * (prompt + t) * kv) / 320e9 + shape.layers * GRAPH_S_PER_BLOCK + SAMPLER_S
-        for t in range(steps))  # fmt: skip
+    by_hand = (
+        CAPTURE_S
+        + 2 * shape.layers * HOST_S_PER_BLOCK
+        + sum(
+            (2 * shape.params + requests * (prompt + t) * kv) / 320e9 + shape.layers * GRAPH_S_PER_BLOCK + SAMPLER_S
+            for t in range(steps)
+        )
+    )
     assert graphs == pytest.approx(by_hand, rel=1e-3) and graphs < eager
     once = grpo_plan(shape, "FULL_SHARD", inputs, 16, 8, steps, 0.0, False, 1.0, decoding="graphs")
-    shared = grpo_plan(shape, "FULL_SHARD", inputs, 16, 8, steps, 0.0, False, 1.0, decoding="graphs",
-                       steps_per_generation=2, iterations=2)  # fmt: skip
+    shared = grpo_plan(
+        shape,
+        "FULL_SHARD",
+        inputs,
+        16,
+        8,
+        steps,
+        0.0,
+        False,
+        1.0,
+        decoding="graphs",
+        steps_per_generation=2,
+        iterations=2,
+    )
     assert shared["requests_per_rank"] == 2 * once["requests_per_rank"] and once["old_logps_s"] == 0
     generation = shared["gathered"]["seconds"]
     assert shared["step_s"] == pytest.approx(1.0 + generation / 4 + shared["old_logps_s"], rel=1e-9)
-    assert "graph_pool" in shared["gathered"]["components"] and "graph_pool" not in shared["layer_by_layer"]["components"]
+    assert (
+        "graph_pool" in shared["gathered"]["components"] and "graph_pool" not in shared["layer_by_layer"]["components"]
+    )
     assert shared["graphs_step_s"] < shared["eager_step_s"]

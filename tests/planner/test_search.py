@@ -23,8 +23,9 @@ HOST = 31 * 10**9
 
 
 def kaggle_plan(model: str = "facebook/opt-1.3b", **changes) -> dict:
-    return make_plan(model, replace(KAGGLE, **changes), disk=20 * 10**9, host_memory=HOST, keep_last=2,
-                     save_optimizer=True)  # fmt: skip
+    return make_plan(
+        model, replace(KAGGLE, **changes), disk=20 * 10**9, host_memory=HOST, keep_last=2, save_optimizer=True
+    )
 
 
 def test_the_seeds_kaggle_command_gets_a_configuration_at_most_0_7_of_its_step_time():
@@ -36,9 +37,15 @@ def test_the_seeds_kaggle_command_gets_a_configuration_at_most_0_7_of_its_step_t
     assert rec["batch_size"] * rec["accum_steps"] * rec["gpus"] == 128
     assert rec["predicted_step_time_s"] <= 0.7 * given["step_s"]
     # It fits: its peak again from the memory model, at 14.5 GiB, not the 15 GiB T4s are often taken to have.
-    chosen = replace(KAGGLE, batch_size=rec["batch_size"], accum_steps=rec["accum_steps"],
-                     reduce_every_microbatch=rec["reduce_every_microbatch"], loss_chunk_tokens=rec["loss_chunk_tokens"],
-                     activation_checkpointing=rec["activation_checkpointing"], reduce_dtype=rec["reduce_dtype"])  # fmt: skip
+    chosen = replace(
+        KAGGLE,
+        batch_size=rec["batch_size"],
+        accum_steps=rec["accum_steps"],
+        reduce_every_microbatch=rec["reduce_every_microbatch"],
+        loss_chunk_tokens=rec["loss_chunk_tokens"],
+        activation_checkpointing=rec["activation_checkpointing"],
+        reduce_dtype=rec["reduce_dtype"],
+    )
     shape = Shape.of(model_config("facebook/opt-1.3b"))
     assert peak_bytes(memory(shape, rec["sharding_strategy"], chosen)) == rec["peak_bytes"] <= 14.5 * GIB
     assert rec["reduce_dtype"] == "fp32"  # the plan's default: the fp16 reduce only when asked (--reduce_dtype auto)
@@ -58,8 +65,14 @@ def test_no_configuration_in_the_space_is_faster_and_fits():
             for every in (False, True):
                 for ac in (False, True):
                     for chunk in (0, LOSS_CHUNK) if b * 512 > LOSS_CHUNK else (0,):
-                        x = replace(KAGGLE, batch_size=b, accum_steps=64 // b, reduce_every_microbatch=every,
-                                    activation_checkpointing=ac, loss_chunk_tokens=chunk)  # fmt: skip
+                        x = replace(
+                            KAGGLE,
+                            batch_size=b,
+                            accum_steps=64 // b,
+                            reduce_every_microbatch=every,
+                            activation_checkpointing=ac,
+                            loss_chunk_tokens=chunk,
+                        )
                         if peak_bytes(memory(shape, strategy, x)) <= KAGGLE.gpu_memory:
                             t = step_time(shape, strategy, x, rates)["step_s"]
                             fastest = t if fastest is None else min(fastest, t)
@@ -105,13 +118,20 @@ def test_cpu_ranks_compute_and_communicate_in_turn_gpus_overlap():
     cpu = step_time(shape, "FULL_SHARD", x, Rates(tflops=0.2, link_gbps=0.5, hbm_gbps=5, memory_gbps=13, overlap=False))
     busy = cpu["compute_s"] + cpu["memory_bound_s"]
     assert cpu["step_s"] == pytest.approx(busy + cpu["communication_s"] + cpu["optimizer_s"])
-    assert gpu["step_s"] == pytest.approx(max(busy, gpu["communication_s"] - gpu["exposed_communication_s"])
-                                          + gpu["exposed_communication_s"] + gpu["optimizer_s"])  # fmt: skip
+    assert gpu["step_s"] == pytest.approx(
+        max(busy, gpu["communication_s"] - gpu["exposed_communication_s"])
+        + gpu["exposed_communication_s"]
+        + gpu["optimizer_s"]
+    )
     # First touches of fresh memory add time only where they cost (the CPU's allocator returns memory to the OS).
-    touched = step_time(shape, "FULL_SHARD", x, Rates(tflops=0.2, link_gbps=0.5, memory_gbps=13, first_touch_gbps=4, overlap=False))
+    touched = step_time(
+        shape, "FULL_SHARD", x, Rates(tflops=0.2, link_gbps=0.5, memory_gbps=13, first_touch_gbps=4, overlap=False)
+    )
     assert touched["memory_bound_s"] > cpu["memory_bound_s"]
     # The fp16 reduce halves the reduce-scatter's bytes.
-    half = step_time(shape, "FULL_SHARD", replace(x, reduce_dtype="fp16"), Rates(tflops=0.2, link_gbps=0.5, overlap=False))
+    half = step_time(
+        shape, "FULL_SHARD", replace(x, reduce_dtype="fp16"), Rates(tflops=0.2, link_gbps=0.5, overlap=False)
+    )
     full = step_time(shape, "FULL_SHARD", x, Rates(tflops=0.2, link_gbps=0.5, overlap=False))
     assert half["communication_s"] < full["communication_s"]
 
@@ -121,29 +141,61 @@ def plan_cli(*args: str, tmp_path) -> subprocess.CompletedProcess:  # noqa: ANN0
 
 
 def test_plan_batch_auto_global_batch_and_their_errors(tmp_path):
-    proc = plan_cli("--gpu_memory", "14.5GiB", "--host_memory", "31GB", "--batch_size", "auto", "--global_batch", "128",
-                    "--reduce_dtype", "auto", "--json", tmp_path=tmp_path)  # fmt: skip
+    proc = plan_cli(
+        "--gpu_memory",
+        "14.5GiB",
+        "--host_memory",
+        "31GB",
+        "--batch_size",
+        "auto",
+        "--global_batch",
+        "128",
+        "--reduce_dtype",
+        "auto",
+        "--json",
+        tmp_path=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
     rec, i = plan["recommended"], plan["inputs"]
     # auto plans the recommended configuration: the tables are its own
-    assert (i["batch_size"], i["accum_steps"], i["reduce_dtype"]) == (rec["batch_size"], rec["accum_steps"], rec["reduce_dtype"])
+    assert (i["batch_size"], i["accum_steps"], i["reduce_dtype"]) == (
+        rec["batch_size"],
+        rec["accum_steps"],
+        rec["reduce_dtype"],
+    )
     assert rec["reduce_dtype"] == "fp16"  # with auto and fp16 compute the search takes the cheaper reduce
     assert "the same as the flags given" in plan["recommended_line"]
-    for args, needle in ((["--global_batch", "100", "--batch_size", "8"], "--global_batch 100: not a multiple"),
-                         (["--global_batch", "64", "--accum_steps", "4"], "--global_batch and --accum_steps 4"),
-                         (["--global_batch", "7", "--batch_size", "auto"], "--global_batch 7: does not split over --gpus 2"),
-                         (["--reduce_dtype", "fp16", "--precision", "fp32"], "--reduce_dtype fp16: only with --precision fp16"),
-                         (["--rates", str(tmp_path / "none.json")], "--rates"),
-                         (["--batch_size", "x"], "--batch_size")):  # fmt: skip
+    for args, needle in (
+        (["--global_batch", "100", "--batch_size", "8"], "--global_batch 100: not a multiple"),
+        (["--global_batch", "64", "--accum_steps", "4"], "--global_batch and --accum_steps 4"),
+        (["--global_batch", "7", "--batch_size", "auto"], "--global_batch 7: does not split over --gpus 2"),
+        (["--reduce_dtype", "fp16", "--precision", "fp32"], "--reduce_dtype fp16: only with --precision fp16"),
+        (["--rates", str(tmp_path / "none.json")], "--rates"),
+        (["--batch_size", "x"], "--batch_size"),
+    ):
         bad = plan_cli(*args, tmp_path=tmp_path)
         assert bad.returncode == 2 and bad.stderr.startswith("error: ") and needle in bad.stderr, bad.stderr
         assert len(bad.stderr.strip().splitlines()) == 1
 
 
 def test_plan_calibrate_measures_this_machine_and_predicts_from_it(tmp_path):
-    proc = plan_cli("--model", "facebook/opt-125m", "--cpu", "--calibrate", "--precision", "fp32", "--batch_size", "2",
-                    "--accum_steps", "2", "--max_length", "128", "--json", tmp_path=tmp_path)  # fmt: skip
+    proc = plan_cli(
+        "--model",
+        "facebook/opt-125m",
+        "--cpu",
+        "--calibrate",
+        "--precision",
+        "fp32",
+        "--batch_size",
+        "2",
+        "--accum_steps",
+        "2",
+        "--max_length",
+        "128",
+        "--json",
+        tmp_path=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
     c = plan["calibration"]
@@ -154,10 +206,27 @@ def test_plan_calibrate_measures_this_machine_and_predicts_from_it(tmp_path):
     # The plan's predictions use the measured rates: compute at the measured matmul rate, in turn with communication.
     saved = tmp_path / "rates.json"
     saved.write_text(json.dumps(c))
-    again = json.loads(plan_cli("--model", "facebook/opt-125m", "--cpu", "--rates", str(saved), "--precision", "fp32",
-                                "--batch_size", "2", "--accum_steps", "2", "--max_length", "128", "--json",
-                                tmp_path=tmp_path).stdout)  # fmt: skip
+    again = json.loads(
+        plan_cli(
+            "--model",
+            "facebook/opt-125m",
+            "--cpu",
+            "--rates",
+            str(saved),
+            "--precision",
+            "fp32",
+            "--batch_size",
+            "2",
+            "--accum_steps",
+            "2",
+            "--max_length",
+            "128",
+            "--json",
+            tmp_path=tmp_path,
+        ).stdout
+    )
     assert again["configurations"] == plan["configurations"]
     full = next(x for x in plan["configurations"] if x["strategy"] == "FULL_SHARD" and not x["reduce_every_microbatch"])
-    assert full["step_s"] == pytest.approx(full["compute_s"] + full["memory_bound_s"] + full["communication_s"]
-                                           + full["optimizer_s"])  # fmt: skip
+    assert full["step_s"] == pytest.approx(
+        full["compute_s"] + full["memory_bound_s"] + full["communication_s"] + full["optimizer_s"]
+    )

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT, plan_cli
 
 from fsdp_opt.model.shapes import Shape, model_config
@@ -21,7 +20,8 @@ import json, sys
 from fsdp_opt.model.shapes import Shape, model_config
 from fsdp_opt.planner.inputs import Inputs
 from fsdp_opt.planner.memory import memory
-from fsdp_opt.planner.simulate import compare, simulate
+from fsdp_opt.planner.simreport import compare
+from fsdp_opt.planner.simulate import simulate
 out = {}
 for strategy, every in (("FULL_SHARD", False), ("SHARD_GRAD_OP", True)):
     inputs = Inputs(gpus=2, batch_size=2, max_length=64, accum_steps=4, precision="fp16", reduce_every_microbatch=every,
@@ -41,6 +41,7 @@ for packing in ("concat", "docs"):
 out["masks"] = masks
 print(json.dumps(out))
 """
+
 
 def test_fake_step_measures_what_a_real_step_holds_and_the_plan_agrees():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -83,8 +84,22 @@ def test_dpo_plans_for_opt_1_3b_on_two_t4s_and_the_simulation_agrees():
     """--method dpo for opt-1.3b on 2x T4: full fine-tuning (with its reference pass: a model of its own, sharded in
     fp16) and LoRA (the base with its adapters off). The reference pass's rows are the hand-computed bytes; the
     simulated step and the simulated reference pass agree with the plan within 10%, and so does LoRA's step."""
-    full = json.loads(plan_cli(["--model", "facebook/opt-1.3b", "--method", "dpo", "--batch_size", "auto",
-                                "--global_batch", "128", "--simulate", "--json"]).stdout)  # fmt: skip
+    full = json.loads(
+        plan_cli(
+            [
+                "--model",
+                "facebook/opt-1.3b",
+                "--method",
+                "dpo",
+                "--batch_size",
+                "auto",
+                "--global_batch",
+                "128",
+                "--simulate",
+                "--json",
+            ]
+        ).stdout
+    )
     ref = full["dpo"]
     assert ref["strategy"] == "FULL_SHARD" and not ref["own_model"] and ref["fits"]
     n, vocab, s, b = full["shape"]["params"], full["shape"]["vocab"], 512, full["inputs"]["batch_size"]
@@ -99,16 +114,34 @@ def test_dpo_plans_for_opt_1_3b_on_two_t4s_and_the_simulation_agrees():
     step = full["simulated"]["FULL_SHARD"]["comparison"]["total"]
     assert abs(step["ratio"] - 1) <= 0.10, step
     assert full["recommended"] is not None  # something fits, and the plan names it
-    lora = json.loads(plan_cli(["--model", "facebook/opt-1.3b", "--method", "dpo", "--lora_rank", "16", "--batch_size",
-                                "auto", "--global_batch", "128", "--simulate", "FULL_SHARD", "--json"]).stdout)  # fmt: skip
+    lora = json.loads(
+        plan_cli(
+            [
+                "--model",
+                "facebook/opt-1.3b",
+                "--method",
+                "dpo",
+                "--lora_rank",
+                "16",
+                "--batch_size",
+                "auto",
+                "--global_batch",
+                "128",
+                "--simulate",
+                "FULL_SHARD",
+                "--json",
+            ]
+        ).stdout
+    )
     assert lora["dpo"]["own_model"] and "components" not in lora["dpo"] and lora["strategies"]["FULL_SHARD"]["fits"]
     step = lora["simulated"]["FULL_SHARD"]["comparison"]["total"]
     print("LoRA DPO step, plan / simulated:", step["ratio"], "at batch", lora["inputs"]["batch_size"])
     assert abs(step["ratio"] - 1) <= 0.10, step
     text = plan_cli(["--model", "facebook/opt-1.3b", "--method", "dpo", "--lora_rank", "16"]).stdout
-    assert "dpo reference pass: the run's own model with its adapters off, before training: no memory beyond " \
-           "training's" in text
-
+    assert (
+        "dpo reference pass: the run's own model with its adapters off, before training: no memory beyond "
+        "training's" in text
+    )
 
 
 def test_grpo_plans_generation_for_qwen_on_two_t4s_and_the_simulation_agrees():
@@ -117,8 +150,24 @@ def test_grpo_plans_generation_for_qwen_on_two_t4s_and_the_simulation_agrees():
     128), the gathered model is the whole fp16 model plus its adapters; the simulated generation phase on FULL_SHARD
     (the model gathered by the engine's own `gathered`, a prefill filling the cache) agrees with the plan within 10%.
     Generating layer by layer on FULL_SHARD gathers the model for every token: less memory, slower."""
-    plan = json.loads(plan_cli(["--model", "Qwen/Qwen2.5-1.5B-Instruct", "--method", "grpo", "--lora_rank", "16",
-                                "--batch_size", "8", "--accum_steps", "4", "--simulate", "--json"]).stdout)  # fmt: skip
+    plan = json.loads(
+        plan_cli(
+            [
+                "--model",
+                "Qwen/Qwen2.5-1.5B-Instruct",
+                "--method",
+                "grpo",
+                "--lora_rank",
+                "16",
+                "--batch_size",
+                "8",
+                "--accum_steps",
+                "4",
+                "--simulate",
+                "--json",
+            ]
+        ).stdout
+    )
     g = plan["grpo"]
     assert (g["generations"], g["completion_length"], plan["inputs"]["max_length"]) == (8, 256, 512)  # the defaults
     assert g["requests_per_rank"] == 32
@@ -136,10 +185,26 @@ def test_grpo_plans_generation_for_qwen_on_two_t4s_and_the_simulation_agrees():
     layered = generation_time(shape, "FULL_SHARD", inputs, 32, 256, gathered=False)
     assert layered["gather_s"] == pytest.approx(257 * once["gather_s"]) and layered["seconds"] > once["seconds"]
     assert sum(generation_memory(shape, "FULL_SHARD", inputs, 32, gathered=False).values()) < sum(
-        generation_memory(shape, "FULL_SHARD", inputs, 32, gathered=True).values())
+        generation_memory(shape, "FULL_SHARD", inputs, 32, gathered=True).values()
+    )
     # Qwen3-1.7B (tied embeddings, 8 KV heads), a KL term: full fine-tuning keeps a reference model beside the policy.
-    qwen3 = json.loads(plan_cli(["--model", "Qwen/Qwen3-1.7B", "--method", "grpo", "--beta", "0.04", "--batch_size",
-                                 "4", "--accum_steps", "8", "--json"]).stdout)  # fmt: skip
+    qwen3 = json.loads(
+        plan_cli(
+            [
+                "--model",
+                "Qwen/Qwen3-1.7B",
+                "--method",
+                "grpo",
+                "--beta",
+                "0.04",
+                "--batch_size",
+                "4",
+                "--accum_steps",
+                "8",
+                "--json",
+            ]
+        ).stdout
+    )
     parts = qwen3["grpo"]["gathered"]["components"]
     assert parts["reference"] == 2 * -(-qwen3["shape"]["params"] // 2) and qwen3["grpo"]["reference_s"] > 0
     assert parts["kv_cache"] == 32 * 512 * 28 * 2 * (8 * 128) * 2

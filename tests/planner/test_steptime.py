@@ -12,8 +12,14 @@ from fsdp_opt.planner.inputs import Inputs
 from fsdp_opt.planner.layout import choose_layout
 from fsdp_opt.planner.steptime import Rates, candidates, comm_bytes, fastest_that_fits, step_time
 
-CONFIGS = ["FULL_SHARD:false:true:fp32", "FULL_SHARD:true:true:fp32", "SHARD_GRAD_OP:false:true:fp32",
-           "SHARD_GRAD_OP:true:false:fp32", "NO_SHARD:false:true:fp32", "FULL_SHARD:true:true:fp16"]  # fmt: skip
+CONFIGS = [
+    "FULL_SHARD:false:true:fp32",
+    "FULL_SHARD:true:true:fp32",
+    "SHARD_GRAD_OP:false:true:fp32",
+    "SHARD_GRAD_OP:true:false:fp32",
+    "NO_SHARD:false:true:fp32",
+    "FULL_SHARD:true:true:fp16",
+]
 
 
 def test_collective_bytes_counted_on_gloo_equal_the_formula(tmp_path):
@@ -24,17 +30,35 @@ def test_collective_bytes_counted_on_gloo_equal_the_formula(tmp_path):
     shape = Shape.of(model_config("tiny-opt"))
     for item in CONFIGS:
         strategy, every, _, precision = item.split(":")
-        inputs = Inputs(gpus=2, batch_size=2, max_length=64, accum_steps=3, precision=precision,
-                        reduce_every_microbatch=every == "true")  # fmt: skip
-        want = {k: v for k, v in comm_bytes(shape, strategy, inputs).items() if k in ("all_gather", "reduce_scatter", "all_reduce") and v}
+        inputs = Inputs(
+            gpus=2,
+            batch_size=2,
+            max_length=64,
+            accum_steps=3,
+            precision=precision,
+            reduce_every_microbatch=every == "true",
+        )
+        want = {
+            k: v
+            for k, v in comm_bytes(shape, strategy, inputs).items()
+            if k in ("all_gather", "reduce_scatter", "all_reduce") and v
+        }
         for rep in ranks:
             assert rep[item] == want, (item, rep[item], want)
     # Independent of the formula: accumulating without sync reduce-scatters 1 of 3 micro-batches' fp32 gradients.
-    assert ranks[0]["FULL_SHARD:true:true:fp32"]["reduce_scatter"] == 3 * ranks[0]["FULL_SHARD:false:true:fp32"]["reduce_scatter"]
+    assert (
+        ranks[0]["FULL_SHARD:true:true:fp32"]["reduce_scatter"]
+        == 3 * ranks[0]["FULL_SHARD:false:true:fp32"]["reduce_scatter"]
+    )
     assert ranks[0]["FULL_SHARD:false:true:fp32"]["reduce_scatter"] == 4 * shape.params
     # fp16 gathers half the bytes of fp32; gradients are reduced in fp32 either way.
-    assert 2 * ranks[0]["FULL_SHARD:true:true:fp16"]["all_gather"] == ranks[0]["FULL_SHARD:true:true:fp32"]["all_gather"]
-    assert ranks[0]["FULL_SHARD:true:true:fp16"]["reduce_scatter"] == ranks[0]["FULL_SHARD:true:true:fp32"]["reduce_scatter"]
+    assert (
+        2 * ranks[0]["FULL_SHARD:true:true:fp16"]["all_gather"] == ranks[0]["FULL_SHARD:true:true:fp32"]["all_gather"]
+    )
+    assert (
+        ranks[0]["FULL_SHARD:true:true:fp16"]["reduce_scatter"]
+        == ranks[0]["FULL_SHARD:true:true:fp32"]["reduce_scatter"]
+    )
 
 
 def test_step_time_model_and_auto_pick_for_opt_1_3b():
@@ -124,8 +148,15 @@ def test_the_trainer_warns_before_the_first_step_when_the_plan_says_the_flags_do
 
     (line,) = warnings(1, "--batch_size", "4", "--accum_steps", "2")
     # The peak the plan gives FULL_SHARD on one rank, reducing every micro-batch (the smaller of the two modes).
-    one = Inputs(gpus=1, gpu_memory=t4[0], batch_size=4, accum_steps=2, max_length=512, precision="fp16",
-                 reduce_every_microbatch=True)  # fmt: skip
+    one = Inputs(
+        gpus=1,
+        gpu_memory=t4[0],
+        batch_size=4,
+        accum_steps=2,
+        max_length=512,
+        precision="fp16",
+        reduce_every_microbatch=True,
+    )
     want = peak_bytes(memory(Shape.of(opt), "FULL_SHARD", one)) / GIB
     assert f"peak for these flags is {want:.2f} GiB per GPU" in line and "over the 14.56 GiB this GPU has" in line
     assert "full fine-tuning does not fit 1 x 14.56 GiB; --lora_rank 16 fits" in line

@@ -12,7 +12,7 @@ import torch
 from conftest import ROOT, plan_cli
 
 from fsdp_opt.base import GIB, ConfigError
-from fsdp_opt.gpu_check import CONTEXT_WORDS
+from fsdp_opt.gpu_table import CONTEXT_WORDS
 from fsdp_opt.model.shapes import Shape, model_config
 from fsdp_opt.planner import lora as planner_lora
 from fsdp_opt.planner.inputs import CUDA_CONTEXT_BYTES, NCCL_BUFFER_BYTES, Inputs
@@ -133,7 +133,7 @@ def test_the_child_process_reads_each_gpu_and_its_free_memory(tmp_path, monkeypa
         "cuda = N(device_count=lambda: 1,\n"
         "         get_device_properties=lambda i: N(name='Tesla T4', total_memory=15828320256, major=7, minor=5),\n"
         "         mem_get_info=lambda i: (15828320256 - 3 * 2**30 // 10, 15828320256))\n"
-    )  # fmt: skip
+    )
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     (gpu,) = from_a_child_process()
     assert gpu["name"] == "Tesla T4" and gpu["capability"] == "7.5" and gpu["index"] == 0

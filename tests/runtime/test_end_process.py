@@ -21,14 +21,20 @@ CASES = {
     "import torch; raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 16.00 MiB. GPU 0 has a total "
     "capacity of 79.18 GiB of which 63.33 GiB is free. 14.56 GiB allowed; Of the allocated memory 14.46 GiB is "
     "allocated by PyTorch. If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF')": (
-        1, "", "error: rank 0: out of GPU memory (CUDA out of memory. Tried to allocate 16.00 MiB. GPU 0 has a total "
+        1,
+        "",
+        "error: rank 0: out of GPU memory (CUDA out of memory. Tried to allocate 16.00 MiB. GPU 0 has a total "
         "capacity of 79.18 GiB of which 63.33 GiB is free. 14.56 GiB allowed). The run does not fit its GPUs: "
         "--batch_size auto picks a layout that fits (python -m fsdp_opt.plan with the same flags shows the peak), "
-        "or train LoRA adapters (--lora_rank 16), on more GPUs, or with --cpu_offload\n"),
+        "or train LoRA adapters (--lora_rank 16), on more GPUs, or with --cpu_offload\n",
+    ),
     # a package this Python lacks (a lent GPU image had no datasets): one line naming it and the install
     "import sys; sys.modules['datasets'] = None; import datasets": (
-        1, "", f"error: rank 0: the package 'datasets' is not installed in this Python ({sys.executable}): pip install "
-        "-r requirements.txt installs what fsdp-opt needs\n"),
+        1,
+        "",
+        f"error: rank 0: the package 'datasets' is not installed in this Python ({sys.executable}): pip install "
+        "-r requirements.txt installs what fsdp-opt needs\n",
+    ),
 }
 
 
@@ -36,7 +42,8 @@ CASES = {
 def test_exit_code_and_output_survive(tmp_path, body):
     code, out, err = CASES[body]
     script = tmp_path / "command.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import sys
         from fsdp_opt.runtime.distributed import end_process, fail
 
@@ -45,7 +52,8 @@ def test_exit_code_and_output_survive(tmp_path, body):
 
         end_process(main)
         print("never reached")
-    """))
+    """)
+    )
     proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert (proc.returncode, proc.stdout, proc.stderr) == (code, out, err)
 
@@ -54,9 +62,9 @@ def test_exit_code_and_output_survive(tmp_path, body):
 def test_an_unexpected_error_keeps_its_traceback(tmp_path, raised):
     """A bug, and a module of the package itself missing (an incomplete install of it, not a package to add)."""
     script = tmp_path / "command.py"
-    script.write_text("from fsdp_opt.runtime.distributed import end_process\n"
-                      f"def main():\n    raise {raised}\n"
-                      "end_process(main)\n")  # fmt: skip
+    script.write_text(
+        f"from fsdp_opt.runtime.distributed import end_process\ndef main():\n    raise {raised}\nend_process(main)\n"
+    )
     proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "Traceback" in proc.stderr and raised.split("(")[0] in proc.stderr.splitlines()[-1]

@@ -16,8 +16,22 @@ from conftest import assert_clean_failure, run_cli, sandbox_env
 
 from fsdp_opt.runtime.torchao_gate import install_line, torchao_for, version_tuple
 
-RUN = ["--model", "tiny-opt", "--dataset", "python-docs", "--end_idx", "16", "--max_length", "32", "--batch_size", "2",
-       "--precision", "fp32", "--num_epochs", "1"]  # fmt: skip
+RUN = [
+    "--model",
+    "tiny-opt",
+    "--dataset",
+    "python-docs",
+    "--end_idx",
+    "16",
+    "--max_length",
+    "32",
+    "--batch_size",
+    "2",
+    "--precision",
+    "fp32",
+    "--num_epochs",
+    "1",
+]
 
 
 def fake_torchao(root: Path, version: str, body: str = "") -> Path:
@@ -74,7 +88,9 @@ def test_an_unsuitable_torchao_does_not_stop_lora_and_4bit_names_the_fix(tmp_pat
     # Without the gate, this torchao stops peft's adapter injection (0.10.0) or the import itself (the too-new one).
     probe = "import peft.import_utils as u; u.is_torchao_available()" if version == "0.10.0" else "import torchao"
     direct = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
-    assert direct.returncode != 0 and ("incompatible version of torchao" in direct.stderr or "NameFromANewerTorch" in direct.stderr)
+    assert direct.returncode != 0 and (
+        "incompatible version of torchao" in direct.stderr or "NameFromANewerTorch" in direct.stderr
+    )
 
     lora = run_cli(RUN + ["--lora_rank", "4", "--output_dir", str(tmp_path / "lora")], tmp_path, env=env)
     assert lora.returncode == 0, lora.stdout + lora.stderr
@@ -82,7 +98,9 @@ def test_an_unsuitable_torchao_does_not_stop_lora_and_4bit_names_the_fix(tmp_pat
     assert list((tmp_path / "lora").glob("*.pt"))
     assert f"torchao {version}" in lora.stdout and why in lora.stdout  # the one note at start
 
-    four = run_cli(RUN + ["--lora_rank", "4", "--base_bits", "4", "--output_dir", str(tmp_path / "four")], tmp_path, env=env)
+    four = run_cli(
+        RUN + ["--lora_rank", "4", "--base_bits", "4", "--output_dir", str(tmp_path / "four")], tmp_path, env=env
+    )
     line = assert_clean_failure(four, "--base_bits 4", why, install_line(torch.__version__))
     assert "torch" in line
     assert not (tmp_path / "four").exists() or not list((tmp_path / "four").glob("*.pt"))

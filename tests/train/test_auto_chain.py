@@ -23,8 +23,22 @@ ARGS = COMMON + ["--batch_size", "1", "--save_every_steps", "10", "--precision",
 
 
 def auto_args(out: Path) -> list[str]:
-    return ARGS + ["--start_idx", "auto", "--range_size", str(RANGE), "--hf_repo", "me/run", "--hub_keep_full", "0",
-                   "--keep_last", "1", "--wandb_mode", "offline", "--output_dir", str(out)]  # fmt: skip
+    return ARGS + [
+        "--start_idx",
+        "auto",
+        "--range_size",
+        str(RANGE),
+        "--hf_repo",
+        "me/run",
+        "--hub_keep_full",
+        "0",
+        "--keep_last",
+        "1",
+        "--wandb_mode",
+        "offline",
+        "--output_dir",
+        str(out),
+    ]
 
 
 def by_step(path: Path) -> dict[int, tuple[float, str]]:
@@ -38,8 +52,22 @@ def test_the_same_command_on_fresh_machines_walks_the_chain_and_equals_it_typed_
     ref_saved = []
     for i, start in enumerate(range(0, 4 * RANGE, RANGE)):
         resume = ["--resume_file", "latest"] if i else []
-        proc = run_cli(ARGS + ["--start_idx", str(start), "--end_idx", str(start + RANGE), "--wandb_mode", "disabled",
-                               "--output_dir", str(ref / "out"), *resume], ref, nproc=2)  # fmt: skip
+        proc = run_cli(
+            ARGS
+            + [
+                "--start_idx",
+                str(start),
+                "--end_idx",
+                str(start + RANGE),
+                "--wandb_mode",
+                "disabled",
+                "--output_dir",
+                str(ref / "out"),
+                *resume,
+            ],
+            ref,
+            nproc=2,
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         ref_saved += saved_names(proc.stdout)
     want = by_step(ref / "out" / "metrics.jsonl")
@@ -58,14 +86,23 @@ def test_the_same_command_on_fresh_machines_walks_the_chain_and_equals_it_typed_
         s1, s2 = session(1), session(2)
         assert f"chain: no checkpoint yet: the chain starts with rows [0, {R1}) (pass 1 of 1)" in s1.stdout
         assert f"ends its range: going on with rows [{R1}, {R2}) (pass 1 of 1)" in s2.stdout
-        assert f"ranges done 1; range now [{R1}, {R2}) of 754 rows, pass 1 of 1, 0% trained; rows left {754 - R1}" in s2.stdout
+        assert (
+            f"ranges done 1; range now [{R1}, {R2}) of 754 rows, pass 1 of 1, 0% trained; rows left {754 - R1}"
+            in s2.stdout
+        )
 
         # Session 3 is stopped by SIGTERM inside its range [R2, R3).
         m3 = tmp_path / "m3"
         m3.mkdir()
         before = sum(1 for _, s in want.values() if s in (f"0-{R1}", f"{R1}-{R2}"))
-        proc = subprocess.Popen(torchrun_cmd(2) + auto_args(m3 / "out"), cwd=m3, env=hub_env(tmp_path, server, "m3"),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        proc = subprocess.Popen(
+            torchrun_cmd(2) + auto_args(m3 / "out"),
+            cwd=m3,
+            env=hub_env(tmp_path, server, "m3"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         metrics = m3 / "out" / "metrics.jsonl"
         deadline = time.time() + 240
         while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= before + 4):
@@ -73,8 +110,10 @@ def test_the_same_command_on_fresh_machines_walks_the_chain_and_equals_it_typed_
         # The workers are held still while the signal is sent, so the range (about 13 steps) cannot end before it
         # lands, however loaded the machine: SIGTERM to torchrun, which forwards it to the workers; they take it as
         # they go on, save and exit.
-        workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
-                                                  text=True).stdout.split()]  # fmt: skip
+        workers = [
+            int(p)
+            for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        ]
         assert len(workers) == 2, workers
         for pid in workers:
             os.kill(pid, signal.SIGSTOP)
@@ -93,11 +132,16 @@ def test_the_same_command_on_fresh_machines_walks_the_chain_and_equals_it_typed_
 
         # Session 4 finishes that range exactly where it stopped, then stops; session 5 moves on.
         s4 = session(4)
-        assert f"the newest checkpoint, {stop_name}" in s4.stdout and f"finishing it with rows [{R2}, {R3})" in s4.stdout
+        assert (
+            f"the newest checkpoint, {stop_name}" in s4.stdout and f"finishing it with rows [{R2}, {R3})" in s4.stdout
+        )
         assert saved_names(s4.stdout)[-1] == f"tiny_opt_{R2}-{R3}-epoch-1.pt"
         assert f"the next session goes on with [{R3}, {R4})" in s4.stdout
         s5 = session(5)
-        assert f"going on with rows [{R3}, {R4})" in s5.stdout and saved_names(s5.stdout)[-1] == f"tiny_opt_{R3}-{R4}-epoch-1.pt"
+        assert (
+            f"going on with rows [{R3}, {R4})" in s5.stdout
+            and saved_names(s5.stdout)[-1] == f"tiny_opt_{R3}-{R4}-epoch-1.pt"
+        )
 
         repo = server.repos["me/run"]
         index = json.loads(repo.files["fsdp_opt_index.json"])
@@ -116,8 +160,10 @@ def test_the_same_command_on_fresh_machines_walks_the_chain_and_equals_it_typed_
     assert set(index["checkpoints"]) == set(auto_saved)
     assert {f"checkpoints/{n}" for n in auto_saved} <= set(repo_files)
     # One W&B run across the five machines.
-    run_ids = {torch.load(tmp_path / f"m{i}" / "out" / name, weights_only=True)["wandb_run_id"]
-               for i, name in ((1, f"tiny_opt_0-{R1}-epoch-1.pt"), (5, f"tiny_opt_{R3}-{R4}-epoch-1.pt"))}  # fmt: skip
+    run_ids = {
+        torch.load(tmp_path / f"m{i}" / "out" / name, weights_only=True)["wandb_run_id"]
+        for i, name in ((1, f"tiny_opt_0-{R1}-epoch-1.pt"), (5, f"tiny_opt_{R3}-{R4}-epoch-1.pt"))
+    }
     assert len(run_ids) == 1 and None not in run_ids
 
     # The card: where the chain stands as of the newest checkpoint, and the one command to run next.
@@ -135,12 +181,26 @@ def test_the_same_command_on_fresh_machines_walks_the_chain_and_equals_it_typed_
 
 
 def _rows(path: Path, n: int) -> Path:
-    path.write_text("\n".join(json.dumps({"text": f"row {i}: " + "some words of text " * (2 + i % 4)}) for i in range(n)))
+    path.write_text(
+        "\n".join(json.dumps({"text": f"row {i}: " + "some words of text " * (2 + i % 4)}) for i in range(n))
+    )
     return path
 
 
-LOCAL = ["--model", "tiny-opt", "--max_length", "32", "--batch_size", "2", "--lr", "3e-3", "--precision", "fp32",
-         "--wandb_mode", "disabled"]  # fmt: skip
+LOCAL = [
+    "--model",
+    "tiny-opt",
+    "--max_length",
+    "32",
+    "--batch_size",
+    "2",
+    "--lr",
+    "3e-3",
+    "--precision",
+    "fp32",
+    "--wandb_mode",
+    "disabled",
+]
 
 
 def test_end_of_data_and_of_passes_and_several_ranges_in_one_session(tmp_path):
@@ -151,7 +211,7 @@ def test_end_of_data_and_of_passes_and_several_ranges_in_one_session(tmp_path):
     auto = LOCAL + ["--dataset", str(data), "--start_idx", "auto", "--range_size", "4", "--num_epochs", "2"]
     expected = [("0-4", 1), ("4-8", 1), ("8-10", 1), ("0-4", 2), ("4-8", 2), ("8-10", 2)]
     separate = []
-    for i, (rows, epoch) in enumerate(expected):
+    for rows, epoch in expected:
         proc = run_cli(auto + ["--output_dir", "sep"], tmp_path)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert saved_names(proc.stdout) == [f"tiny_opt_{rows}-epoch-{epoch}.pt"], proc.stdout
@@ -171,8 +231,23 @@ def test_end_of_data_and_of_passes_and_several_ranges_in_one_session(tmp_path):
     for i, (rows, epoch) in enumerate(expected):
         start, end = rows.split("-")
         resume = ["--resume_file", "latest"] if i else []
-        proc = run_cli(LOCAL + ["--dataset", str(data), "--start_idx", start, "--end_idx", end, "--initial_epoch",
-                                str(epoch - 1), "--output_dir", "hand", *resume], tmp_path)  # fmt: skip
+        proc = run_cli(
+            LOCAL
+            + [
+                "--dataset",
+                str(data),
+                "--start_idx",
+                start,
+                "--end_idx",
+                end,
+                "--initial_epoch",
+                str(epoch - 1),
+                "--output_dir",
+                "hand",
+                *resume,
+            ],
+            tmp_path,
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         by_hand += saved_names(proc.stdout)
     # One session trains all six (no --time_limit, no range limit), with the names and losses of separate sessions.
@@ -198,8 +273,10 @@ def test_a_further_range_starts_only_when_the_time_limit_holds_it(tmp_path):
     assert short.returncode == 0, short.stdout + short.stderr
     assert saved_names(short.stdout) == ["tiny_opt_0-4-epoch-1.pt"]
     assert "chain: the next range, [4, 8) (" in short.stdout and "does not fit in the" in short.stdout
-    roomy = run_cli(base + ["--dataset", str(_rows(tmp_path / "rows.jsonl", 8)), "--time_limit", "10m", "--output_dir", "b"],
-                    tmp_path)  # fmt: skip
+    roomy = run_cli(
+        base + ["--dataset", str(_rows(tmp_path / "rows.jsonl", 8)), "--time_limit", "10m", "--output_dir", "b"],
+        tmp_path,
+    )
     assert roomy.returncode == 0, roomy.stdout + roomy.stderr
     assert saved_names(roomy.stdout) == ["tiny_opt_0-4-epoch-1.pt", "tiny_opt_4-8-epoch-1.pt"]
 
@@ -207,8 +284,18 @@ def test_a_further_range_starts_only_when_the_time_limit_holds_it(tmp_path):
 def test_the_last_range_trains_without_held_out_rows_after_it(tmp_path):
     """--eval_rows evaluates the rows after a range; the last range of an auto chain has none: it says so and trains
     (a range typed by hand at the end of the data is refused instead, see test_eval)."""
-    base = LOCAL + ["--dataset", str(_rows(tmp_path / "rows.jsonl", 6)), "--start_idx", "auto", "--range_size", "4",
-                    "--eval_rows", "2", "--output_dir", "o"]  # fmt: skip
+    base = LOCAL + [
+        "--dataset",
+        str(_rows(tmp_path / "rows.jsonl", 6)),
+        "--start_idx",
+        "auto",
+        "--range_size",
+        "4",
+        "--eval_rows",
+        "2",
+        "--output_dir",
+        "o",
+    ]
     first = run_cli(base, tmp_path)
     assert first.returncode == 0, first.stdout + first.stderr
     assert "on rows [4, 6)" in first.stdout and "eval at step" in first.stdout

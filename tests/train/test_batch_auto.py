@@ -8,10 +8,35 @@ from pathlib import Path
 
 from conftest import read_jsonl, run_cli
 
-ARGS = ["--model", "tiny-opt", "--dataset", "python-docs", "--max_length", "64", "--end_idx", "120", "--lr", "3e-3",
-        "--precision", "fp32", "--save_every_steps", "0", "--wandb_mode", "disabled", "--seed", "3"]  # fmt: skip
-DECIDED = ("batch_size", "accum_steps", "sharding_strategy", "reduce_every_microbatch", "activation_checkpointing",
-           "loss_chunk_tokens", "reduce_dtype")  # fmt: skip
+ARGS = [
+    "--model",
+    "tiny-opt",
+    "--dataset",
+    "python-docs",
+    "--max_length",
+    "64",
+    "--end_idx",
+    "120",
+    "--lr",
+    "3e-3",
+    "--precision",
+    "fp32",
+    "--save_every_steps",
+    "0",
+    "--wandb_mode",
+    "disabled",
+    "--seed",
+    "3",
+]
+DECIDED = (
+    "batch_size",
+    "accum_steps",
+    "sharding_strategy",
+    "reduce_every_microbatch",
+    "activation_checkpointing",
+    "loss_chunk_tokens",
+    "reduce_dtype",
+)
 
 
 def run(tmp: Path, name: str, extra: list[str]) -> tuple[str, list[dict]]:
@@ -23,9 +48,15 @@ def run(tmp: Path, name: str, extra: list[str]) -> tuple[str, list[dict]]:
 
 
 def test_batch_auto_trains_as_its_configuration_typed_by_hand(tmp_path):
-    out, auto_rows = run(tmp_path, "auto", ["--batch_size", "auto", "--global_batch", "24", "--sharding_strategy", "AUTO"])
-    chosen = re.search(r"^--batch_size auto: micro-batch (\d+) x accum (\d+) x 2 GPU\(s\), .*\(24 sequences per step\); "
-                       r"predicted ([\d.]+) s per step", out, re.M)  # fmt: skip
+    out, auto_rows = run(
+        tmp_path, "auto", ["--batch_size", "auto", "--global_batch", "24", "--sharding_strategy", "AUTO"]
+    )
+    chosen = re.search(
+        r"^--batch_size auto: micro-batch (\d+) x accum (\d+) x 2 GPU\(s\), .*\(24 sequences per step\); "
+        r"predicted ([\d.]+) s per step",
+        out,
+        re.M,
+    )
     assert chosen, out
     b, a = int(chosen[1]), int(chosen[2])
     assert b * a * 2 == 24  # the sequences per step are kept

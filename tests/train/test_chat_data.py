@@ -29,7 +29,7 @@ from hubserver import HubServer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fsdp_opt.data.builtins import python_docs_chat_rows
-from fsdp_opt.train.compare import answers_markdown
+from fsdp_opt.train.report import answers_markdown
 
 TRAIN, HELD_OUT = 8, 4
 
@@ -72,8 +72,12 @@ def reference(model_dir: Path, rows: list[dict], fmt: str) -> tuple[float, int]:
         else:
             m = row["messages"]
             ids = chat(m)
-            targets = [t for i in range(len(m)) if m[i]["role"] == "assistant"
-                       for t in range(len(chat(m[:i], True)), len(chat(m[: i + 1])))]  # fmt: skip
+            targets = [
+                t
+                for i in range(len(m))
+                if m[i]["role"] == "assistant"
+                for t in range(len(chat(m[:i], True)), len(chat(m[: i + 1])))
+            ]
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([ids])).logits[0].float()
         t = torch.tensor(list(targets))
@@ -100,12 +104,35 @@ def format_runs(tmp_path_factory):
             folder = root / run
             folder.mkdir()
             data = _jsonl(folder / "rows.jsonl", rows_for(fmt))
-            args = ["--model", str(wide if "nf4" in run else model), "--dataset", data, "--end_idx", str(TRAIN),
-                    "--max_length", "512", "--batch_size", "4", "--lr", "1e-3", "--device", "cpu",
-                    "--output_dir", str(folder / "out")]  # fmt: skip
+            args = [
+                "--model",
+                str(wide if "nf4" in run else model),
+                "--dataset",
+                data,
+                "--end_idx",
+                str(TRAIN),
+                "--max_length",
+                "512",
+                "--batch_size",
+                "4",
+                "--lr",
+                "1e-3",
+                "--device",
+                "cpu",
+                "--output_dir",
+                str(folder / "out"),
+            ]
             if "+" not in run:
-                args += ["--num_epochs", "1", "--eval_rows", str(HELD_OUT), "--export_hf", str(folder / "export"),
-                         "--export_dtype", "fp32"]  # fmt: skip
+                args += [
+                    "--num_epochs",
+                    "1",
+                    "--eval_rows",
+                    str(HELD_OUT),
+                    "--export_hf",
+                    str(folder / "export"),
+                    "--export_dtype",
+                    "fp32",
+                ]
             else:  # LoRA (on a 16-bit or a 4-bit base): three steps, each over every row
                 args += ["--num_epochs", "3", "--lora_rank", "8", "--lr", "3e-3"]
                 args += ["--base_bits", "4"] if "nf4" in run else []
@@ -153,8 +180,22 @@ def test_evaluate_scores_the_answers_and_asks_through_the_template(format_runs, 
     model, runs = format_runs
     _, folder = runs["messages"]
     report = tmp_path / "report.json"
-    args = ["--checkpoints", "latest", "--output_dir", str(folder / "out"), "--eval_rows", str(HELD_OUT),
-            "--num_prompts", "2", "--max_new_tokens", "8", "--device", "cpu", "--json", str(report)]  # fmt: skip
+    args = [
+        "--checkpoints",
+        "latest",
+        "--output_dir",
+        str(folder / "out"),
+        "--eval_rows",
+        str(HELD_OUT),
+        "--num_prompts",
+        "2",
+        "--max_new_tokens",
+        "8",
+        "--device",
+        "cpu",
+        "--json",
+        str(report),
+    ]
     proc = launch(["-m", "fsdp_opt.evaluate"], args, tmp_path, nproc=2)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     got = json.loads(report.read_text())
@@ -174,13 +215,38 @@ def test_evaluate_scores_the_answers_and_asks_through_the_template(format_runs, 
     assert rows[0]["messages"][2]["content"] in table.splitlines()[2]
     # the exported tokenizer renders as the run trained
     tok = AutoTokenizer.from_pretrained(folder / "export")
-    assert tok.apply_chat_template(rows[0]["messages"][:2], tokenize=False, add_generation_prompt=True) == first["prompt"]
+    assert (
+        tok.apply_chat_template(rows[0]["messages"][:2], tokenize=False, add_generation_prompt=True) == first["prompt"]
+    )
 
 
 def test_a_chain_over_conversations_equals_one_straight_run(tmp_path):
-    args = ["--model", "tiny-opt", "--dataset", "python-docs-chat", "--chat_template", "chatml", "--max_length", "256",
-            "--batch_size", "2", "--lr", "3e-3", "--num_epochs", "1", "--precision", "fp32", "--seed", "3",
-            "--start_idx", "auto", "--range_size", "8", "--wandb_mode", "disabled"]  # fmt: skip
+    args = [
+        "--model",
+        "tiny-opt",
+        "--dataset",
+        "python-docs-chat",
+        "--chat_template",
+        "chatml",
+        "--max_length",
+        "256",
+        "--batch_size",
+        "2",
+        "--lr",
+        "3e-3",
+        "--num_epochs",
+        "1",
+        "--precision",
+        "fp32",
+        "--seed",
+        "3",
+        "--start_idx",
+        "auto",
+        "--range_size",
+        "8",
+        "--wandb_mode",
+        "disabled",
+    ]
     straight = run_cli(args + ["--session_ranges", "3", "--output_dir", str(tmp_path / "straight")], tmp_path, nproc=2)
     assert straight.returncode == 0, straight.stdout + straight.stderr
     with HubServer(token=HF_TOK) as server:
@@ -188,14 +254,22 @@ def test_a_chain_over_conversations_equals_one_straight_run(tmp_path):
         for i in range(3):
             machine = tmp_path / f"m{i}"
             machine.mkdir()
-            proc = run_cli(args + ["--hf_repo", "me/chat", "--output_dir", str(machine / "out")], machine, nproc=2,
-                           env=hub_env(tmp_path, server, f"m{i}"))  # fmt: skip
+            proc = run_cli(
+                args + ["--hf_repo", "me/chat", "--output_dir", str(machine / "out")],
+                machine,
+                nproc=2,
+                env=hub_env(tmp_path, server, f"m{i}"),
+            )
             assert proc.returncode == 0, proc.stdout + proc.stderr
             names += saved_names(proc.stdout)
         card = server.repos["me/chat"].files["README.md"].decode()
     assert names == saved_names(straight.stdout) == [f"tiny_opt_{a}-{a + 8}-epoch-1.pt" for a in (0, 8, 16)]
-    want = [(r["step"], r["loss"], r["tokens"], r["slice"]) for r in read_jsonl(tmp_path / "straight" / "metrics.jsonl")]
-    got = [(r["step"], r["loss"], r["tokens"], r["slice"]) for r in read_jsonl(tmp_path / "m2" / "out" / "metrics.jsonl")]
+    want = [
+        (r["step"], r["loss"], r["tokens"], r["slice"]) for r in read_jsonl(tmp_path / "straight" / "metrics.jsonl")
+    ]
+    got = [
+        (r["step"], r["loss"], r["tokens"], r["slice"]) for r in read_jsonl(tmp_path / "m2" / "out" / "metrics.jsonl")
+    ]
     assert got == want  # bit for bit (CPU, fp32)
     assert "messages rows from `messages`, loss on the answers only" in card
     assert "## Chat template" in card and "<|im_start|>" in card
@@ -209,23 +283,37 @@ def _jsonl(path: Path, rows: list) -> str:
 def test_bad_rows_stop_the_run_in_one_line_before_anything_is_written(tmp_path):
     ok = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
     cases = [  # (rows, extra flags, what the line names)
-        ([{"messages": ok}] * 3 + [{"messages": [{"role": "robot", "content": "q"}]}], ["--chat_template", "chatml"],
-         ["row 3, column messages", "unknown role 'robot'"]),
-        ([{"messages": ok}, {"messages": ok[:1]}], ["--chat_template", "chatml"],
-         ["row 1, column messages", "no assistant turn"]),
-        ([{"messages": [{"role": "user", "content": [{"type": "text", "text": "q"}]}]}], ["--chat_template", "chatml"],
-         ["row 0, column messages", "content is list, not a string"]),
+        (
+            [{"messages": ok}] * 3 + [{"messages": [{"role": "robot", "content": "q"}]}],
+            ["--chat_template", "chatml"],
+            ["row 3, column messages", "unknown role 'robot'"],
+        ),
+        (
+            [{"messages": ok}, {"messages": ok[:1]}],
+            ["--chat_template", "chatml"],
+            ["row 1, column messages", "no assistant turn"],
+        ),
+        (
+            [{"messages": [{"role": "user", "content": [{"type": "text", "text": "q"}]}]}],
+            ["--chat_template", "chatml"],
+            ["row 0, column messages", "content is list, not a string"],
+        ),
         ([{"messages": ok}] * 2, [], ["row 0, column messages", "no chat template", "--chat_template chatml"]),
-        ([{"question": "q", "answer": "a"}], ["--data_format", "prompt_completion"],
-         ["--prompt_column prompt", "no such column"]),
+        (
+            [{"question": "q", "answer": "a"}],
+            ["--data_format", "prompt_completion"],
+            ["--prompt_column prompt", "no such column"],
+        ),
         ([{"text": "some words"}] * 2, ["--train_on", "completion"], ["--train_on completion", "column text"]),
-    ]  # fmt: skip
+    ]
     runs = []
     for i, (rows, extra, _) in enumerate(cases):
         folder = tmp_path / f"case{i}"
         folder.mkdir()
         data = _jsonl(folder / "rows.jsonl", rows)
-        runs.append((["--model", "tiny-opt", "--dataset", data, "--output_dir", str(folder / "out"), *extra], folder, None))
+        runs.append(
+            (["--model", "tiny-opt", "--dataset", data, "--output_dir", str(folder / "out"), *extra], folder, None)
+        )
     for (_, folder, _), (_, _, needles), proc in zip(runs, cases, run_cli_concurrently(runs, timeout=120)):
         assert_clean_failure(proc, *needles)
         assert proc.returncode == 2

@@ -8,12 +8,12 @@ import json
 import shutil
 from pathlib import Path
 
-from conftest import assert_clean_failure, make_local_model, run_cli, sandbox_env, saved_names
 import torch
+from conftest import assert_clean_failure, make_local_model, run_cli, sandbox_env, saved_names
 
 from fsdp_opt.base import VERSION
-from fsdp_opt.data.pin import PIN_KEY
 from fsdp_opt.data.builtins import python_docs_texts
+from fsdp_opt.data.pin import PIN_KEY
 
 
 def _rows(path: Path, n: int = 150) -> Path:
@@ -22,8 +22,26 @@ def _rows(path: Path, n: int = 150) -> Path:
 
 
 def chain(model: str, data: Path, out: Path) -> list[str]:
-    return ["--model", model, "--dataset", str(data), "--max_length", "64", "--batch_size", "4", "--num_epochs", "1",
-            "--lr", "3e-3", "--start_idx", "auto", "--range_size", "60", "--output_dir", str(out)]  # fmt: skip
+    return [
+        "--model",
+        model,
+        "--dataset",
+        str(data),
+        "--max_length",
+        "64",
+        "--batch_size",
+        "4",
+        "--num_epochs",
+        "1",
+        "--lr",
+        "3e-3",
+        "--start_idx",
+        "auto",
+        "--range_size",
+        "60",
+        "--output_dir",
+        str(out),
+    ]
 
 
 def _snapshot(folder: Path) -> dict[str, bytes]:
@@ -56,8 +74,9 @@ def test_rows_appended_go_on_rows_edited_inside_a_trained_range_are_refused(tmp_
     data.write_text("\n".join(lines) + "\n")
     before = _snapshot(out)
     third = run_cli(chain("tiny-opt", data, out), tmp_path)
-    assert_clean_failure(third, f"--dataset {data}: rows [60, 120), trained by this chain, changed since",
-                         "Restore the data")  # fmt: skip
+    assert_clean_failure(
+        third, f"--dataset {data}: rows [60, 120), trained by this chain, changed since", "Restore the data"
+    )
     assert _snapshot(out) == before  # nothing written, the lease given back
 
 
@@ -71,11 +90,12 @@ def test_a_tokenizer_that_makes_other_ids_of_the_trained_rows_is_refused(tmp_pat
 
     tok = AutoTokenizer.from_pretrained(model)
     raw = json.loads((model / "tokenizer.json").read_text())
-    raw["post_processor"] = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
-                             {"Sequence": {"id": "A", "type_id": 0}}], "pair": [{"Sequence": {"id": "A", "type_id": 0}},
-                             {"Sequence": {"id": "B", "type_id": 1}}],
-                             "special_tokens": {"<s>": {"id": "<s>", "ids": [tok.convert_tokens_to_ids("<s>")],
-                                                        "tokens": ["<s>"]}}}  # fmt: skip
+    raw["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<s>": {"id": "<s>", "ids": [tok.convert_tokens_to_ids("<s>")], "tokens": ["<s>"]}},
+    }
     (model / "tokenizer.json").write_text(json.dumps(raw))
     assert AutoTokenizer.from_pretrained(model)("a")["input_ids"] != tok("a")["input_ids"]
     before = _snapshot(out)
@@ -94,7 +114,10 @@ def second_session_on_a_new_revision(server, args: list[str], tmp_path: Path) ->
     second_rev = server.commit_dataset("me/rows", {"data/train.jsonl": text_rows(edited + texts[100:120])})
     second = run_cli(args, tmp_path, env=sandbox_env(tmp_path, HF_ENDPOINT=server.url, HF_HOME=str(tmp_path / "h2")))
     assert second.returncode == 0, second.stderr[-2000:]
-    assert saved_names(second.stdout) == ["tiny_opt_40-80-epoch-1.pt"] and "is not what the chain recorded" not in second.stdout
+    assert (
+        saved_names(second.stdout) == ["tiny_opt_40-80-epoch-1.pt"]
+        and "is not what the chain recorded" not in second.stdout
+    )
     return second_rev, torch.load(tmp_path / "out" / "tiny_opt_40-80-epoch-1.pt", weights_only=True)[PIN_KEY]
 
 
@@ -124,10 +147,17 @@ def test_a_hub_dataset_that_gains_a_revision_does_not_move_under_the_chain(tmp_p
         resolved = [r.path for r in server.requests if r.route == "dataset-resolve" and r.path.endswith(".jsonl")]
         assert resolved and all(first_rev in p for p in resolved[-2:])  # the second session read the first revision
 
-        moved = run_cli(args + ["--dataset_revision", "main"], tmp_path,
-                        env=sandbox_env(tmp_path, HF_ENDPOINT=server.url, HF_HOME=str(tmp_path / "h3")))  # fmt: skip
-        assert_clean_failure(moved, "--dataset me/rows: rows [0, 40), trained by this chain, changed since",
-                             f"revision {first_rev}", f"now revision {second_rev}")  # fmt: skip
+        moved = run_cli(
+            args + ["--dataset_revision", "main"],
+            tmp_path,
+            env=sandbox_env(tmp_path, HF_ENDPOINT=server.url, HF_HOME=str(tmp_path / "h3")),
+        )
+        assert_clean_failure(
+            moved,
+            "--dataset me/rows: rows [0, 40), trained by this chain, changed since",
+            f"revision {first_rev}",
+            f"now revision {second_rev}",
+        )
 
 
 def test_a_mixtures_hub_source_is_read_at_the_revision_the_chain_recorded(tmp_path):

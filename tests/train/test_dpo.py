@@ -30,21 +30,50 @@ BETA = 0.2
 PAIRS = 8
 # 2 ranks x 2 micro-batches of 2 blocks of 64 tokens (a pair per block: string pairs) or 4 blocks of 128 (a
 # sequence per block: conversations in the Llama-style template): every pair in the first step
-STEP = ["--max_length", "64", "--batch_size", "2", "--accum_steps", "2", "--precision", "fp32", "--lr", "1e-3",
-        "--num_epochs", "1", "--wandb_mode", "disabled", "--seed", "7", "--beta", str(BETA)]  # fmt: skip
+STEP = [
+    "--max_length",
+    "64",
+    "--batch_size",
+    "2",
+    "--accum_steps",
+    "2",
+    "--precision",
+    "fp32",
+    "--lr",
+    "1e-3",
+    "--num_epochs",
+    "1",
+    "--wandb_mode",
+    "disabled",
+    "--seed",
+    "7",
+    "--beta",
+    str(BETA),
+]
 LONGER = ["--max_length", "128", "--batch_size", "4"]
 
 
 def string_pairs(n: int = PAIRS) -> list[dict]:
     # prompts end on a newline: the answer's tokens start on a boundary, as in TRL's and this project's tokenization
-    return [{"prompt": f"Question {k}: what follows \"{PARAGRAPHS[k][:30]}\"?\n",
-             "chosen": PARAGRAPHS[k][30:60].strip(), "rejected": PARAGRAPHS[k + 50][:20].strip()} for k in range(n)]  # fmt: skip
+    return [
+        {
+            "prompt": f'Question {k}: what follows "{PARAGRAPHS[k][:30]}"?\n',
+            "chosen": PARAGRAPHS[k][30:60].strip(),
+            "rejected": PARAGRAPHS[k + 50][:20].strip(),
+        }
+        for k in range(n)
+    ]
 
 
 def chat_pairs(n: int = PAIRS) -> list[dict]:
-    return [{"prompt": [{"role": "user", "content": f"Which words follow \"{PARAGRAPHS[k][:30]}\"?"}],
-             "chosen": [{"role": "assistant", "content": PARAGRAPHS[k][30:60].strip()}],
-             "rejected": [{"role": "assistant", "content": PARAGRAPHS[k + 50][:20].strip()}]} for k in range(n)]  # fmt: skip
+    return [
+        {
+            "prompt": [{"role": "user", "content": f'Which words follow "{PARAGRAPHS[k][:30]}"?'}],
+            "chosen": [{"role": "assistant", "content": PARAGRAPHS[k][30:60].strip()}],
+            "rejected": [{"role": "assistant", "content": PARAGRAPHS[k + 50][:20].strip()}],
+        }
+        for k in range(n)
+    ]
 
 
 def write(path: Path, rows: list[dict]) -> Path:
@@ -87,8 +116,12 @@ def dpo_reference(policy_dir: Path, ref_dir: Path, rows: list[dict]) -> dict[str
         chosen.append(rc)
         rejected.append(rr)
     n = len(rows)
-    return {"loss": sum(losses) / n, "rewards_chosen": sum(chosen) / n, "rewards_rejected": sum(rejected) / n,
-            "accuracy": sum((a > b) + 0.5 * (a == b) for a, b in zip(chosen, rejected)) / n}  # fmt: skip
+    return {
+        "loss": sum(losses) / n,
+        "rewards_chosen": sum(chosen) / n,
+        "rewards_rejected": sum(rejected) / n,
+        "accuracy": sum((a > b) + 0.5 * (a == b) for a, b in zip(chosen, rejected)) / n,
+    }
 
 
 def dpo_grad_norm(policy_dir: Path, ref_dir: Path, rows: list[dict]) -> float:
@@ -139,7 +172,8 @@ def test_the_first_step_is_the_dpo_loss_of_the_pairs_alone_full_and_lora(tmp_pat
         for key in ("loss", "rewards_chosen", "rewards_rejected"):
             assert abs(first[key] - want[key]) <= 1e-5, (name, key, first[key], want[key])
         assert first["accuracy"] == want["accuracy"] and first["margin"] == pytest.approx(
-            want["rewards_chosen"] - want["rewards_rejected"], abs=1e-5)
+            want["rewards_chosen"] - want["rewards_rejected"], abs=1e-5
+        )
         assert abs(want["loss"] - math.log(2)) > 1e-3  # the reference is another model: the loss is not log 2
     # The gradient of full fine-tuning's step (2 ranks x 2 micro-batches), divided over its pairs as the loss is: its
     # norm is autograd's on the pairs alone (a gradient scaled by the micro-batches or the ranks would not be).
@@ -164,10 +198,23 @@ def test_trl_makes_the_same_answer_tokens_and_the_same_loss(tmp_path):
         ds = Dataset.from_list(rows)
         spec = resolve_spec(ds.column_names, "preference")
         ours = pairs_from_rows(select_rows(ds, spec, 0, None), spec, tok, max_length=256, packing="docs")
-        args = DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=PAIRS, beta=BETA, report_to=[],
-                         max_length=256, use_cpu=True, dataloader_drop_last=False, precompute_ref_log_probs=False)  # fmt: skip
-        trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(policy), ref_model=AutoModelForCausalLM.from_pretrained(ref),
-                             args=args, train_dataset=ds, processing_class=tok)  # fmt: skip
+        args = DPOConfig(
+            output_dir=str(tmp_path / "trl"),
+            per_device_train_batch_size=PAIRS,
+            beta=BETA,
+            report_to=[],
+            max_length=256,
+            use_cpu=True,
+            dataloader_drop_last=False,
+            precompute_ref_log_probs=False,
+        )
+        trainer = DPOTrainer(
+            model=AutoModelForCausalLM.from_pretrained(policy),
+            ref_model=AutoModelForCausalLM.from_pretrained(ref),
+            args=args,
+            train_dataset=ds,
+            processing_class=tok,
+        )
         theirs = trainer.train_dataset
         for k in range(PAIRS):
             for j, answer in enumerate(("chosen", "rejected")):
@@ -195,14 +242,21 @@ def test_bad_preference_input_is_one_line(tmp_path, models):
     same = write(tmp_path / "same.jsonl", rows[:4] + [dict(r, rejected=r["chosen"]) for r in rows[4:]])
     base = ["--model", str(policy), *STEP]
     cases = [
-        (["--method", "dpo", "--dataset", str(no_rejected), "--data_format", "preference"],
-         ["--rejected_column rejected", "no such column"]),
+        (
+            ["--method", "dpo", "--dataset", str(no_rejected), "--data_format", "preference"],
+            ["--rejected_column rejected", "no such column"],
+        ),
         (["--method", "dpo", "--dataset", "python-docs"], ["--method dpo", "the rows are text", "--chosen_column"]),
-        (["--method", "dpo", "--dataset", str(ok), "--ref_model", str(other)], [f"--ref_model {other}",
-                                                                              "tokenizer is not the policy's"]),
+        (
+            ["--method", "dpo", "--dataset", str(ok), "--ref_model", str(other)],
+            [f"--ref_model {other}", "tokenizer is not the policy's"],
+        ),
         (["--dataset", str(ok)], ["--method sft", "preference pairs", "--method dpo"]),
-        (["--method", "dpo", "--dataset", str(ok), "--packing", "concat"], ["--packing concat", "not with --method dpo"]),
-    ]  # fmt: skip
+        (
+            ["--method", "dpo", "--dataset", str(ok), "--packing", "concat"],
+            ["--packing concat", "not with --method dpo"],
+        ),
+    ]
     runs = []
     for i, (extra, _) in enumerate(cases):
         (tmp_path / f"c{i}").mkdir()
@@ -213,8 +267,10 @@ def test_bad_preference_input_is_one_line(tmp_path, models):
     # A pair whose chosen answer is the rejected one is dropped and counted; the rest train.
     proc = run_cli(base + ["--method", "dpo", "--dataset", str(same), "--output_dir", str(tmp_path / "same")], tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "4 rows of preference pairs (column prompt, chosen, rejected), loss on the answers only; 2 whose chosen " \
-           "answer is the rejected one dropped" in proc.stdout
+    assert (
+        "4 rows of preference pairs (column prompt, chosen, rejected), loss on the answers only; 2 whose chosen "
+        "answer is the rejected one dropped" in proc.stdout
+    )
     assert sum(r["pairs"] for r in read_jsonl(tmp_path / "same" / "metrics.jsonl")) == 4
 
 
@@ -229,16 +285,43 @@ def test_a_resumed_session_is_scored_against_the_model_the_chain_started_from(tm
     rows = rows[:16] + rows[24:]  # each of session 2's pairs fits a block: its first step holds them all
     data = write(tmp_path / "pairs.jsonl", rows)
     lora = ["--lora_rank", "8", "--lr", "5e-2"] if kind == "lora" else []
-    base = ["--model", str(policy), "--method", "dpo", "--dataset", str(data), *STEP, *lora, "--output_dir",
-            str(tmp_path / "out")]  # fmt: skip
+    base = [
+        "--model",
+        str(policy),
+        "--method",
+        "dpo",
+        "--dataset",
+        str(data),
+        *STEP,
+        *lora,
+        "--output_dir",
+        str(tmp_path / "out"),
+    ]
     merge = ["--export_merge"] if kind == "lora" else []
-    first = run_cli(base + ["--start_idx", "0", "--end_idx", "16", "--export_hf", str(tmp_path / "after1"),
-                            "--export_dtype", "fp32", *merge], tmp_path, nproc=2)  # fmt: skip
+    first = run_cli(
+        base
+        + [
+            "--start_idx",
+            "0",
+            "--end_idx",
+            "16",
+            "--export_hf",
+            str(tmp_path / "after1"),
+            "--export_dtype",
+            "fp32",
+            *merge,
+        ],
+        tmp_path,
+        nproc=2,
+    )
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
     second = run_cli(base + ["--start_idx", "16", "--end_idx", "24", "--resume_file", "latest"], tmp_path, nproc=2)
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-3000:]
-    said = ("dpo: reference: the base with the adapters switched off" if kind == "lora"
-            else f"dpo: reference {policy}: loaded sharded")  # fmt: skip
+    said = (
+        "dpo: reference: the base with the adapters switched off"
+        if kind == "lora"
+        else f"dpo: reference {policy}: loaded sharded"
+    )
     assert said in first.stdout and said in second.stdout
     step = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if r["slice"] == "16-24"][0]
     want = dpo_reference(tmp_path / "after1", policy, rows[16:24])
@@ -260,14 +343,36 @@ def test_a_lora_session_scores_its_next_range_against_the_base_with_the_trained_
     rows = string_pairs(16)
     data = write(tmp_path / "pairs.jsonl", rows)
     out = tmp_path / "out"
-    args = ["--model", str(policy), "--method", "dpo", "--dataset", str(data), *STEP, "--lora_rank", "8", "--lr", "5e-2",
-            "--start_idx", "auto", "--range_size", "8", "--session_ranges", "2", "--output_dir", str(out)]  # fmt: skip
+    args = [
+        "--model",
+        str(policy),
+        "--method",
+        "dpo",
+        "--dataset",
+        str(data),
+        *STEP,
+        "--lora_rank",
+        "8",
+        "--lr",
+        "5e-2",
+        "--start_idx",
+        "auto",
+        "--range_size",
+        "8",
+        "--session_ranges",
+        "2",
+        "--output_dir",
+        str(out),
+    ]
     proc = run_cli(args, tmp_path, nproc=2)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "next range in this session: rows [8, 16)" in proc.stdout
     merged = tmp_path / "after1"
-    export = launch(["-m", "fsdp_opt.export"], [str(out / "policy_0-8-epoch-1.pt"), str(merged), "--dtype", "fp32",
-                                                "--merge", "--model", str(policy)], tmp_path)  # fmt: skip
+    export = launch(
+        ["-m", "fsdp_opt.export"],
+        [str(out / "policy_0-8-epoch-1.pt"), str(merged), "--dtype", "fp32", "--merge", "--model", str(policy)],
+        tmp_path,
+    )
     assert export.returncode == 0, export.stdout[-2000:] + export.stderr[-3000:]
     step = [r for r in read_jsonl(out / "metrics.jsonl") if r["slice"] == "8-16"][0]
     want = dpo_reference(merged, policy, rows[8:16])
@@ -280,9 +385,34 @@ def test_three_auto_sessions_through_the_hub_equal_one_straight_run(tmp_path):
     """LoRA DPO on the built-in preference pairs (its reference: the base, adapters off), --start_idx auto through
     the loopback Hub on three empty machines: the names and the losses of one session that trains the three ranges,
     bit for bit."""
-    auto = ["--model", "tiny-opt", "--dataset", "python-docs-prefs", "--method", "dpo", "--chat_template", "chatml",
-            "--lora_rank", "8", "--max_length", "128", "--batch_size", "4", "--lr", "3e-3", "--precision", "fp32",
-            "--start_idx", "auto", "--range_size", "8", "--wandb_mode", "disabled", "--seed", "5"]  # fmt: skip
+    auto = [
+        "--model",
+        "tiny-opt",
+        "--dataset",
+        "python-docs-prefs",
+        "--method",
+        "dpo",
+        "--chat_template",
+        "chatml",
+        "--lora_rank",
+        "8",
+        "--max_length",
+        "128",
+        "--batch_size",
+        "4",
+        "--lr",
+        "3e-3",
+        "--precision",
+        "fp32",
+        "--start_idx",
+        "auto",
+        "--range_size",
+        "8",
+        "--wandb_mode",
+        "disabled",
+        "--seed",
+        "5",
+    ]
     procs = hub_sessions(auto, tmp_path, "me/dpo")
     assert all("dpo: reference: the base with the adapters switched off" in proc.stdout for proc in procs)
     saved = [name for proc in procs for name in saved_names(proc.stdout)]
@@ -306,8 +436,10 @@ def test_the_dpo_demo_learns_the_held_out_preferences(tmp_path, wheel_venv):
     base, tuned = json.loads((out / "pairs.json").read_text())["models"]
     assert base["accuracy"] == 0.5 and abs(base["loss"] - math.log(2)) < 1e-6 and base["pairs"] == 100
     assert tuned["accuracy"] >= 0.9 and tuned["margin"] > 1.0, tuned
-    assert f"demo: held-out accuracy 50% before training (the model is its own reference), {tuned['accuracy']:.0%} " \
-           "after" in proc.stdout
+    assert (
+        f"demo: held-out accuracy 50% before training (the model is its own reference), {tuned['accuracy']:.0%} "
+        "after" in proc.stdout
+    )
     rows = read_jsonl(out / "metrics.jsonl")
     assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and rows[0]["accuracy"] == 0.5
     evals = read_jsonl(out / "eval.jsonl")

@@ -8,8 +8,26 @@ import pytest
 import torch
 from conftest import assert_clean_failure, launch, run_cli
 
-TRAIN = ["--dataset", "python-docs", "--start_idx", "0", "--end_idx", "40", "--max_length", "64", "--batch_size", "2",
-         "--lr", "3e-3", "--num_epochs", "2", "--precision", "fp32", "--output_dir", "out"]  # fmt: skip
+TRAIN = [
+    "--dataset",
+    "python-docs",
+    "--start_idx",
+    "0",
+    "--end_idx",
+    "40",
+    "--max_length",
+    "64",
+    "--batch_size",
+    "2",
+    "--lr",
+    "3e-3",
+    "--num_epochs",
+    "2",
+    "--precision",
+    "fp32",
+    "--output_dir",
+    "out",
+]
 
 
 def evaluate(tmp, args, nproc=0, real=False):
@@ -26,20 +44,39 @@ def hf_reference(model, tokenizer, texts, max_length, prompts, max_new_tokens):
         outs = []
         for p in prompts:
             enc = tokenizer(p, return_tensors="pt")
-            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+            out = model.generate(
+                **enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+            )
             outs.append(tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True))
     return total / tokens, tokens, outs
 
 
 def test_base_vs_checkpoints_match_reference(tmp_path, det_model):
-    train = run_cli(["--model", str(det_model), *TRAIN, "--export_hf", "out/export", "--export_dtype", "fp32"], tmp_path, nproc=2)
+    train = run_cli(
+        ["--model", str(det_model), *TRAIN, "--export_hf", "out/export", "--export_dtype", "fp32"], tmp_path, nproc=2
+    )
     assert train.returncode == 0, train.stdout + train.stderr
     proc = evaluate(
         tmp_path,
-        ["--checkpoints", "tiny_det_0-40-epoch-1.pt", "latest", "--output_dir", "out", "--eval_rows", "11", "--batch_size", "3",
-         "--max_new_tokens", "8", "--num_prompts", "2", "--json", "report.json"],
+        [
+            "--checkpoints",
+            "tiny_det_0-40-epoch-1.pt",
+            "latest",
+            "--output_dir",
+            "out",
+            "--eval_rows",
+            "11",
+            "--batch_size",
+            "3",
+            "--max_new_tokens",
+            "8",
+            "--num_prompts",
+            "2",
+            "--json",
+            "report.json",
+        ],
         nproc=2,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["rows"] == "[40, 51)" and report["world_size"] == 2
@@ -69,8 +106,26 @@ def test_base_vs_checkpoints_match_reference(tmp_path, det_model):
     assert f"| tiny_det_0-40-epoch-2.pt | {epoch2['loss']:.4f} | {epoch2['perplexity']:.2f} |" in proc.stdout
 
     # One process, plain python, an exported folder as a candidate: the same numbers.
-    single = evaluate(tmp_path, ["--checkpoints", "out/export", "--no_base", "--eval_rows", "11", "--model", str(det_model),
-                                 "--start_idx", "40", "--max_length", "64", "--dataset", "python-docs", "--json", "single.json"])  # fmt: skip
+    single = evaluate(
+        tmp_path,
+        [
+            "--checkpoints",
+            "out/export",
+            "--no_base",
+            "--eval_rows",
+            "11",
+            "--model",
+            str(det_model),
+            "--start_idx",
+            "40",
+            "--max_length",
+            "64",
+            "--dataset",
+            "python-docs",
+            "--json",
+            "single.json",
+        ],
+    )
     assert single.returncode == 0, single.stdout + single.stderr
     (only,) = json.loads((tmp_path / "single.json").read_text())["models"]
     assert only["name"] == "export" and only["loss"] == pytest.approx(epoch2["loss"], rel=1e-5)
@@ -94,18 +149,52 @@ def test_lora_checkpoint_evaluates_as_peft_on_its_base(tmp_path, det_model):
     from fsdp_opt.data.formats import held_out_texts
     from fsdp_opt.data.sources import load_rows
 
-    train = run_cli(["--model", str(det_model), *TRAIN, "--lora_rank", "4", "--lr", "1e-2", "--num_epochs", "1", "--export_hf", "out/adapter",
-                     "--export_dtype", "fp32"], tmp_path, nproc=2)  # fmt: skip
+    train = run_cli(
+        [
+            "--model",
+            str(det_model),
+            *TRAIN,
+            "--lora_rank",
+            "4",
+            "--lr",
+            "1e-2",
+            "--num_epochs",
+            "1",
+            "--export_hf",
+            "out/adapter",
+            "--export_dtype",
+            "fp32",
+        ],
+        tmp_path,
+        nproc=2,
+    )
     assert train.returncode == 0, train.stdout + train.stderr
-    proc = evaluate(tmp_path, ["--checkpoints", "latest", "--output_dir", "out", "--eval_rows", "11", "--max_new_tokens", "6",
-                               "--num_prompts", "1", "--json", "report.json"], nproc=2)  # fmt: skip
+    proc = evaluate(
+        tmp_path,
+        [
+            "--checkpoints",
+            "latest",
+            "--output_dir",
+            "out",
+            "--eval_rows",
+            "11",
+            "--max_new_tokens",
+            "6",
+            "--num_prompts",
+            "1",
+            "--json",
+            "report.json",
+        ],
+        nproc=2,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     base, adapted = json.loads((tmp_path / "report.json").read_text())["models"]
     texts, _ = held_out_texts(load_rows("python-docs"), "text", 40, 11)
     report = json.loads((tmp_path / "report.json").read_text())
     prompts = [s["prompt"] for s in report["samples"]]
-    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(det_model, dtype=torch.float32),
-                                     str(tmp_path / "out" / "adapter")).eval()  # fmt: skip
+    peft = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(det_model, dtype=torch.float32), str(tmp_path / "out" / "adapter")
+    ).eval()
     loss, tokens, outs = hf_reference(peft, AutoTokenizer.from_pretrained(det_model), texts, 64, prompts, 6)
     assert adapted["tokens"] == tokens and adapted["loss"] == pytest.approx(loss, rel=1e-5)
     assert [s["outputs"][adapted["name"]] for s in report["samples"]] == outs

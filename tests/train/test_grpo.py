@@ -28,7 +28,20 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 G = 4  # completions per prompt
 PROMPTS = 8
 LENGTH = 8  # --max_completion_length
-WORDS = ["alpha", "lambda", "red", "list", "dict", "set", "tuple", "file", "line", "name", "type", "class"]  # one token each
+WORDS = [
+    "alpha",
+    "lambda",
+    "red",
+    "list",
+    "dict",
+    "set",
+    "tuple",
+    "file",
+    "line",
+    "name",
+    "type",
+    "class",
+]  # one token each
 WORKER = str(ROOT / "tests" / "workers" / "grpo_step.py")
 REWARDS = '''
 def overlap(completions, target, **kwargs):
@@ -76,7 +89,9 @@ def setup_files(tmp_path_factory) -> dict[str, Path]:
             n = draw.randint(2, LENGTH)
             ids = [draw.randrange(3, 4096) for _ in range(n)]
             stops = draw.random() < 0.6 and n < LENGTH
-            completions[f"{r}:{g}"] = ids + [tok.eos_token_id] if stops else ids + [draw.randrange(3, 4096)] * (LENGTH - n)
+            completions[f"{r}:{g}"] = (
+                ids + [tok.eos_token_id] if stops else ids + [draw.randrange(3, 4096)] * (LENGTH - n)
+            )
             ended[f"{r}:{g}"] = stops
     given = root / "given.json"
     given.write_text(json.dumps({"completions": completions, "ended": ended}))
@@ -89,8 +104,13 @@ def trl_advantages(records: list[dict], scale: str) -> torch.Tensor:
     from trl.trainer.utils import nanstd
 
     by_key = {(r["row"], r["place"]): r for r in records}
-    reward = torch.tensor([math.nan if by_key[(r, g)]["reward"] is None else by_key[(r, g)]["reward"]
-                           for r in range(PROMPTS) for g in range(G)])  # fmt: skip
+    reward = torch.tensor(
+        [
+            math.nan if by_key[(r, g)]["reward"] is None else by_key[(r, g)]["reward"]
+            for r in range(PROMPTS)
+            for g in range(G)
+        ]
+    )
     grouped = reward.view(-1, G)
     adv = reward - torch.nanmean(grouped, dim=1).repeat_interleave(G)
     if scale == "group":
@@ -100,9 +120,19 @@ def trl_advantages(records: list[dict], scale: str) -> torch.Tensor:
     return torch.nan_to_num(adv, nan=0.0)
 
 
-def trl_step(files: dict[str, Path], report: dict, *, loss_type: str = "dapo", beta: float = 0.0,
-             scale: str = "group", mask_truncated: bool = False, level: str = "token", delta: float | None = None,
-             epsilon: float = 0.2, bias_kl: bool = True) -> tuple[float, dict, torch.Tensor]:  # fmt: skip
+def trl_step(
+    files: dict[str, Path],
+    report: dict,
+    *,
+    loss_type: str = "dapo",
+    beta: float = 0.0,
+    scale: str = "group",
+    mask_truncated: bool = False,
+    level: str = "token",
+    delta: float | None = None,
+    epsilon: float = 0.2,
+    bias_kl: bool = True,
+) -> tuple[float, dict, torch.Tensor]:
     """TRL's GRPOTrainer loss of the same prompts, completions and rewards (the advantages by TRL's rule from the
     rewards our run recorded), on one process: the loss and each parameter's gradient. A report of a second pass
     (--num_iterations 2) is held against TRL's loss of the weights that pass started from (REPORT.pt), with the old
@@ -120,13 +150,31 @@ def trl_step(files: dict[str, Path], report: dict, *, loss_type: str = "dapo", b
         model.load_state_dict(torch.load(report["weights"], weights_only=True))
     given = json.loads(files["given"].read_text())
     n = PROMPTS * G
-    args = GRPOConfig(output_dir=str(files["root"] / "trl"), per_device_train_batch_size=n, num_generations=G,
-                      max_completion_length=LENGTH, beta=beta, loss_type=loss_type, report_to=[], use_cpu=True,
-                      bf16=False, num_iterations=report["iteration"], importance_sampling_level=level, delta=delta,
-                      epsilon=epsilon, use_bias_correction_kl=bias_kl, scale_rewards=scale,
-                      mask_truncated_completions=mask_truncated)  # fmt: skip (TRL defaults to bf16 autocast)
-    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
-                          train_dataset=Dataset.from_list(rows()), processing_class=tok)  # fmt: skip
+    args = GRPOConfig(
+        output_dir=str(files["root"] / "trl"),
+        per_device_train_batch_size=n,
+        num_generations=G,
+        max_completion_length=LENGTH,
+        beta=beta,
+        loss_type=loss_type,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        num_iterations=report["iteration"],
+        importance_sampling_level=level,
+        delta=delta,
+        epsilon=epsilon,
+        use_bias_correction_kl=bias_kl,
+        scale_rewards=scale,
+        mask_truncated_completions=mask_truncated,
+    )  # TRL defaults to bf16 autocast
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+        args=args,
+        train_dataset=Dataset.from_list(rows()),
+        processing_class=tok,
+    )
     keys = [(r, g) for r in range(PROMPTS) for g in range(G)]
     prompt_ids = torch.tensor([tok(rows()[r]["prompt"])["input_ids"] for r, _ in keys])  # ours: with the BOS
     comp = [given["completions"][f"{r}:{g}"] for r, g in keys]
@@ -149,9 +197,15 @@ def trl_step(files: dict[str, Path], report: dict, *, loss_type: str = "dapo", b
         with torch.no_grad():
             extra[key] = trainer._get_per_token_logps_and_entropies(other, ids, mask, width)[0]
     model.train()
-    everything = {"prompt_ids": prompt_ids, "prompt_mask": torch.ones_like(prompt_ids),
-                  "completion_ids": completion_ids, "completion_mask": completion_mask, "advantages": advantages,
-                  "num_items_in_batch": completion_mask.sum(), **extra}  # fmt: skip
+    everything = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": torch.ones_like(prompt_ids),
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": advantages,
+        "num_items_in_batch": completion_mask.sum(),
+        **extra,
+    }
     if loss_type != "bnpo":
         trainer.current_gradient_accumulation_steps = 1
         loss = trainer._compute_loss(model, everything)
@@ -178,30 +232,96 @@ GRPO_CASES = {  # (flags beyond the common ones, TRL's settings): loss types, re
     "grpo-docs": (["--loss_type", "grpo", "--packing", "docs"], {"loss_type": "grpo"}),
     "dapo-kl-docs": (["--beta", "0.04", "--packing", "docs"], {"beta": 0.04}),
     "grpo-kl-pad": (["--loss_type", "grpo", "--beta", "0.04", "--packing", "pad"], {"loss_type": "grpo", "beta": 0.04}),
-    "dr_grpo-batch-masked": (["--loss_type", "dr_grpo", "--scale_rewards", "batch", "--mask_truncated_completions",
-                              "true", "--packing", "docs"],
-                             {"loss_type": "dr_grpo", "scale": "batch", "mask_truncated": True}),
-    "bnpo-none": (["--loss_type", "bnpo", "--scale_rewards", "none", "--packing", "pad"],
-                  {"loss_type": "bnpo", "scale": "none"}),
+    "dr_grpo-batch-masked": (
+        [
+            "--loss_type",
+            "dr_grpo",
+            "--scale_rewards",
+            "batch",
+            "--mask_truncated_completions",
+            "true",
+            "--packing",
+            "docs",
+        ],
+        {"loss_type": "dr_grpo", "scale": "batch", "mask_truncated": True},
+    ),
+    "bnpo-none": (
+        ["--loss_type", "bnpo", "--scale_rewards", "none", "--packing", "pad"],
+        {"loss_type": "bnpo", "scale": "none"},
+    ),
     # the second pass over a generation: the policy has moved (a large step), the ratio is off 1 and the clip binds
-    "second-token-delta-kl": (["--num_iterations", "2", "--lr", "2e-2", "--epsilon", "0.1", "--delta", "1.3",
-                               "--beta", "0.04", "--packing", "pad"],
-                              {"epsilon": 0.1, "delta": 1.3, "beta": 0.04}),
-    "second-sequence": (["--num_iterations", "2", "--lr", "2e-2", "--epsilon", "0.02", "--importance_sampling_level",
-                         "sequence", "--loss_type", "grpo", "--packing", "docs"],
-                        {"epsilon": 0.02, "level": "sequence", "loss_type": "grpo"}),
-}  # fmt: skip
+    "second-token-delta-kl": (
+        [
+            "--num_iterations",
+            "2",
+            "--lr",
+            "2e-2",
+            "--epsilon",
+            "0.1",
+            "--delta",
+            "1.3",
+            "--beta",
+            "0.04",
+            "--packing",
+            "pad",
+        ],
+        {"epsilon": 0.1, "delta": 1.3, "beta": 0.04},
+    ),
+    "second-sequence": (
+        [
+            "--num_iterations",
+            "2",
+            "--lr",
+            "2e-2",
+            "--epsilon",
+            "0.02",
+            "--importance_sampling_level",
+            "sequence",
+            "--loss_type",
+            "grpo",
+            "--packing",
+            "docs",
+        ],
+        {"epsilon": 0.02, "level": "sequence", "loss_type": "grpo"},
+    ),
+}
 
 
 @pytest.mark.parametrize("case", list(GRPO_CASES))
 def test_a_step_is_trls_loss_and_gradient_on_the_same_completions(tmp_path, setup_files, case):
     f = setup_files
     extra, trl_settings = GRPO_CASES[case]
-    flags = ["--model", str(f["policy"]), "--dataset", str(f["data"]), "--method", "grpo", "--reward",
-             f"{f['rewards']}:overlap,{f['rewards']}:short", "--reward_weights", "1.0,0.5", "--num_generations", str(G),
-             "--max_completion_length", str(LENGTH), "--max_length", "64", "--batch_size", "8", "--accum_steps", "2",
-             "--precision", "fp32", "--output_dir", str(tmp_path / "out"), "--wandb_mode", "disabled", "--seed", "7",
-             *extra]  # fmt: skip
+    flags = [
+        "--model",
+        str(f["policy"]),
+        "--dataset",
+        str(f["data"]),
+        "--method",
+        "grpo",
+        "--reward",
+        f"{f['rewards']}:overlap,{f['rewards']}:short",
+        "--reward_weights",
+        "1.0,0.5",
+        "--num_generations",
+        str(G),
+        "--max_completion_length",
+        str(LENGTH),
+        "--max_length",
+        "64",
+        "--batch_size",
+        "8",
+        "--accum_steps",
+        "2",
+        "--precision",
+        "fp32",
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--wandb_mode",
+        "disabled",
+        "--seed",
+        "7",
+        *extra,
+    ]
     if "--beta" in extra:
         flags += ["--ref_model", str(f["ref"])]
     out = tmp_path / "report.json"
@@ -214,7 +334,9 @@ def test_a_step_is_trls_loss_and_gradient_on_the_same_completions(tmp_path, setu
     loss, grads, advantages = trl_step(f, ours, **trl_settings)
     records = sorted(ours["records"], key=lambda r: (r["row"], r["place"]))
     assert [round(r["advantage"], 5) for r in records] == [round(float(a), 5) for a in advantages]
-    assert any(r["reward"] is None for r in records) and all(r["advantage"] == 0 for r in records if r["reward"] is None)
+    assert any(r["reward"] is None for r in records) and all(
+        r["advantage"] == 0 for r in records if r["reward"] is None
+    )
     if ours["iteration"] > 1:
         low, high, region, count = ours["clips"]
         print(f"{case}: clipped low {low:g}, high {high:g}, of {count:g}")
@@ -233,11 +355,38 @@ def test_the_kl_terms_factor_rho_shows_where_every_advantage_is_zero(tmp_path, s
     its gradient is grad logp: the step's gradients equal TRL's with use_bias_correction_kl=True (set, not its
     default), within a relative 1e-5, and not TRL's with it False (k3 alone)."""
     f = setup_files
-    flags = ["--model", str(f["policy"]), "--dataset", str(f["data"]), "--method", "grpo", "--reward",
-             f"{f['rewards']}:same", "--num_generations", str(G), "--max_completion_length", str(LENGTH), "--max_length",
-             "64", "--batch_size", "8", "--accum_steps", "2", "--precision", "fp32", "--output_dir",
-             str(tmp_path / "out"), "--wandb_mode", "disabled", "--seed", "7", "--beta", "1.0", "--ref_model",
-             str(f["ref"])]  # fmt: skip
+    flags = [
+        "--model",
+        str(f["policy"]),
+        "--dataset",
+        str(f["data"]),
+        "--method",
+        "grpo",
+        "--reward",
+        f"{f['rewards']}:same",
+        "--num_generations",
+        str(G),
+        "--max_completion_length",
+        str(LENGTH),
+        "--max_length",
+        "64",
+        "--batch_size",
+        "8",
+        "--accum_steps",
+        "2",
+        "--precision",
+        "fp32",
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--wandb_mode",
+        "disabled",
+        "--seed",
+        "7",
+        "--beta",
+        "1.0",
+        "--ref_model",
+        str(f["ref"]),
+    ]
     out = tmp_path / "report.json"
     proc = launch([WORKER], [str(out), str(f["given"]), *flags], tmp_path, nproc=2)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -248,8 +397,10 @@ def test_the_kl_terms_factor_rho_shows_where_every_advantage_is_zero(tmp_path, s
         loss, grads, _ = trl_step(f, ours, beta=1.0, bias_kl=bias)
         scale = max(g.abs().max().item() for g in grads.values())
         relative[bias] = max((torch.tensor(ours["grads"][n]) - g).abs().max().item() for n, g in grads.items()) / scale
-        print(f"use_bias_correction_kl={bias}: ours {ours['loss']:.8f}, TRL {loss:.8f}, gradients {relative[bias]:.2e} "
-              "apart (relative)")  # fmt: skip
+        print(
+            f"use_bias_correction_kl={bias}: ours {ours['loss']:.8f}, TRL {loss:.8f}, gradients {relative[bias]:.2e} "
+            "apart (relative)"
+        )
         assert abs(ours["loss"] - loss) <= 1e-5 * abs(loss), (ours["loss"], loss)  # rho is 1: the same value
     assert relative[True] <= 1e-5 and relative[False] > 1e-2, relative
 
@@ -260,11 +411,19 @@ def greedy_alone(model, tok, prompt: str | list[dict]) -> list[int]:  # noqa: AN
     if isinstance(prompt, str):
         ids = tok(prompt)["input_ids"]
     else:
-        ids = tok(tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False), add_special_tokens=False)["input_ids"]
+        ids = tok(
+            tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+        )["input_ids"]
     ids = torch.tensor([ids])
     with torch.no_grad():
-        made = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=LENGTH,
-                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[0, ids.shape[1] :].tolist()  # fmt: skip
+        made = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=LENGTH,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )[0, ids.shape[1] :].tolist()
     return made[: made.index(tok.eos_token_id) + 1] if tok.eos_token_id in made else made
 
 
@@ -285,18 +444,55 @@ def test_greedy_completions_are_transformers_generate_and_the_first_loss_is_the_
     # larger weights than the fixture's policy: its greedy completions depend on the prompt (the fixture's are one
     # token repeated whatever it is asked)
     sharp = make_chat_llama(tmp_path / "sharp", seed=4, initializer_range=0.1)
-    base = ["--model", str(sharp), "--method", "grpo", "--num_generations", "2", "--max_completion_length",
-            str(LENGTH), "--max_length", "128", "--batch_size", "4", "--accum_steps", "2", "--end_idx", str(PROMPTS),
-            "--precision", "fp32", "--wandb_mode", "disabled", "--seed", "3", "--save_optimizer", "false"]  # fmt: skip
+    base = [
+        "--model",
+        str(sharp),
+        "--method",
+        "grpo",
+        "--num_generations",
+        "2",
+        "--max_completion_length",
+        str(LENGTH),
+        "--max_length",
+        "128",
+        "--batch_size",
+        "4",
+        "--accum_steps",
+        "2",
+        "--end_idx",
+        str(PROMPTS),
+        "--precision",
+        "fp32",
+        "--wandb_mode",
+        "disabled",
+        "--seed",
+        "3",
+        "--save_optimizer",
+        "false",
+    ]
     data = {}
     for kind in ("strings", "chat"):
         data[kind] = tmp_path / f"{kind}.jsonl"
         data[kind].write_text("".join(json.dumps(r) + "\n" for r in varied_prompts(kind == "chat")))
     greedy = ["--top_k", "1", "--reward", "length"]
-    runs = {"strings": ["--dataset", str(data["strings"]), *greedy], "chat": ["--dataset", str(data["chat"]), *greedy],
-            "sampled": ["--dataset", str(f["data"]), "--reward", f"{f['rewards']}:overlap,{f['rewards']}:short",
-                        "--reward_weights", "1,0.5", "--beta", "0.04", "--ref_model", str(f["ref"]), "--temperature",
-                        "1.3"]}  # fmt: skip
+    runs = {
+        "strings": ["--dataset", str(data["strings"]), *greedy],
+        "chat": ["--dataset", str(data["chat"]), *greedy],
+        "sampled": [
+            "--dataset",
+            str(f["data"]),
+            "--reward",
+            f"{f['rewards']}:overlap,{f['rewards']}:short",
+            "--reward_weights",
+            "1,0.5",
+            "--beta",
+            "0.04",
+            "--ref_model",
+            str(f["ref"]),
+            "--temperature",
+            "1.3",
+        ],
+    }
     launched = []
     for name, extra in runs.items():
         (tmp_path / name).mkdir()
@@ -324,8 +520,10 @@ def test_greedy_completions_are_transformers_generate_and_the_first_loss_is_the_
     for l in read_jsonl(tmp_path / "sampled" / "out" / "completions.jsonl"):
         text = tok.decode(l["completion_ids"], skip_special_tokens=True)
         target = [by_row[l["row"]]["target"]]
-        want = {"overlap": namespace["overlap"]([text], target)[0],
-                "short": namespace["short"]([text], [l["completion_ids"]], target)[0]}  # fmt: skip
+        want = {
+            "overlap": namespace["overlap"]([text], target)[0],
+            "short": namespace["short"]([text], [l["completion_ids"]], target)[0],
+        }
         assert l["completion"] == text and l["rewards"].keys() == want.keys(), (l["completion"], text, l["rewards"])
         for name, value in want.items():  # the run keeps rewards in float32, as TRL does
             got = l["rewards"][name]
@@ -343,14 +541,26 @@ def test_greedy_completions_are_transformers_generate_and_the_first_loss_is_the_
     total, tokens = 0.0, 0
     for l in lines:
         group = torch.tensor(rewards[l["row"]])
-        std = torch.tensor(float(group[~torch.isnan(group)].std())) if (~torch.isnan(group)).sum() > 1 else torch.tensor(math.nan)
-        adv = float(torch.nan_to_num((torch.tensor(math.nan if l["reward"] is None else l["reward"]) -
-                                      torch.nanmean(group)) / (std + 1e-4), nan=0.0))  # fmt: skip
+        std = (
+            torch.tensor(float(group[~torch.isnan(group)].std()))
+            if (~torch.isnan(group)).sum() > 1
+            else torch.tensor(math.nan)
+        )
+        adv = float(
+            torch.nan_to_num(
+                (torch.tensor(math.nan if l["reward"] is None else l["reward"]) - torch.nanmean(group)) / (std + 1e-4),
+                nan=0.0,
+            )
+        )
         prompt = tok(by_row[l["row"]]["prompt"])["input_ids"]
         ids = torch.tensor([prompt + l["completion_ids"]])
         with torch.no_grad():
-            logps = [torch.log_softmax(m(input_ids=ids).logits[0, :-1].float() / 1.3, -1)
-                     .gather(1, ids[0, 1:, None])[len(prompt) - 1 :, 0] for m in (policy, reference)]  # fmt: skip
+            logps = [
+                torch.log_softmax(m(input_ids=ids).logits[0, :-1].float() / 1.3, -1).gather(1, ids[0, 1:, None])[
+                    len(prompt) - 1 :, 0
+                ]
+                for m in (policy, reference)
+            ]
         d = logps[1] - logps[0]
         total += float((-adv + 0.04 * (torch.exp(d) - d - 1)).sum())
         tokens += len(l["completion_ids"])
@@ -370,10 +580,36 @@ def test_generation_and_the_update_in_fp16_as_on_a_t4(tmp_path, setup_files):
     the completions depend on the prompt)."""
     f = setup_files
     sharp = make_chat_llama(tmp_path / "sharp", seed=4, initializer_range=0.1)
-    base = ["--model", str(sharp), "--dataset", str(f["data"]), "--method", "grpo", "--reward",
-            f"{f['rewards']}:variety", "--num_generations", "2", "--max_completion_length", str(LENGTH), "--max_length",
-            "64", "--batch_size", "4", "--end_idx", str(PROMPTS), "--precision", "fp16", "--wandb_mode", "disabled",
-            "--seed", "6", "--lr", "1e-2", "--save_optimizer", "false"]  # fmt: skip
+    base = [
+        "--model",
+        str(sharp),
+        "--dataset",
+        str(f["data"]),
+        "--method",
+        "grpo",
+        "--reward",
+        f"{f['rewards']}:variety",
+        "--num_generations",
+        "2",
+        "--max_completion_length",
+        str(LENGTH),
+        "--max_length",
+        "64",
+        "--batch_size",
+        "4",
+        "--end_idx",
+        str(PROMPTS),
+        "--precision",
+        "fp16",
+        "--wandb_mode",
+        "disabled",
+        "--seed",
+        "6",
+        "--lr",
+        "1e-2",
+        "--save_optimizer",
+        "false",
+    ]
     runs = []
     for name, extra in (("sampled", []), ("greedy", ["--top_k", "1"])):
         (tmp_path / name).mkdir()
@@ -408,8 +644,10 @@ def test_generation_and_the_update_in_fp16_as_on_a_t4(tmp_path, setup_files):
             with torch.no_grad():
                 top = policy(input_ids=ids).logits[0, -1].float().topk(2).values
             gaps.append(float(top[0] - top[1]))
-    print(f"fp16 greedy completions equal to fp32 generate: {same} of {len(first)}; fp32's top-two gaps where they "
-          f"part: {gaps}")  # fmt: skip
+    print(
+        f"fp16 greedy completions equal to fp32 generate: {same} of {len(first)}; fp32's top-two gaps where they "
+        f"part: {gaps}"
+    )
     assert len(first) == 8 and all(g < 0.02 for g in gaps), gaps
 
 
@@ -418,8 +656,10 @@ def _steps(out: Path) -> list[tuple]:
 
 
 def _drawn(out: Path) -> list[tuple]:
-    return [(l["step"], l["row"], l["place"], tuple(l["completion_ids"]), l["reward"], l["advantage"])
-            for l in read_jsonl(out / "completions.jsonl")]  # fmt: skip
+    return [
+        (l["step"], l["row"], l["place"], tuple(l["completion_ids"]), l["reward"], l["advantage"])
+        for l in read_jsonl(out / "completions.jsonl")
+    ]
 
 
 @pytest.mark.parametrize("reuse", ["once", "reused"])
@@ -431,14 +671,39 @@ def test_a_session_resumed_mid_range_draws_and_trains_what_the_straight_run_did(
     resumed session trains on the generation and the old log-probabilities the checkpoint kept, and samples nothing
     until the next generation."""
     f = setup_files
-    args = ["--model", str(f["policy"]), "--dataset", str(f["data"]), "--method", "grpo", "--reward",
-            f"{f['rewards']}:overlap", "--num_generations", "2", "--max_completion_length", str(LENGTH), "--max_length",
-            "64", "--batch_size", "2", "--end_idx", str(PROMPTS), "--precision", "fp32", "--wandb_mode", "disabled",
-            "--seed", "5", "--lr", "1e-2"]  # fmt: skip
+    args = [
+        "--model",
+        str(f["policy"]),
+        "--dataset",
+        str(f["data"]),
+        "--method",
+        "grpo",
+        "--reward",
+        f"{f['rewards']}:overlap",
+        "--num_generations",
+        "2",
+        "--max_completion_length",
+        str(LENGTH),
+        "--max_length",
+        "64",
+        "--batch_size",
+        "2",
+        "--end_idx",
+        str(PROMPTS),
+        "--precision",
+        "fp32",
+        "--wandb_mode",
+        "disabled",
+        "--seed",
+        "5",
+        "--lr",
+        "1e-2",
+    ]
     if reuse == "reused":
         args += ["--num_iterations", "2", "--steps_per_generation", "2", "--accum_steps", "1", "--epsilon", "0.05"]
-    straight = run_cli(args + ["--save_every_steps", "1", "--keep_last", "0", "--output_dir", str(tmp_path / "a")],
-                       tmp_path, nproc=2)  # fmt: skip
+    straight = run_cli(
+        args + ["--save_every_steps", "1", "--keep_last", "0", "--output_dir", str(tmp_path / "a")], tmp_path, nproc=2
+    )
     assert straight.returncode == 0, straight.stdout[-2000:] + straight.stderr[-3000:]
     (tmp_path / "b").mkdir()
     (mid,) = (tmp_path / "a").glob("*-step-2.pt")
@@ -464,10 +729,36 @@ def test_three_auto_sessions_through_the_hub_equal_one_straight_run(tmp_path, se
     """--start_idx auto, three sessions on empty machines through the loopback Hub: the same completions, rewards and
     losses as one session that trains the three ranges."""
     f = setup_files
-    auto = ["--model", str(f["policy"]), "--dataset", str(f["data"]), "--method", "grpo", "--reward",
-            f"{f['rewards']}:overlap", "--num_generations", "2", "--max_completion_length", str(LENGTH), "--max_length",
-            "64", "--batch_size", "2", "--precision", "fp32", "--wandb_mode", "disabled", "--seed", "9",
-            "--start_idx", "auto", "--range_size", "2", "--lr", "1e-2"]  # fmt: skip
+    auto = [
+        "--model",
+        str(f["policy"]),
+        "--dataset",
+        str(f["data"]),
+        "--method",
+        "grpo",
+        "--reward",
+        f"{f['rewards']}:overlap",
+        "--num_generations",
+        "2",
+        "--max_completion_length",
+        str(LENGTH),
+        "--max_length",
+        "64",
+        "--batch_size",
+        "2",
+        "--precision",
+        "fp32",
+        "--wandb_mode",
+        "disabled",
+        "--seed",
+        "9",
+        "--start_idx",
+        "auto",
+        "--range_size",
+        "2",
+        "--lr",
+        "1e-2",
+    ]
     saved = [name for proc in hub_sessions(auto, tmp_path, "me/grpo") for name in saved_names(proc.stdout)]
     one = run_cli(auto + ["--session_ranges", "3", "--output_dir", str(tmp_path / "one")], tmp_path, nproc=2)
     assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-3000:]
@@ -477,7 +768,7 @@ def test_three_auto_sessions_through_the_hub_equal_one_straight_run(tmp_path, se
     assert drawn == _drawn(tmp_path / "one") and len(drawn) == 3 * 2 * 2
 
 
-BAD_REWARDS = '''
+BAD_REWARDS = """
 def boom(completions, **kwargs):
     raise ValueError("no rule for this one")
 
@@ -488,7 +779,7 @@ def too_few(completions, **kwargs):
 
 def not_a_number(completions, **kwargs):
     return ["high"] * len(completions)
-'''
+"""
 
 
 def test_bad_grpo_input_is_one_line_and_writes_no_checkpoint(tmp_path, setup_files):
@@ -499,8 +790,26 @@ def test_bad_grpo_input_is_one_line_and_writes_no_checkpoint(tmp_path, setup_fil
     text.write_text("".join(json.dumps({"text": f"row {i} of text"}) + "\n" for i in range(8)))
     prefs = tmp_path / "prefs.jsonl"
     prefs.write_text("".join(json.dumps({"prompt": "q", "chosen": "a", "rejected": "b"}) + "\n" for _ in range(8)))
-    base = ["--model", str(f["policy"]), "--method", "grpo", "--num_generations", "2", "--max_completion_length", "8",
-            "--max_length", "64", "--batch_size", "2", "--end_idx", "8", "--precision", "fp32", "--wandb_mode", "disabled"]  # fmt: skip
+    base = [
+        "--model",
+        str(f["policy"]),
+        "--method",
+        "grpo",
+        "--num_generations",
+        "2",
+        "--max_completion_length",
+        "8",
+        "--max_length",
+        "64",
+        "--batch_size",
+        "2",
+        "--end_idx",
+        "8",
+        "--precision",
+        "fp32",
+        "--wandb_mode",
+        "disabled",
+    ]
     data = ["--dataset", str(f["data"])]
     cases = [
         (["--dataset", str(text), "--reward", "length"], ["--method grpo", "the rows are text", "--prompt_column"]),
@@ -512,11 +821,17 @@ def test_bad_grpo_input_is_one_line_and_writes_no_checkpoint(tmp_path, setup_fil
         (data + ["--reward", f"{bad}:too_few"], ["--reward", "returned 1 reward(s) for"]),
         (data + ["--reward", f"{bad}:not_a_number"], ["--reward", "returned 'high' for row"]),
         (data + ["--reward", "length", "--num_generations", "1"], ["--num_generations 1", "2 or more"]),
-        (data + ["--reward", "length", "--num_generations", "3"], ["--num_generations 3", "not a whole number of groups"]),
-        (data + ["--reward", "length", "--max_completion_length", "64"], ["--max_completion_length 64", "below --max_length"]),
+        (
+            data + ["--reward", "length", "--num_generations", "3"],
+            ["--num_generations 3", "not a whole number of groups"],
+        ),
+        (
+            data + ["--reward", "length", "--max_completion_length", "64"],
+            ["--max_completion_length 64", "below --max_length"],
+        ),
         (data + ["--reward", "length", "--reward_weights", "1,2"], ["--reward_weights 1,2", "2 weight(s) for 1"]),
         (data + ["--reward", "length", "--loss_type", "ppo"], ["--loss_type", "ppo"]),
-    ]  # fmt: skip
+    ]
     runs = []
     for i, (extra, _) in enumerate(cases):
         (tmp_path / f"c{i}").mkdir()
@@ -533,10 +848,40 @@ def test_lora_grpo_with_a_kl_term_references_the_base_with_the_adapters_off(tmp_
     f = setup_files
     # wide enough that each linear weight splits into 2 NF4 shards (multiples of 64 x 256 weights)
     wide = make_chat_llama(tmp_path / "wide", seed=2, hidden_size=256, intermediate_size=512)
-    base = ["--model", str(wide), "--dataset", str(f["data"]), "--method", "grpo", "--reward",
-            f"{f['rewards']}:variety", "--num_generations", "2", "--max_completion_length", str(LENGTH), "--max_length",
-            "64", "--batch_size", "2", "--end_idx", str(PROMPTS), "--precision", "fp32", "--wandb_mode", "disabled",
-            "--seed", "4", "--lr", "5e-2", "--lora_rank", "8", "--beta", "0.04", "--save_optimizer", "false"]  # fmt: skip
+    base = [
+        "--model",
+        str(wide),
+        "--dataset",
+        str(f["data"]),
+        "--method",
+        "grpo",
+        "--reward",
+        f"{f['rewards']}:variety",
+        "--num_generations",
+        "2",
+        "--max_completion_length",
+        str(LENGTH),
+        "--max_length",
+        "64",
+        "--batch_size",
+        "2",
+        "--end_idx",
+        str(PROMPTS),
+        "--precision",
+        "fp32",
+        "--wandb_mode",
+        "disabled",
+        "--seed",
+        "4",
+        "--lr",
+        "5e-2",
+        "--lora_rank",
+        "8",
+        "--beta",
+        "0.04",
+        "--save_optimizer",
+        "false",
+    ]
     runs = []
     for name, extra in (("fp16base", ["--save_every_steps", "1", "--keep_last", "0"]), ("nf4", ["--base_bits", "4"])):
         (tmp_path / name).mkdir()
@@ -554,8 +899,9 @@ def test_lora_grpo_with_a_kl_term_references_the_base_with_the_adapters_off(tmp_
     proc = launch(["-m", "fsdp_opt.export"], [str(first), str(tmp_path / "adapter"), "--dtype", "fp32"], tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     tok = AutoTokenizer.from_pretrained(wide)
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(wide, dtype=torch.float32),
-                                      str(tmp_path / "adapter")).eval()  # fmt: skip
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(wide, dtype=torch.float32), str(tmp_path / "adapter")
+    ).eval()
     by_row, total, tokens = dict(enumerate(rows())), 0.0, 0
     for line in (l for l in read_jsonl(out / "completions.jsonl") if l["step"] == 2):
         prompt = tok(by_row[line["row"]]["prompt"])["input_ids"]
@@ -580,24 +926,69 @@ def test_evaluate_reports_the_reward_training_reported_and_shows_the_completions
     generate with the same ends and length, decoded: the ones it scored."""
     sharp = make_chat_llama(tmp_path / "sharp", seed=4, initializer_range=0.1)
     tok = AutoTokenizer.from_pretrained(sharp)
-    asks = [f"Say {' and '.join(WORDS[k % 12 : k % 12 + 1 + k % 3])} {'twice' if k % 2 else 'once'}:" for k in range(16)]
+    asks = [
+        f"Say {' and '.join(WORDS[k % 12 : k % 12 + 1 + k % 3])} {'twice' if k % 2 else 'once'}:" for k in range(16)
+    ]
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": a}) + "\n" for a in asks))
     base = AutoModelForCausalLM.from_pretrained(sharp, dtype=torch.float32).eval()
     firsts = [greedy_alone(base, tok, a) for a in asks[8:]]
     x = next(c[1] for c in firsts if len(c) > 2 and c[1] != tok.eos_token_id)  # a token greedy decoding reaches
     config = json.loads((sharp / "config.json").read_text())
     (sharp / "config.json").write_text(json.dumps({**config, "eos_token_id": [tok.eos_token_id, x]}))
-    flags = ["--model", str(sharp), "--dataset", str(tmp_path / "prompts.jsonl"), "--method", "grpo", "--reward",
-             "length", "--num_generations", "2", "--max_completion_length", str(LENGTH), "--max_length", "64",
-             "--batch_size", "4", "--end_idx", "8", "--eval_rows", "8", "--precision", "fp32", "--wandb_mode",
-             "disabled", "--seed", "3", "--output_dir", str(tmp_path / "out")]  # fmt: skip
+    flags = [
+        "--model",
+        str(sharp),
+        "--dataset",
+        str(tmp_path / "prompts.jsonl"),
+        "--method",
+        "grpo",
+        "--reward",
+        "length",
+        "--num_generations",
+        "2",
+        "--max_completion_length",
+        str(LENGTH),
+        "--max_length",
+        "64",
+        "--batch_size",
+        "4",
+        "--end_idx",
+        "8",
+        "--eval_rows",
+        "8",
+        "--precision",
+        "fp32",
+        "--wandb_mode",
+        "disabled",
+        "--seed",
+        "3",
+        "--output_dir",
+        str(tmp_path / "out"),
+    ]
     proc = run_cli(flags, tmp_path, nproc=2)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     trained = read_jsonl(tmp_path / "out" / "eval.jsonl")[-1]["reward"]
     report_path = tmp_path / "report.json"
-    proc = launch(["-m", "fsdp_opt.evaluate"], ["--checkpoints", "latest", "--output_dir", str(tmp_path / "out"),
-                                                 "--reward", "length", "--eval_rows", "8", "--num_prompts", "4",
-                                                 "--device", "cpu", "--json", str(report_path)], tmp_path)  # fmt: skip
+    proc = launch(
+        ["-m", "fsdp_opt.evaluate"],
+        [
+            "--checkpoints",
+            "latest",
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--reward",
+            "length",
+            "--eval_rows",
+            "8",
+            "--num_prompts",
+            "4",
+            "--device",
+            "cpu",
+            "--json",
+            str(report_path),
+        ],
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads(report_path.read_text())
     base_row, tuned_row = report["models"]
@@ -609,8 +1000,14 @@ def test_evaluate_reports_the_reward_training_reported_and_shows_the_completions
     for sample, ask in zip(report["samples"], asks[8:12]):
         ids = torch.tensor([tok(ask)["input_ids"]])
         with torch.no_grad():
-            made = base.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=LENGTH, eos_token_id=ends, pad_token_id=tok.pad_token_id)[0, ids.shape[1] :]  # fmt: skip
+            made = base.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=LENGTH,
+                eos_token_id=ends,
+                pad_token_id=tok.pad_token_id,
+            )[0, ids.shape[1] :]
         made = made.tolist()
         cut = next((i + 1 for i, t in enumerate(made) if t in ends), len(made))
         shown = next(v for k, v in sample["outputs"].items() if k.startswith("base"))
@@ -624,10 +1021,32 @@ def test_a_changed_reward_rule_stops_the_chain_and_a_reformatted_one_does_not(tm
     f = setup_files
     rules = tmp_path / "rules.py"
     rules.write_text("def short(completions, **kwargs):\n    return [1.0 / (1 + len(c)) for c in completions]\n")
-    args = ["--model", str(f["policy"]), "--dataset", str(f["data"]), "--method", "grpo", "--reward", f"{rules}:short",
-            "--num_generations", "2", "--max_completion_length", "4", "--max_length", "64", "--batch_size", "2",
-            "--precision", "fp32", "--wandb_mode", "disabled", "--output_dir", str(tmp_path / "out"),
-            "--save_optimizer", "false"]  # fmt: skip
+    args = [
+        "--model",
+        str(f["policy"]),
+        "--dataset",
+        str(f["data"]),
+        "--method",
+        "grpo",
+        "--reward",
+        f"{rules}:short",
+        "--num_generations",
+        "2",
+        "--max_completion_length",
+        "4",
+        "--max_length",
+        "64",
+        "--batch_size",
+        "2",
+        "--precision",
+        "fp32",
+        "--wandb_mode",
+        "disabled",
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--save_optimizer",
+        "false",
+    ]
     first = run_cli(args + ["--end_idx", "4"], tmp_path, nproc=2)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
     (saved,) = saved_names(first.stdout)
@@ -635,7 +1054,32 @@ def test_a_changed_reward_rule_stops_the_chain_and_a_reformatted_one_does_not(tm
     rules.write_text("def short(completions, **kwargs):\n    return [1.0 / (2 + len(c)) for c in completions]\n")
     changed = run_cli(more, tmp_path, nproc=2)
     assert_clean_failure(changed, f"--reward {rules}:short: its source changed since the checkpoint")
-    rules.write_text("# shorter is better\n\n\ndef short(\n    completions,\n    **kwargs,\n):\n"
-                     "    return [1.0 / (1 + len(c)) for c in completions]  # one over the length\n")  # fmt: skip
+    rules.write_text(
+        "# shorter is better\n\n\ndef short(\n    completions,\n    **kwargs,\n):\n"
+        "    return [1.0 / (1 + len(c)) for c in completions]  # one over the length\n"
+    )
     reformatted = run_cli(more, tmp_path, nproc=2)
     assert reformatted.returncode == 0, reformatted.stdout[-2000:] + reformatted.stderr[-3000:]
+
+
+def test_a_resumed_session_keeps_the_reference_its_chain_recorded(tmp_path, setup_files):
+    """The KL term's reference is the chain's: --ref_model, else what the checkpoint recorded (the model the first
+    session started from), not a later session's --model; a LoRA run's base with its adapters off likewise."""
+    from fsdp_opt.config.parse import parse_args
+    from fsdp_opt.runtime.distributed import DistEnv
+    from fsdp_opt.train.methods import method_for
+    from fsdp_opt.train.reference import ADAPTERS_OFF
+
+    f = setup_files
+    env = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
+    flags = ["--dataset", str(f["data"]), "--method", "grpo", "--reward", f"{f['rewards']}:overlap", "--beta", "0.1"]
+
+    def ref(model: str, saved: dict | None, *more: str) -> str:
+        method = method_for(parse_args(["--model", model, *flags, *more]))
+        method.before_model(None, env, {"grpo": saved} if saved else None, "fp32", None)
+        return method.ref_name
+
+    assert ref("first", None) == "first"
+    assert ref("copy-of-first", {"ref_model": "first", "rewards": []}) == "first"
+    assert ref("copy-of-first", {"ref_model": "first", "rewards": []}, "--ref_model", "other") == "other"
+    assert ref("first", None, "--lora_rank", "4") == ADAPTERS_OFF

@@ -31,10 +31,13 @@ WINDOW, LENGTH, ROWS, HELD_OUT, FIRST_STEP_ROWS = 32, 128, 24, 4, 8
 FAMILIES = {
     "qwen3": (False, dict(head_dim=16, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
     "gemma2": (True, dict(head_dim=16, sliding_window=WINDOW)),
-    "gemma3_text": (True, dict(head_dim=16, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])),
+    "gemma3_text": (
+        True,
+        dict(head_dim=16, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+    ),
     "mistral": (True, dict(sliding_window=WINDOW)),
     "phi3": (False, dict(sliding_window=WINDOW)),
-}  # fmt: skip
+}
 COMMON = ["--dataset", "python-docs", "--max_length", str(LENGTH), "--seed", "5", "--device", "cpu"]
 
 
@@ -47,16 +50,57 @@ def runs(request, tmp_path_factory) -> tuple[str, Path]:
 
     def build(root: Path) -> None:
         model = make_family_model(root / "model", model_type, bos=bos, **fields)
-        straight = ["--model", str(model), *COMMON, "--end_idx", str(ROWS), "--batch_size", "2", "--lr", "3e-3",
-                    "--output_dir"]  # fmt: skip
+        straight = [
+            "--model",
+            str(model),
+            *COMMON,
+            "--end_idx",
+            str(ROWS),
+            "--batch_size",
+            "2",
+            "--lr",
+            "3e-3",
+            "--output_dir",
+        ]
         jobs = {
-            "straight": straight + ["out", "--num_epochs", "3", "--eval_rows", str(HELD_OUT), "--export_hf", "export",
-                                    "--export_dtype", "fp32"],
-            "resumed": straight + ["resumed", "--num_epochs", "1", "--resume_file",
-                                   str(root / "out" / checkpoint_name("model", 0, ROWS, 2))],
-            "lora": ["--model", str(model), *COMMON, "--end_idx", str(FIRST_STEP_ROWS), "--batch_size", "16",
-                     "--num_epochs", "4", "--lora_rank", "8", "--lr", "1e-2", "--output_dir", "lora"],
-        }  # fmt: skip
+            "straight": straight
+            + [
+                "out",
+                "--num_epochs",
+                "3",
+                "--eval_rows",
+                str(HELD_OUT),
+                "--export_hf",
+                "export",
+                "--export_dtype",
+                "fp32",
+            ],
+            "resumed": straight
+            + [
+                "resumed",
+                "--num_epochs",
+                "1",
+                "--resume_file",
+                str(root / "out" / checkpoint_name("model", 0, ROWS, 2)),
+            ],
+            "lora": [
+                "--model",
+                str(model),
+                *COMMON,
+                "--end_idx",
+                str(FIRST_STEP_ROWS),
+                "--batch_size",
+                "16",
+                "--num_epochs",
+                "4",
+                "--lora_rank",
+                "8",
+                "--lr",
+                "1e-2",
+                "--output_dir",
+                "lora",
+            ],
+        }
         for name, args in jobs.items():
             proc = run_cli(args, root, nproc=2)
             assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from fsdp_opt.config.parse import parse_args
 from fsdp_opt.engine.step import train_step
 from fsdp_opt.runtime.distributed import end_process, init_distributed, teardown
-from fsdp_opt.train.run import setup
+from fsdp_opt.train.build import setup
 
 counted: dict[str, int] = {}
 
@@ -34,11 +34,31 @@ def main() -> None:
     for item in configs:
         strategy, every, checkpointing, precision = item.split(":")
         config = parse_args(
-            ["--model", "tiny-opt", "--dataset", "python-docs", "--end_idx", "40", "--max_length", "64",
-             "--batch_size", "2", "--accum_steps", "3", "--sharding_strategy", strategy,
-             "--reduce_every_microbatch", every, "--activation_checkpointing", checkpointing, "--precision", precision,
-             "--output_dir", os.path.dirname(out_path)]
-        )  # fmt: skip
+            [
+                "--model",
+                "tiny-opt",
+                "--dataset",
+                "python-docs",
+                "--end_idx",
+                "40",
+                "--max_length",
+                "64",
+                "--batch_size",
+                "2",
+                "--accum_steps",
+                "3",
+                "--sharding_strategy",
+                strategy,
+                "--reduce_every_microbatch",
+                every,
+                "--activation_checkpointing",
+                checkpointing,
+                "--precision",
+                precision,
+                "--output_dir",
+                os.path.dirname(out_path),
+            ]
+        )
         session = setup(config, env)
         counted.clear()
         saved = dist.all_gather_single, dist.reduce_scatter_single, dist.all_reduce

@@ -21,14 +21,16 @@ from fsdp_opt.data.sources import load_rows
 from fsdp_opt.engine.loss import HeadLoss
 from fsdp_opt.engine.step import accumulate
 from fsdp_opt.runtime.distributed import end_process, init_distributed, teardown
-from fsdp_opt.train.run import setup
+from fsdp_opt.train.build import setup
 
 
 def one_step(blocks, s, batch_size: int):
     """The whole of `blocks` as one optimizer step (accumulation covers every block)."""
     micro_global = batch_size * s.env.world_size
     accum = -(-len(blocks) // micro_global)
-    plan = StepPlan(blocks, batch_size=batch_size, accum_steps=accum, rank=s.env.rank, world_size=s.env.world_size, seed=3)
+    plan = StepPlan(
+        blocks, batch_size=batch_size, accum_steps=accum, rank=s.env.rank, world_size=s.env.world_size, seed=3
+    )
     return next(plan.steps(0))
 
 
@@ -57,14 +59,25 @@ def main() -> None:
     docs = s.blocks
     padded = build_blocks(texts, s.tokenizer, dc.max_length, "pad")
     b = config.train.batch_size
-    report = {"rows": len(rows), "longest_row": max(map(len, rows)), "docs_blocks": len(docs), "padded_rows": len(padded),
-              "rows_per_block": max(int((docs.positions[k] == 0).sum()) for k in range(len(docs)))}  # fmt: skip
+    report = {
+        "rows": len(rows),
+        "longest_row": max(map(len, rows)),
+        "docs_blocks": len(docs),
+        "padded_rows": len(padded),
+        "rows_per_block": max(int((docs.positions[k] == 0).sum()) for k in range(len(docs))),
+    }
     for name, chunked in (("whole", None), ("chunked", HeadLoss(s.model, 48))):
         s.head_loss = chunked
         g_docs, loss_docs, tokens_docs = gradients(s, docs, b)
         g_pad, loss_pad, tokens_pad = gradients(s, padded, b)
-        report[name] = {"grad_diff": largest_difference(g_docs, g_pad), "grad_max": max(g.abs().max().item() for g in g_pad.values()),
-                        "loss_docs": loss_docs, "loss_pad": loss_pad, "tokens_docs": tokens_docs, "tokens_pad": tokens_pad}  # fmt: skip
+        report[name] = {
+            "grad_diff": largest_difference(g_docs, g_pad),
+            "grad_max": max(g.abs().max().item() for g in g_pad.values()),
+            "loss_docs": loss_docs,
+            "loss_pad": loss_pad,
+            "tokens_docs": tokens_docs,
+            "tokens_pad": tokens_pad,
+        }
     s.head_loss = None
     s.optimizer.zero_grad(set_to_none=True)
     # Per-token losses inside the packed blocks against each row alone: every rank runs the same forwards.

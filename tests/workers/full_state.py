@@ -33,7 +33,9 @@ for name in [n for n in calls if hasattr(dist, n)]:
 
 def build(mesh) -> tuple[torch.nn.Module, torch.optim.Optimizer]:  # noqa: ANN001
     torch.manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Linear(33, 17), torch.nn.LayerNorm(17), torch.nn.Linear(17, 2), torch.nn.Linear(2, 5))
+    m = torch.nn.Sequential(
+        torch.nn.Linear(33, 17), torch.nn.LayerNorm(17), torch.nn.Linear(17, 2), torch.nn.Linear(2, 5)
+    )
     for layer in m:
         fully_shard(layer, mesh=mesh)
     fully_shard(m, mesh=mesh)
@@ -54,14 +56,21 @@ def same(a, b) -> bool:  # noqa: ANN001
     if isinstance(a, (list, tuple)):
         return isinstance(b, type(a)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     if isinstance(a, torch.Tensor):
-        return (type(b) is torch.Tensor and b.device.type == "cpu" and a.dtype == b.dtype and a.shape == b.shape
-                and torch.equal(a, b))  # fmt: skip
+        return (
+            type(b) is torch.Tensor
+            and b.device.type == "cpu"
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a, b)
+        )
     return a == b
 
 
 report: dict = {"world": world}
-meshes = {"FULL_SHARD": init_device_mesh("cpu", (world,)),
-          "NO_SHARD": init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))}  # fmt: skip
+meshes = {
+    "FULL_SHARD": init_device_mesh("cpu", (world,)),
+    "NO_SHARD": init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard")),
+}
 for kind, mesh in meshes.items():
     m, opt = build(mesh)
     # the state a full checkpoint takes
@@ -69,11 +78,15 @@ for kind, mesh in meshes.items():
     before = sum(calls[n] for n in ("all_gather_single", "all_gather_into_tensor"))
     got = (gather_to_rank0(get_model_state_dict(m)), gather_to_rank0(get_optimizer_state_dict(m, opt)))
     report[f"{kind}_gathers"] = sum(calls[n] for n in ("all_gather_single", "all_gather_into_tensor")) - before
-    small = (gather_to_rank0(get_model_state_dict(m), bucket_bytes=64),
-             gather_to_rank0(get_optimizer_state_dict(m, opt), bucket_bytes=64))  # a bucket for about every tensor
+    small = (
+        gather_to_rank0(get_model_state_dict(m), bucket_bytes=64),
+        gather_to_rank0(get_optimizer_state_dict(m, opt), bucket_bytes=64),
+    )  # a bucket for about every tensor
     report[f"{kind}_equal"] = same(want, got) and same(want, small)
     report[f"{kind}_entries"] = [len(want[0]), len(want[1].get("state", {}))]
-    report[f"{kind}_rows_on_this_rank"] = next(p for n, p in m.named_parameters() if n == "2.weight").to_local().shape[0]
+    report[f"{kind}_rows_on_this_rank"] = (
+        next(p for n, p in m.named_parameters() if n == "2.weight").to_local().shape[0]
+    )
     # the optimizer's own state is untouched: still DTensors on every rank
     report[f"{kind}_state_kept"] = all(isinstance(s["exp_avg"], DTensor) for s in opt.state.values())
     # the clipping norm: one all-reduce, against the whole gradients' norm in float64
@@ -91,7 +104,10 @@ for kind, mesh in meshes.items():
 mesh = meshes["FULL_SHARD"]
 torch.manual_seed(0)
 whole = {"cols": torch.randn(4, 7), "copy": torch.randn(3, 2)}
-tree = {"cols": distribute_tensor(whole["cols"], mesh, [Shard(1)]), "copy": distribute_tensor(whole["copy"], mesh, [Replicate()])}
+tree = {
+    "cols": distribute_tensor(whole["cols"], mesh, [Shard(1)]),
+    "copy": distribute_tensor(whole["copy"], mesh, [Replicate()]),
+}
 report["other_layouts_equal"] = same(whole, gather_to_rank0(tree)) if rank == 0 else gather_to_rank0(tree) == {}
 gathered = gather_to_rank0(get_model_state_dict(m))  # every rank takes part; only rank 0 keeps the tensors
 report["kept_here"] = len(gathered)

@@ -10,15 +10,23 @@ dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 from fsdp_opt.engine.optim import build_optimizer
 
 torch.manual_seed(0)
+
+
 def run(dev):
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
     mesh = init_device_mesh("cpu", (1,))
-    for l in m: fully_shard(l, mesh=mesh)
+    for l in m:
+        fully_shard(l, mesh=mesh)
     fully_shard(m, mesh=mesh)
     opt = build_optimizer(m, 1e-2, 0.1, torch.device(dev))
     for _ in range(3):
-        m(torch.ones(2, 16)).sum().backward(); opt.step(); opt.zero_grad()
+        m(torch.ones(2, 16)).sum().backward()
+        opt.step()
+        opt.zero_grad()
     return [p.full_tensor().clone() for p in m.parameters()], opt.param_groups[0].get("fused")
-a, fa = run("cpu"); b, fb = run("cuda")
+
+
+a, fa = run("cpu")
+b, fb = run("cuda")
 print(fa, fb, max((x - y).abs().max().item() for x, y in zip(a, b)))

@@ -20,7 +20,7 @@ from fsdp_opt.config.parse import parse_args
 from fsdp_opt.engine.generation import Generated
 from fsdp_opt.engine.step import accumulate, train_step
 from fsdp_opt.runtime.distributed import end_process, init_distributed, teardown
-from fsdp_opt.train.run import setup
+from fsdp_opt.train.build import setup
 
 
 def main() -> None:
@@ -35,7 +35,9 @@ def main() -> None:
     def injected(model, asked, keys, sampling, **kwargs) -> Generated:  # noqa: ANN001, ANN003
         mine = [int(p) for part in step.generation.prompts for p in part]
         pairs = [(int(prompts.index[p]), g) for p in mine for g in range(s.config.method.num_generations)]
-        return Generated([given["completions"][f"{r}:{g}"] for r, g in pairs], [given["ended"][f"{r}:{g}"] for r, g in pairs])
+        return Generated(
+            [given["completions"][f"{r}:{g}"] for r, g in pairs], [given["ended"][f"{r}:{g}"] for r, g in pairs]
+        )
 
     rollout.generate = injected
     if s.config.method.num_iterations > 1:  # the first pass trains; the report is of the second
@@ -56,10 +58,20 @@ def main() -> None:
     torch.distributed.all_gather_object(micro, mine)
     if env.rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"loss": float(sums[0]), "kl": float(sums[1]), "clips": sums[2:].tolist(), "grads": grads,
-                       "tokens": s.loss.current.totals["tokens"], "iteration": step.generation.iteration + 1,
-                       "records": [r for part in records for r in part],
-                       "micro_batches": len(s.loss.current.micro), "micro": micro}, f)  # fmt: skip
+            json.dump(
+                {
+                    "loss": float(sums[0]),
+                    "kl": float(sums[1]),
+                    "clips": sums[2:].tolist(),
+                    "grads": grads,
+                    "tokens": s.loss.current.totals["tokens"],
+                    "iteration": step.generation.iteration + 1,
+                    "records": [r for part in records for r in part],
+                    "micro_batches": len(s.loss.current.micro),
+                    "micro": micro,
+                },
+                f,
+            )
     teardown()
 
 

@@ -15,14 +15,28 @@ from fsdp_opt.checkpoint.save import save_checkpoint
 from fsdp_opt.config.parse import parse_args
 from fsdp_opt.engine.step import train_step
 from fsdp_opt.runtime.distributed import end_process, init_distributed, teardown
-from fsdp_opt.train.run import setup
+from fsdp_opt.train.build import setup
 
 
 def main() -> None:
     out_path = sys.argv[1]
     env = init_distributed("cpu")
-    config = parse_args(["--model", "tiny-opt", "--dataset", "python-docs", "--end_idx", "60", "--max_length", "64",
-                         "--batch_size", "2", "--output_dir", out_path + ".out"])  # fmt: skip
+    config = parse_args(
+        [
+            "--model",
+            "tiny-opt",
+            "--dataset",
+            "python-docs",
+            "--end_idx",
+            "60",
+            "--max_length",
+            "64",
+            "--batch_size",
+            "2",
+            "--output_dir",
+            out_path + ".out",
+        ]
+    )
     s = setup(config, env)
     steps = s.plan.steps(0)
     train_step(s, next(steps))
@@ -35,8 +49,16 @@ def main() -> None:
         return copies["n"]
 
     checkpoint_save.copy_live_tensors = counting  # save_checkpoint calls it through its module
-    save_checkpoint(s.out_dir / "x.pt", env, s.model, s.optimizer, state=s.state, epochs_run=0, extra={},
-                         hand_off=lambda payload: handed.append((payload, copy.deepcopy(payload))))  # fmt: skip
+    save_checkpoint(
+        s.out_dir / "x.pt",
+        env,
+        s.model,
+        s.optimizer,
+        state=s.state,
+        epochs_run=0,
+        extra={},
+        hand_off=lambda payload: handed.append((payload, copy.deepcopy(payload))),
+    )
     for _ in range(2):
         train_step(s, next(steps))
     report = {"rank": env.rank, "handed": len(handed), "copied": copies["n"]}

@@ -12,7 +12,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from fsdp_opt.config.parse import parse_args
 from fsdp_opt.runtime.distributed import end_process, init_distributed, teardown
-from fsdp_opt.train.run import setup, train_session
+from fsdp_opt.train.build import setup
+from fsdp_opt.train.run import train_session
 
 
 def frozen_state(model) -> dict[str, torch.Tensor]:
@@ -33,7 +34,9 @@ def main() -> None:
     s.model.eval()
     with torch.no_grad():
         logits = s.model(input_ids=ids).logits.float()
-    moved = any(not torch.equal(p.full_tensor(), adapters_before[n]) for n, p in s.model.named_parameters() if p.requires_grad)
+    moved = any(
+        not torch.equal(p.full_tensor(), adapters_before[n]) for n, p in s.model.named_parameters() if p.requires_grad
+    )
     if env.is_main:
         report = {
             "base_tensors": len(before),

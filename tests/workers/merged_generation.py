@@ -17,7 +17,7 @@ from peft.tuners.lora import LoraLayer
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import OPTConfig, OPTForCausalLM
 
-from fsdp_opt.config.training import LoraConfig
+from fsdp_opt.config.layout import LoraConfig
 from fsdp_opt.engine.generation import Sampling, gathered, generate
 from fsdp_opt.model.adapters import inject
 from fsdp_opt.model.gathering import fsdp_params
@@ -27,9 +27,19 @@ rank = dist.get_rank()
 half = len(sys.argv) > 1 and sys.argv[1] == "fp16"
 
 torch.manual_seed(0)
-config = OPTConfig(vocab_size=512, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
-                   word_embed_proj_dim=64, max_position_embeddings=128, dropout=0.0, attention_dropout=0.0,
-                   activation_dropout=0.0, layerdrop=0.0)  # fmt: skip
+config = OPTConfig(
+    vocab_size=512,
+    hidden_size=64,
+    ffn_dim=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    word_embed_proj_dim=64,
+    max_position_embeddings=128,
+    dropout=0.0,
+    attention_dropout=0.0,
+    activation_dropout=0.0,
+    layerdrop=0.0,
+)
 model = OPTForCausalLM(config)
 inject(model, LoraConfig(lora_rank=4, lora_dropout=0.0), meta=False, seed=0)
 with torch.no_grad():
@@ -61,8 +71,15 @@ def lora_layers() -> list[torch.nn.Module]:
 
 
 def complete() -> list[list[int]]:
-    made = generate(model, ids.tolist(), torch.zeros(3, dtype=torch.int64), Sampling(6, top_k=1), eos_ids=[],
-                    pad_id=1, device=torch.device("cpu"))  # fmt: skip
+    made = generate(
+        model,
+        ids.tolist(),
+        torch.zeros(3, dtype=torch.int64),
+        Sampling(6, top_k=1),
+        eos_ids=[],
+        pad_id=1,
+        device=torch.device("cpu"),
+    )
     return made.ids
 
 

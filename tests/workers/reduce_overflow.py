@@ -35,16 +35,25 @@ def main() -> None:
             with torch.no_grad():
                 model.block.weight.fill_(1.0)
                 model.head.weight.fill_(1.0)
-            apply_fsdp(model, [model.block], build_mesh("FULL_SHARD", env), strategy="FULL_SHARD",
-                       mp_policy=mixed_precision_policy("fp16", reduce_dtype), offload=False)  # fmt: skip
+            apply_fsdp(
+                model,
+                [model.block],
+                build_mesh("FULL_SHARD", env),
+                strategy="FULL_SHARD",
+                mp_policy=mixed_precision_policy("fp16", reduce_dtype),
+                offload=False,
+            )
             # d(sum of the output)/d(block.weight[i, 0]) = x[0] and d/d(head.weight[0, i]) = 40000: finite in fp16 on
             # every rank, 80000 summed over the two.
             x = torch.tensor([[40000.0, 0.0, 0.0, 0.0]])
             model(x).sum().backward()
             norm = global_grad_norm([p for p in model.parameters()])
             local = model.block.weight.grad.to_local()
-            out[reduce_dtype] = {"norm": float(norm), "block_grad_max": float(local.float().abs().max()),
-                                 "grad_dtype": str(local.dtype)}  # fmt: skip
+            out[reduce_dtype] = {
+                "norm": float(norm),
+                "block_grad_max": float(local.float().abs().max()),
+                "grad_dtype": str(local.dtype),
+            }
         if env.is_main:
             with open(sys.argv[1], "w") as f:
                 json.dump(out, f)

@@ -19,7 +19,9 @@ rank = dist.get_rank()
 
 def model() -> torch.nn.Module:
     torch.manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Linear(33, 17), torch.nn.LayerNorm(17), torch.nn.Linear(17, 5), torch.nn.Linear(5, 3))
+    m = torch.nn.Sequential(
+        torch.nn.Linear(33, 17), torch.nn.LayerNorm(17), torch.nn.Linear(17, 5), torch.nn.Linear(5, 3)
+    )
     m[1].weight.requires_grad_(False)  # frozen: no state
     for layer in m:
         fully_shard(layer)
@@ -29,8 +31,10 @@ def model() -> torch.nn.Module:
 
 def groups(m: torch.nn.Module) -> list[dict]:
     params = [p for p in m.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
 
 
 def train(m: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int) -> None:
@@ -84,8 +88,11 @@ for kind in ("foreach", "fused"):
     a, b = get_optimizer_state_dict(ref_m, ref), get_optimizer_state_dict(mine_m, mine)
     flat = lambda sd: {(k, s): v for k, st in sd["state"].items() for s, v in st.items()}  # noqa: E731
     fa, fb = flat(a), flat(b)
-    report[f"{kind}_state_dict"] = (fa.keys() == fb.keys() and a["param_groups"] == b["param_groups"]
-                                    and all(type(fa[k]) is type(fb[k]) and torch.equal(fa[k], fb[k]) for k in fa))  # fmt: skip
+    report[f"{kind}_state_dict"] = (
+        fa.keys() == fb.keys()
+        and a["param_groups"] == b["param_groups"]
+        and all(type(fa[k]) is type(fb[k]) and torch.equal(fa[k], fb[k]) for k in fa)
+    )
 
 if rank == 0:
     print(json.dumps(report))

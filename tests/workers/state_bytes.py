@@ -11,7 +11,7 @@ from fsdp_opt.config.parse import parse_args
 from fsdp_opt.engine.step import train_step
 from fsdp_opt.model.parallelize import local_state_bytes
 from fsdp_opt.runtime.distributed import end_process, init_distributed, teardown
-from fsdp_opt.train.run import setup
+from fsdp_opt.train.build import setup
 
 
 def main() -> None:
@@ -20,9 +20,23 @@ def main() -> None:
     report = {}
     for strategy in strategies:
         config = parse_args(
-            ["--model", "tiny-opt", "--dataset", "python-docs", "--end_idx", "40", "--max_length", "64",
-             "--batch_size", "2", "--sharding_strategy", strategy, "--output_dir", os.path.dirname(out_path)]
-        )  # fmt: skip
+            [
+                "--model",
+                "tiny-opt",
+                "--dataset",
+                "python-docs",
+                "--end_idx",
+                "40",
+                "--max_length",
+                "64",
+                "--batch_size",
+                "2",
+                "--sharding_strategy",
+                strategy,
+                "--output_dir",
+                os.path.dirname(out_path),
+            ]
+        )
         session = setup(config, env)
         step = next(session.plan.steps(0))
         train_step(session, step)  # creates the optimizer state

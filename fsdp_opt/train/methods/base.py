@@ -22,7 +22,7 @@ from fsdp_opt.base import ConfigError
 from fsdp_opt.config.method import METHOD_SPECS
 from fsdp_opt.config.parse import Config
 from fsdp_opt.data.blocks import StepPlan, rows_to_blocks
-from fsdp_opt.data.formats import RowSpec, Rows
+from fsdp_opt.data.formats import Rows, RowSpec
 from fsdp_opt.engine.evaluation import evaluate_loss
 from fsdp_opt.engine.step import StepLoss, TokenLoss
 from fsdp_opt.runtime.distributed import DistEnv, print0
@@ -58,11 +58,29 @@ class Method:
         then = f": train them with --method {owner}" if owner else f"; it trains on {self.spec.what}"
         raise ConfigError(f"--method {self.name}: the rows are {words(spec)}{then}")
 
-    def sequences(self, rows: Rows, spec: RowSpec, tokenizer, *, train_on: str, max_length: int, packing: str,
-                  attention: str, pattern) -> Any:  # noqa: ANN001  # fmt: skip
+    def sequences(
+        self,
+        rows: Rows,
+        spec: RowSpec,
+        tokenizer,
+        *,
+        train_on: str,
+        max_length: int,
+        packing: str,
+        attention: str,
+        pattern,
+    ) -> Any:  # noqa: ANN001
         """A slice's checked rows as what its steps read (here: blocks of tokens)."""
-        return rows_to_blocks(rows, spec, tokenizer, train_on=train_on, max_length=max_length, packing=packing,
-                              attention=attention, pattern=pattern)  # fmt: skip
+        return rows_to_blocks(
+            rows,
+            spec,
+            tokenizer,
+            train_on=train_on,
+            max_length=max_length,
+            packing=packing,
+            attention=attention,
+            pattern=pattern,
+        )
 
     def eval_packing(self, packing: str) -> str:
         """How the held-out rows fill their blocks: docs and pad give the same per-row losses; docs in fewer."""
@@ -70,8 +88,14 @@ class Method:
 
     def plan(self, config: Config, env: DistEnv, sequences: Any, batch_size: int, accum_steps: int) -> StepPlan:
         """The global batches of the slice's epochs, and this rank's share of each."""
-        return StepPlan(sequences, batch_size=batch_size, accum_steps=accum_steps, rank=env.rank,
-                        world_size=env.world_size, seed=config.train.seed)  # fmt: skip
+        return StepPlan(
+            sequences,
+            batch_size=batch_size,
+            accum_steps=accum_steps,
+            rank=env.rank,
+            world_size=env.world_size,
+            seed=config.train.seed,
+        )
 
     def describe(self, sequences: Any, packing_words: str, max_length: int) -> str:
         """What the slice became, for the summary's data line."""
@@ -87,8 +111,9 @@ class Method:
         """The LoRA settings the run builds its adapters with."""
         return lc
 
-    def before_model(self, session_inputs: Any, env: DistEnv, payload: dict[str, Any] | None, precision: str,
-                     tokenizer) -> None:  # noqa: ANN001  # fmt: skip
+    def before_model(
+        self, session_inputs: Any, env: DistEnv, payload: dict[str, Any] | None, precision: str, tokenizer
+    ) -> None:  # noqa: ANN001
         """Work before the trainable model exists (every rank)."""
 
     def after_model(self, s) -> None:  # noqa: ANN001 - a train.session.Session
@@ -109,8 +134,10 @@ class Method:
         started = time.perf_counter()
         result = evaluate_loss(s.model, s.eval_blocks, s.layout.batch_size, s.env)
         result["seconds"] = round(time.perf_counter() - started, 3)
-        print0(f"eval at step {s.state.global_step}: loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f} "
-               f"on rows {s.eval_label} ({result['tokens']:,} tokens, {result['seconds']:.1f} s)")  # fmt: skip
+        print0(
+            f"eval at step {s.state.global_step}: loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f} "
+            f"on rows {s.eval_label} ({result['tokens']:,} tokens, {result['seconds']:.1f} s)"
+        )
         return result
 
     eval_logged: tuple[str, ...] = ("loss", "perplexity")  # what W&B gets of an evaluation
@@ -123,15 +150,28 @@ class Method:
 
     # ------------------------------------------------------------ python -m fsdp_opt.evaluate
 
-    def before_scoring(self, held, env: DistEnv, precision: str, tokenizer, batch_size: int, model_name: str,
-                       reference_name: str | None, strategy: str, seed: int, model_config=None) -> str | None:  # noqa: ANN001  # fmt: skip
+    def before_scoring(
+        self,
+        held,
+        env: DistEnv,
+        precision: str,
+        tokenizer,
+        batch_size: int,
+        model_name: str,
+        reference_name: str | None,
+        strategy: str,
+        seed: int,
+        model_config=None,
+    ) -> str | None:  # noqa: ANN001
         """Before the models are scored on the held-out sequences: what they are scored against (the name), if any."""
         return None
 
     def scored_what(self, sequences: Any, packing: str, max_length: int, train_on: str) -> str:
         """What `python -m fsdp_opt.evaluate` scores the models on, in words."""
-        return (f"{len(sequences)} blocks of {max_length} tokens ({packing}), loss on "
-                f"{'every token' if train_on == 'all' else 'the answers'}")  # fmt: skip
+        return (
+            f"{len(sequences)} blocks of {max_length} tokens ({packing}), loss on "
+            f"{'every token' if train_on == 'all' else 'the answers'}"
+        )
 
     def score(self, model, held, batch_size: int, env: DistEnv) -> dict[str, Any]:  # noqa: ANN001
         """One model's result on the held-out sequences (every rank)."""
@@ -143,8 +183,13 @@ class Method:
     @staticmethod
     def table(results: dict[str, Any]) -> list[str]:
         """The report's table of the models scored."""
-        lines = [f"Held-out rows {results['rows']} of `{results['dataset']}` ({results['models'][0]['tokens']:,} target "
-                 "tokens):", "", "| model | eval loss | perplexity |", "| --- | --- | --- |"]  # fmt: skip
+        lines = [
+            f"Held-out rows {results['rows']} of `{results['dataset']}` ({results['models'][0]['tokens']:,} target "
+            "tokens):",
+            "",
+            "| model | eval loss | perplexity |",
+            "| --- | --- | --- |",
+        ]
         return lines + [f"| {r['name']} | {r['loss']:.4f} | {r['perplexity']:.2f} |" for r in results["models"]]
 
     def further_range(self, s) -> str | None:  # noqa: ANN001
@@ -160,8 +205,13 @@ def words(spec: RowSpec) -> str:
     if spec.format == "mixed":
         kinds = dict.fromkeys(words(p).split(" (")[0] for p in spec.parts)
         return f"a mixture of {' and '.join(kinds)} (column {', '.join(spec.columns)})"
-    kind = {"text": "text", "messages": "conversations", "prompt_completion": "prompt/completion pairs",
-            "preference": "preference pairs", "prompt": "prompts"}[spec.format]  # fmt: skip
+    kind = {
+        "text": "text",
+        "messages": "conversations",
+        "prompt_completion": "prompt/completion pairs",
+        "preference": "preference pairs",
+        "prompt": "prompts",
+    }[spec.format]
     return f"{kind} (column {', '.join(spec.columns)})"
 
 

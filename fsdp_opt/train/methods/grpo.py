@@ -14,42 +14,20 @@ import torch
 from fsdp_opt.base import ConfigError
 from fsdp_opt.checkpoint.drift import line as drift_line
 from fsdp_opt.config.parse import Config
-from fsdp_opt.data.formats import RowSpec, Rows
+from fsdp_opt.data.formats import Rows, RowSpec
 from fsdp_opt.data.prompts import PromptPlan, generation_slices, prompts_from_rows
-from fsdp_opt.data.tokens import end_of_turn
-from fsdp_opt.engine.dpo import adapters_off, head_logps
+from fsdp_opt.data.tokens import end_rules
 from fsdp_opt.engine.generation import Sampling
-from fsdp_opt.engine.grpo import GroupLoss
 from fsdp_opt.engine.groups import GroupSettings
-from fsdp_opt.engine.rollout import Generation, held_out_rewards
-from fsdp_opt.engine.loss import HeadLoss
+from fsdp_opt.engine.grpo import GroupLoss
 from fsdp_opt.engine.rewards import load_all
+from fsdp_opt.engine.rollout import Generation, held_out_rewards
 from fsdp_opt.model.sources import without_dropout
-from fsdp_opt.model.shapes import Shape
-from fsdp_opt.planner.generation import gathered_fits, with_generation
-from fsdp_opt.planner.inputs import Inputs
-from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, cap_gpu_memory, print0, scatter_object
+from fsdp_opt.planner.layout import gathered_generation_fits, with_generation_phase
+from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, broadcast_object, print0, scatter_object
 from fsdp_opt.tracking.metrics import COMPLETIONS_FILE
 from fsdp_opt.train import reference
 from fsdp_opt.train.methods.base import Method, words
-
-
-def end_rules(tokenizer, model_config, conversational: bool) -> tuple[list[int], str | None]:  # noqa: ANN001
-    """Where a completion ends, the same in training and in `python -m fsdp_opt.evaluate`: the tokenizer's end of text,
-    the model's generation config's (as the model built from its config has it), and the chat template's end of turn
-    (an end-of-text token where it is one token; else a stop text)."""
-    from transformers import GenerationConfig
-
-    eos = {i for i in [tokenizer.eos_token_id] if i is not None}
-    config_eos = GenerationConfig.from_model_config(model_config).eos_token_id if model_config is not None else None
-    eos |= set(config_eos if isinstance(config_eos, list) else [config_eos] if config_eos is not None else [])
-    stop = end_of_turn(tokenizer) if conversational else None
-    if stop:
-        ids = tokenizer(stop, add_special_tokens=False)["input_ids"]
-        if len(ids) == 1:  # one token: an end-of-text token like the others
-            eos.add(ids[0])
-            stop = None
-    return sorted(eos), stop
 
 
 class Grpo(Method):
@@ -72,41 +50,72 @@ class Grpo(Method):
 
     def check(self) -> None:
         """The reward functions can be had (every rank): before anything is taken or built."""
-        self.rewards, self.weights = all_ranks_ok(lambda: load_all(self.config.method.reward_names,
-                                                                   self.config.method.reward_weights))  # fmt: skip
+        self.rewards, self.weights = all_ranks_ok(
+            lambda: load_all(self.config.method.reward_names, self.config.method.reward_weights)
+        )
 
     def check_rows(self, spec: RowSpec) -> None:
         if spec.format not in self.spec.rows:
-            raise ConfigError(f"--method {self.name}: the rows are {words(spec)}, not prompts; name the prompt's "
-                              "column with --prompt_column (--data_format prompt)")  # fmt: skip
+            raise ConfigError(
+                f"--method {self.name}: the rows are {words(spec)}, not prompts; name the prompt's "
+                "column with --prompt_column (--data_format prompt)"
+            )
 
-    def sequences(self, rows: Rows, spec: RowSpec, tokenizer, *, train_on: str, max_length: int, packing: str,
-                  attention: str, pattern):  # noqa: ANN001, ANN201  # fmt: skip
-        return prompts_from_rows(rows, tokenizer, max_length=max_length,
-                                 max_completion_length=self.config.method.max_completion_length, packing=packing,
-                                 attention=attention, pattern=pattern)  # fmt: skip
+    def sequences(
+        self,
+        rows: Rows,
+        spec: RowSpec,
+        tokenizer,
+        *,
+        train_on: str,
+        max_length: int,
+        packing: str,
+        attention: str,
+        pattern,
+    ):  # noqa: ANN001, ANN201
+        return prompts_from_rows(
+            rows,
+            tokenizer,
+            max_length=max_length,
+            max_completion_length=self.config.method.max_completion_length,
+            packing=packing,
+            attention=attention,
+            pattern=pattern,
+        )
 
     def eval_packing(self, packing: str) -> str:
         return packing
 
     def plan(self, config: Config, env: DistEnv, sequences, batch_size: int, accum_steps: int) -> PromptPlan:  # noqa: ANN001
         m = config.method
-        return PromptPlan(sequences, batch_size=batch_size, accum_steps=accum_steps, rank=env.rank,
-                          world_size=env.world_size, seed=config.train.seed, generations=m.num_generations,
-                          slices=generation_slices(m.steps_per_generation, accum_steps), iterations=m.num_iterations)  # fmt: skip
+        return PromptPlan(
+            sequences,
+            batch_size=batch_size,
+            accum_steps=accum_steps,
+            rank=env.rank,
+            world_size=env.world_size,
+            seed=config.train.seed,
+            generations=m.num_generations,
+            slices=generation_slices(m.steps_per_generation, accum_steps),
+            iterations=m.num_iterations,
+        )
 
     def describe(self, sequences, packing_words: str, max_length: int) -> str:  # noqa: ANN001
         m = self.config.method
-        return (f"{len(sequences)} prompts, {m.num_generations} completions each of up to {m.max_completion_length} "
-                f"tokens ({packing_words} of {max_length} tokens)")  # fmt: skip
+        return (
+            f"{len(sequences)} prompts, {m.num_generations} completions each of up to {m.max_completion_length} "
+            f"tokens ({packing_words} of {max_length} tokens)"
+        )
 
     # ------------------------------------------------------------ setup
 
     def model_config(self, model_config) -> None:  # noqa: ANN001
         off = without_dropout(model_config)
         if off:
-            print0(f"{self.name}: dropout off ({', '.join(off)}): completions are sampled and scored on the same "
-                   "forward the loss takes")  # fmt: skip
+            print0(
+                f"{self.name}: dropout off ({', '.join(off)}): completions are sampled and scored on the same "
+                "forward the loss takes"
+            )
 
     def lora(self, lc):  # noqa: ANN001, ANN201
         return dataclasses.replace(lc, lora_dropout=0.0) if lc.enabled and lc.lora_dropout is None else lc
@@ -117,6 +126,8 @@ class Grpo(Method):
         saved = (payload or {}).get(self.state_key) or {} if env.is_main else {}
         all_ranks_ok(lambda: self._reward_drift(saved.get("rewards") or []) if env.is_main else None)
         self.restored = self._restore_generation(saved.get("generation"), env)
+        # the reference the chain recorded (its first session's --model), unless --ref_model names one
+        self.ref_name = broadcast_object(reference.reference_name(self.config, saved) if env.is_main else None)
 
     def _restore_generation(self, saved: dict[str, Any] | None, env: DistEnv) -> Generation | None:
         """The generation a checkpoint was saved inside (rank 0 holds it): each rank's own part, on the number of
@@ -131,11 +142,21 @@ class Grpo(Method):
         before = {r["name"]: r["source"] for r in saved}
         changed = [r.name for r in self.rewards if r.name in before and not r.same_rule(before[r.name])]
         for name in changed:
-            print0(drift_line({"flag": "reward", "from": f"{name} (source {before[name]})",
-                               "to": f"{name} (source {self.source_of(name)})", "breaks": "another loss trains"}))  # fmt: skip
+            print0(
+                drift_line(
+                    {
+                        "flag": "reward",
+                        "from": f"{name} (source {before[name]})",
+                        "to": f"{name} (source {self.source_of(name)})",
+                        "breaks": "another loss trains",
+                    }
+                )
+            )
         if changed and not self.config.checkpoint.allow_changes:
-            raise ConfigError(f"--reward {changed[0]}: its source changed since the checkpoint (the chain's objective "
-                              "would change mid-run); restore it, or pass --allow_changes to go on with the new rule")  # fmt: skip
+            raise ConfigError(
+                f"--reward {changed[0]}: its source changed since the checkpoint (the chain's objective "
+                "would change mid-run); restore it, or pass --allow_changes to go on with the new rule"
+            )
 
     def source_of(self, name: str) -> str:
         return next(r.source for r in self.rewards if r.name == name)
@@ -144,87 +165,79 @@ class Grpo(Method):
         m, env = self.config.method, s.env
         self.tokenizer = s.tokenizer
         eos, stop = end_rules(s.tokenizer, s.model_config, s.blocks.conversational)
-        gather = all_ranks_ok(lambda: self._gathered_fits(s))
+        gather = all_ranks_ok(
+            lambda: gathered_generation_fits(self.config, env, s.model_config, s.precision, s.plan.global_batch)
+        )
         if not gather:
-            print0(f"{self.name}: the model gathered whole and its KV cache do not fit beside training: completions are "
-                   "generated on the shards, each block gathered in every decoding step (slower)")  # fmt: skip
-        self.settings = GroupSettings(
-            generations=m.num_generations,
-            sampling=Sampling(m.max_completion_length, m.temperature, m.top_p, m.top_k),
-            epsilon=m.epsilon, epsilon_high=m.clip_high, beta=m.beta, loss_type=m.loss_type,
-            scale_rewards=m.scale_rewards, mask_truncated=m.mask_truncated_completions, rewards=self.rewards,
-            weights=self.weights, seed=self.config.train.seed, eos_ids=eos, stop=stop, gather=gather,
-            delta=m.delta, level=m.importance_sampling_level, decoding=self._decoding(s, gather),
-        )  # fmt: skip
-        self.loss = s.loss = GroupLoss(self.settings, s.blocks, s.tokenizer,
-                                       self._reference(s) if m.uses_reference else None, restored=self.restored)  # fmt: skip
+            print0(
+                f"{self.name}: the model gathered whole and its KV cache do not fit beside training: completions are "
+                "generated on the shards, each block gathered in every decoding step (slower)"
+            )
+        self.settings = self._settings(
+            eos, stop, self.config.train.seed, training=True, gather=gather, decoding=self._decoding(s, gather)
+        )
+        self.loss = s.loss = GroupLoss(
+            self.settings,
+            s.blocks,
+            s.tokenizer,
+            self._reference(s) if m.uses_reference else None,
+            restored=self.restored,
+        )
         self.restored, self.env = None, env
-        if s.layout.prediction is not None:  # the step's prediction with its generation and reference forward added
-            inputs = Inputs(gpus=env.world_size, nodes=env.num_nodes, max_length=self.config.data.max_length,
-                            precision=s.precision, lora_rank=self.config.lora.lora_rank,
-                            lora_targets=self.config.lora.lora_targets, base_bits=self.config.lora.base_bits)  # fmt: skip
-            s.layout = dataclasses.replace(s.layout, prediction=with_generation(
-                s.layout.prediction, Shape.of(s.model_config), s.layout.strategy, inputs, s.plan.global_batch,
-                m.num_generations, m.max_completion_length, m.uses_reference, gather,
-                graphs=self.settings.decoding == "graphs", steps_per_generation=s.plan.slices,
-                iterations=m.num_iterations))
+        s.layout = with_generation_phase(  # the step's prediction with its generation and reference forward added
+            s.layout,
+            self.config,
+            env,
+            s.model_config,
+            s.precision,
+            s.plan.global_batch,
+            gather,
+            graphs=self.settings.decoding == "graphs",
+            slices=s.plan.slices,
+        )
+
+    def _settings(self, eos: list[int], stop: str | None, seed: int, *, training: bool, **decided) -> GroupSettings:  # noqa: ANN003
+        """The flags as a GRPO step reads them; for scoring held-out prompts (not training): greedy, no reference,
+        nothing masked."""
+        m = self.config.method
+        return GroupSettings(
+            generations=m.num_generations,
+            sampling=Sampling(m.max_completion_length, *((m.temperature, m.top_p, m.top_k) if training else ())),
+            epsilon=m.epsilon,
+            epsilon_high=m.clip_high,
+            beta=m.beta if training else 0.0,
+            loss_type=m.loss_type,
+            scale_rewards=m.scale_rewards,
+            mask_truncated=m.mask_truncated_completions and training,
+            rewards=self.rewards,
+            weights=self.weights,
+            seed=seed,
+            eos_ids=eos,
+            stop=stop,
+            delta=m.delta,
+            level=m.importance_sampling_level,
+            **decided,
+        )
 
     def _decoding(self, s, gather: bool) -> str:  # noqa: ANN001
         """--decoding as this run can have it: graphs need a CUDA device; generation on the shards runs
         transformers' generate (every rank in every decoding step)."""
         chosen = self.config.method.decoding
         if chosen == "graphs" and s.env.device.type != "cuda":
-            print0(f"{self.name}: --decoding graphs: CUDA graphs need a CUDA device (this run is on "
-                   f"{s.env.device.type}): decoding with the static cache, unreplayed")  # fmt: skip
+            print0(
+                f"{self.name}: --decoding graphs: CUDA graphs need a CUDA device (this run is on "
+                f"{s.env.device.type}): decoding with the static cache, unreplayed"
+            )
             return "static"
         if chosen != "generate" and not gather and s.env.world_size > 1:
             return "generate"
         return chosen
 
-    def _gathered_fits(self, s) -> bool:  # noqa: ANN001
-        env, c = s.env, self.config
-        if env.device.type != "cuda":
-            return True
-        cap = cap_gpu_memory(c, env)
-        memory = cap[0] if cap else torch.cuda.get_device_properties(env.device).total_memory
-        return gathered_fits(s.model_config, env.device.type, env.world_size, env.num_nodes, c.data.max_length,
-                             c.method.num_generations, s.plan.global_batch, s.precision, memory,
-                             c.lora.lora_rank, c.lora.base_bits)  # fmt: skip
-
     def _reference(self, s):  # noqa: ANN001, ANN202
-        """The reference's token log-probabilities of a packed micro-batch: a LoRA run's base with its adapters off,
-        or --ref_model (else the model the chain started from), loaded sharded, frozen, in the compute dtype, and kept
-        beside the policy for the session."""
-        c, temperature = self.config, self.config.method.temperature
-        saved = None
-        self.ref_name = reference.reference_name(c, saved)
-        if self.ref_name == reference.ADAPTERS_OFF:
-            print0(f"{self.name}: reference: the base with the adapters switched off")
-
-            @torch.no_grad()
-            def off(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-                was = s.model.training
-                s.model.eval()
-                try:
-                    with adapters_off(s.model):
-                        return head_logps(s.model, s.head_loss, batch, temperature)[0]
-                finally:
-                    s.model.train(was)
-
-            return off
+        c = self.config
         strategy = c.parallel.sharding_strategy if c.parallel.sharding_strategy != "AUTO" else "FULL_SHARD"
-        self.ref_model = reference.load_frozen(self.ref_name, s.env, s.precision, s.tokenizer, policy=c.model.model,
-                                               attention=c.model.attn_implementation, strategy=strategy,
-                                               seed=c.train.seed)  # fmt: skip
-        print0(f"{self.name}: reference {self.ref_name}: loaded sharded in {s.precision}, kept beside the policy")
-        ref = self.ref_model
-        ref_head = HeadLoss.for_run(ref, 0)
-
-        @torch.no_grad()
-        def model_logps(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-            return head_logps(ref, ref_head, batch, temperature)[0]
-
-        return model_logps
+        logps, self.ref_model = reference.policy_reference(s, self.ref_name, c.method.temperature, strategy)
+        return logps
 
     # ------------------------------------------------------------ the run
 
@@ -232,15 +245,22 @@ class Grpo(Method):
         m = self.config.method
         ref = f"beta {m.beta:g}, reference: {self.ref_name}" if m.uses_reference else "beta 0 (no reference model)"
         where = "the model gathered once" if self.settings.gather else "the shards (layer by layer)"
-        how = {"static": "a static KV cache", "graphs": "a static KV cache, each step replayed as a CUDA graph",
-               "generate": "transformers' generate"}[self.settings.decoding]  # fmt: skip
+        how = {
+            "static": "a static KV cache",
+            "graphs": "a static KV cache, each step replayed as a CUDA graph",
+            "generate": "transformers' generate",
+        }[self.settings.decoding]
         reuse = ""
         slices = s.plan.slices
         if m.num_iterations > 1 or slices > 1:
-            reuse = (f"; each generation feeds {slices * m.num_iterations} steps ({slices} step(s) of prompts, trained "
-                     f"{m.num_iterations} time(s); ratio per {m.importance_sampling_level})")  # fmt: skip
-        return (f"{self.name}, {m.num_generations} completions per prompt, loss {m.loss_type}, {ref}, rewards: "
-                f"{', '.join(r.label for r in self.rewards)}; generation on {where}, decoded with {how}{reuse}")  # fmt: skip
+            reuse = (
+                f"; each generation feeds {slices * m.num_iterations} steps ({slices} step(s) of prompts, trained "
+                f"{m.num_iterations} time(s); ratio per {m.importance_sampling_level})"
+            )
+        return (
+            f"{self.name}, {m.num_generations} completions per prompt, loss {m.loss_type}, {ref}, rewards: "
+            f"{', '.join(r.label for r in self.rewards)}; generation on {where}, decoded with {how}{reuse}"
+        )
 
     def state(self) -> dict[str, Any] | None:
         """The rewards' pins and the reference; saved between the steps of a generation, the generation itself
@@ -287,8 +307,10 @@ class Grpo(Method):
         result.pop("samples")
         result["seconds"] = round(time.perf_counter() - started, 3)
         per = ", ".join(f"{r.label} {result[f'reward_{r.label}']:.3f}" for r in self.rewards)
-        print0(f"eval at step {s.state.global_step}: mean reward {result['reward']:.4f} ({per}) of a greedy completion "
-               f"of each of rows {s.eval_label} ({result['prompts']} prompts, {result['seconds']:.1f} s)")  # fmt: skip
+        print0(
+            f"eval at step {s.state.global_step}: mean reward {result['reward']:.4f} ({per}) of a greedy completion "
+            f"of each of rows {s.eval_label} ({result['prompts']} prompts, {result['seconds']:.1f} s)"
+        )
         return result
 
     def switch_range(self, s, data) -> None:  # noqa: ANN001
@@ -296,17 +318,24 @@ class Grpo(Method):
 
     # ------------------------------------------------------------ python -m fsdp_opt.evaluate
 
-    def before_scoring(self, held, env: DistEnv, precision: str, tokenizer, batch_size: int, model_name: str,
-                       reference_name: str | None, strategy: str, seed: int, model_config=None) -> str | None:  # noqa: ANN001  # fmt: skip
+    def before_scoring(
+        self,
+        held,
+        env: DistEnv,
+        precision: str,
+        tokenizer,
+        batch_size: int,
+        model_name: str,
+        reference_name: str | None,
+        strategy: str,
+        seed: int,
+        model_config=None,
+    ) -> str | None:  # noqa: ANN001
         if not self.rewards:
             self.check()
         self.tokenizer = tokenizer
-        m = self.config.method
         eos, stop = end_rules(tokenizer, model_config, held.conversational)  # as training ends a completion
-        self.settings = GroupSettings(generations=m.num_generations, sampling=Sampling(m.max_completion_length),
-                                      epsilon=m.epsilon, epsilon_high=m.clip_high, beta=0.0, loss_type=m.loss_type,
-                                      scale_rewards=m.scale_rewards, mask_truncated=False, rewards=self.rewards,
-                                      weights=self.weights, seed=seed, eos_ids=eos, stop=stop, gather=True)  # fmt: skip
+        self.settings = self._settings(eos, stop, seed, training=False, gather=True)
         return None
 
     def score(self, model, held, batch_size: int, env: DistEnv) -> dict[str, Any]:  # noqa: ANN001
@@ -322,19 +351,26 @@ class Grpo(Method):
 
     def scored_what(self, sequences, packing: str, max_length: int, train_on: str) -> str:  # noqa: ANN001
         m = self.config.method
-        return (f"{len(sequences)} prompts, one greedy completion each of up to {m.max_completion_length} tokens, scored "
-                f"by {', '.join(r.label for r in self.rewards)}")  # fmt: skip
+        return (
+            f"{len(sequences)} prompts, one greedy completion each of up to {m.max_completion_length} tokens, scored "
+            f"by {', '.join(r.label for r in self.rewards)}"
+        )
 
     def score_line(self, result: dict[str, Any]) -> str:
-        per = ", ".join(f"{k[len('reward_'):]} {v:.3f}" for k, v in result.items() if k.startswith("reward_"))
+        per = ", ".join(f"{k[len('reward_') :]} {v:.3f}" for k, v in result.items() if k.startswith("reward_"))
         return f"mean reward {result['reward']:.4f} ({per}) over {result['prompts']} prompts"
 
     @staticmethod
     def table(results: dict[str, Any]) -> list[str]:
         names = [k for k in results["models"][0] if k.startswith("reward_")]
-        lines = [f"Held-out prompts {results['rows']} of `{results['dataset']}` ({results['models'][0]['prompts']:,} "
-                 "prompts), one greedy completion each:", "",
-                 "| model | mean reward | " + " | ".join(n[len("reward_"):] for n in names) + " |",
-                 "| --- | --- |" + " --- |" * len(names)]  # fmt: skip
-        return lines + [f"| {r['name']} | {r['reward']:.4f} | " + " | ".join(f"{r[n]:.4f}" for n in names) + " |"
-                        for r in results["models"]]  # fmt: skip
+        lines = [
+            f"Held-out prompts {results['rows']} of `{results['dataset']}` ({results['models'][0]['prompts']:,} "
+            "prompts), one greedy completion each:",
+            "",
+            "| model | mean reward | " + " | ".join(n[len("reward_") :] for n in names) + " |",
+            "| --- | --- |" + " --- |" * len(names),
+        ]
+        return lines + [
+            f"| {r['name']} | {r['reward']:.4f} | " + " | ".join(f"{r[n]:.4f}" for n in names) + " |"
+            for r in results["models"]
+        ]

@@ -1,0 +1,183 @@
+"""`python -m fsdp_opt.plan`'s flags: the trainer's that decide memory and time (the model, the layout, LoRA, the
+method's phases), the machine's (GPUs, memory, rates, disk) and what to show (a simulation, the catalogue, JSON)."""
+
+from __future__ import annotations
+
+import argparse
+
+from fsdp_opt.config.choices import PACKING_MODES, T4_MEMORY
+from fsdp_opt.config.flags import OneLineParser, parse_batch, parse_bool
+from fsdp_opt.config.method import DECODING, METHODS
+from fsdp_opt.model.catalog import SHAPES
+from fsdp_opt.model.sources import LLAMA_8B, OPT_FAMILY
+from fsdp_opt.planner.steptime import Rates
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="python -m fsdp_opt.plan", description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--model",
+        default="facebook/opt-1.3b",
+        help=f"one of {', '.join(OPT_FAMILY)}, {LLAMA_8B}, the catalogue's ({', '.join(SHAPES)}, and their "
+        "-Instruct/-it variants), tiny-opt, or a local model folder",
+    )
+    p.add_argument("--gpus", type=int, default=2, help="GPUs in all (ranks)")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument(
+        "--gpu_memory", default=T4_MEMORY, help=f"memory of one GPU as torch reads it (Kaggle's T4: {T4_MEMORY})"
+    )
+    p.add_argument(
+        "--batch_size",
+        type=parse_batch,
+        default=4,
+        help="micro-batch per GPU, or auto: plan the recommended configuration (as the trainer's --batch_size auto)",
+    )
+    p.add_argument(
+        "--global_batch",
+        "--total_batch_size",
+        dest="global_batch",
+        type=int,
+        default=None,
+        help="sequences per optimizer step, all GPUs (default: batch_size x accum_steps x gpus)",
+    )
+    p.add_argument("--max_length", type=int, default=512)
+    p.add_argument(
+        "--accum_steps",
+        type=int,
+        default=None,
+        help="micro-batches per step (default: the trainer's 1, or what --global_batch implies)",
+    )
+    p.add_argument(
+        "--precision",
+        default=None,
+        choices=["fp16", "bf16", "fp32"],
+        help="default: fp16 (a T4 has no bf16), fp32 with --cpu (the trainer's --precision auto)",
+    )
+    p.add_argument("--activation_checkpointing", type=parse_bool, nargs="?", const=True, default=True)
+    p.add_argument("--attn_implementation", default="sdpa", choices=["sdpa", "eager"])
+    p.add_argument(
+        "--packing",
+        default="docs",
+        choices=PACKING_MODES,
+        help="the trainer's --packing (docs and pad attend through a mask, which the plan counts)",
+    )
+    p.add_argument("--reduce_every_microbatch", type=parse_bool, nargs="?", const=True, default=False)
+    p.add_argument(
+        "--reduce_dtype",
+        default="fp32",
+        choices=["fp32", "fp16", "auto"],
+        help="the trainer's --reduce_dtype (auto: the search may choose fp16 with fp16 compute)",
+    )
+    p.add_argument("--prefetch", type=int, default=0, help="blocks gathered ahead (the trainer's --prefetch)")
+    p.add_argument("--loss_chunk_tokens", type=int, default=0, help="the trainer's --loss_chunk_tokens")
+    p.add_argument("--lora_rank", type=int, default=0, help="the trainer's --lora_rank (0: full fine-tuning)")
+    p.add_argument(
+        "--lora_targets", default=None, help="the trainer's --lora_targets (default: every linear layer of the blocks)"
+    )
+    p.add_argument(
+        "--lora_dropout",
+        type=float,
+        default=None,
+        help="the trainer's --lora_dropout (default: 0.05; 0 with --method dpo, which trains without dropout)",
+    )
+    p.add_argument("--base_bits", type=int, default=16, choices=[16, 4], help="the trainer's --base_bits")
+    p.add_argument(
+        "--method",
+        default="sft",
+        choices=METHODS,
+        help="the trainer's --method: dpo adds its reference pass (memory, time) to the plan; grpo its "
+        "generation phase (the model gathered once, and layer by layer beside it)",
+    )
+    p.add_argument("--num_generations", type=int, default=8, help="--method grpo: completions per prompt (G)")
+    p.add_argument("--max_completion_length", type=int, default=256, help="--method grpo: tokens of a completion")
+    p.add_argument(
+        "--beta",
+        type=float,
+        default=0.0,
+        help="--method grpo: the KL weight; above 0 a reference model's forward (a model of its own for full "
+        "fine-tuning or with --ref_model, kept beside the policy)",
+    )
+    p.add_argument(
+        "--decoding",
+        default="static",
+        choices=DECODING,
+        help="--method grpo: the trainer's --decoding; the plan prints the unreplayed and the graph figures "
+        "beside each other, and the step at this one",
+    )
+    p.add_argument("--num_iterations", type=int, default=1, help="--method grpo: the trainer's --num_iterations")
+    p.add_argument(
+        "--steps_per_generation",
+        type=int,
+        default=None,
+        help="--method grpo: the trainer's --steps_per_generation (default --accum_steps)",
+    )
+    p.add_argument(
+        "--ref_model",
+        default=None,
+        help="the trainer's --ref_model: with LoRA, the reference is then a model of its own (of the same "
+        "shape) instead of the base with the adapters off",
+    )
+    p.add_argument("--disk", default="20GB", help="disk for checkpoints (Kaggle's /kaggle/working: 20GB)")
+    p.add_argument(
+        "--data_on_disk",
+        default="0",
+        help="what a session keeps of the dataset on that disk: 0 when its rows are read by range (a split "
+        "stored as parquet, on the Hub or in a folder); a split downloaded whole keeps about twice its "
+        "size (the files and datasets' arrow copy) where HF_HOME is; --dataset measures it",
+    )
+    p.add_argument(
+        "--dataset",
+        default=None,
+        help="a dataset to measure --data_on_disk from (its Hub listing; with --dataset_config and "
+        "--dataset_split as the trainer takes them)",
+    )
+    p.add_argument("--dataset_config", default=None, help="the trainer's --dataset_config")
+    p.add_argument("--dataset_split", default="train", help="the trainer's --dataset_split")
+    p.add_argument("--host_memory", default=None, help="RAM of one machine (default: this machine's; Kaggle: 31GB)")
+    p.add_argument(
+        "--state_dict_type", default="full", choices=["full", "sharded"], help="the trainer's --state_dict_type"
+    )
+    p.add_argument(
+        "--cpu_offload", type=parse_bool, nargs="?", const=True, default=False, help="the trainer's --cpu_offload"
+    )
+    p.add_argument("--keep_last", type=int, default=2)
+    p.add_argument("--save_optimizer", type=parse_bool, nargs="?", const=True, default=True)
+    p.add_argument("--slices", type=int, default=10, help="sessions in the chain, for the Hub repo's size")
+    p.add_argument(
+        "--hub_keep_full", type=int, default=1, help="the trainer's --hub_keep_full (0: keep every full checkpoint)"
+    )
+    p.add_argument("--cpu", action="store_true", help="plan for CPU processes (no CUDA context)")
+
+    rates = Rates()  # 2×T4's
+    p.add_argument("--tflops", type=float, default=rates.tflops, help="sustained TFLOPS per GPU (T4 fp16: 24)")
+    p.add_argument(
+        "--link_gbps", type=float, default=rates.link_gbps, help="GB/s between GPUs (2 T4s on PCIe 3 through NCCL: 3.2)"
+    )
+    p.add_argument("--hbm_gbps", type=float, default=rates.hbm_gbps, help="GB/s of GPU memory (T4: 320)")
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure this machine's rates first (2 ranks under torchrun: GPUs when there are, else CPU "
+        "processes) and predict from them instead of --tflops/--link_gbps/--hbm_gbps",
+    )
+    p.add_argument(
+        "--rates", default=None, help="predict from a calibration saved earlier (python -m fsdp_opt.calibrate --json)"
+    )
+    p.add_argument(
+        "--simulate",
+        nargs="?",
+        const="FULL_SHARD",
+        default=None,
+        metavar="STRATEGIES",
+        help="also run one training step at the model's real shape on fake tensors (no memory used) for "
+        "these strategies (comma-separated; default FULL_SHARD) and hold its peaks against the plan; --method "
+        "grpo: its generation phase too, on the first of them",
+    )
+    p.add_argument(
+        "--catalog",
+        action="store_true",
+        help="instead of one model's plan: what fits of every built-in model (full fine-tuning, LoRA r16, "
+        "LoRA r16 on a 4-bit base) at the flags' GPUs, memory, precision, length and sequences per step",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    return p
