@@ -46,7 +46,10 @@ class PairFit:
 
 
 class Pairs:
-    """The pairs of a slice: sequence 2k is pair k's chosen answer, 2k+1 its rejected one."""
+    """The pairs of a slice: sequence 2k is pair k's chosen answer, 2k+1 its rejected one (a unit of two sequences,
+    keyed by its dataset row: engine/logprobs.py)."""
+
+    per_unit = 2
 
     def __init__(
         self,
@@ -74,6 +77,10 @@ class Pairs:
 
     def __len__(self) -> int:
         return len(self.ids) // 2
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.index
 
     @property
     def sequences(self) -> int:

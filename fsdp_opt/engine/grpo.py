@@ -39,8 +39,8 @@ import torch.nn.functional as F
 from fsdp_opt.data.blocks import IGNORE_INDEX, GenerationSlot, StepBatch, model_inputs
 from fsdp_opt.data.sequences import pack
 from fsdp_opt.engine.decoding import Decoder
-from fsdp_opt.engine.dpo import head_logps, token_logps
 from fsdp_opt.engine.groups import GroupSettings
+from fsdp_opt.engine.logprobs import head_logps, token_logps
 from fsdp_opt.engine.loss import next_token_targets
 from fsdp_opt.engine.microbatches import run_micro_batches
 from fsdp_opt.engine.rollout import (

@@ -6,7 +6,7 @@ A prompt, a chat's question, a padded tail or a GRPO prompt has no target: its l
 stops the model's forward before its output projection and runs it on the target positions only, so a chat or DPO
 micro-batch computes the vocabulary-wide logits, their fp32 copy, the log-softmax and its gradient for its answer
 tokens alone. Finding those positions reads the labels once per micro-batch (a host sync on a GPU). The held-out
-loss (engine/evaluation.py) and DPO's reference and held-out passes (engine/dpo.py pair_logps) run the layer the same
+loss (engine/evaluation.py) and DPO's reference and held-out passes (engine/logprobs.py scored_logps) run the layer the same
 way, without gradients.
 
 With `--loss_chunk_tokens N` the projection and the cross-entropy run N target tokens at a time, each chunk under

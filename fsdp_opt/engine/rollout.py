@@ -28,7 +28,6 @@ import torch
 from fsdp_opt.data.blocks import StepBatch
 from fsdp_opt.data.sequences import fits, pack
 from fsdp_opt.engine.decoding import Decoder
-from fsdp_opt.engine.dpo import head_logps
 from fsdp_opt.engine.generation import Generated, Sampling, completion_keys, gathered, generate
 from fsdp_opt.engine.groups import (
     GroupSettings,
@@ -39,6 +38,7 @@ from fsdp_opt.engine.groups import (
     std_of,
     weighted_rewards,
 )
+from fsdp_opt.engine.logprobs import head_logps
 from fsdp_opt.engine.rewards import score
 from fsdp_opt.runtime.distributed import all_ranks_ok
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -278,3 +280,20 @@ def unmerge_adapters(layers: list[nn.Module]) -> None:
     """The adapters taken back out of the weights `merge_adapters` changed (peft's unmerge)."""
     for m in layers:
         m.unmerge()
+
+
+@contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """The base alone: every LoRA layer's adapters switched off (peft's flag), then back on."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    before = [m._disable_adapters for m in layers]
+    # NOTE: the flag itself, not enable_adapters(): that also flips requires_grad of the adapters FSDP holds.
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m, was in zip(layers, before):
+            m._disable_adapters = was

@@ -38,8 +38,9 @@ from fsdp_opt.config.layout import LoraConfig
 from fsdp_opt.config.method import spec
 from fsdp_opt.data.packing import document_mask, segment_positions
 from fsdp_opt.data.pairs import Pairs
-from fsdp_opt.engine.dpo import dpo_terms, micro_logps
+from fsdp_opt.engine.dpo import dpo_terms
 from fsdp_opt.engine.generation import gathered
+from fsdp_opt.engine.logprobs import micro_logps
 from fsdp_opt.engine.loss import HeadLoss, forward_loss_sum
 from fsdp_opt.engine.microbatches import run_micro_batches
 from fsdp_opt.engine.optim import build_optimizer, create_state
@@ -257,6 +258,8 @@ class DpoMicroBatch:
     whose sequences fill it as the engine packs them (docs: each block one pair, chosen and rejected of half a block
     each; pad: a row per sequence). The second half of each sequence is its answer."""
 
+    per_unit = Pairs.per_unit
+
     def __init__(self, vocab_size: int, inputs, device: torch.device) -> None:  # noqa: ANN001
         n = inputs.max_length // 2 if inputs.packing == "docs" else inputs.max_length
         draw = random.Random(0)
@@ -318,7 +321,7 @@ def simulate_reference(model_name: str, inputs, strategy: str) -> dict[str, Any]
         with (
             tracker,
             torch.no_grad(),
-        ):  # the reference pass's forward (engine/dpo.py pair_logps), every position a target
+        ):  # the reference pass's forward (engine/logprobs.py scored_logps), every position a target
             pairs.logps(model, HeadLoss.for_run(model, 0, select=False))
         peak = {_label(k): v for k, v in next(iter(tracker.get_tracker_snapshot("peak").values())).items()}
     return {"peak_total": peak.pop("Total"), "at_peak": peak, "world_size": world}

@@ -24,8 +24,9 @@ from fsdp_opt.base import ConfigError
 from fsdp_opt.config.choices import DTYPES
 from fsdp_opt.config.parse import Config
 from fsdp_opt.data.pairs import Pairs
-from fsdp_opt.engine.dpo import Reference, adapters_off, head_logps, pair_logps
+from fsdp_opt.engine.logprobs import Reference, head_logps
 from fsdp_opt.engine.loss import HeadLoss
+from fsdp_opt.model.adapters import adapters_off
 from fsdp_opt.model.nf4 import store_base
 from fsdp_opt.model.parallelize import fp32_products_on_cpu, initialize, shard_model, tie_and_check
 from fsdp_opt.model.sources import build_meta_model, load_model_config, load_tokenizer, resolve_model, without_dropout
@@ -204,10 +205,7 @@ def with_adapters_off(
 
 def _score(model: torch.nn.Module, env: DistEnv, batch_size: int, *pairs: Pairs | None) -> list[Reference | None]:
     """Each set of pairs' reference (None for None: nothing to score)."""
-    return [
-        None if p is None else Reference(p.index.clone(), pair_logps(model, p, batch_size, env).view(-1, 2))
-        for p in pairs
-    ]
+    return [None if p is None else Reference.scored(model, p, batch_size, env) for p in pairs]
 
 
 def prepare(

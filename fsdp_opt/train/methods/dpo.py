@@ -11,7 +11,8 @@ from fsdp_opt.base import ConfigError
 from fsdp_opt.config.parse import Config
 from fsdp_opt.data.formats import Rows, RowSpec
 from fsdp_opt.data.pairs import PairPlan, pairs_from_rows
-from fsdp_opt.engine.dpo import PairLoss, Reference, evaluate_pairs
+from fsdp_opt.engine.dpo import PairLoss, evaluate_pairs
+from fsdp_opt.engine.logprobs import Reference
 from fsdp_opt.model.sources import without_dropout
 from fsdp_opt.runtime.distributed import DistEnv, print0
 from fsdp_opt.train import reference
