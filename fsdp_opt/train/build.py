@@ -113,8 +113,15 @@ def setup(config: Config, env: DistEnv, checked: Checked | None = None, lease: L
             else None
         )
     )
-    method.before_model(inputs.data, env, payload, checked.precision, inputs.tokenizer)
-    built = build_model(config, env, checked, inputs, payload, method)
+    # what the flags leave open, decided before anything is loaded: a method's work before the model (a reference
+    # pass) may score the micro-batches training will run
+    layout = all_ranks_ok(
+        lambda: choose_layout(
+            config, env, inputs.model_config, checked.precision, checked.accum_steps, gpu=cap_gpu_memory(config, env)
+        )
+    )
+    method.before_model(inputs.data, env, payload, checked.precision, inputs.tokenizer, layout)
+    built = build_model(config, env, checked, inputs, payload, method, layout)
     session = make_session(config, env, checked, inputs, built, method)
     method.after_model(session)
     session.lease = lease
@@ -208,20 +215,21 @@ def check_flags(config: Config, env: DistEnv) -> Checked:
 
 
 def build_model(
-    config: Config, env: DistEnv, checked: Checked, inputs: Loaded, payload: dict[str, Any] | None, method: Method
+    config: Config,
+    env: DistEnv,
+    checked: Checked,
+    inputs: Loaded,
+    payload: dict[str, Any] | None,
+    method: Method,
+    layout: Layout,
 ) -> Built:
-    """Meta model -> layout -> adapters -> resume checks (rank 0 holds the payload) -> shard (with activation
+    """Meta model -> adapters -> resume checks (rank 0 holds the payload) -> shard in the layout (with activation
     checkpointing) -> weights."""
     mc, tc, pc, lc = config.model, config.train, config.parallel, config.lora
     resuming = bool(config.checkpoint.resume_file)
     model = build_meta_model(inputs.model_config)
     n_params = count_params(model)  # the model's own, before any adapters
     fpt = flops_per_token(model, config.data.max_length, frozen_base=lc.enabled)
-    layout = all_ranks_ok(
-        lambda: choose_layout(
-            config, env, inputs.model_config, checked.precision, checked.accum_steps, gpu=cap_gpu_memory(config, env)
-        )
-    )
     lc = method.lora(lc)
     adapters = Adapters(lc, mc.model, DTYPES[checked.precision], tc.seed) if lc.enabled else None
     if adapters is not None:

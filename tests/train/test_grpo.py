@@ -1076,7 +1076,7 @@ def test_a_resumed_session_keeps_the_reference_its_chain_recorded(tmp_path, setu
 
     def ref(model: str, saved: dict | None, *more: str) -> str:
         method = method_for(parse_args(["--model", model, *flags, *more]))
-        method.before_model(None, env, {"grpo": saved} if saved else None, "fp32", None)
+        method.before_model(None, env, {"grpo": saved} if saved else None, "fp32", None, None)
         return method.ref_name
 
     assert ref("first", None) == "first"

@@ -112,9 +112,10 @@ class Method:
         return lc
 
     def before_model(
-        self, session_inputs: Any, env: DistEnv, payload: dict[str, Any] | None, precision: str, tokenizer
+        self, session_inputs: Any, env: DistEnv, payload: dict[str, Any] | None, precision: str, tokenizer, layout
     ) -> None:  # noqa: ANN001
-        """Work before the trainable model exists (every rank)."""
+        """Work before the trainable model exists (every rank), once the layout (planner/layout.py: the micro-batch,
+        the accumulation) is decided."""
 
     def after_model(self, s) -> None:  # noqa: ANN001 - a train.session.Session
         """Work once the model is built and the session made, before a resumed state is loaded: the step's loss."""

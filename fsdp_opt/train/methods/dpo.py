@@ -82,7 +82,9 @@ class Dpo(Method):
         # no dropout in the adapters either: the policy and the reference are compared on the same forward
         return dataclasses.replace(lc, lora_dropout=0.0) if lc.enabled and lc.lora_dropout is None else lc
 
-    def before_model(self, data, env: DistEnv, payload: dict[str, Any] | None, precision: str, tokenizer) -> None:  # noqa: ANN001
+    def before_model(
+        self, data, env: DistEnv, payload: dict[str, Any] | None, precision: str, tokenizer, layout
+    ) -> None:  # noqa: ANN001
         """The reference pass, before the trainable model exists (unless the reference is that model)."""
         self.ref_name, self.found = reference.prepare(
             self.config, env, payload, self.state_key, data.blocks, data.eval_blocks, precision, tokenizer

@@ -120,7 +120,9 @@ class Grpo(Method):
     def lora(self, lc):  # noqa: ANN001, ANN201
         return dataclasses.replace(lc, lora_dropout=0.0) if lc.enabled and lc.lora_dropout is None else lc
 
-    def before_model(self, data, env: DistEnv, payload: dict[str, Any] | None, precision: str, tokenizer) -> None:  # noqa: ANN001
+    def before_model(
+        self, data, env: DistEnv, payload: dict[str, Any] | None, precision: str, tokenizer, layout
+    ) -> None:  # noqa: ANN001
         if not self.rewards:
             self.check()
         saved = (payload or {}).get(self.state_key) or {} if env.is_main else {}
