@@ -18,7 +18,7 @@ import argparse
 from fsdp_opt.base import ConfigError
 from fsdp_opt.config.choices import DATA_FORMATS, STRATEGIES, TRAIN_ON
 from fsdp_opt.config.flags import OneLineParser
-from fsdp_opt.config.method import METHODS
+from fsdp_opt.config.specs import METHODS
 from fsdp_opt.runtime.distributed import (
     end_process,
     fail,
@@ -56,11 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--method",
         default=None,
         choices=METHODS,
-        help="dpo: score preference pairs (DPO loss, rewards, accuracy) against the reference; grpo: the mean "
-        "reward of a greedy completion of each held-out prompt (default: the "
-        "first checkpoint's method)",
+        help="dpo: score preference pairs (DPO loss, rewards, accuracy) against the reference; kto: score labelled "
+        "completions (KTO loss, rewards, KL estimate) against the reference; grpo: the mean reward of a greedy "
+        "completion of each held-out prompt (default: the first checkpoint's method)",
     )
-    p.add_argument("--beta", type=float, default=None, help="--method dpo: beta (default: the first checkpoint's)")
+    p.add_argument(
+        "--beta", type=float, default=None, help="--method dpo and kto: beta (default: the first checkpoint's)"
+    )
     p.add_argument(
         "--reward",
         action="append",
@@ -71,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--ref_model",
         default=None,
-        help="--method dpo: the reference (default: the one the first checkpoint recorded; a LoRA run's "
+        help="--method dpo and kto: the reference (default: the one the first checkpoint recorded; a LoRA run's "
         "adapters-off reference is its base)",
     )
     p.add_argument("--chosen_column", default=None)

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from fsdp_opt.base import ConfigError, gib, parse_size
 from fsdp_opt.config.choices import STRATEGIES
-from fsdp_opt.config.method import GENERATION, REFERENCE_PASS, spec
+from fsdp_opt.config.specs import GENERATION, REFERENCE_PASS, spec
 from fsdp_opt.config.training import TrainConfig
 from fsdp_opt.data.prompts import generation_slices
 from fsdp_opt.data.resolve import DataSource
@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             generation_slices=generation_slices(a.steps_per_generation, accum)
             if GENERATION in spec(a.method).phases
             else 1,
+            teacher=(a.teacher_model or a.model) if spec(a.method).teacher else None,
         )
         if a.lora_rank < 0:
             raise ConfigError(f"--lora_rank {a.lora_rank}: must be 0 (full fine-tuning) or more")
@@ -217,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         ref["simulated"] = {**got, "planned_less_runtime": planned, "ratio": planned / got["peak_total"]}
         text += [
             "",
-            f"dpo reference pass ({ref['strategy']}), simulated (fake tensors, rank 0 of {got['world_size']}): "
+            f"{a.method} reference pass ({ref['strategy']}), simulated (fake tensors, rank 0 of {got['world_size']}): "
             f"{gib(got['peak_total'])} at its peak; planned {gib(planned)} (its total less runtime): plan / "
             f"simulated {planned / got['peak_total']:.2f}",
         ]
@@ -235,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         text += [
             "",
-            f"grpo generation ({strategy}, {grpo['requests_per_rank']} completions), simulated (fake "
+            f"{a.method} generation ({strategy}, {grpo['requests_per_rank']} completions), simulated (fake "
             f"tensors, rank 0 of {got['world_size']}): {gib(got['peak_total'])} at its peak; planned "
             f"{gib(planned)} (less runtime and reference): plan / simulated {planned / got['peak_total']:.2f}",
         ]

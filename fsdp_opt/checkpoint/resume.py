@@ -51,6 +51,23 @@ def slice_key(
     return key
 
 
+def position(
+    config: Config, header: dict[str, Any], here: dict[str, Any], num_samples: int
+) -> tuple[TrainState, dict[str, Any]]:
+    """Where a checkpoint (its header: train_state, slice, the step) continues on the slice `here` (slice_key): the
+    next batch of the saved epoch on the same slice, else the slice's first batch; and the saved slice's key."""
+    ts = header["train_state"] or {"global_step": int(header[STEP_KEY]), "epoch": 0, "offset": 0}
+    saved = {**ROWS_BEFORE_FORMATS, "columns": [(header["slice"] or {}).get("text_column")], **(header["slice"] or {})}
+    if isinstance(saved.get("packing"), bool):  # checkpoints from before --packing: True was concat, False pad
+        saved["packing"] = "concat" if saved["packing"] else "pad"
+    if saved != here:
+        return TrainState(ts["global_step"], config.train.initial_epoch, 0), saved
+    state = TrainState(ts["global_step"], ts["epoch"], ts["offset"], int(ts.get("within", 0)))
+    if state.offset >= num_samples:
+        state.epoch, state.offset, state.within = state.epoch + 1, 0, 0
+    return state, saved
+
+
 def restore(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -101,10 +118,7 @@ def restore(
     if header["scaler"]:
         scaler.load_state_dict(header["scaler"])
     here = slice_key(config, end_idx, num_samples, rows, chat_template)
-    ts = header["train_state"] or {"global_step": int(header[STEP_KEY]), "epoch": 0, "offset": 0}
-    saved = {**ROWS_BEFORE_FORMATS, "columns": [(header["slice"] or {}).get("text_column")], **(header["slice"] or {})}
-    if isinstance(saved.get("packing"), bool):  # checkpoints from before --packing: True was concat, False pad
-        saved["packing"] = "concat" if saved["packing"] else "pad"
+    state, saved = position(config, header, here, num_samples)
     same_slice = saved == here
     rest = lambda key: {k: v for k, v in key.items() if k not in ("packing", "num_samples")}  # noqa: E731
     if not same_slice and saved.get("packing") != here["packing"] and rest(saved) == rest(here):
@@ -116,14 +130,10 @@ def restore(
     if same_slice and len(rngs) == env.world_size:
         set_rng_state(rngs[env.rank])
     if same_slice:
-        state = TrainState(ts["global_step"], ts["epoch"], ts["offset"], int(ts.get("within", 0)))
-        if state.offset >= num_samples:
-            state.epoch, state.offset, state.within = state.epoch + 1, 0, 0
         where = f"epoch {state.epoch}, sample {state.offset} of {num_samples}"
         if state.within:
             where += f", step {state.within + 1} of the generation there"
     else:
-        state = TrainState(ts["global_step"], config.train.initial_epoch, 0)
         where = f"the first batch of slice [{config.data.start_idx}, {end_idx})"
     print0(f"resumed {header['_path']} at global step {state.global_step}; continuing at {where}")
     if header["weights_only"]:

@@ -13,7 +13,7 @@ DEVICES = ("auto", "cuda", "cpu")
 STATE_DICT_TYPES = ("full", "sharded")
 PACKING_MODES = ("docs", "concat", "pad")
 # Row formats (--data_format) and which tokens carry loss (--train_on); data/formats.py reads the rows.
-DATA_FORMATS = ("auto", "text", "prompt_completion", "messages", "preference", "prompt")
+DATA_FORMATS = ("auto", "text", "prompt_completion", "messages", "preference", "prompt", "unpaired")
 TRAIN_ON = ("auto", "completion", "all")
 # --dataset's built-ins (data/sources.py builds them offline): text, conversations, preference pairs, prompts
 BUILTIN_DATASETS = ("python-docs", "python-docs-chat", "python-docs-prefs", "python-docs-prompts")

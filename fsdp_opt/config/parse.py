@@ -13,7 +13,8 @@ from fsdp_opt.base import VERSION, ConfigError
 from fsdp_opt.config.choices import AUTO
 from fsdp_opt.config.flags import OneLineParser, parse_bool
 from fsdp_opt.config.layout import LoraConfig, ParallelConfig
-from fsdp_opt.config.method import METHOD_SPECS, SFT, MethodConfig, spec
+from fsdp_opt.config.method import MethodConfig
+from fsdp_opt.config.specs import METHOD_SPECS, SFT, spec
 from fsdp_opt.config.storage import CheckpointConfig, HubConfig, WandbConfig
 from fsdp_opt.config.training import DataConfig, ModelConfig, TrainConfig
 

@@ -69,8 +69,9 @@ class DataConfig:
         "What a row is. text: one string; prompt_completion: a prompt and a completion, each a string or a list of "
         "messages (conversational); messages: a list of {role, content} (system, user, assistant); preference: a "
         "prompt, a chosen and a rejected answer (strings, or lists of messages; without a prompt column, two "
-        "conversations whose shared first turns are the prompt), for --method dpo. auto: from the columns (an error "
-        "names this flag when more than one format fits).",
+        "conversations whose shared first turns are the prompt), for --method dpo (and kto, unpaired); unpaired: a "
+        "prompt, a completion and a label column of true/false (is the completion desirable?), for --method kto. "
+        "auto: from the columns (an error names this flag when more than one format fits).",
         choices=DATA_FORMATS,
     )
     prompt_column: str = flag(

@@ -8,17 +8,19 @@ The formats are the ones the ecosystem's trainers read:
   list of messages and each answer a list of assistant messages; or implicit, no prompt column and two whole
   conversations that share their first turns (the shared turns are the prompt);
 - prompt: a prompt alone, a string or a list of messages (TRL's prompt-only rows, for --method grpo); every other
-  column of the row (a solution, test cases, ...) goes along with it, to the reward functions.
+  column of the row (a solution, test cases, ...) goes along with it, to the reward functions;
+- unpaired: a prompt, a completion and a `label` column, true where the completion is desirable and false where it is
+  not (TRL's unpaired preference rows, for --method kto); prompt and completion as in prompt_completion.
 
 A row is handed on as a plain dict: {"text"}, {"prompt", "completion"}, {"messages"}, {"prompt", "chosen",
-"rejected"} or {"prompt", **the other columns}. Every error names the row's
+"rejected"}, {"prompt", **the other columns} or {"prompt", "completion", "label"}. Every error names the row's
 index in the dataset and its column, so a bad row is found without reading the whole file.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fsdp_opt.base import DataError
@@ -27,13 +29,14 @@ from fsdp_opt.data.mixture import MixtureTable
 from fsdp_opt.data.table import as_table
 
 ROLES = ("system", "user", "assistant")
+LABEL_COLUMN = "label"  # unpaired rows: whether the completion is desirable (TRL's column name)
 
 
 @dataclass(frozen=True)
 class RowSpec:
     """The format of the rows and the columns that hold them."""
 
-    format: str  # text | prompt_completion | messages | preference | prompt | mixed (a mixture's sources of several)
+    format: str  # text | prompt_completion | messages | preference | prompt | unpaired | mixed (a mixture's sources)
     text_column: str = "text"
     prompt_column: str = "prompt"
     completion_column: str = "completion"
@@ -54,6 +57,8 @@ class RowSpec:
             return (self.prompt_column, *self.extra)
         if self.format == "prompt_completion":
             return (self.prompt_column, self.completion_column)
+        if self.format == "unpaired":
+            return (self.prompt_column, self.completion_column, LABEL_COLUMN)
         if self.format == "preference":
             pair = (self.chosen_column, self.rejected_column)
             return pair if self.implicit else (self.prompt_column, *pair)
@@ -89,6 +94,8 @@ def row_format(row: dict[str, Any]) -> str:
         return "text"
     if "messages" in row:
         return "messages"
+    if "label" in row:
+        return "unpaired"
     return "prompt_completion" if "completion" in row else ("preference" if "chosen" in row else "prompt")
 
 
@@ -140,6 +147,11 @@ def resolve_spec(
     if data_format != "auto":
         spec = RowSpec(data_format, **kw)
         missing = [c for c in spec.columns if c not in have]
+        if missing == [LABEL_COLUMN]:
+            raise DataError(
+                f"--data_format {data_format}: no column {LABEL_COLUMN} (true: the completion is desirable; false: "
+                f"it is not) in the dataset (it has: {listed})"
+            )
         if missing:
             flag = {
                 text_column: "--text_column",
@@ -153,7 +165,7 @@ def resolve_spec(
                 f"{flag} {missing[0]}: no such column for --data_format {data_format} (the dataset has: {listed})"
             )
         return spec
-    formats = ("preference", "messages", "prompt_completion", "text")
+    formats = ("preference", "unpaired", "messages", "prompt_completion", "text")
     fits = [f for f in formats if all(c in have for c in RowSpec(f, **kw).columns)]
     if not fits:
         raise DataError(
@@ -236,6 +248,15 @@ def check_row(spec: RowSpec, raw: dict[str, Any], index: int) -> dict[str, Any] 
     """One row as the trainer takes it; None for a row with nothing to train on (dropped and counted)."""
     if spec.format == "preference":
         return _preference(spec, raw, index)
+    if spec.format == "unpaired":
+        label = raw[LABEL_COLUMN]
+        if not isinstance(label, bool):  # a 0/1 or a "yes" is not taken for one: the loss's sign depends on it
+            raise DataError(
+                f"row {index}, column {LABEL_COLUMN}: expected true or false (is the completion desirable?), got "
+                f"{label!r} ({type(label).__name__})"
+            )
+        row = check_row(replace(spec, format="prompt_completion"), raw, index)
+        return None if row is None else {**row, "label": label}
     if spec.format == "text":
         text = raw[spec.text_column]
         if text is not None and not isinstance(text, str):

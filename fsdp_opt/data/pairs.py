@@ -50,6 +50,7 @@ class Pairs:
     keyed by its dataset row: engine/logprobs.py)."""
 
     per_unit = 2
+    noun = "pair"
 
     def __init__(
         self,
@@ -186,7 +187,8 @@ def pairs_from_rows(
 
 
 class PairPlan:
-    """The steps of each epoch over pairs: StepPlan's interface (data/blocks.py), with pairs for samples."""
+    """The steps of each epoch over pairs (or over KTO's unpaired items, data/unpaired.py: a unit of one sequence):
+    StepPlan's interface (data/blocks.py), with units for samples."""
 
     def __init__(self, pairs: Pairs, *, batch_size: int, accum_steps: int, rank: int, world_size: int, seed: int):
         self.pairs = pairs
@@ -199,7 +201,7 @@ class PairPlan:
         for p in range(len(pairs)):
             if not pairs.fits([p], batch_size):
                 raise DataError(
-                    f"--batch_size {batch_size}: the pair of row {int(pairs.index[p])} does not fit a "
+                    f"--batch_size {batch_size}: the {pairs.noun} of row {int(pairs.index[p])} does not fit a "
                     f"micro-batch of {batch_size} block(s) of --max_length {pairs.max_length}; use "
                     "--batch_size 2 or more"
                 )
@@ -238,7 +240,8 @@ class PairPlan:
                 continue
             grid = step + [[] for _ in range(self.world_size * self.accum_steps - len(step))]
             mine = [grid[m * self.world_size + self.rank] for m in range(self.accum_steps)]
-            seqs = torch.tensor([2 * p + j for p in pairs for j in (0, 1)], dtype=torch.long)
+            per = self.pairs.per_unit
+            seqs = torch.tensor([per * p + j for p in pairs for j in range(per)], dtype=torch.long)
             yield StepBatch(
                 epoch=epoch,
                 step_in_epoch=k,

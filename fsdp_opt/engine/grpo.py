@@ -36,11 +36,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fsdp_opt.data.blocks import IGNORE_INDEX, GenerationSlot, StepBatch, model_inputs
-from fsdp_opt.data.sequences import pack
+from fsdp_opt.data.blocks import IGNORE_INDEX, GenerationSlot, StepBatch
 from fsdp_opt.engine.decoding import Decoder
 from fsdp_opt.engine.groups import GroupSettings
-from fsdp_opt.engine.logprobs import head_logps, token_logps
+from fsdp_opt.engine.logprobs import first_prompts_loss, head_logps
 from fsdp_opt.engine.loss import next_token_targets
 from fsdp_opt.engine.microbatches import run_micro_batches
 from fsdp_opt.engine.rollout import (
@@ -199,19 +198,7 @@ class GroupLoss:
 
     def first_loss(self, s, first: StepBatch | None) -> torch.Tensor:  # noqa: ANN001
         """The next-token loss of this rank's first prompts (a forward whose loss must be finite: the fp16 probe)."""
-        total = torch.zeros(2, device=s.env.device, dtype=torch.float32)
-        mine = [int(p) for p in first.micro_batches[0]][: s.plan.batch_size] if first is not None else []
-        ids = [self.prompts.ids[p] for p in mine]
-        p = self.prompts
-        batch, _ = pack(
-            ids, [[True] * len(q) for q in ids], p.pad_id, p.max_length, p.packing, s.env.device, p.attention, p.pattern
-        )
-        logp = token_logps(s.model(**model_inputs(batch)).logits, batch["labels"], None)
-        if ids:
-            on = next_token_targets(batch["labels"]) != IGNORE_INDEX
-            total[0] = -(logp * on).sum()
-            total[1] = on.sum()
-        return total
+        return first_prompts_loss(s, self.prompts, first)
 
     def record(self, sums: dict[str, float], step: StepBatch, seconds: float) -> dict[str, Any]:
         """The step's metrics: rewards, completion lengths, the KL, the clip's shares, generation's share."""

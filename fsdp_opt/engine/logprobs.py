@@ -24,7 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_opt.data.blocks import IGNORE_INDEX
+from fsdp_opt.data.blocks import IGNORE_INDEX, StepBatch, model_inputs
+from fsdp_opt.data.sequences import pack
 from fsdp_opt.engine.loss import HeadLoss, head_forward, next_token_targets
 from fsdp_opt.runtime.distributed import DistEnv
 
@@ -159,3 +160,21 @@ class Reference:
     def scored(cls, model: nn.Module, units: Units, batch_size: int, env: DistEnv) -> Reference:
         """The model's log-probabilities of these units (scored_logps), by their keys."""
         return cls(units.keys.clone(), scored_logps(model, units, batch_size, env).view(-1, units.per_unit))
+
+
+def first_prompts_loss(s, prompts, first: StepBatch | None) -> torch.Tensor:  # noqa: ANN001
+    """[summed next-token loss, tokens] of this rank's first prompts of the session (a method that samples: a forward
+    whose loss must be finite, the fp16 probe)."""
+    total = torch.zeros(2, device=s.env.device, dtype=torch.float32)
+    mine = [int(p) for p in first.micro_batches[0]][: s.plan.batch_size] if first is not None else []
+    ids = [prompts.ids[p] for p in mine]
+    p = prompts
+    batch, _ = pack(
+        ids, [[True] * len(q) for q in ids], p.pad_id, p.max_length, p.packing, s.env.device, p.attention, p.pattern
+    )
+    logp = token_logps(s.model(**model_inputs(batch)).logits, batch["labels"], None)
+    if ids:
+        on = next_token_targets(batch["labels"]) != IGNORE_INDEX
+        total[0] = -(logp * on).sum()
+        total[1] = on.sum()
+    return total

@@ -7,7 +7,8 @@ import argparse
 
 from fsdp_opt.config.choices import PACKING_MODES, T4_MEMORY
 from fsdp_opt.config.flags import OneLineParser, parse_batch, parse_bool
-from fsdp_opt.config.method import DECODING, METHODS
+from fsdp_opt.config.method import DECODING
+from fsdp_opt.config.specs import METHODS
 from fsdp_opt.model.catalog import SHAPES
 from fsdp_opt.model.sources import LLAMA_8B, OPT_FAMILY
 from fsdp_opt.planner.steptime import Rates
@@ -85,11 +86,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--method",
         default="sft",
         choices=METHODS,
-        help="the trainer's --method: dpo adds its reference pass (memory, time) to the plan; grpo its "
-        "generation phase (the model gathered once, and layer by layer beside it)",
+        help="the trainer's --method: dpo and kto add their reference pass (memory, time) to the plan; grpo and "
+        "distill their generation phase (the model gathered once, and layer by layer beside it), distill its "
+        "teacher beside the model",
     )
     p.add_argument("--num_generations", type=int, default=8, help="--method grpo: completions per prompt (G)")
-    p.add_argument("--max_completion_length", type=int, default=256, help="--method grpo: tokens of a completion")
+    p.add_argument(
+        "--max_completion_length", type=int, default=256, help="--method grpo and distill: tokens of a completion"
+    )
+    p.add_argument(
+        "--teacher_model",
+        default=None,
+        help="--method distill: the trainer's --teacher_model (default: the model itself); the plan keeps it beside "
+        "the model (its shards in the compute dtype) and runs its forward on each step's completions",
+    )
     p.add_argument(
         "--beta",
         type=float,

@@ -22,6 +22,7 @@ import math
 from typing import Any
 
 from fsdp_opt.base import gib
+from fsdp_opt.config.specs import spec
 from fsdp_opt.model.shapes import Shape
 from fsdp_opt.planner.inputs import CUDA_CONTEXT_BYTES, FRAGMENTATION, NCCL_BUFFER_BYTES, Inputs, shard_factor
 from fsdp_opt.planner.memory import layer_bytes, mask_bytes
@@ -73,15 +74,18 @@ def reference_pass(shape: Shape, strategy: str, inputs: Inputs, rates: Rates | N
     return out
 
 
-def reference_line(ref: dict[str, Any], strategy: str, gpu_memory: int) -> str:
-    time = f"about {ref['seconds_per_1000_pairs']:,.0f} s per 1,000 pairs"
+def reference_line(ref: dict[str, Any], strategy: str, gpu_memory: int, method: str = "dpo") -> str:
+    """The plan's line on a method's reference pass (DPO's: two sequences a pair; KTO's: two an item, its own and
+    a mismatched one)."""
+    unit = spec(method).unit
+    time = f"about {ref['seconds_per_1000_pairs']:,.0f} s per 1,000 {unit}s"
     if ref["own_model"]:
         return (
-            f"dpo reference pass: the run's own model with its adapters off, before training: no memory beyond "
+            f"{method} reference pass: the run's own model with its adapters off, before training: no memory beyond "
             f"training's, {time}"
         )
     verdict = "fits" if ref["fits"] else "DOES NOT FIT"
     return (
-        f"dpo reference pass ({strategy}): {gib(ref['total_bytes'])} per GPU at its peak (its model sharded in the "
+        f"{method} reference pass ({strategy}): {gib(ref['total_bytes'])} per GPU at its peak (its model sharded in the "
         f"compute dtype, freed before training), of {gib(gpu_memory)}: {verdict}; {time}"
     )

@@ -66,9 +66,16 @@ def requests_per_rank(global_batch: int, generations: int, gpus: int) -> int:
 
 
 def generation_memory(
-    shape: Shape, strategy: str, inputs: Inputs, requests: int, gathered: bool = True, reference_model: bool = False
+    shape: Shape,
+    strategy: str,
+    inputs: Inputs,
+    requests: int,
+    gathered: bool = True,
+    reference_model: bool = False,
+    beside: Shape | None = None,
 ) -> dict[str, int]:
-    """Bytes per GPU of the generation phase by component (each at its peak; they add up)."""
+    """Bytes per GPU of the generation phase by component (each at its peak; they add up). `reference_model`: a
+    model of its own kept beside, sharded in the compute dtype, of shape `beside` (default: the model's)."""
     f = shard_factor(strategy, inputs)
     c = 4 if inputs.precision == "fp32" else 2
     lora = bool(inputs.lora_rank)
@@ -87,7 +94,7 @@ def generation_memory(
         "kv_cache": requests * inputs.max_length * shape.layers * 2 * shape.kv_dim * c,
         "prefill": prefill_bytes(shape, requests, inputs.max_length, c),
         "logits": requests * shape.vocab * 4 * LOGIT_COPIES,
-        "reference": c * math.ceil(shape.params / f) if reference_model else 0,
+        "reference": c * math.ceil((beside or shape).params / f) if reference_model else 0,
     }
     if inputs.cuda:
         nccl = NCCL_BUFFER_BYTES if inputs.gpus > 1 else 0
@@ -172,17 +179,20 @@ def grpo_plan(
     samples: int,
     generations: int,
     completion_length: int,
-    beta: float,
+    forward_beside: bool,
     reference_model: bool,
     training_s: float | None,
     rates: Rates | None = None,
     decoding: str = "static",
     steps_per_generation: int = 1,
     iterations: int = 1,
+    beside: Shape | None = None,
+    beside_name: str = "reference",
 ) -> dict[str, Any]:
     """The generation phase (gathered once, and layer by layer beside it; decoded unreplayed and as CUDA graphs), the
-    reference's forward and the step. A generation of `steps_per_generation` steps' prompts, trained `iterations`
-    times, costs each of its steps its share."""
+    forward of the model kept beside (`forward_beside`: GRPO's reference at --beta > 0, distillation's teacher; of
+    shape `beside`, default the model's) and the step. A generation of `steps_per_generation` steps' prompts, trained
+    `iterations` times, costs each of its steps its share."""
     requests = requests_per_rank(samples * steps_per_generation, generations, inputs.gpus)
     graphs = decoding == "graphs"
     out: dict[str, Any] = {
@@ -192,10 +202,11 @@ def grpo_plan(
         "strategy": strategy,
         "decoding": decoding,
         "steps_per_generation": steps_per_generation * iterations,
+        "beside": beside_name,
     }
     c = 4 if inputs.precision == "fp32" else 2
     for name, gathered in (("gathered", True), ("layer_by_layer", False)):
-        memory = generation_memory(shape, strategy, inputs, requests, gathered, reference_model)
+        memory = generation_memory(shape, strategy, inputs, requests, gathered, reference_model, beside)
         if graphs and gathered:
             memory["graph_pool"] = graph_pool_bytes(shape, requests, c)
         peak = sum(memory.values())
@@ -206,8 +217,8 @@ def grpo_plan(
     out["eager"], out["graphs"] = eager, replayed
     shared = steps_per_generation * iterations
     reference_s = old_s = 0.0
-    if beta > 0:  # the reference's forward over the generation's completions (one rank's share)
-        reference_s = forward_time(shape, strategy, inputs, samples * steps_per_generation, rates)["seconds"]
+    if forward_beside:  # the reference's (teacher's) forward over the generation's completions (one rank's share)
+        reference_s = forward_time(beside or shape, strategy, inputs, samples * steps_per_generation, rates)["seconds"]
     if shared > 1:  # the policy's own log-probabilities at sampling time
         old_s = forward_time(shape, strategy, inputs, samples * steps_per_generation, rates)["seconds"]
     generation = out["gathered"] if out["gathered"]["fits"] else out["layer_by_layer"]
@@ -266,28 +277,30 @@ def with_generation(
     }
 
 
-def grpo_lines(g: dict[str, Any], gpu_memory: int) -> list[str]:
-    """The plan's lines on a GRPO step."""
+def grpo_lines(g: dict[str, Any], gpu_memory: int, method: str = "grpo") -> list[str]:
+    """The plan's lines on a step that generates (GRPO's, distillation's)."""
     a, b = g["gathered"], g["layer_by_layer"]
     uses = (
         "the model gathered once" if g["uses"] == "gathered" else "the shards, layer by layer (gathered does not fit)"
     )
-    shared = g["steps_per_generation"]
+    shared, beside = g["steps_per_generation"], g.get("beside", "reference")
     pool = a["components"].get("graph_pool")
     lines = [
-        f"grpo generation ({g['requests_per_rank']} completions of up to {g['completion_length']} tokens per GPU), "
+        f"{method} generation ({g['requests_per_rank']} completions of up to {g['completion_length']} tokens per GPU), "
         f"gathered once: {gib(a['peak_bytes'])} per GPU of {gib(gpu_memory)} ({'fits' if a['fits'] else 'does NOT fit'}: "
         f"KV cache {gib(a['components']['kv_cache'])}, model {gib(a['components']['gathered_weights'])}"
+        + (f", {beside} {gib(a['components']['reference'])}" if a["components"]["reference"] else "")
         + (f", CUDA graph {gib(pool)}" if pool else "")
         + f"), {a['seconds']:.2f} s ({a['tokens_per_second']:,.0f} "
         "tokens/s per GPU)",
-        f"grpo decoding (--decoding): unreplayed (static, generate) {g['eager']['decode_s']:.2f} s "
+        f"{method} decoding (--decoding): unreplayed (static, generate) {g['eager']['decode_s']:.2f} s "
         f"({g['eager']['tokens_per_second']:,.0f} tokens/s per GPU, the host's launches); as CUDA graphs (graphs) "
         f"{g['graphs']['decode_s']:.2f} s ({g['graphs']['tokens_per_second']:,.0f} tokens/s, estimated: not measured "
         f"on a GPU yet); a step {g['eager_step_s']:.2f} s against {g['graphs_step_s']:.2f} s",
-        f"grpo generation layer by layer: {gib(b['peak_bytes'])} per GPU ({'fits' if b['fits'] else 'does NOT fit'}), "
+        f"{method} generation layer by layer: {gib(b['peak_bytes'])} per GPU ({'fits' if b['fits'] else 'does NOT fit'}), "
         f"{b['seconds']:.2f} s ({b['tokens_per_second']:,.0f} tokens/s per GPU)",
-        f"grpo step ({g['strategy']}, --decoding {g['decoding']}): generation on {uses}, reference {g['reference_s']:.2f} s, "
+        f"{method} step ({g['strategy']}, --decoding {g['decoding']}): generation on {uses}, {beside} "
+        f"{g['reference_s']:.2f} s, "
         + (f"old log-probabilities {g['old_logps_s']:.2f} s, " if shared > 1 else "")
         + (f"each generation feeding {shared} steps, " if shared > 1 else "")
         + "training "

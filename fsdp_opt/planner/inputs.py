@@ -48,6 +48,7 @@ class Inputs:
     decoding: str = "static"  # --method grpo: --decoding (graphs: each decoding step a CUDA graph's replay)
     iterations: int = 1  # --method grpo: --num_iterations
     generation_slices: int = 1  # --method grpo: the steps' worth of prompts a generation takes (--steps_per_generation)
+    teacher: str | None = None  # --method distill: --teacher_model (kept beside the model: its memory, its forward)
 
 
 def shard_factor(strategy: str, inputs: Inputs) -> int:

@@ -12,7 +12,7 @@ from typing import Any
 
 from fsdp_opt.base import gib
 from fsdp_opt.config.choices import STRATEGIES
-from fsdp_opt.config.method import GENERATION, REFERENCE_PASS, spec
+from fsdp_opt.config.specs import GENERATION, REFERENCE_PASS, spec
 from fsdp_opt.model.shapes import Shape, model_config
 from fsdp_opt.planner.disk import disk_and_hub, disk_line
 from fsdp_opt.planner.dpo import reference_line, reference_pass
@@ -138,21 +138,26 @@ def make_plan(
         # the flags given where they fit (what the command runs), else the recommended layout
         strategy = given["strategy"] if given else recommended["sharding_strategy"] if recommended else "FULL_SHARD"
         training_s = given["step_s"] if given else recommended["predicted_step_time_s"] if recommended else None
-        own_reference = inputs.beta > 0 and (not inputs.lora_rank or inputs.ref_model)
+        t = spec(inputs.method)
+        # the model kept beside the trained one: the teacher (of its own shape), or GRPO's reference at --beta > 0 (a
+        # model of its own for full fine-tuning or with --ref_model; else the base with the adapters off)
+        own_reference = t.teacher or (inputs.beta > 0 and (not inputs.lora_rank or inputs.ref_model))
         plan[inputs.method] = grpo_plan(
             shape,
             strategy,
             inputs,
             samples,
-            inputs.generations,
+            inputs.generations if t.group else 1,
             inputs.completion_length,
-            inputs.beta,
+            t.teacher or inputs.beta > 0,
             own_reference,
             training_s,
             rates,
             inputs.decoding,
             inputs.generation_slices,
             inputs.iterations,
+            beside=Shape.of(model_config(inputs.teacher)) if t.teacher and inputs.teacher else shape,
+            beside_name="teacher" if t.teacher else "reference",
         )
     plan["recommended_line"] = recommended_line(
         recommended, given if samples == inputs.batch_size * inputs.accum_steps * inputs.gpus else None, samples
@@ -207,9 +212,9 @@ def render(plan: dict[str, Any]) -> str:
     lines += ["", *render_configurations(plan), plan["recommended_line"], plan["gpu_count_line"]]
     ref = plan.get(i["method"]) if REFERENCE_PASS in spec(i["method"]).phases else None
     if ref:
-        lines.append(reference_line(ref, ref["strategy"], i["gpu_memory"]))
+        lines.append(reference_line(ref, ref["strategy"], i["gpu_memory"], i["method"]))
     if GENERATION in spec(i["method"]).phases and plan.get(i["method"]):
-        lines += grpo_lines(plan[i["method"]], i["gpu_memory"])
+        lines += grpo_lines(plan[i["method"]], i["gpu_memory"], i["method"])
     if plan.get("fits_with_line"):
         lines.append(plan["fits_with_line"])
     a, c, d, r = plan["activations"], plan["checkpoints"], plan["disk"], plan["host_ram"]

@@ -35,7 +35,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp_opt.config.choices import DTYPES, shard_count
 from fsdp_opt.config.layout import LoraConfig
-from fsdp_opt.config.method import spec
+from fsdp_opt.config.specs import spec
 from fsdp_opt.data.packing import document_mask, segment_positions
 from fsdp_opt.data.pairs import Pairs
 from fsdp_opt.engine.dpo import dpo_terms

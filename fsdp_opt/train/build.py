@@ -209,7 +209,7 @@ def check_flags(config: Config, env: DistEnv) -> Checked:
     method_for(config).check()
     auto = config.train.batch_size == AUTO
     if config.method.spec.generates:  # a step's completions: whole groups of --num_generations
-        check_groups(config.train.samples_per_step(env.world_size), config.method.num_generations)
+        check_groups(config.train.samples_per_step(env.world_size), config.method.completions_per_prompt)
         generation_slices(config.method.steps_per_generation, None if auto else config.train.accum_for(env.world_size))
     return Checked(source, precision, None if auto else config.train.accum_for(env.world_size))
 

@@ -19,8 +19,9 @@ from fsdp_opt.checkpoint.loading import load_into
 from fsdp_opt.checkpoint.read import check_compatible, read_checkpoint
 from fsdp_opt.config.choices import DTYPES, shard_count
 from fsdp_opt.config.layout import LoraConfig
-from fsdp_opt.config.method import DEFAULT_METHOD, MethodConfig
+from fsdp_opt.config.method import MethodConfig
 from fsdp_opt.config.parse import Config
+from fsdp_opt.config.specs import DEFAULT_METHOD
 from fsdp_opt.config.training import DataConfig, ModelConfig
 from fsdp_opt.data.formats import held_out_rows, held_out_split, select_rows
 from fsdp_opt.data.mixture import MixtureTable

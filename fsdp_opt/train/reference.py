@@ -1,12 +1,13 @@
-"""--method dpo's reference pass, a step of setup like loading the weights: the reference model's summed answer
-log-probabilities of every pair of the session's range (and of its held-out pairs), computed once, before training.
+"""--method dpo's and kto's reference pass, a step of setup like loading the weights: the reference model's summed
+answer log-probabilities of every unit of the session's range (DPO: each pair's two answers; KTO: each item's own
+sequence and the mismatched ones its micro-batches read) and of its held-out units, computed once, before training.
 
 - The reference is --ref_model, else the model the chain started from (its checkpoints record it: a resumed session
   never takes the reference from the checkpoint it resumes), else, for a LoRA run, the base with its adapters switched
   off (no second model; computed with the run's own model).
 - A model to load is built sharded like the run's, its weights frozen and stored in the compute dtype (fp16 on a
   T4), run once in eval mode, and freed before the trainable model is built: the two never share the GPUs.
-- The result, by dataset row, goes into every checkpoint; a session that resumes inside its range, with the same
+- The result, by unit key (a dataset row; KTO: two items), goes into every checkpoint; a session that resumes inside its range, with the same
   reference, reads it from there and runs nothing.
 
 --method grpo's reference (policy_reference) is loaded the same way but kept beside the policy for the session: its
@@ -23,8 +24,8 @@ import torch
 from fsdp_opt.base import ConfigError
 from fsdp_opt.config.choices import DTYPES
 from fsdp_opt.config.parse import Config
-from fsdp_opt.data.pairs import Pairs
-from fsdp_opt.engine.logprobs import Reference, head_logps
+from fsdp_opt.config.specs import spec
+from fsdp_opt.engine.logprobs import Reference, Units, head_logps
 from fsdp_opt.engine.loss import HeadLoss
 from fsdp_opt.model.adapters import adapters_off
 from fsdp_opt.model.nf4 import store_base
@@ -52,9 +53,9 @@ def saved_reference(payload: dict[str, Any] | None, env: DistEnv, key: str) -> d
     return broadcast_object((payload or {}).get(key) if env.is_main else None)
 
 
-def reusable(saved: dict[str, Any] | None, key: str, name: str, pairs: Pairs | None) -> Reference | None:
-    """The checkpoint's reference log-probabilities (`key`: of the training or the held-out pairs) when they are this
-    reference's and cover these pairs."""
+def reusable(saved: dict[str, Any] | None, key: str, name: str, pairs: Units | None) -> Reference | None:
+    """The checkpoint's reference log-probabilities (`key`: of the training or the held-out units) when they are this
+    reference's and cover these units."""
     ref = Reference.from_state((saved or {}).get(key))
     if ref is None or pairs is None or saved.get("ref_model") != name:
         return None
@@ -68,9 +69,9 @@ def _frozen(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
 
 def with_model(
-    config: Config, env: DistEnv, name: str, precision: str, tokenizer, batch_size: int, *pairs: Pairs | None
+    config: Config, env: DistEnv, name: str, precision: str, tokenizer, batch_size: int, *pairs: Units | None
 ) -> list[Reference | None]:
-    """The reference model loaded (sharded, frozen, compute dtype), run over the pairs, and freed."""
+    """The reference model loaded (sharded, frozen, compute dtype), run over the units, and freed."""
     strategy = config.parallel.sharding_strategy if config.parallel.sharding_strategy != "AUTO" else "FULL_SHARD"
     return score_model(
         name,
@@ -83,6 +84,7 @@ def with_model(
         attention=config.model.attn_implementation,
         strategy=strategy,
         seed=config.train.seed,
+        label=config.method.method,
     )
 
 
@@ -96,17 +98,25 @@ def load_frozen(
     attention: str = "auto",
     strategy: str = "FULL_SHARD",
     seed: int = 42,
+    flag: str = "--ref_model",
+    vocabulary: int | None = None,
 ) -> torch.nn.Module:  # noqa: ANN001
-    """A reference model by name, loaded sharded like the run's, its weights frozen in the compute dtype, in eval mode;
-    refused in one line when its tokenizer is not the policy's."""
+    """A reference (or teacher) model by name, loaded sharded like the run's, its weights frozen in the compute dtype,
+    in eval mode; refused in one line, naming `flag`, when its tokenizer is not the policy's or (given `vocabulary`)
+    its output layer's size is not."""
     source = all_ranks_ok(lambda: resolve_model(name))
     ref_config, ref_tokenizer = rank0_first(lambda: (load_model_config(source, attention), load_tokenizer(source)))
 
     def same_tokens() -> None:
         if ref_tokenizer.get_vocab() != tokenizer.get_vocab() or ref_tokenizer.eos_token_id != tokenizer.eos_token_id:
             raise ConfigError(
-                f"--ref_model {name}: its tokenizer is not the policy's ({policy}): their "
+                f"{flag} {name}: its tokenizer is not the policy's ({policy}): their "
                 "log-probabilities of the same answers would be of other tokens"
+            )
+        if vocabulary is not None and ref_config.vocab_size != vocabulary:
+            raise ConfigError(
+                f"{flag} {name}: its vocabulary has {ref_config.vocab_size} entries and the model's ({policy}) "
+                f"{vocabulary}: their next-token distributions cannot be compared"
             )
 
     all_ranks_ok(same_tokens)
@@ -176,18 +186,19 @@ def score_model(
     precision: str,
     tokenizer,
     batch_size: int,
-    *pairs: Pairs | None,
+    *pairs: Units | None,
     policy: str,
     attention: str = "auto",
     strategy: str = "FULL_SHARD",
     seed: int = 42,
+    label: str = "dpo",
 ) -> list[Reference | None]:
-    """A model by name, loaded sharded and frozen in the compute dtype, run over the pairs, and freed (the training
-    run's reference pass, and evaluate's)."""
+    """A model by name, loaded sharded and frozen in the compute dtype, run over the units (DPO's pairs, KTO's
+    sequences), and freed (the training run's reference pass, and evaluate's). `label`: the method, in its lines."""
     model = load_frozen(
         name, env, precision, tokenizer, policy=policy, attention=attention, strategy=strategy, seed=seed
     )
-    print0(f"dpo: reference {name}: loaded sharded in {precision}, scoring the pairs")
+    print0(f"{label}: reference {name}: loaded sharded in {precision}, scoring the {_what(label)}")
     ref = _score(model, env, batch_size, *pairs)
     del model
     free(env)
@@ -195,16 +206,20 @@ def score_model(
 
 
 def with_adapters_off(
-    model: torch.nn.Module, env: DistEnv, batch_size: int, *pairs: Pairs | None
+    model: torch.nn.Module, env: DistEnv, batch_size: int, *pairs: Units | None, label: str = "dpo"
 ) -> list[Reference | None]:
     """A LoRA run's reference: its own model with the adapters switched off."""
-    print0("dpo: reference: the base with the adapters switched off, scoring the pairs")
+    print0(f"{label}: reference: the base with the adapters switched off, scoring the {_what(label)}")
     with adapters_off(model):
         return _score(model, env, batch_size, *pairs)
 
 
-def _score(model: torch.nn.Module, env: DistEnv, batch_size: int, *pairs: Pairs | None) -> list[Reference | None]:
-    """Each set of pairs' reference (None for None: nothing to score)."""
+def _what(label: str) -> str:
+    return f"{spec(label).unit}s"
+
+
+def _score(model: torch.nn.Module, env: DistEnv, batch_size: int, *pairs: Units | None) -> list[Reference | None]:
+    """Each set of units' reference (None for None: nothing to score)."""
     return [None if p is None else Reference.scored(model, p, batch_size, env) for p in pairs]
 
 
@@ -213,25 +228,27 @@ def prepare(
     env: DistEnv,
     payload: dict[str, Any] | None,
     key: str,
-    pairs: Pairs,
-    held: Pairs | None,
+    pairs: Units,
+    held: Units | None,
     precision: str,
     tokenizer,
+    batch_size: int | None = None,
 ) -> tuple[str, list[Reference | None]]:
-    """Before the model is built: the reference's name, and its log-probabilities of the training and held-out pairs
+    """Before the model is built: the reference's name, and its log-probabilities of the training and held-out units
     where the checkpoint has them or a model must be loaded for them (a LoRA run's adapters-off reference is scored
-    once the model is built: finish())."""
+    once the model is built: finish()). `key`: the method's, in the checkpoint and in the lines; `batch_size`: the
+    micro-batch to score in (default --batch_size, 1 with auto)."""
     saved = saved_reference(payload, env, key)
     name = reference_name(config, saved)
     found = [reusable(saved, "reference", name, pairs), reusable(saved, "eval_reference", name, held)]
     if found[0] is not None:
         print0(
-            f"dpo: reference {name}: its log-probabilities of rows [{config.data.start_idx}, ..) read from the "
+            f"{key}: reference {name}: its log-probabilities of rows [{config.data.start_idx}, ..) read from the "
             "checkpoint"
         )
     missing = [p if f is None else None for p, f in zip((pairs, held), found)]
     if name != ADAPTERS_OFF and any(m is not None for m in missing):
-        batch = config.train.batch_size if isinstance(config.train.batch_size, int) else 1
+        batch = batch_size or (config.train.batch_size if isinstance(config.train.batch_size, int) else 1)
         scored = with_model(config, env, name, precision, tokenizer, batch, *missing)
         found = [f if f is not None else s for f, s in zip(found, scored)]
     return name, found
@@ -243,13 +260,14 @@ def finish(
     model: torch.nn.Module,
     env: DistEnv,
     batch_size: int,
-    pairs: Pairs,
-    held: Pairs | None,
+    pairs: Units,
+    held: Units | None,
+    label: str = "dpo",
 ) -> list[Reference | None]:
     """After the model is built: the adapters-off reference's missing log-probabilities."""
     missing = [p if f is None else None for p, f in zip((pairs, held), found)]
     if name == ADAPTERS_OFF and any(m is not None for m in missing):
-        scored = with_adapters_off(model, env, batch_size, *missing)
+        scored = with_adapters_off(model, env, batch_size, *missing, label=label)
         found = [f if f is not None else s for f, s in zip(found, scored)]
     return found
 

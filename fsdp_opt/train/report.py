@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fsdp_opt.config.method import DEFAULT_METHOD
+from fsdp_opt.config.specs import DEFAULT_METHOD
 from fsdp_opt.train.methods import REGISTRY
 
 

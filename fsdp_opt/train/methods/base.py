@@ -19,8 +19,8 @@ import time
 from typing import Any
 
 from fsdp_opt.base import ConfigError
-from fsdp_opt.config.method import METHOD_SPECS
 from fsdp_opt.config.parse import Config
+from fsdp_opt.config.specs import METHOD_SPECS
 from fsdp_opt.data.blocks import StepPlan, rows_to_blocks
 from fsdp_opt.data.formats import Rows, RowSpec
 from fsdp_opt.engine.evaluation import evaluate_loss
@@ -212,6 +212,7 @@ def words(spec: RowSpec) -> str:
         "prompt_completion": "prompt/completion pairs",
         "preference": "preference pairs",
         "prompt": "prompts",
+        "unpaired": "unpaired rows",
     }[spec.format]
     return f"{kind} (column {', '.join(spec.columns)})"
 

@@ -95,7 +95,7 @@ class Grpo(Method):
             rank=env.rank,
             world_size=env.world_size,
             seed=config.train.seed,
-            generations=m.num_generations,
+            generations=m.completions_per_prompt,
             slices=generation_slices(m.steps_per_generation, accum_steps),
             iterations=m.num_iterations,
         )
