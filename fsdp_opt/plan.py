@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             if GENERATION in spec(a.method).phases
             else 1,
             teacher=(a.teacher_model or a.model) if spec(a.method).teacher else None,
+            teacher_bits=a.teacher_bits,
         )
         if a.lora_rank < 0:
             raise ConfigError(f"--lora_rank {a.lora_rank}: must be 0 (full fine-tuning) or more")

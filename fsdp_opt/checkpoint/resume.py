@@ -1,4 +1,5 @@
-"""Where a resumed run continues: read the checkpoint, restore every rank, decide the position.
+"""Where a resumed run continues: the checkpoint a session resumes from (`Resume`), restored into every rank, and the
+position.
 
 Same slice (dataset, range, tokenization, seed): continue at the next batch of the saved epoch, with every
 rank's RNG restored when the rank count is unchanged. Another slice: keep model, optimizer, scaler,
@@ -8,19 +9,25 @@ schedule and global step, and start at the slice's first batch.
 from __future__ import annotations
 
 import hashlib
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from fsdp_opt.checkpoint.chain import CHAIN_KEY
+from fsdp_opt.checkpoint.drift import CHANGES_KEY, global_batch_change, refuse_if_breaking, settings_drift
+from fsdp_opt.checkpoint.drift import line as drift_line
 from fsdp_opt.checkpoint.loading import load_into
 from fsdp_opt.checkpoint.save import EPOCHS_KEY, STEP_KEY
 from fsdp_opt.checkpoint.state import set_rng_state
 from fsdp_opt.config.parse import Config
+from fsdp_opt.data.pin import PIN_KEY
 from fsdp_opt.engine.optim import LossScaler
 from fsdp_opt.engine.step import TrainState
-from fsdp_opt.runtime.distributed import DistEnv, broadcast_object, print0
+from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, broadcast_object, print0
 
 # A checkpoint from before row formats trained text rows on every token, with no chat template.
 ROWS_BEFORE_FORMATS = {"data_format": "text", "train_on": "all", "chat_template": None}
@@ -145,3 +152,80 @@ def restore(
     elif not header["has_optimizer"]:
         print0("  (the checkpoint has no optimizer state: AdamW moments start from zero)")
     return state
+
+
+@dataclass
+class Resume:
+    """The checkpoint a session resumes from, as setup reads it: rank 0 holds its payload (None on the other ranks and
+    without --resume_file). In the order setup asks: the flags changed since it (drift, `of`), the chain's data pin and
+    the range it trained (`pin`, `trained_range`), the chain's record of changes with this session's added
+    (`record_changes`, once the global batch is known), the restore into every rank (`restore_into`), and what the
+    chain and W&B carry on (`handover`, which drops the payload before the first save gathers another)."""
+
+    resuming: bool
+    payload: dict[str, Any] | None  # rank 0's
+    read_seconds: float = 0.0
+    changes: list[dict[str, Any]] | None = None  # rank 0's: this session's flags that differ from the checkpoint's
+
+    @classmethod
+    def of(cls, payload: dict[str, Any] | None, config: Config, env: DistEnv, read_seconds: float) -> Resume:
+        changes = all_ranks_ok(lambda: settings_drift(config, payload) if env.is_main else None)
+        return cls(bool(config.checkpoint.resume_file), payload, read_seconds, changes)
+
+    @property
+    def pin(self) -> dict[str, Any] | None:
+        """The chain's data pin (rank 0)."""
+        return self.payload.get(PIN_KEY) if self.payload else None
+
+    @property
+    def trained_range(self) -> tuple[int, int] | None:
+        """The range the checkpoint trained, where it has a pin (rank 0)."""
+        if not self.pin or not self.payload.get("slice"):
+            return None
+        return self.payload["slice"]["start_idx"], self.payload["slice"]["end_idx"]
+
+    def record_changes(self, config: Config, global_batch: int, env: DistEnv) -> list[dict[str, Any]]:
+        """Every rank: the global batch checked too (known once the layout is), then the chain's record of changes:
+        the checkpoint's, and this session's at its first global step (rank 0's; [] elsewhere)."""
+
+        def on_main() -> list[dict[str, Any]]:
+            payload, changes = self.payload, list(self.changes or [])
+            ts = payload.get("train_state") or {}
+            mid_range = bool(ts.get("offset") or ts.get("within"))
+            moved = global_batch_change(payload.get("global_batch"), global_batch, mid_range=mid_range)
+            if moved is not None:
+                print0(drift_line(moved))
+                refuse_if_breaking([moved], config.checkpoint.allow_changes, Path(payload["_path"]).name)
+                changes = [moved] + changes
+            step = int(ts.get("global_step", 0))
+            return list(payload.get(CHANGES_KEY) or []) + [{**c, "step": step} for c in changes]
+
+        return all_ranks_ok(lambda: on_main() if env.is_main else None) or []
+
+    def restore_into(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scaler: LossScaler,
+        config: Config,
+        env: DistEnv,
+        end_idx: int,
+        num_samples: int,
+        rows: dict[str, Any] | None,
+        chat_template: str | None,
+    ) -> TrainState:
+        """Every rank takes part: the checkpoint loaded into the shards, and the position training continues at."""
+        started = time.perf_counter()
+        state = restore(model, optimizer, scaler, self.payload, config, env, end_idx, num_samples, rows, chat_template)
+        print0(
+            f"  checkpoint found and read in {self.read_seconds:.1f} s, loaded into the shards in "
+            f"{time.perf_counter() - started:.1f} s"
+        )
+        return state
+
+    def handover(self, env: DistEnv) -> tuple[str | None, dict[str, Any] | None]:
+        """The W&B run id (rank 0's) and the chain's saved status (every rank's), then the payload is dropped."""
+        run_id = self.payload.get("wandb_run_id") if env.is_main and self.payload else None
+        saved_chain = broadcast_object(self.payload.get(CHAIN_KEY) if env.is_main and self.payload else None)
+        self.payload = None  # rank 0's copy of the checkpoint: gone before the first save gathers another
+        return run_id, saved_chain

@@ -45,6 +45,13 @@ class MethodConfig:
         "--method distill: the teacher (a Hub id or local folder, as --model), loaded sharded like the model, frozen, "
         "in the compute dtype, and kept beside it; its tokenizer and vocabulary must be the model's.",
     )
+    teacher_bits: int = flag(
+        16,
+        "--method distill: the teacher's weights in the compute dtype (16), or its blocks' linear weights as NF4 (4: "
+        "4 bits each, torchao, as --base_bits 4 stores a LoRA base), for a teacher that would not fit beside the "
+        "model otherwise.",
+        choices=(16, 4),
+    )
     ref_model: str | None = flag(
         None,
         "--method dpo and kto (or grpo with --beta > 0): the reference model (a Hub id or local folder, as --model). Default: "

@@ -47,7 +47,7 @@ def _peft_layer() -> type:
     return LoraLayer
 
 
-def quantize_base(model: nn.Module, shards: int) -> list[str]:
+def quantize_base(model: nn.Module, shards: int, flag: str = "--base_bits 4") -> list[str]:
     """Every frozen linear weight of the blocks as a torchao NF4 tensor (4 bits, blocks of 64 with scales), which
     FSDP2 shards and gathers as its packed bytes. On meta only the layout is made. Returns the weights' names."""
     to_nf4 = _to_nf4()
@@ -58,8 +58,8 @@ def quantize_base(model: nn.Module, shards: int) -> list[str]:
         rows = layer.weight.shape[0]
         if layer.weight.numel() % unit or rows % shards:
             raise ConfigError(
-                f"--base_bits 4: {name} ({rows} x {layer.weight.shape[1]}) does not split into {shards} NF4 shards "
-                f"(each needs a multiple of {NF4_BLOCK * NF4_SCALER_BLOCK} weights); use --base_bits 16 or fewer ranks"
+                f"{flag}: {name} ({rows} x {layer.weight.shape[1]}) does not split into {shards} NF4 shards "
+                f"(each needs a multiple of {NF4_BLOCK * NF4_SCALER_BLOCK} weights); use 16 bits or fewer ranks"
             )
         layer.weight = nn.Parameter(to_nf4(layer.weight.detach()), requires_grad=False)
         names.append(f"{name}.weight")

@@ -101,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
         "the model (its shards in the compute dtype) and runs its forward on each step's completions",
     )
     p.add_argument(
+        "--teacher_bits",
+        type=int,
+        default=16,
+        choices=[16, 4],
+        help="--method distill: the trainer's --teacher_bits (4: the teacher's blocks' linear weights in NF4)",
+    )
+    p.add_argument(
         "--beta",
         type=float,
         default=0.0,

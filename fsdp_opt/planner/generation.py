@@ -32,6 +32,7 @@ steps.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -73,9 +74,11 @@ def generation_memory(
     gathered: bool = True,
     reference_model: bool = False,
     beside: Shape | None = None,
+    beside_bits: int = 16,
 ) -> dict[str, int]:
     """Bytes per GPU of the generation phase by component (each at its peak; they add up). `reference_model`: a
-    model of its own kept beside, sharded in the compute dtype, of shape `beside` (default: the model's)."""
+    model of its own kept beside, sharded in the compute dtype (`beside_bits` 4: its blocks' linear weights in NF4),
+    of shape `beside` (default: the model's)."""
     f = shard_factor(strategy, inputs)
     c = 4 if inputs.precision == "fp32" else 2
     lora = bool(inputs.lora_rank)
@@ -94,12 +97,18 @@ def generation_memory(
         "kv_cache": requests * inputs.max_length * shape.layers * 2 * shape.kv_dim * c,
         "prefill": prefill_bytes(shape, requests, inputs.max_length, c),
         "logits": requests * shape.vocab * 4 * LOGIT_COPIES,
-        "reference": c * math.ceil((beside or shape).params / f) if reference_model else 0,
+        "reference": math.ceil(stored_bytes(beside or shape, inputs, c, beside_bits) / f) if reference_model else 0,
     }
     if inputs.cuda:
         nccl = NCCL_BUFFER_BYTES if inputs.gpus > 1 else 0
         out["runtime"] = CUDA_CONTEXT_BYTES + nccl + int(FRAGMENTATION * sum(out.values()))
     return out
+
+
+def stored_bytes(shape: Shape, inputs: Inputs, c: int, bits: int) -> float:
+    """A frozen model's bytes as stored: in the compute dtype, or (4 bits) its blocks' linear weights in NF4."""
+    blocks = block_base_bytes(shape, dataclasses.replace(inputs, base_bits=bits), c) * shape.layers
+    return blocks + c * (shape.params - shape.layers * shape.block_params)
 
 
 def prefill_bytes(shape: Shape, requests: int, length: int, c: int) -> int:
@@ -188,6 +197,7 @@ def grpo_plan(
     iterations: int = 1,
     beside: Shape | None = None,
     beside_name: str = "reference",
+    beside_bits: int = 16,
 ) -> dict[str, Any]:
     """The generation phase (gathered once, and layer by layer beside it; decoded unreplayed and as CUDA graphs), the
     forward of the model kept beside (`forward_beside`: GRPO's reference at --beta > 0, distillation's teacher; of
@@ -206,7 +216,7 @@ def grpo_plan(
     }
     c = 4 if inputs.precision == "fp32" else 2
     for name, gathered in (("gathered", True), ("layer_by_layer", False)):
-        memory = generation_memory(shape, strategy, inputs, requests, gathered, reference_model, beside)
+        memory = generation_memory(shape, strategy, inputs, requests, gathered, reference_model, beside, beside_bits)
         if graphs and gathered:
             memory["graph_pool"] = graph_pool_bytes(shape, requests, c)
         peak = sum(memory.values())
@@ -250,6 +260,7 @@ def with_generation(
     graphs: bool = False,
     steps_per_generation: int = 1,
     iterations: int = 1,
+    beside: Shape | None = None,
 ) -> dict[str, Any]:
     """A run's step-time prediction (the training step's, planner/layout.py) with its share of the generation phase,
     the reference's forward and the old log-probabilities' forward added, at the prediction's own rates: what a GRPO
@@ -262,7 +273,7 @@ def with_generation(
     requests = requests_per_rank(samples * steps_per_generation, generations, inputs.gpus)
     generation = generation_time(shape, strategy, inputs, requests, completion_length, rates, gathered, graphs)
     rows = samples * steps_per_generation
-    reference_s = forward_time(shape, strategy, inputs, rows, rates)["seconds"] if reference_forward else 0.0
+    reference_s = forward_time(beside or shape, strategy, inputs, rows, rates)["seconds"] if reference_forward else 0.0
     shared = steps_per_generation * iterations
     old_s = forward_time(shape, strategy, inputs, rows, rates)["seconds"] if shared > 1 else 0.0
     share = (generation["seconds"] + reference_s + old_s) / shared

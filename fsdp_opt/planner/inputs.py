@@ -49,6 +49,7 @@ class Inputs:
     iterations: int = 1  # --method grpo: --num_iterations
     generation_slices: int = 1  # --method grpo: the steps' worth of prompts a generation takes (--steps_per_generation)
     teacher: str | None = None  # --method distill: --teacher_model (kept beside the model: its memory, its forward)
+    teacher_bits: int = 16  # --method distill: --teacher_bits (4: the teacher's blocks' linear weights in NF4)
 
 
 def shard_factor(strategy: str, inputs: Inputs) -> int:

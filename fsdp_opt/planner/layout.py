@@ -261,9 +261,11 @@ def with_generation_phase(
     gathered: bool,
     graphs: bool,
     slices: int,
+    beside_config: Any = None,
 ) -> Layout:
-    """A GRPO run's layout with its step prediction counting the generation, the reference forward and the old
-    log-probabilities' forward (planner/generation.py), as `plan` counts them."""
+    """The layout of a run that generates (GRPO, distillation) with its step prediction counting the generation, the
+    forward of the model beside it (GRPO's reference, the teacher: of `beside_config`'s shape, default the model's) and
+    the old log-probabilities' forward (planner/generation.py), as `plan` counts them."""
     if layout.prediction is None:
         return layout
     m, lc = config.method, config.lora
@@ -289,6 +291,7 @@ def with_generation_phase(
         graphs=graphs,
         steps_per_generation=slices,
         iterations=m.num_iterations,
+        beside=Shape.of(beside_config) if beside_config is not None else None,
     )
     return dataclasses.replace(layout, prediction=prediction)
 

@@ -158,6 +158,7 @@ def make_plan(
             inputs.iterations,
             beside=Shape.of(model_config(inputs.teacher)) if t.teacher and inputs.teacher else shape,
             beside_name="teacher" if t.teacher else "reference",
+            beside_bits=inputs.teacher_bits if t.teacher else 16,
         )
     plan["recommended_line"] = recommended_line(
         recommended, given if samples == inputs.batch_size * inputs.accum_steps * inputs.gpus else None, samples

@@ -12,15 +12,13 @@ from typing import Any
 from torch import nn
 
 from fsdp_opt.base import ConfigError
-from fsdp_opt.checkpoint.chain import CHAIN_KEY
-from fsdp_opt.checkpoint.drift import CHANGES_KEY, global_batch_change, refuse_if_breaking, settings_drift
-from fsdp_opt.checkpoint.drift import line as drift_line
+from fsdp_opt.checkpoint.drift import CHANGES_KEY
 from fsdp_opt.checkpoint.read import check_compatible
-from fsdp_opt.checkpoint.resume import restore
+from fsdp_opt.checkpoint.resume import Resume
 from fsdp_opt.checkpoint.save import BackgroundWriter
 from fsdp_opt.config.choices import AUTO, DTYPES, shard_count
 from fsdp_opt.config.parse import Config
-from fsdp_opt.data.pin import PIN_KEY, packed_as, pinned_revision, with_range
+from fsdp_opt.data.pin import packed_as, pinned_revision, with_range
 from fsdp_opt.data.prompts import check_groups, generation_slices
 from fsdp_opt.data.resolve import DataSource
 from fsdp_opt.data.sources import check_exists
@@ -98,17 +96,16 @@ def setup(config: Config, env: DistEnv, checked: Checked | None = None, lease: L
             else None
         )
     )
-    read_seconds = time.perf_counter() - read_started
-    changes = all_ranks_ok(lambda: settings_drift(config, payload) if env.is_main else None)
-    pin = payload.get(PIN_KEY) if payload else None
+    resume = Resume.of(payload, config, env, time.perf_counter() - read_started)
+    del payload
+    pin = resume.pin
     # a Hub dataset is read at the revision the chain recorded, unless --dataset_revision names one
     revision = broadcast_object(config.data.dataset_revision or pinned_revision(pin, DataSource.of(config.data)))
     method = method_for(config)
     inputs = read_inputs(config, checked.source, method, revision, pin)
-    resumed = (payload["slice"]["start_idx"], payload["slice"]["end_idx"]) if pin and payload.get("slice") else None
     data_source = all_ranks_ok(
         lambda: (
-            check_pin(config, method, pin, inputs.data, inputs.tokenizer, inputs.model_config, resumed)
+            check_pin(config, method, pin, inputs.data, inputs.tokenizer, inputs.model_config, resume.trained_range)
             if env.is_main
             else None
         )
@@ -120,8 +117,8 @@ def setup(config: Config, env: DistEnv, checked: Checked | None = None, lease: L
             config, env, inputs.model_config, checked.precision, checked.accum_steps, gpu=cap_gpu_memory(config, env)
         )
     )
-    method.before_model(inputs.data, env, payload, checked.precision, inputs.tokenizer, layout)
-    built = build_model(config, env, checked, inputs, payload, method, layout)
+    method.before_model(inputs.data, env, resume.payload, checked.precision, inputs.tokenizer, layout)
+    built = build_model(config, env, checked, inputs, resume.payload, method, layout)
     session = make_session(config, env, checked, inputs, built, method)
     method.after_model(session)
     session.lease = lease
@@ -137,17 +134,13 @@ def setup(config: Config, env: DistEnv, checked: Checked | None = None, lease: L
             d.tokens_digest,
             packed_as(config.data.max_length, config.data.packing),
         )
-    if config.checkpoint.resume_file:
-        session.settings_changes = (
-            all_ranks_ok(lambda: record_changes(session, payload, changes) if env.is_main else None) or []
-        )
-    if config.checkpoint.resume_file:  # payload: rank 0's; every rank takes part in restoring it
-        load_started = time.perf_counter()
-        session.state = restore(
+    run_id, saved_chain = None, None
+    if resume.resuming:
+        session.settings_changes = resume.record_changes(config, session.plan.global_batch, env)
+        session.state = resume.restore_into(
             built.model,
             session.optimizer,
             session.scaler,
-            payload,
             config,
             env,
             inputs.data.end_idx,
@@ -155,15 +148,7 @@ def setup(config: Config, env: DistEnv, checked: Checked | None = None, lease: L
             session.rows,
             session.chat_template,
         )
-        print0(
-            f"  checkpoint found and read in {read_seconds:.1f} s, loaded into the shards in "
-            f"{time.perf_counter() - load_started:.1f} s"
-        )
-        run_id = payload.get("wandb_run_id") if env.is_main else None
-        saved_chain = broadcast_object(payload.get(CHAIN_KEY) if env.is_main else None)
-        del payload  # rank 0's copy of the checkpoint: gone before the first save gathers another
-    else:
-        run_id, saved_chain = None, None
+        run_id, saved_chain = resume.handover(env)
     session.chain = start_status(session, saved_chain, inputs.data.rows)
     session.chain_seconds_before = session.chain.train_seconds
     tie_and_check(built.model)
@@ -171,21 +156,6 @@ def setup(config: Config, env: DistEnv, checked: Checked | None = None, lease: L
     start_side_work(session, built, run_id, inputs.bf16_pretrained)
     release_host_memory()  # every rank: what reading the weights (and a checkpoint) left, so the steps start clean
     return session
-
-
-def record_changes(s: Session, payload: dict[str, Any], changes: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rank 0: the global batch checked too (it is known once the layout is), then the chain's record of changes:
-    the checkpoint's, and this session's at its first global step."""
-    ts = payload.get("train_state") or {}
-    moved = global_batch_change(
-        payload.get("global_batch"), s.plan.global_batch, mid_range=bool(ts.get("offset") or ts.get("within"))
-    )
-    if moved is not None:
-        print0(drift_line(moved))
-        refuse_if_breaking([moved], s.config.checkpoint.allow_changes, Path(payload["_path"]).name)
-        changes = [moved] + changes
-    step = int(ts.get("global_step", 0))
-    return list(payload.get(CHANGES_KEY) or []) + [{**c, "step": step} for c in changes]
 
 
 def check_flags(config: Config, env: DistEnv) -> Checked:

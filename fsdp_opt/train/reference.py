@@ -22,13 +22,13 @@ from typing import Any
 import torch
 
 from fsdp_opt.base import ConfigError
-from fsdp_opt.config.choices import DTYPES
+from fsdp_opt.config.choices import DTYPES, shard_count
 from fsdp_opt.config.parse import Config
 from fsdp_opt.config.specs import spec
 from fsdp_opt.engine.logprobs import Reference, Units, head_logps
 from fsdp_opt.engine.loss import HeadLoss
 from fsdp_opt.model.adapters import adapters_off
-from fsdp_opt.model.nf4 import store_base
+from fsdp_opt.model.nf4 import load_quantized, quantize_base, store_base
 from fsdp_opt.model.parallelize import fp32_products_on_cpu, initialize, shard_model, tie_and_check
 from fsdp_opt.model.sources import build_meta_model, load_model_config, load_tokenizer, resolve_model, without_dropout
 from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, broadcast_object, print0, rank0_first
@@ -100,10 +100,12 @@ def load_frozen(
     seed: int = 42,
     flag: str = "--ref_model",
     vocabulary: int | None = None,
+    bits: int = 16,
 ) -> torch.nn.Module:  # noqa: ANN001
-    """A reference (or teacher) model by name, loaded sharded like the run's, its weights frozen in the compute dtype,
-    in eval mode; refused in one line, naming `flag`, when its tokenizer is not the policy's or (given `vocabulary`)
-    its output layer's size is not."""
+    """A reference (or teacher) model by name, loaded sharded like the run's, its weights frozen in the compute dtype
+    (`bits` 4: its blocks' linear weights in NF4, quantized whole as a LoRA run's 4-bit base is), in eval mode; refused
+    in one line, naming `flag`, when its tokenizer is not the policy's or (given `vocabulary`) its output layer's size
+    is not."""
     source = all_ranks_ok(lambda: resolve_model(name))
     ref_config, ref_tokenizer = rank0_first(lambda: (load_model_config(source, attention), load_tokenizer(source)))
 
@@ -124,12 +126,54 @@ def load_frozen(
     dtype = DTYPES[precision]
     model = build_meta_model(ref_config)
     _frozen(model, dtype)
-    shard_model(model, env, strategy=strategy, precision=precision, activation_checkpointing=False)
+    shards = shard_count(strategy, env.world_size, env.local_world_size)
+    quantized = all_ranks_ok(lambda: quantize_base(model, shards, flag=f"{flag} with 4 bits")) if bits == 4 else []
+    # one shard: the NF4 weights stay out of FSDP, whole on every rank (as a LoRA run's 4-bit base)
+    whole = {model.get_parameter(n) for n in quantized} if shards == 1 else None
+    shard_model(model, env, strategy=strategy, precision=precision, activation_checkpointing=False, ignored=whole)
     fp32_products_on_cpu(model, env.device, precision)
-    initialize(model, env, source, ref_config, seed, weights=True, dtype=dtype, prepare=lambda m: _frozen(m, dtype))
+
+    def nf4_loader(m: torch.nn.Module, full_state: dict[str, torch.Tensor] | None, e: DistEnv) -> bool:
+        load_quantized(m, full_state, quantized, e)
+        return True
+
+    initialize(
+        model,
+        env,
+        source,
+        ref_config,
+        seed,
+        weights=True,
+        dtype=dtype,
+        prepare=lambda m: _frozen(m, dtype),
+        loader=nf4_loader if quantized else None,
+    )
     tie_and_check(model)
     model.eval()
     return model
+
+
+def load_beside(  # noqa: ANN001
+    s, name: str, flag: str, strategy: str | None = None, vocabulary: int | None = None, bits: int = 16
+) -> torch.nn.Module:
+    """A model kept beside the run's for the session (GRPO's reference, distillation's teacher): load_frozen with the
+    run's precision, tokenizer, attention and sharding strategy (AUTO: FULL_SHARD)."""
+    c = s.config
+    if strategy is None:
+        strategy = c.parallel.sharding_strategy if c.parallel.sharding_strategy != "AUTO" else "FULL_SHARD"
+    return load_frozen(
+        name,
+        s.env,
+        s.precision,
+        s.tokenizer,
+        policy=c.model.model,
+        attention=c.model.attn_implementation,
+        strategy=strategy,
+        seed=c.train.seed,
+        flag=flag,
+        vocabulary=vocabulary,
+        bits=bits,
+    )
 
 
 def policy_reference(s, name: str, temperature: float, strategy: str) -> tuple[Any, torch.nn.Module | None]:  # noqa: ANN001
@@ -150,17 +194,7 @@ def policy_reference(s, name: str, temperature: float, strategy: str) -> tuple[A
                 s.model.train(was)
 
         return off, None
-    c = s.config
-    model = load_frozen(
-        name,
-        s.env,
-        s.precision,
-        s.tokenizer,
-        policy=c.model.model,
-        attention=c.model.attn_implementation,
-        strategy=strategy,
-        seed=c.train.seed,
-    )
+    model = load_beside(s, name, "--ref_model", strategy)
     print0(f"grpo: reference {name}: loaded sharded in {s.precision}, kept beside the policy")
     head = HeadLoss.for_run(model, 0)
 

@@ -10,7 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, assert_clean_failure, launch, make_local_model, read_jsonl, run_cli
+from conftest import (
+    ROOT,
+    assert_clean_failure,
+    hub_sessions,
+    launch,
+    make_local_model,
+    read_jsonl,
+    run_cli,
+    saved_names,
+)
 from hubdata import PARAGRAPHS
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -33,6 +42,10 @@ def files(tmp_path_factory) -> dict[str, Path]:
         "root": root,
         "student": make_local_model(root / "student", seed=0),
         "teacher": make_local_model(root / "teacher", seed=1),
+        # wider than the student (hidden 256: every block's linear weight splits into 2 NF4 shards), the same vocabulary
+        "wide": make_local_model(
+            root / "wide", seed=2, hidden_size=256, ffn_dim=1024, word_embed_proj_dim=256, num_attention_heads=4
+        ),
         "data": data,
     }
 
@@ -64,7 +77,23 @@ def common(f: dict[str, Path], out: Path) -> list[str]:
     ]
 
 
-def trl_step(f: dict[str, Path], report: dict, beta: float) -> tuple[float, dict]:
+def nf4_teacher(path: Path) -> torch.nn.Module:
+    """The teacher with each of its blocks' linear weights quantized whole by torchao (NF4), as a 4-bit teacher's."""
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    done = 0
+    for name, module in model.named_modules():
+        if ".layers." in name and name.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"):
+            module.weight = torch.nn.Parameter(to_nf4(module.weight.detach()), requires_grad=False)
+            done += 1
+    assert done == 6 * model.config.num_hidden_layers
+    return model
+
+
+def trl_step(
+    f: dict[str, Path], report: dict, beta: float, teacher: torch.nn.Module | None = None
+) -> tuple[float, dict]:
     """TRL's DistillationTrainer's loss of each of our micro-batches (its inputs as its generation lays them out: the
     prompts left-padded, the completions right-padded with their mask), each divided by the step's completion tokens
     on all ranks (its num_items_in_batch, DDP's mean undone as TRL undoes it), the backward of each: the loss and
@@ -84,7 +113,7 @@ def trl_step(f: dict[str, Path], report: dict, beta: float) -> tuple[float, dict
     )
     trainer = DistillationTrainer(
         model=AutoModelForCausalLM.from_pretrained(f["student"], dtype=torch.float32),
-        teacher_model=AutoModelForCausalLM.from_pretrained(f["teacher"], dtype=torch.float32),
+        teacher_model=teacher or AutoModelForCausalLM.from_pretrained(f["teacher"], dtype=torch.float32),
         args=args,
         train_dataset=Dataset.from_list(prompt_rows(8)),
         processing_class=tok,
@@ -155,6 +184,28 @@ def test_a_step_is_trls_distillation_loss_and_gradient(tmp_path, files, beta):
     )
 
 
+def test_a_4bit_teacher_is_trls_loss_on_the_nf4_teacher(tmp_path, files):
+    """--teacher_bits 4 with a teacher wider than the student, on 2 ranks (its NF4 weights split between them): the
+    step's loss and gradients are TRL's with a teacher whose same weights torchao quantized whole, within 1e-5, and
+    not those of the 16-bit teacher."""
+    i = common(files, tmp_path / "out").index("--teacher_model")
+    flags = common(files, tmp_path / "out")
+    flags[i + 1] = str(files["wide"])
+    flags += ["--teacher_bits", "4", "--beta", "0.5", "--packing", "pad", "--batch_size", "2", "--accum_steps", "2"]
+    out = tmp_path / "report.json"
+    proc = launch([WORKER], [str(out), *flags, "--end_idx", "8"], tmp_path, nproc=2)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "its blocks' linear weights in NF4" in proc.stdout
+    ours = json.loads(out.read_text())
+    loss, grads = trl_step(files, ours, 0.5, nf4_teacher(files["wide"]))
+    full, _ = trl_step(files, ours, 0.5, AutoModelForCausalLM.from_pretrained(files["wide"], dtype=torch.float32))
+    print(f"4-bit teacher: ours {ours['loss']:.8f}, TRL on the NF4 teacher {loss:.8f}, on the 16-bit one {full:.8f}")
+    assert abs(ours["loss"] - loss) <= 1e-5, (ours["loss"], loss)
+    assert abs(ours["loss"] - full) > 1e-5  # the quantization is there to see
+    diffs = {n: (torch.tensor(ours["grads"][n]) - g).abs().max().item() for n, g in grads.items()}
+    assert max(diffs.values()) <= 1e-5, sorted(diffs.items(), key=lambda kv: -kv[1])[:4]
+
+
 def test_a_session_resumed_mid_range_trains_what_one_straight_run_trains(tmp_path, files):
     """Rows [0, 8), three epochs of two steps, a checkpoint after each step: a session resumed from the one after step 1 samples
     the same completions and trains the same steps as the straight run, bit for bit (CPU, fp32); the divergence from
@@ -191,6 +242,9 @@ def test_a_changed_teacher_is_drift_the_chain_refuses(tmp_path, files):
     changed = flags[: i + 1] + [str(other)] + flags[i + 2 :] + ["--resume_file", ckpt.name, "--num_epochs", "2"]
     proc = run_cli(changed, tmp_path, nproc=2)
     assert_clean_failure(proc, "--teacher_model")
+    # python -m fsdp_opt.evaluate loads no teacher: one line, not a loss of the wrong kind
+    args = ["--checkpoints", "latest", "--output_dir", str(tmp_path / "out"), "--device", "cpu", "--num_prompts", "0"]
+    assert_clean_failure(launch(["-m", "fsdp_opt.evaluate"], args, tmp_path), "does not load a teacher")
 
 
 def test_bad_distill_input_is_one_line(tmp_path, files):
@@ -207,3 +261,53 @@ def test_bad_distill_input_is_one_line(tmp_path, files):
     sft = [a for a in base if a not in ("distill",)]
     sft[sft.index("--method") + 1 : sft.index("--method") + 1] = ["sft"]
     assert_clean_failure(run_cli(sft, tmp_path), "--teacher_model: only with --method distill")
+
+
+def test_lora_distillation_through_the_hub_equals_one_session_of_three_ranges(tmp_path, files):
+    """LoRA distillation of tiny-opt on the built-in prompts, --start_idx auto through the loopback Hub on three empty
+    machines: the names, the steps and the completions of one session that trains the three ranges, bit for bit."""
+    auto = [
+        "--model",
+        "tiny-opt",
+        "--dataset",
+        "python-docs-prompts",
+        "--method",
+        "distill",
+        "--teacher_model",
+        str(files["teacher"]),
+        "--chat_template",
+        "chatml",
+        "--lora_rank",
+        "8",
+        "--max_length",
+        "96",
+        "--max_completion_length",
+        "8",
+        "--batch_size",
+        "2",
+        "--lr",
+        "3e-3",
+        "--precision",
+        "fp32",
+        "--start_idx",
+        "auto",
+        "--range_size",
+        "8",
+        "--wandb_mode",
+        "disabled",
+        "--seed",
+        "5",
+    ]
+    procs = hub_sessions(auto, tmp_path, "me/distill")
+    saved = [name for proc in procs for name in saved_names(proc.stdout)]
+    one = run_cli(auto + ["--session_ranges", "3", "--output_dir", str(tmp_path / "one")], tmp_path, nproc=2)
+    assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-3000:]
+    assert saved == saved_names(one.stdout) == [f"tiny_opt_{a}-{a + 8}-epoch-1.pt" for a in (0, 8, 16)]
+    fields = ("step", "loss", "slice", "entropy", "completion_length")
+    got = [tuple(r[k] for k in fields) for r in read_jsonl(tmp_path / "m2" / "out" / "metrics.jsonl")]
+    want = [tuple(r[k] for k in fields) for r in read_jsonl(tmp_path / "one" / "metrics.jsonl")]
+    assert got == want and len(want) >= 3
+    last = read_jsonl(tmp_path / "m2" / "out" / "completions.jsonl")
+    assert last and last == [
+        r for r in read_jsonl(tmp_path / "one" / "completions.jsonl") if r["step"] >= last[0]["step"]
+    ]

@@ -10,8 +10,9 @@ from fsdp_opt.train.methods.distill import Distill
 from fsdp_opt.train.methods.dpo import Dpo
 from fsdp_opt.train.methods.grpo import Grpo
 from fsdp_opt.train.methods.kto import Kto
+from fsdp_opt.train.methods.sft import Sft
 
-REGISTRY: dict[str, type[Method]] = {"sft": Method, "dpo": Dpo, "grpo": Grpo, "kto": Kto, "distill": Distill}
+REGISTRY: dict[str, type[Method]] = {"sft": Sft, "dpo": Dpo, "grpo": Grpo, "kto": Kto, "distill": Distill}
 assert set(REGISTRY) <= set(METHOD_SPECS)
 
 

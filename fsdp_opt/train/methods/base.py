@@ -10,26 +10,31 @@ fixed points without asking which method it is.
 - what is kept: its state in every checkpoint (under its own key);
 - evaluation at a save, the summary's line, and the chain's rule for a further range in the same session.
 
-SFT is this base class; DPO and GRPO override what they change.
+`Method` is the interface: what every method must say (abstract: its sequences, its plan, its step's loss, its
+held-out evaluation and how `python -m fsdp_opt.evaluate` scores it) and the hooks a method may leave as they are
+(no-ops). SFT is one method among them (sft.py). The session a hook receives is train/session.py's `Session`.
 """
 
 from __future__ import annotations
 
-import time
-from typing import Any
+import dataclasses
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
 
 from fsdp_opt.base import ConfigError
 from fsdp_opt.config.parse import Config
 from fsdp_opt.config.specs import METHOD_SPECS
-from fsdp_opt.data.blocks import StepPlan, rows_to_blocks
 from fsdp_opt.data.formats import Rows, RowSpec
-from fsdp_opt.engine.evaluation import evaluate_loss
-from fsdp_opt.engine.step import StepLoss, TokenLoss
+from fsdp_opt.engine.step import StepLoss
+from fsdp_opt.model.sources import without_dropout
 from fsdp_opt.runtime.distributed import DistEnv, print0
 
+if TYPE_CHECKING:  # the session a hook receives (train/session.py imports nothing of the methods)
+    from fsdp_opt.train.session import Session
 
-class Method:
-    """--method sft, and what every method does unless it says otherwise."""
+
+class Method(ABC):
+    """A training method as the run calls it: what each method must say (abstract) and the hooks it may leave."""
 
     shown: tuple[str, ...] = ()  # fields the progress bar shows beside the loss
     state_key: str | None = None  # where its state goes in a checkpoint's payload
@@ -46,6 +51,7 @@ class Method:
 
     def check(self) -> None:
         """What the method's flags name is there (every rank): before anything is taken or built."""
+        return None  # an optional hook: nothing unless a method says otherwise
 
     # ------------------------------------------------------------ rows -> sequences
 
@@ -58,6 +64,7 @@ class Method:
         then = f": train them with --method {owner}" if owner else f"; it trains on {self.spec.what}"
         raise ConfigError(f"--method {self.name}: the rows are {words(spec)}{then}")
 
+    @abstractmethod
     def sequences(
         self,
         rows: Rows,
@@ -70,84 +77,81 @@ class Method:
         attention: str,
         pattern,
     ) -> Any:  # noqa: ANN001
-        """A slice's checked rows as what its steps read (here: blocks of tokens)."""
-        return rows_to_blocks(
-            rows,
-            spec,
-            tokenizer,
-            train_on=train_on,
-            max_length=max_length,
-            packing=packing,
-            attention=attention,
-            pattern=pattern,
-        )
+        """A slice's checked rows as what its steps read (blocks of tokens, pairs, items, prompts)."""
 
     def eval_packing(self, packing: str) -> str:
-        """How the held-out rows fill their blocks: docs and pad give the same per-row losses; docs in fewer."""
-        return "concat" if packing == "concat" else "docs"
+        """How the held-out rows are packed (a method whose sequences stay whole: as training packs them)."""
+        return packing
 
-    def plan(self, config: Config, env: DistEnv, sequences: Any, batch_size: int, accum_steps: int) -> StepPlan:
-        """The global batches of the slice's epochs, and this rank's share of each."""
-        return StepPlan(
-            sequences,
-            batch_size=batch_size,
-            accum_steps=accum_steps,
-            rank=env.rank,
-            world_size=env.world_size,
-            seed=config.train.seed,
-        )
+    @abstractmethod
+    def plan(self, config: Config, env: DistEnv, sequences: Any, batch_size: int, accum_steps: int) -> Any:
+        """The global batches of the slice's epochs, and this rank's share of each (data/blocks.py StepPlan's
+        interface)."""
 
+    @abstractmethod
     def describe(self, sequences: Any, packing_words: str, max_length: int) -> str:
         """What the slice became, for the summary's data line."""
-        return f"{len(sequences)} {packing_words} of {max_length} tokens"
 
     # ------------------------------------------------------------ setup
 
     def model_config(self, model_config) -> None:  # noqa: ANN001
-        """The model's config before anything is built (a method that compares forwards of one model turns dropout
-        off)."""
+        """The model's config before anything is built: dropout off where the spec has none (the loss compares
+        forwards of one model), in one line saying why."""
+        off = [] if self.spec.dropout else without_dropout(model_config)
+        if off:
+            print0(f"{self.name}: dropout off ({', '.join(off)}): {self.dropout_off_why}")
+
+    dropout_off_why = "the policy is compared with its reference on the same forward"
 
     def lora(self, lc):  # noqa: ANN001, ANN201
-        """The LoRA settings the run builds its adapters with."""
-        return lc
+        """The LoRA settings the run builds its adapters with: no adapter dropout either where the spec has none
+        (unless --lora_dropout gives one)."""
+        if self.spec.dropout or not lc.enabled or lc.lora_dropout is not None:
+            return lc
+        return dataclasses.replace(lc, lora_dropout=0.0)
 
     def before_model(
         self, session_inputs: Any, env: DistEnv, payload: dict[str, Any] | None, precision: str, tokenizer, layout
     ) -> None:  # noqa: ANN001
         """Work before the trainable model exists (every rank), once the layout (planner/layout.py: the micro-batch,
         the accumulation) is decided."""
+        return None  # an optional hook: nothing unless a method says otherwise
 
-    def after_model(self, s) -> None:  # noqa: ANN001 - a train.session.Session
-        """Work once the model is built and the session made, before a resumed state is loaded: the step's loss."""
-        s.loss = TokenLoss()
+    @abstractmethod
+    def after_model(self, s: Session) -> None:
+        """Work once the model is built and the session made, before a resumed state is loaded: at least the step's
+        loss (`s.loss`, an engine/step.py StepLoss)."""
 
     # ------------------------------------------------------------ the run
 
-    def summary(self, s) -> str:  # noqa: ANN001
+    def summary(self, s: Session) -> str:
         return self.name
 
     def state(self) -> dict[str, Any] | None:
         """What checkpoints keep of the method (under `state_key`)."""
         return None
 
-    def evaluate(self, s) -> dict[str, Any]:  # noqa: ANN001
+    @abstractmethod
+    def evaluate(self, s: Session) -> dict[str, Any]:
         """--eval_rows at a save (every rank): the result, which rank 0 prints and logs."""
-        started = time.perf_counter()
-        result = evaluate_loss(s.model, s.eval_blocks, s.layout.batch_size, s.env)
-        result["seconds"] = round(time.perf_counter() - started, 3)
-        print0(
-            f"eval at step {s.state.global_step}: loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f} "
-            f"on rows {s.eval_label} ({result['tokens']:,} tokens, {result['seconds']:.1f} s)"
-        )
-        return result
 
-    eval_logged: tuple[str, ...] = ("loss", "perplexity")  # what W&B gets of an evaluation
+    eval_logged: tuple[str, ...] = ("loss",)  # what W&B gets of an evaluation
 
-    def after_step(self, s, record: dict[str, Any]) -> None:  # noqa: ANN001
+    def after_step(self, s: Session, record: dict[str, Any]) -> None:
         """After each optimizer step (every rank), once its record is written."""
+        return None  # an optional hook: nothing unless a method says otherwise
 
-    def at_save(self, s) -> None:  # noqa: ANN001
+    def at_save(self, s: Session) -> None:
         """At each save (every rank), before the checkpoint is gathered."""
+        return None  # an optional hook: nothing unless a method says otherwise
+
+    def further_range(self, s: Session) -> str | None:
+        """Why the session cannot start the chain's next range itself (None: it can)."""
+        return None
+
+    def switch_range(self, s: Session, data) -> None:  # noqa: ANN001
+        """A further range in the same session: what the method needs of its rows (before its first step)."""
+        return None  # an optional hook: nothing unless a method says otherwise
 
     # ------------------------------------------------------------ python -m fsdp_opt.evaluate
 
@@ -167,38 +171,22 @@ class Method:
         """Before the models are scored on the held-out sequences: what they are scored against (the name), if any."""
         return None
 
+    @abstractmethod
     def scored_what(self, sequences: Any, packing: str, max_length: int, train_on: str) -> str:
         """What `python -m fsdp_opt.evaluate` scores the models on, in words."""
-        return (
-            f"{len(sequences)} blocks of {max_length} tokens ({packing}), loss on "
-            f"{'every token' if train_on == 'all' else 'the answers'}"
-        )
 
+    @abstractmethod
     def score(self, model, held, batch_size: int, env: DistEnv) -> dict[str, Any]:  # noqa: ANN001
         """One model's result on the held-out sequences (every rank)."""
-        return evaluate_loss(model, held, batch_size, env)
 
+    @abstractmethod
     def score_line(self, result: dict[str, Any]) -> str:
-        return f"eval loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}"
+        """One model's result, in words."""
 
     @staticmethod
+    @abstractmethod
     def table(results: dict[str, Any]) -> list[str]:
         """The report's table of the models scored."""
-        lines = [
-            f"Held-out rows {results['rows']} of `{results['dataset']}` ({results['models'][0]['tokens']:,} target "
-            "tokens):",
-            "",
-            "| model | eval loss | perplexity |",
-            "| --- | --- | --- |",
-        ]
-        return lines + [f"| {r['name']} | {r['loss']:.4f} | {r['perplexity']:.2f} |" for r in results["models"]]
-
-    def further_range(self, s) -> str | None:  # noqa: ANN001
-        """Why the session cannot start the chain's next range itself (None: it can)."""
-        return None
-
-    def switch_range(self, s, data) -> None:  # noqa: ANN001
-        """A further range in the same session: what the method needs of its rows (before its first step)."""
 
 
 def words(spec: RowSpec) -> str:

@@ -8,13 +8,14 @@ from __future__ import annotations
 from typing import Any
 
 from fsdp_opt.base import ConfigError
-from fsdp_opt.data.tokens import end_rules
 from fsdp_opt.engine.distill import DistillLoss, DistillSettings, held_out_divergence
 from fsdp_opt.engine.generation import Sampling
-from fsdp_opt.planner.layout import gathered_generation_fits, with_generation_phase
+from fsdp_opt.planner.layout import with_generation_phase
 from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, print0
+from fsdp_opt.runtime.torchao_gate import check_for_nf4
 from fsdp_opt.train import reference
 from fsdp_opt.train.methods.grpo import Grpo
+from fsdp_opt.train.session import Session
 
 
 class Distill(Grpo):
@@ -27,7 +28,9 @@ class Distill(Grpo):
         self.distill: DistillSettings | None = None
 
     def check(self) -> None:
-        """Nothing to load before the data (the teacher is loaded once the model is)."""
+        """A 4-bit teacher's torchao, before anything is taken or built (the teacher is loaded once the model is)."""
+        if self.config.method.teacher_bits == 4:
+            all_ranks_ok(lambda: check_for_nf4("--teacher_bits 4"))
 
     def describe(self, sequences, packing_words: str, max_length: int) -> str:  # noqa: ANN001
         m = self.config.method
@@ -42,18 +45,9 @@ class Distill(Grpo):
         """Nothing: a step's completions are its own (no checkpoint falls inside them), and --teacher_model is a flag
         the chain's drift check compares."""
 
-    def after_model(self, s) -> None:  # noqa: ANN001
+    def after_model(self, s: Session) -> None:
         m, c, env = self.config.method, self.config, s.env
-        self.tokenizer = s.tokenizer
-        eos, stop = end_rules(s.tokenizer, s.model_config, s.blocks.conversational)
-        gather = all_ranks_ok(
-            lambda: gathered_generation_fits(self.config, env, s.model_config, s.precision, s.plan.global_batch)
-        )
-        if not gather:
-            print0(
-                f"{self.name}: the model gathered whole and its KV cache do not fit beside training: completions are "
-                "generated on the shards, each block gathered in every decoding step (slower)"
-            )
+        eos, stop, gather = self._generation_setup(s)
         self.distill = DistillSettings(
             sampling=Sampling(m.max_completion_length, m.temperature, m.top_p, m.top_k),
             beta=m.beta,
@@ -63,21 +57,13 @@ class Distill(Grpo):
             gather=gather,
             decoding=self._decoding(s, gather),
         )
-        strategy = c.parallel.sharding_strategy if c.parallel.sharding_strategy != "AUTO" else "FULL_SHARD"
-        self.teacher = reference.load_frozen(
-            m.teacher_model,
-            env,
-            s.precision,
-            s.tokenizer,
-            policy=c.model.model,
-            attention=c.model.attn_implementation,
-            strategy=strategy,
-            seed=c.train.seed,
-            flag="--teacher_model",
-            vocabulary=s.model_config.vocab_size,
+        self.teacher = reference.load_beside(
+            s, m.teacher_model, "--teacher_model", vocabulary=s.model_config.vocab_size, bits=m.teacher_bits
         )
+        nf4 = ", its blocks' linear weights in NF4" if m.teacher_bits == 4 else ""
         print0(
-            f"{self.name}: teacher {m.teacher_model}: loaded sharded in {s.precision}, frozen, kept beside the model"
+            f"{self.name}: teacher {m.teacher_model}: loaded sharded in {s.precision}{nf4}, frozen, kept beside the "
+            "model"
         )
         self.loss = s.loss = DistillLoss(self.distill, s.blocks, s.tokenizer, self.teacher)
         self.env = env
@@ -91,9 +77,10 @@ class Distill(Grpo):
             gather,
             graphs=self.distill.decoding == "graphs",
             slices=s.plan.slices,
+            beside_config=self.teacher.config,  # the teacher's forward at its own size
         )
 
-    def summary(self, s) -> str:  # noqa: ANN001
+    def summary(self, s: Session) -> str:
         m = self.config.method
         kind = {0.0: "forward KL", 1.0: "reverse KL"}.get(m.beta, f"generalized JSD, beta {m.beta:g}")
         where = "the model gathered once" if self.distill.gather else "the shards (layer by layer)"
@@ -109,7 +96,7 @@ class Distill(Grpo):
     def eval_logged(self) -> tuple[str, ...]:  # type: ignore[override]
         return ("divergence", "entropy")
 
-    def evaluate(self, s) -> dict[str, Any]:  # noqa: ANN001
+    def evaluate(self, s: Session) -> dict[str, Any]:
         """One greedy completion of each held-out prompt: the mean divergence per completion token from the
         teacher."""
         result = held_out_divergence(

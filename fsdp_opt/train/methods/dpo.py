@@ -3,7 +3,6 @@ reference pass)."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
 
@@ -13,10 +12,10 @@ from fsdp_opt.data.formats import Rows, RowSpec
 from fsdp_opt.data.pairs import PairPlan, pairs_from_rows
 from fsdp_opt.engine.dpo import PairLoss, evaluate_pairs
 from fsdp_opt.engine.logprobs import Reference
-from fsdp_opt.model.sources import without_dropout
 from fsdp_opt.runtime.distributed import DistEnv, print0
 from fsdp_opt.train import reference
 from fsdp_opt.train.methods.base import Method, words
+from fsdp_opt.train.session import Session
 
 
 class Dpo(Method):
@@ -70,18 +69,6 @@ class Dpo(Method):
     def describe(self, sequences, packing_words: str, max_length: int) -> str:  # noqa: ANN001
         return f"{len(sequences)} preference pairs (2 sequences each, {packing_words} of {max_length} tokens)"
 
-    def model_config(self, model_config) -> None:  # noqa: ANN001
-        off = without_dropout(model_config)
-        if off:
-            print0(
-                f"{self.name}: dropout off ({', '.join(off)}): the policy is compared with its reference on the same "
-                "forward"
-            )
-
-    def lora(self, lc):  # noqa: ANN001, ANN201
-        # no dropout in the adapters either: the policy and the reference are compared on the same forward
-        return dataclasses.replace(lc, lora_dropout=0.0) if lc.enabled and lc.lora_dropout is None else lc
-
     def before_model(
         self, data, env: DistEnv, payload: dict[str, Any] | None, precision: str, tokenizer, layout
     ) -> None:  # noqa: ANN001
@@ -90,23 +77,23 @@ class Dpo(Method):
             self.config, env, payload, self.state_key, data.blocks, data.eval_blocks, precision, tokenizer
         )
 
-    def after_model(self, s) -> None:  # noqa: ANN001
+    def after_model(self, s: Session) -> None:
         self._use(
             s, reference.finish(self.ref_name, self.found, s.model, s.env, s.layout.batch_size, s.blocks, s.eval_blocks)
         )
 
-    def _use(self, s, found: list[Reference | None]) -> None:  # noqa: ANN001
+    def _use(self, s: Session, found: list[Reference | None]) -> None:
         s.loss = PairLoss(found[0].for_pairs(s.blocks), self.config.method.beta)
         self.eval_reference = found[1].for_pairs(s.eval_blocks) if s.eval_blocks is not None else None
         self.kept = reference.record(self.ref_name, self.config.method.beta, found)
 
-    def summary(self, s) -> str:  # noqa: ANN001
+    def summary(self, s: Session) -> str:
         return f"{self.name}, beta {self.config.method.beta:g}, reference: {self.ref_name}"
 
     def state(self) -> dict[str, Any] | None:
         return self.kept
 
-    def evaluate(self, s) -> dict[str, Any]:  # noqa: ANN001
+    def evaluate(self, s: Session) -> dict[str, Any]:
         """The held-out pairs' loss, rewards and accuracy against the reference."""
         started = time.perf_counter()
         result = evaluate_pairs(
@@ -120,12 +107,12 @@ class Dpo(Method):
         )
         return result
 
-    def further_range(self, s) -> str | None:  # noqa: ANN001
+    def further_range(self, s: Session) -> str | None:
         if self.ref_name != reference.ADAPTERS_OFF:
             return f"--method {self.name} scores a range with its reference model before the trainable model is built"
         return None
 
-    def switch_range(self, s, data) -> None:  # noqa: ANN001
+    def switch_range(self, s: Session, data) -> None:  # noqa: ANN001
         """The adapters-off reference of the new range's pairs (the adapters trained so far switched off)."""
         self.ref_name = reference.ADAPTERS_OFF
         self._use(
@@ -157,6 +144,9 @@ class Dpo(Method):
         )
         self.eval_reference = scored[0].for_pairs(held)
         return name
+
+    def scored_what(self, sequences, packing: str, max_length: int, train_on: str) -> str:  # noqa: ANN001
+        return f"{len(sequences)} preference pairs against the reference, the loss on their answers"
 
     def score(self, model, held, batch_size: int, env: DistEnv) -> dict[str, Any]:  # noqa: ANN001
         return evaluate_pairs(model, held, self.eval_reference, self.config.method.beta, batch_size, env)

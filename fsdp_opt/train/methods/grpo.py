@@ -4,7 +4,6 @@ reward functions)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from typing import Any
@@ -22,17 +21,18 @@ from fsdp_opt.engine.groups import GroupSettings
 from fsdp_opt.engine.grpo import GroupLoss
 from fsdp_opt.engine.rewards import load_all
 from fsdp_opt.engine.rollout import Generation, held_out_rewards
-from fsdp_opt.model.sources import without_dropout
 from fsdp_opt.planner.layout import gathered_generation_fits, with_generation_phase
 from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, broadcast_object, print0, scatter_object
 from fsdp_opt.tracking.metrics import COMPLETIONS_FILE
 from fsdp_opt.train import reference
 from fsdp_opt.train.methods.base import Method, words
+from fsdp_opt.train.session import Session
 
 
 class Grpo(Method):
     shown = ("reward",)
     state_key = "grpo"
+    dropout_off_why = "completions are sampled and scored on the same forward the loss takes"
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
@@ -109,17 +109,6 @@ class Grpo(Method):
 
     # ------------------------------------------------------------ setup
 
-    def model_config(self, model_config) -> None:  # noqa: ANN001
-        off = without_dropout(model_config)
-        if off:
-            print0(
-                f"{self.name}: dropout off ({', '.join(off)}): completions are sampled and scored on the same "
-                "forward the loss takes"
-            )
-
-    def lora(self, lc):  # noqa: ANN001, ANN201
-        return dataclasses.replace(lc, lora_dropout=0.0) if lc.enabled and lc.lora_dropout is None else lc
-
     def before_model(
         self, data, env: DistEnv, payload: dict[str, Any] | None, precision: str, tokenizer, layout
     ) -> None:  # noqa: ANN001
@@ -163,18 +152,24 @@ class Grpo(Method):
     def source_of(self, name: str) -> str:
         return next(r.source for r in self.rewards if r.name == name)
 
-    def after_model(self, s) -> None:  # noqa: ANN001
-        m, env = self.config.method, s.env
+    def _generation_setup(self, s: Session) -> tuple[list[int], str | None, bool]:
+        """Where a completion ends (its end ids, the template's end-of-turn text), and whether generation runs on the
+        model gathered once (else on its shards: one line says so)."""
         self.tokenizer = s.tokenizer
         eos, stop = end_rules(s.tokenizer, s.model_config, s.blocks.conversational)
         gather = all_ranks_ok(
-            lambda: gathered_generation_fits(self.config, env, s.model_config, s.precision, s.plan.global_batch)
+            lambda: gathered_generation_fits(self.config, s.env, s.model_config, s.precision, s.plan.global_batch)
         )
         if not gather:
             print0(
                 f"{self.name}: the model gathered whole and its KV cache do not fit beside training: completions are "
                 "generated on the shards, each block gathered in every decoding step (slower)"
             )
+        return eos, stop, gather
+
+    def after_model(self, s: Session) -> None:
+        m, env = self.config.method, s.env
+        eos, stop, gather = self._generation_setup(s)
         self.settings = self._settings(
             eos, stop, self.config.train.seed, training=True, gather=gather, decoding=self._decoding(s, gather)
         )
@@ -221,7 +216,7 @@ class Grpo(Method):
             **decided,
         )
 
-    def _decoding(self, s, gather: bool) -> str:  # noqa: ANN001
+    def _decoding(self, s: Session, gather: bool) -> str:
         """--decoding as this run can have it: graphs need a CUDA device; generation on the shards runs
         transformers' generate (every rank in every decoding step)."""
         chosen = self.config.method.decoding
@@ -235,7 +230,7 @@ class Grpo(Method):
             return "generate"
         return chosen
 
-    def _reference(self, s):  # noqa: ANN001, ANN202
+    def _reference(self, s: Session):  # noqa: ANN202
         c = self.config
         strategy = c.parallel.sharding_strategy if c.parallel.sharding_strategy != "AUTO" else "FULL_SHARD"
         logps, self.ref_model = reference.policy_reference(s, self.ref_name, c.method.temperature, strategy)
@@ -243,7 +238,7 @@ class Grpo(Method):
 
     # ------------------------------------------------------------ the run
 
-    def summary(self, s) -> str:  # noqa: ANN001
+    def summary(self, s: Session) -> str:
         m = self.config.method
         ref = f"beta {m.beta:g}, reference: {self.ref_name}" if m.uses_reference else "beta 0 (no reference model)"
         where = "the model gathered once" if self.settings.gather else "the shards (layer by layer)"
@@ -277,7 +272,7 @@ class Grpo(Method):
             out["generation"] = {"ranks": parts}
         return out
 
-    def after_step(self, s, record: dict[str, Any]) -> None:  # noqa: ANN001
+    def after_step(self, s: Session, record: dict[str, Any]) -> None:
         """completions.jsonl: every completion the step trains for the first time, gathered to rank 0."""
         if s.loss.slot is None or s.loss.slot.iteration > 0:
             return
@@ -293,7 +288,7 @@ class Grpo(Method):
                         f.write(json.dumps(r, ensure_ascii=False) + "\n")
             self.written += sum(len(p) for p in everyone)
 
-    def at_save(self, s) -> None:  # noqa: ANN001
+    def at_save(self, s: Session) -> None:
         """W&B: a table of the last step's completions (the first 16)."""
         if s.env.is_main and s.loss.current is not None:
             s.wandb.log_table("completions", s.state.global_step, s.loss.current.records[:16])
@@ -302,7 +297,7 @@ class Grpo(Method):
     def eval_logged(self) -> tuple[str, ...]:  # type: ignore[override]
         return ("reward", *(f"reward_{r.label}" for r in self.rewards))
 
-    def evaluate(self, s) -> dict[str, Any]:  # noqa: ANN001
+    def evaluate(self, s: Session) -> dict[str, Any]:
         """One greedy completion of each held-out prompt: the mean reward, in total and per function."""
         started = time.perf_counter()
         result = held_out_rewards(s.model, s.eval_blocks, s.tokenizer, self.settings, s.env, decoder=s.loss.decoder)
@@ -315,7 +310,7 @@ class Grpo(Method):
         )
         return result
 
-    def switch_range(self, s, data) -> None:  # noqa: ANN001
+    def switch_range(self, s: Session, data) -> None:  # noqa: ANN001
         s.loss.prompts = data.blocks
 
     # ------------------------------------------------------------ python -m fsdp_opt.evaluate

@@ -9,7 +9,6 @@ micro-batches are the checkpoint's reads them from there.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
 
@@ -23,10 +22,10 @@ from fsdp_opt.data.pairs import PairPlan
 from fsdp_opt.data.unpaired import Scored, Unpaired, held_out_micro_batches, items_from_rows, scored_pairs
 from fsdp_opt.engine.kto import UnpairedLoss, evaluate_items
 from fsdp_opt.engine.logprobs import Reference
-from fsdp_opt.model.sources import without_dropout
 from fsdp_opt.runtime.distributed import DistEnv, broadcast_object, print0
 from fsdp_opt.train import reference
 from fsdp_opt.train.methods.base import Method, words
+from fsdp_opt.train.session import Session
 
 
 class Kto(Method):
@@ -95,17 +94,6 @@ class Kto(Method):
 
     # ------------------------------------------------------------ setup
 
-    def model_config(self, model_config) -> None:  # noqa: ANN001
-        off = without_dropout(model_config)
-        if off:
-            print0(
-                f"{self.name}: dropout off ({', '.join(off)}): the policy is compared with its reference on the same "
-                "forward"
-            )
-
-    def lora(self, lc):  # noqa: ANN001, ANN201
-        return dataclasses.replace(lc, lora_dropout=0.0) if lc.enabled and lc.lora_dropout is None else lc
-
     def before_model(
         self, data, env: DistEnv, payload: dict[str, Any] | None, precision: str, tokenizer, layout
     ) -> None:  # noqa: ANN001
@@ -135,13 +123,13 @@ class Kto(Method):
             return None
         return Scored(items, scored_pairs(items, held_out_micro_batches(items, self.batch_size)))
 
-    def after_model(self, s) -> None:  # noqa: ANN001
+    def after_model(self, s: Session) -> None:
         found = reference.finish(
             self.ref_name, self.found, s.model, s.env, s.layout.batch_size, *self.scored, self.name
         )
         self._use(s, found)
 
-    def _use(self, s, found: list[Reference | None]) -> None:  # noqa: ANN001
+    def _use(self, s: Session, found: list[Reference | None]) -> None:
         m = self.config.method
         train, held = self.scored
         by_pair = dict(zip(train.pairs, found[0].for_pairs(train).tolist()))
@@ -151,7 +139,7 @@ class Kto(Method):
         self.eval_reference = dict(zip(held.pairs, found[1].for_pairs(held).tolist())) if held is not None else None
         self.kept = reference.record(self.ref_name, m.beta, found)
 
-    def summary(self, s) -> str:  # noqa: ANN001
+    def summary(self, s: Session) -> str:
         m = self.config.method
         weights = f", weights {m.desirable_weight:g}/{m.undesirable_weight:g}" if self.weights != (1.0, 1.0) else ""
         return f"{self.name}, loss {m.loss_type}, beta {m.beta:g}{weights}, reference: {self.ref_name}"
@@ -159,7 +147,7 @@ class Kto(Method):
     def state(self) -> dict[str, Any] | None:
         return self.kept
 
-    def evaluate(self, s) -> dict[str, Any]:  # noqa: ANN001
+    def evaluate(self, s: Session) -> dict[str, Any]:
         """The held-out items' loss, rewards and KL estimate against the reference."""
         m = self.config.method
         started = time.perf_counter()
@@ -172,12 +160,12 @@ class Kto(Method):
         )
         return result
 
-    def further_range(self, s) -> str | None:  # noqa: ANN001
+    def further_range(self, s: Session) -> str | None:
         if self.ref_name != reference.ADAPTERS_OFF:
             return f"--method {self.name} scores a range with its reference model before the trainable model is built"
         return None
 
-    def switch_range(self, s, data) -> None:  # noqa: ANN001
+    def switch_range(self, s: Session, data) -> None:  # noqa: ANN001
         """The adapters-off reference of the new range's sequences (the adapters trained so far switched off)."""
         self.ref_name = reference.ADAPTERS_OFF
         micro = s.plan.micro_batches(s.state.epoch)
