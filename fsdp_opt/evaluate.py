@@ -18,7 +18,8 @@ import argparse
 from fsdp_opt.base import ConfigError
 from fsdp_opt.config.choices import DATA_FORMATS, STRATEGIES, TRAIN_ON
 from fsdp_opt.config.flags import OneLineParser
-from fsdp_opt.config.specs import METHODS
+from fsdp_opt.config.method import MethodConfig
+from fsdp_opt.config.parse import add_flag, config_field
 from fsdp_opt.runtime.distributed import (
     end_process,
     fail,
@@ -52,30 +53,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="take the held-out rows from this split's first --eval_rows (default: the first checkpoint's; "
         "without one, the rows after its range, or when none are left, a test or validation split)",
     )
-    p.add_argument(
-        "--method",
-        default=None,
-        choices=METHODS,
-        help="dpo: score preference pairs (DPO loss, rewards, accuracy) against the reference; kto: score labelled "
-        "completions (KTO loss, rewards, KL estimate) against the reference; grpo: the mean reward of a greedy "
-        "completion of each held-out prompt (default: the first checkpoint's method)",
-    )
-    p.add_argument(
-        "--beta", type=float, default=None, help="--method dpo and kto: beta (default: the first checkpoint's)"
-    )
-    p.add_argument(
-        "--reward",
-        action="append",
-        default=None,
-        help="--method grpo: the reward functions that score each model's greedy completion of each held-out "
-        "prompt, as the trainer's --reward (default: the first checkpoint's)",
-    )
-    p.add_argument(
-        "--ref_model",
-        default=None,
-        help="--method dpo and kto: the reference (default: the one the first checkpoint recorded; a LoRA run's "
-        "adapters-off reference is its base)",
-    )
+    # the trainer's method flags, of its types and choices (config/method.py); each defaults to the first checkpoint's
+    for name, help_text in (
+        (
+            "method",
+            "dpo: score preference pairs (DPO loss, rewards, accuracy) against the reference; kto: score labelled "
+            "completions (KTO loss, rewards, KL estimate) against the reference; grpo: the mean reward of a greedy "
+            "completion of each held-out prompt; distill: not here (this command loads no teacher; training reports "
+            "the held-out divergence at each save) (default: the first checkpoint's method)",
+        ),
+        ("beta", "--method dpo and kto: beta (default: the first checkpoint's)"),
+        (
+            "reward",
+            "--method grpo: the reward functions that score each model's greedy completion of each held-out "
+            "prompt, as the trainer's --reward (default: the first checkpoint's)",
+        ),
+        (
+            "ref_model",
+            "--method dpo and kto: the reference (default: the one the first checkpoint recorded; a LoRA run's "
+            "adapters-off reference is its base)",
+        ),
+    ):
+        add_flag(p, config_field(MethodConfig, name), default=None, help=help_text)
     p.add_argument("--chosen_column", default=None)
     p.add_argument("--rejected_column", default=None)
     p.add_argument("--text_column", default=None, help="default: the first checkpoint's, like every data flag here")

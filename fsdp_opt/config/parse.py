@@ -70,6 +70,32 @@ def _field_type(f: dataclasses.Field) -> Any:
     return str
 
 
+KEEP = object()  # add_flag: the field's own default or help
+
+
+def add_flag(parser: Any, f: dataclasses.Field, *, default: Any = KEEP, help: Any = KEEP) -> None:  # noqa: A002
+    """The training command's flag of config field `f` on `parser` (or a group): its type, choices and other
+    keywords as the field declares them; another command that takes the same flag (plan, evaluate) may give its own
+    default and help, never another type or other choices."""
+    meta = dict(f.metadata)
+    own_help = meta.pop("help")
+    aliases = meta.pop("aliases", ())
+    kind = meta.pop("type", None) or _field_type(f)
+    kwargs: dict[str, Any] = {
+        "default": f.default if default is KEEP else default,
+        "help": own_help if help is KEEP else help,
+        "type": kind,
+    }
+    if kind is parse_bool:
+        kwargs.update(nargs="?", const=True, metavar="BOOL")
+    kwargs.update(meta)
+    parser.add_argument(f"--{f.name}", *aliases, dest=f.name, **kwargs)
+
+
+def config_field(section_cls: type, name: str) -> dataclasses.Field:
+    return next(f for f in dataclasses.fields(section_cls) if f.name == name)
+
+
 def build_parser(prog: str = "fsdp_finetune.py", description: str | None = None) -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog=prog,
@@ -80,15 +106,7 @@ def build_parser(prog: str = "fsdp_finetune.py", description: str | None = None)
     for section, section_cls in SECTIONS.items():
         group = parser.add_argument_group(section)
         for f in dataclasses.fields(section_cls):
-            meta = dict(f.metadata)
-            help_text = meta.pop("help")
-            aliases = meta.pop("aliases", ())
-            kind = meta.pop("type", None) or _field_type(f)
-            kwargs: dict[str, Any] = {"default": f.default, "help": help_text, "type": kind}
-            if kind is parse_bool:
-                kwargs.update(nargs="?", const=True, metavar="BOOL")
-            kwargs.update(meta)
-            group.add_argument(f"--{f.name}", *aliases, dest=f.name, **kwargs)
+            add_flag(group, f)
     parser.add_argument("--version", action="version", version=f"fsdp-opt {VERSION}", help="print the version and exit")
     return parser
 

@@ -7,8 +7,8 @@ import argparse
 
 from fsdp_opt.config.choices import PACKING_MODES, T4_MEMORY
 from fsdp_opt.config.flags import OneLineParser, parse_batch, parse_bool
-from fsdp_opt.config.method import DECODING
-from fsdp_opt.config.specs import METHODS
+from fsdp_opt.config.method import MethodConfig
+from fsdp_opt.config.parse import KEEP, add_flag, config_field
 from fsdp_opt.model.catalog import SHAPES
 from fsdp_opt.model.sources import LLAMA_8B, OPT_FAMILY
 from fsdp_opt.planner.steptime import Rates
@@ -82,58 +82,46 @@ def build_parser() -> argparse.ArgumentParser:
         help="the trainer's --lora_dropout (default: 0.05; 0 with --method dpo, which trains without dropout)",
     )
     p.add_argument("--base_bits", type=int, default=16, choices=[16, 4], help="the trainer's --base_bits")
-    p.add_argument(
-        "--method",
-        default="sft",
-        choices=METHODS,
-        help="the trainer's --method: dpo and kto add their reference pass (memory, time) to the plan; grpo and "
-        "distill their generation phase (the model gathered once, and layer by layer beside it), distill its "
-        "teacher beside the model",
-    )
-    p.add_argument("--num_generations", type=int, default=8, help="--method grpo: completions per prompt (G)")
-    p.add_argument(
-        "--max_completion_length", type=int, default=256, help="--method grpo and distill: tokens of a completion"
-    )
-    p.add_argument(
-        "--teacher_model",
-        default=None,
-        help="--method distill: the trainer's --teacher_model (default: the model itself); the plan keeps it beside "
-        "the model (its shards in the compute dtype) and runs its forward on each step's completions",
-    )
-    p.add_argument(
-        "--teacher_bits",
-        type=int,
-        default=16,
-        choices=[16, 4],
-        help="--method distill: the trainer's --teacher_bits (4: the teacher's blocks' linear weights in NF4)",
-    )
-    p.add_argument(
-        "--beta",
-        type=float,
-        default=0.0,
-        help="--method grpo: the KL weight; above 0 a reference model's forward (a model of its own for full "
-        "fine-tuning or with --ref_model, kept beside the policy)",
-    )
-    p.add_argument(
-        "--decoding",
-        default="static",
-        choices=DECODING,
-        help="--method grpo: the trainer's --decoding; the plan prints the unreplayed and the graph figures "
-        "beside each other, and the step at this one",
-    )
-    p.add_argument("--num_iterations", type=int, default=1, help="--method grpo: the trainer's --num_iterations")
-    p.add_argument(
-        "--steps_per_generation",
-        type=int,
-        default=None,
-        help="--method grpo: the trainer's --steps_per_generation (default --accum_steps)",
-    )
-    p.add_argument(
-        "--ref_model",
-        default=None,
-        help="the trainer's --ref_model: with LoRA, the reference is then a model of its own (of the same "
-        "shape) instead of the base with the adapters off",
-    )
+    # the trainer's method flags, of its types and choices (config/method.py), with what the plan does with each
+    for name, default, help_text in (
+        (
+            "method",
+            "sft",
+            "the trainer's --method: dpo and kto add their reference pass (memory, time) to the plan; grpo and "
+            "distill their generation phase (the model gathered once, and layer by layer beside it), distill its "
+            "teacher beside the model",
+        ),
+        ("num_generations", KEEP, "--method grpo: completions per prompt (G)"),
+        ("max_completion_length", KEEP, "--method grpo and distill: tokens of a completion"),
+        (
+            "teacher_model",
+            KEEP,
+            "--method distill: the trainer's --teacher_model (default: the model itself); the plan keeps it beside "
+            "the model and runs its forward on each step's completions",
+        ),
+        ("teacher_bits", KEEP, "--method distill: the trainer's --teacher_bits (4: its blocks' linear weights in NF4)"),
+        (
+            "beta",
+            0.0,
+            "--method grpo: the KL weight; above 0 a reference model's forward (a model of its own for full "
+            "fine-tuning or with --ref_model, kept beside the policy)",
+        ),
+        (
+            "decoding",
+            KEEP,
+            "--method grpo: the trainer's --decoding; the plan prints the unreplayed and the graph figures "
+            "beside each other, and the step at this one",
+        ),
+        ("num_iterations", KEEP, "--method grpo: the trainer's --num_iterations"),
+        ("steps_per_generation", KEEP, "--method grpo: the trainer's --steps_per_generation (default --accum_steps)"),
+        (
+            "ref_model",
+            KEEP,
+            "the trainer's --ref_model: with LoRA, the reference is then a model of its own (of the same "
+            "shape) instead of the base with the adapters off",
+        ),
+    ):
+        add_flag(p, config_field(MethodConfig, name), default=default, help=help_text)
     p.add_argument("--disk", default="20GB", help="disk for checkpoints (Kaggle's /kaggle/working: 20GB)")
     p.add_argument(
         "--data_on_disk",
