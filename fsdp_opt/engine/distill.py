@@ -25,12 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_opt.data.blocks import IGNORE_INDEX, GenerationSlot, StepBatch, model_inputs
+from fsdp_opt.data.blocks import GenerationSlot, StepBatch
 from fsdp_opt.engine.decoding import Decoder
-from fsdp_opt.engine.generation import Sampling, completion_keys
+from fsdp_opt.engine.generation import Decoding, Sampling, completion_keys
 from fsdp_opt.engine.groups import reduce_max, reduce_sum
 from fsdp_opt.engine.logprobs import first_prompts_loss
-from fsdp_opt.engine.loss import next_token_targets
+from fsdp_opt.engine.loss import HeadLoss, target_logits
 from fsdp_opt.engine.microbatches import run_micro_batches
 from fsdp_opt.engine.rollout import completion_text, decode, micro_batches, pack_members
 
@@ -54,18 +54,11 @@ def divergence(
     return d, entropy
 
 
-@dataclass
-class DistillSettings:
-    """What a distillation step needs of the flags, decided once (`decode` reads gather, eos_ids, stop)."""
+@dataclass(kw_only=True)
+class DistillSettings(Decoding):
+    """What a distillation step needs of the flags, decided once: its decoding, and the divergence's beta."""
 
-    sampling: Sampling
     beta: float
-    seed: int
-    eos_ids: list[int]
-    stop: str | None
-    gather: bool = True
-    generation_batch: int = 0
-    decoding: str = "static"
 
 
 @dataclass
@@ -113,21 +106,11 @@ def sample_completions(
     sequences = [list(prompts.ids[p]) + list(ids) for p, ids in zip(mine, made.ids)]
     targets = [[False] * len(prompts.ids[p]) + [True] * len(ids) for p, ids in zip(mine, made.ids)]
     micro = micro_batches(sequences, batch_size, prompts, env)
-    local = torch.tensor(
-        [len(mine), float(sum(len(i) for i in made.ids)), float(sum(len(q) for q in sequences))],
-        dtype=torch.float64,
-    )
-    summed = reduce_sum(local, env)
-    longest = reduce_max(torch.tensor([float(max((len(i) for i in made.ids), default=0)), seconds]), env)
-    truncated = reduce_sum(torch.tensor([float(sum(not e for e in made.ended))], dtype=torch.float64), env)
-    totals = {
-        "completions": float(summed[0]),
-        "tokens": float(summed[1]),
-        "seen": float(summed[2]),
-        "length_max": float(longest[0]),
-        "seconds": float(longest[1]),
-        "truncated": float(truncated[0]),
-    }
+    local = [len(mine), sum(len(i) for i in made.ids), sum(len(q) for q in sequences), sum(not e for e in made.ended)]
+    summed = reduce_sum(torch.tensor(local, dtype=torch.float64), env).tolist()
+    longest = reduce_max(torch.tensor([float(max((len(i) for i in made.ids), default=0)), seconds]), env).tolist()
+    totals = dict(zip(("completions", "tokens", "seen", "truncated"), summed))
+    totals.update(length_max=longest[0], seconds=longest[1])
     records = [
         {
             "step": at_step + 1,
@@ -142,32 +125,34 @@ def sample_completions(
     return Completions(sequences, targets, micro, totals, records)
 
 
+@dataclass
+class Models:
+    """The trained model and the teacher, each with its output layer run at the completion tokens only where the
+    model allows it (engine/loss.py HeadLoss; None: its whole logits, then those rows)."""
+
+    model: nn.Module
+    head: HeadLoss | None
+    teacher: nn.Module
+    teacher_head: HeadLoss | None
+
+
 def micro_divergence(
-    model: nn.Module,
-    teacher: nn.Module,
+    m: Models,
     c: Completions,
     members: list[int],
-    prompts,  # noqa: ANN001
+    prompts,
     cfg: DistillSettings,
-    device: torch.device,
+    device: torch.device,  # noqa: ANN001
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One micro-batch's summed divergence over its completion tokens (with the model's gradient), their summed
-    entropy, and the model's logits (kept alive through the backward). The teacher runs on every rank's micro-batch,
-    fillers too."""
+    entropy, and the model's logits there (kept alive through the backward). A filler micro-batch has no completion
+    token: its sums are 0, its backward (and every collective, the teacher's too) the same as every rank's."""
     batch, _ = pack_members(c, members, prompts, device)
-    inputs = model_inputs(batch)
-    logits = model(**inputs).logits
+    student = target_logits(m.model, m.head, batch)
     with torch.no_grad():
-        taught = teacher(**inputs).logits
-    on = (next_token_targets(batch["labels"]) != IGNORE_INDEX).reshape(-1)
-    if not members:  # a filler: the same backward (and collectives) as every rank's, of nothing
-        return logits.sum() * 0.0, logits.new_zeros((), dtype=torch.float32), logits
-    rows = on.nonzero().squeeze(1)
-    flat = logits.reshape(-1, logits.shape[-1]).index_select(0, rows)
-    d, entropy = divergence(
-        flat, taught.reshape(-1, taught.shape[-1]).index_select(0, rows), cfg.beta, cfg.sampling.temperature
-    )
-    return d.sum(), entropy.sum(), logits
+        taught = target_logits(m.teacher, m.teacher_head, batch)
+    d, entropy = divergence(student, taught, cfg.beta, cfg.sampling.temperature)
+    return d.sum(), entropy.sum(), student
 
 
 class DistillLoss:
@@ -178,6 +163,7 @@ class DistillLoss:
 
     def __init__(self, settings: DistillSettings, prompts, tokenizer, teacher: nn.Module) -> None:  # noqa: ANN001
         self.s, self.prompts, self.tokenizer, self.teacher = settings, prompts, tokenizer, teacher
+        self.teacher_head = HeadLoss.for_run(teacher, 0)
         self.decoder = Decoder(graphs=settings.decoding == "graphs") if settings.decoding != "generate" else None
         self.current: Completions | None = None
         self.slot: GenerationSlot | None = None
@@ -198,24 +184,22 @@ class DistillLoss:
             s.plan.batch_size,
         )
 
-    @property
-    def pending(self) -> bool:
-        return False  # a step's completions are its own: no checkpoint falls inside them
-
     def accumulate(self, s, step: StepBatch, scale: float) -> torch.Tensor:  # noqa: ANN001
         c = self.current
         weight = scale / max(1.0, c.totals["tokens"])
         sums = torch.zeros(len(self.names), device=s.env.device, dtype=torch.float32)
+        models = self.models(s.model, s.head_loss)
 
         def loss_of(i: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
-            total, entropy, logits = micro_divergence(
-                s.model, self.teacher, c, c.micro[i], self.prompts, self.s, s.env.device
-            )
+            total, entropy, logits = micro_divergence(models, c, c.micro[i], self.prompts, self.s, s.env.device)
             added = torch.stack([total.detach() / max(1.0, c.totals["tokens"]), entropy])
             return total * weight, added, logits
 
         run_micro_batches(s.model, len(c.micro), loss_of, sync_each=s.reduce_each_microbatch, sums=sums)
         return sums
+
+    def models(self, model: nn.Module, head: HeadLoss | None) -> Models:
+        return Models(model, head, self.teacher, self.teacher_head)
 
     def first_loss(self, s, first: StepBatch | None) -> torch.Tensor:  # noqa: ANN001
         """The next-token loss of this rank's first prompts (the fp16 probe)."""
@@ -240,8 +224,7 @@ class DistillLoss:
 
 @torch.no_grad()
 def held_out_divergence(
-    model: nn.Module,
-    teacher: nn.Module,
+    m: Models,
     prompts,
     tokenizer,
     cfg: DistillSettings,
@@ -253,16 +236,16 @@ def held_out_divergence(
     per completion token from the teacher over them all, in eval mode."""
     mine = list(range(env.rank, len(prompts), env.world_size))
     greedy = Sampling(cfg.sampling.max_new_tokens, top_k=1)
-    was = model.training
-    model.eval()
+    was = m.model.training
+    m.model.eval()
     try:
-        c = sample_completions(model, env, cfg, prompts, mine, tokenizer, decoder, 0, batch_size, greedy)
-        local = torch.zeros(2, dtype=torch.float64)
+        c = sample_completions(m.model, env, cfg, prompts, mine, tokenizer, decoder, 0, batch_size, greedy)
+        local = torch.zeros(2, dtype=torch.float64, device=env.device)
         for members in c.micro:
-            total, entropy, _ = micro_divergence(model, teacher, c, members, prompts, cfg, env.device)
-            local += torch.stack([total.double().cpu(), entropy.double().cpu()])
+            total, entropy, _ = micro_divergence(m, c, members, prompts, cfg, env.device)
+            local += torch.stack([total, entropy]).double()
     finally:
-        model.train(was)
+        m.model.train(was)
     summed = reduce_sum(local, env)
     tokens = max(1.0, c.totals["tokens"])
     return {

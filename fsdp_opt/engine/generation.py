@@ -118,6 +118,19 @@ class Sampling:
     top_k: int = 0  # 0: off; 1: the greedy choice (no noise matters)
 
 
+@dataclass(kw_only=True)
+class Decoding:
+    """How a method that samples decodes its completions, decided once (engine/rollout.py `decode` reads it)."""
+
+    sampling: Sampling
+    seed: int  # the completions' draws are keyed by it, the step and the row
+    eos_ids: list[int]
+    stop: str | None  # the chat template's end-of-turn text, where it is several tokens
+    gather: bool = True  # generate on the model gathered once (else on its shards)
+    generation_batch: int = 0  # requests generated at once per rank (0: all)
+    decoding: str = "static"  # --decoding
+
+
 def processors(sampling: Sampling, keys: torch.Tensor, prompt_length: int):  # noqa: ANN201
     """temperature, top-k, top-p (as transformers samples), then the counter's draw."""
     from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper

@@ -9,16 +9,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fsdp_opt.engine.generation import Sampling
+from fsdp_opt.engine.generation import Decoding
 from fsdp_opt.engine.rewards import Reward
 
 
-@dataclass
-class GroupSettings:
-    """What a GRPO step needs of the flags, decided once."""
+@dataclass(kw_only=True)
+class GroupSettings(Decoding):
+    """What a GRPO step needs of the flags, decided once: its decoding, and its groups' and loss's settings."""
 
     generations: int
-    sampling: Sampling
     epsilon: float
     epsilon_high: float
     beta: float
@@ -27,14 +26,8 @@ class GroupSettings:
     mask_truncated: bool
     rewards: list[Reward]
     weights: list[float]
-    seed: int
-    eos_ids: list[int]
-    stop: str | None  # the chat template's end-of-turn text, where it is several tokens
-    gather: bool = True  # generate on the model gathered once (else on its shards)
-    generation_batch: int = 0  # requests generated at once per rank (0: all)
     delta: float | None = None  # the two-sided clip's upper bound on the ratio (TRL's delta)
     level: str = "token"  # --importance_sampling_level
-    decoding: str = "static"  # --decoding
 
 
 def advantages(

@@ -126,6 +126,12 @@ class HeadLoss:
             return fn(*args)
         return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
 
+    def logits_at_targets(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """[targets, vocabulary] logits of the positions that predict a target, the output layer run at those rows
+        only (the whole vocabulary: a divergence between two models' distributions reads all of it)."""
+        flat, _, _ = self._at_targets(hidden, labels)
+        return flat @ self.head.weight.t()
+
     def loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Call after the forward, while the root unit's weights are still gathered."""
         flat, targets, _ = self._at_targets(hidden, labels)
@@ -153,6 +159,16 @@ def head_forward(model: nn.Module, head: HeadLoss | None, batch: dict[str, torch
     the loss)."""
     with head.hidden_states() if head else nullcontext():
         return model(**model_inputs(batch)).logits
+
+
+def target_logits(model: nn.Module, head: HeadLoss | None, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One forward of `model` on `batch`: the [targets, vocabulary] logits of the positions that predict a target, in
+    order (with `head`, the output layer runs at those positions only)."""
+    out = head_forward(model, head, batch)
+    if head is not None:
+        return head.logits_at_targets(out, batch["labels"])
+    on = (next_token_targets(batch["labels"]) != IGNORE_INDEX).reshape(-1)
+    return out.reshape(-1, out.shape[-1])[on]
 
 
 def forward_loss_sum(

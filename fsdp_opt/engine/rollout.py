@@ -28,7 +28,7 @@ import torch
 from fsdp_opt.data.blocks import StepBatch
 from fsdp_opt.data.sequences import fits, pack
 from fsdp_opt.engine.decoding import Decoder
-from fsdp_opt.engine.generation import Generated, Sampling, completion_keys, gathered, generate
+from fsdp_opt.engine.generation import Decoding, Generated, Sampling, completion_keys, gathered, generate
 from fsdp_opt.engine.groups import (
     GroupSettings,
     advantages,
@@ -92,7 +92,7 @@ class Generation:
 
 def decode(
     model,
-    cfg: GroupSettings,
+    cfg: Decoding,
     prompts: list[list[int]],
     keys: torch.Tensor,
     sampling: Sampling,

@@ -99,8 +99,9 @@ class Distill(Grpo):
     def evaluate(self, s: Session) -> dict[str, Any]:
         """One greedy completion of each held-out prompt: the mean divergence per completion token from the
         teacher."""
+        models = s.loss.models(s.model, s.head_loss)
         result = held_out_divergence(
-            s.model, self.teacher, s.eval_blocks, s.tokenizer, self.distill, s.env, s.plan.batch_size, s.loss.decoder
+            models, s.eval_blocks, s.tokenizer, self.distill, s.env, s.plan.batch_size, s.loss.decoder
         )
         print0(
             f"eval at step {s.state.global_step}: divergence from the teacher {result['divergence']:.4f} per token "
