@@ -8,7 +8,7 @@ Plain `python fsdp_finetune.py ...` runs as a world of one. `--help` lists every
 
 from __future__ import annotations
 
-from fsdp_opt.cli import entry
+from fsdp_opt.commands.train import entry
 
 if __name__ == "__main__":
     entry()

@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fsdp_opt.demo import DEMO_ARGS  # noqa: E402 - after the repository is on the path
+from fsdp_opt.commands.demo import DEMO_ARGS  # noqa: E402 - after the repository is on the path
 from fsdp_opt.tracking.metrics import read_metrics  # noqa: E402
 
 ARMS = {"32 MiB (CPU device)": None, "1 MiB (GPU runs)": "1048576"}

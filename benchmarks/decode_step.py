@@ -18,7 +18,7 @@ FSDP: gpu_check's GRPO launch gives the gathered model's figure under FSDP2 to s
   static         the run's decoding (engine/decoding.py, --decoding static): one batch, a static KV cache, the sampler;
   graphs         the same, each step replayed as a CUDA graph (--decoding graphs; on CPU: skipped);
   hf_static      transformers' generate with cache_implementation="static" (on a GPU it compiles the step and replays
-                 it as CUDA graphs): the peer (fsdp_opt/decodebench.py has these three, for gpu_check).
+                 it as CUDA graphs): the peer (fsdp_opt/commands/decodebench.py has these three, for gpu_check).
 
 Reported per way: milliseconds per decoding step (the round's seconds less its prefill, over the tokens) and
 generated tokens/s. Beside them: the milliseconds a step would take if it only read the weights at the device's
@@ -44,7 +44,7 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 from transformers import GenerationConfig  # noqa: E402
 from transformers.utils import logging  # noqa: E402
 
-from fsdp_opt.decodebench import build, measure, sync  # noqa: E402
+from fsdp_opt.commands.decodebench import build, measure, sync  # noqa: E402
 from fsdp_opt.engine.generation import Sampling, completion_keys, processors  # noqa: E402
 from fsdp_opt.runtime.gpus import MEMORY_GBPS  # noqa: E402
 

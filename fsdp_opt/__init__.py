@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging as _logging
+import os as _os
 
 from fsdp_opt.base import VERSION as __version__  # noqa: F401 - the package's version, as `fsdp_opt.__version__`
 from fsdp_opt.runtime.torchao_gate import gate_before_use
@@ -17,3 +18,8 @@ for _name in ("torchao", "torch.utils._pytree"):
 # it, and that flag then stops in one line naming the install that fixes it). The check itself waits for the first
 # import of one of them, so a command that needs neither stays light.
 gate_before_use()
+
+# `python -m fsdp_opt.plan`, `.evaluate`, `.export`, ... by the names the commands had before they moved into
+# fsdp_opt/commands: a module the package does not hold itself is looked for there (fsdp_opt/cli.py routes
+# `fsdp-opt <command>` to the same modules).
+__path__.append(_os.path.join(_os.path.dirname(__file__), "commands"))

@@ -1,4 +1,5 @@
-"""`python -m fsdp_opt` (and `torchrun ... -m fsdp_opt`): the training command of an installed package."""
+"""`python -m fsdp_opt <command>` (and `torchrun ... -m fsdp_opt`): the `fsdp-opt` command of an installed package;
+with no command, training."""
 
 from __future__ import annotations
 

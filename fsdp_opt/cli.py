@@ -1,62 +1,50 @@
-r"""The training command: `fsdp_finetune.py` in the repository, `python -m fsdp_opt` from an installed wheel.
+"""`fsdp-opt <command> [flags]` (and `python -m fsdp_opt <command>`): which command runs, nothing else.
 
-torchrun --standalone --nproc_per_node=gpu -m fsdp_opt --num_epochs 1 \
-    --start_idx 0 --end_idx 5000 --batch_size 4 --accum_steps 16 --hf_repo user/repo
+    fsdp-opt train ...      train a range of a dataset (the default: `fsdp-opt --start_idx 0 ...` trains)
+    fsdp-opt plan ...       memory, host RAM, disk and step time before a run; --batch_size auto's choice
+    fsdp-opt evaluate ...   the base model and checkpoints on held-out rows
+    fsdp-opt export ...     a checkpoint as a Hugging Face model folder
+    fsdp-opt demo ...       the built-in demos on CPU
+    fsdp-opt check ...      a new GPU machine: the plan against what it measures
+
+Each command is one module of fsdp_opt/commands, run as `python -m fsdp_opt.<module>` runs it (its own flags, its own
+exit); `fsdp_finetune.py`, `torchrun ... fsdp_finetune.py` and `torchrun ... -m fsdp_opt` train as before.
 """
 
 from __future__ import annotations
 
-import os
+import runpy
 import sys
 
-from fsdp_opt.base import EXIT_NOT_PUSHED, ConfigError, NotPushedError
-from fsdp_opt.config.parse import build_parser, parse_args
-from fsdp_opt.launch import launch, split_flag, under_a_launcher, workers
-from fsdp_opt.runtime.distributed import LAUNCHED, end_process, fail
+# verb -> the module under fsdp_opt/commands that runs it
+COMMANDS = {
+    "train": "train",
+    "plan": "plan",
+    "evaluate": "evaluate",
+    "export": "export",
+    "demo": "demo",
+    "check": "gpu_check",
+}
+USAGE = __doc__.split("\n\n")[1]
 
-DESCRIPTION = "Fine-tune a Hugging Face causal LM with PyTorch FSDP2 on a slice [start_idx, end_idx) of a dataset."
 
-
-def main(argv: list[str] | None = None) -> int:
-    try:
-        config = parse_args(argv)
-    except ConfigError as exc:
-        fail(str(exc))
-    # NOTE: imported here for the start-up time of --help and of a bad flag: the trainer pulls in transformers and peft.
-    from fsdp_opt.train.run import run
-
-    try:
-        run(config)
-    except ConfigError as exc:
-        fail(str(exc))
-    except NotPushedError as exc:  # rank 0 alone meets it (the uploads are its): the other ranks have ended
-        fail(str(exc), code=EXIT_NOT_PUSHED)
-    except KeyboardInterrupt:
-        fail("interrupted", code=130)
-    return 0
+def split_command(argv: list[str]) -> tuple[str | None, list[str]]:
+    """(the command's module, its flags); None with an unknown command. No command before the flags: train."""
+    if not argv or argv[0].startswith("-"):
+        return COMMANDS["train"], argv
+    return COMMANDS.get(argv[0]), argv[1:]
 
 
 def entry() -> None:
-    """`python fsdp_finetune.py`, `python -m fsdp_opt` and torchrun with either: --help, or train and end the process;
-    with --nproc_per_node (and no launcher around it), start the workers first (fsdp_opt/launch.py)."""
-    if "-h" in sys.argv[1:] or "--help" in sys.argv[1:]:
-        build_parser(description=DESCRIPTION).print_help()
+    argv = sys.argv[1:]
+    if argv[:1] in (["-h"], ["--help"]):
+        print(
+            f"usage: fsdp-opt <command> [flags]; with no command, train\n\n{USAGE}\n\n`fsdp-opt <command> --help` lists a command's flags."
+        )
         sys.exit(0)
-    end_process(lambda: launch_or_train(sys.argv[1:]))
-
-
-def launch_or_train(argv: list[str]) -> int:
-    try:
-        nproc, flags = split_flag(argv)
-        if nproc is not None and under_a_launcher():
-            raise ConfigError(
-                f"--nproc_per_node {nproc}: this process was started by a launcher already (torchrun); "
-                "give the number of workers to one of the two"
-            )
-        n = workers(nproc) if nproc is not None else None
-    except ConfigError as exc:
-        fail(str(exc))
-    if n is None:
-        return main(flags)
-    os.environ[LAUNCHED] = "1"  # the workers leave their error line to this process, which prints it last
-    return launch(n, flags)
+    module, flags = split_command(argv)
+    if module is None:
+        print(f"error: fsdp-opt {argv[0]}: no such command (one of {', '.join(COMMANDS)})", file=sys.stderr)
+        sys.exit(2)
+    sys.argv = [f"fsdp-opt {argv[0]}" if argv and not argv[0].startswith("-") else sys.argv[0], *flags]
+    runpy.run_module(f"fsdp_opt.commands.{module}", run_name="__main__", alter_sys=True)

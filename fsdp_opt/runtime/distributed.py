@@ -162,7 +162,7 @@ def say(line: str) -> None:
     sys.stderr.flush()
 
 
-# Set by `python -m fsdp_opt --nproc_per_node N` (fsdp_opt/launch.py) for the workers it starts: it prints a worker's
+# Set by `python -m fsdp_opt --nproc_per_node N` (fsdp_opt/runtime/launch.py) for the workers it starts: it prints a worker's
 # error line itself, last.
 LAUNCHED = "FSDP_OPT_LAUNCHED"
 

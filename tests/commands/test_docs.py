@@ -8,8 +8,8 @@ import sys
 
 from conftest import ROOT, sandbox_env
 
+from fsdp_opt.commands.docs import FLAGS_PAGE, command_blocks, flags_markdown, run_blocks, stale
 from fsdp_opt.config.parse import build_parser
-from fsdp_opt.docs import FLAGS_PAGE, command_blocks, flags_markdown, run_blocks, stale
 
 
 def test_the_flags_page_is_the_parsers():

@@ -77,8 +77,8 @@ def test_on_one_t4_sized_gpu_the_check_trains_what_the_plan_says_fits(capsys):
     import torch
 
     from fsdp_opt.base import GIB
+    from fsdp_opt.commands.gpu_check import fitted, parse
     from fsdp_opt.config.parse import parse_args
-    from fsdp_opt.gpu_check import fitted, parse
     from fsdp_opt.model.shapes import Shape, model_config
     from fsdp_opt.planner.layout import choose_layout
     from fsdp_opt.planner.memory import memory, peak_bytes

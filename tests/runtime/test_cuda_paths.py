@@ -12,7 +12,7 @@ import torch
 from conftest import ROOT, plan_cli
 
 from fsdp_opt.base import GIB, ConfigError
-from fsdp_opt.gpu_table import CONTEXT_WORDS
+from fsdp_opt.commands.gpu_table import CONTEXT_WORDS
 from fsdp_opt.model.shapes import Shape, model_config
 from fsdp_opt.planner import lora as planner_lora
 from fsdp_opt.planner.inputs import CUDA_CONTEXT_BYTES, NCCL_BUFFER_BYTES, Inputs
@@ -101,7 +101,7 @@ def test_the_plan_takes_a_t4_as_torch_reads_it_less_context_and_nccl():
 
 def test_the_notebooks_gpu_line_makes_no_cuda_context_in_the_kernel(tmp_path, monkeypatch):
     """Two T4s as nvidia-smi reports them; torch.cuda's calls that initialise CUDA in this process are traps."""
-    from fsdp_opt.notebook import gpu_summary
+    from fsdp_opt.commands.notebook import gpu_summary
 
     fake = tmp_path / "nvidia-smi"
     fake.write_text("#!/bin/sh\nprintf '0, Tesla T4, 15360, 7.5\\n1, Tesla T4, 15360, 7.5\\n'\n")

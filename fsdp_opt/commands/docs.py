@@ -206,7 +206,7 @@ PLAN = "python -m fsdp_opt.plan "
 # themselves take a fraction of a second each, the imports several seconds per process.
 PLAN_RUNNER = """
 import contextlib, io, json, sys
-from fsdp_opt.plan import main
+from fsdp_opt.commands.plan import main
 out = []
 for args in json.load(sys.stdin):
     text = io.StringIO()

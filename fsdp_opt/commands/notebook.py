@@ -116,7 +116,7 @@ def torchrun(nproc: int | str, target: str, args: list[str], module: bool = Fals
 
 
 def launch(nproc: int | str, args: list[str]) -> str:
-    """The training command starting its own workers (`python -m fsdp_opt --nproc_per_node N`: fsdp_opt/launch.py),
+    """The training command starting its own workers (`python -m fsdp_opt --nproc_per_node N`: fsdp_opt/runtime/launch.py),
     shell-quoted, with this kernel's Python: a failure ends with the tool's own line and exit code."""
     return shlex.join([sys.executable, "-m", "fsdp_opt", "--nproc_per_node", str(nproc), *args])
 

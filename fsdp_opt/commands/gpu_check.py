@@ -15,7 +15,7 @@ plan's peak against the usable memory and `max_memory_allocated`/`max_memory_res
 predicted against the measured step time, skipped fp16 steps, the save and load times and the link, with the device
 named. Then a short GRPO launch (--grpo_steps): generation on the gathered model in the compute dtype, then the
 update, with generated tokens/s and the step's time against the plan; and beside it, in a process of its own on one
-GPU at the same shape and batch (fsdp_opt/decodebench.py), transformers' static-cache generate (the peer), the run's
+GPU at the same shape and batch (fsdp_opt/commands/decodebench.py), transformers' static-cache generate (the peer), the run's
 decoding alone (static, and as CUDA graphs) and the bound of reading the weights once a step.
 """
 
@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_opt.base import GIB, parse_size
+from fsdp_opt.commands.gpu_launches import _grab, _launch, decode_peer, grpo_launch
+from fsdp_opt.commands.gpu_table import render
 from fsdp_opt.config.choices import T4_MEMORY
-from fsdp_opt.gpu_launches import _grab, _launch, decode_peer, grpo_launch
-from fsdp_opt.gpu_table import render
 from fsdp_opt.model.shapes import Shape, model_config
 from fsdp_opt.planner.inputs import NCCL_BUFFER_BYTES, Inputs
 from fsdp_opt.planner.memory import memory, peak_bytes
