@@ -97,3 +97,8 @@ def quiet_hub_logs() -> Iterator[None]:
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
+
+
+def in_words(items: list[str], last: str = "or") -> str:
+    """'a', 'a or b', 'a, b or c'."""
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} {last} {items[-1]}"

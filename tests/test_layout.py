@@ -130,16 +130,16 @@ def test_the_checks_see_a_circle_and_an_upward_import(tmp_path, monkeypatch):
         raise AssertionError(f"{check.__name__} missed model.sources -> train.run")
 
 
-# The method registry: the only modules that may ask which method a run trains (config/specs.py names the methods
+# The method registry: the only modules that may ask which method a run trains (config/methods/ names the methods
 # and their specs, config/method.py checks their flags; train/methods/ holds their objects). Everywhere else asks a
 # method's spec or calls its object.
-REGISTRY = ("fsdp_opt/config/specs.py", "fsdp_opt/config/method.py", "fsdp_opt/train/methods/")
+REGISTRY = ("fsdp_opt/config/methods/", "fsdp_opt/config/method.py", "fsdp_opt/train/methods/")
 # isinstance/hasattr on these would ask which method's sequences a module holds
 METHOD_SEQUENCES = {"Pairs", "PairPlan", "Prompts", "PromptPlan"}
 
 
 def method_names() -> set[str]:
-    from fsdp_opt.config.specs import METHODS
+    from fsdp_opt.config.methods import METHODS
 
     return set(METHODS)
 

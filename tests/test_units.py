@@ -15,14 +15,16 @@ from fsdp_opt.config.parse import Config, build_parser, parse_args
 from fsdp_opt.config.training import TrainConfig
 from fsdp_opt.data.blocks import Blocks
 from fsdp_opt.data.pairs import Pairs
+from fsdp_opt.data.sequences import Packing
 from fsdp_opt.engine import loss as loss_module
 from fsdp_opt.engine.evaluation import evaluate_loss
 from fsdp_opt.engine.logprobs import scored_logps
 from fsdp_opt.engine.loss import HeadLoss
 from fsdp_opt.engine.optim import LossScaler, LRSchedule, build_optimizer, create_state, unscale_and_clip_
+from fsdp_opt.model.loader import meta_model as build_meta_model
 from fsdp_opt.model.parallelize import check_no_shared_params, find_block_classes, find_blocks
 from fsdp_opt.model.shapes import flops_per_token
-from fsdp_opt.model.sources import build_meta_model, model_tag, resolve_model
+from fsdp_opt.model.sources import model_tag, resolve_model
 from fsdp_opt.runtime.distributed import DistEnv
 
 # ------------------------------------------------------------------ flags
@@ -409,7 +411,7 @@ def test_the_held_out_loss_and_the_pair_scores_run_the_output_layer_at_the_targe
     prompt = torch.randint(3, 50, (6,)).tolist()
     answers = [torch.randint(3, 50, (3,)).tolist(), torch.randint(3, 50, (2,)).tolist()]
     seqs = [prompt + a for a in answers]
-    pairs = Pairs(seqs, [[k >= 6 for k in range(len(q))] for q in seqs], [0], 0, 16, "pad", "sdpa")
+    pairs = Pairs(seqs, [[k >= 6 for k in range(len(q))] for q in seqs], [0], Packing(0, 16, "pad", "sdpa"))
     scores = scored_logps(model, pairs, 1, env)
     expected = []
     for q in seqs:

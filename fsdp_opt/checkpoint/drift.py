@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_opt.base import ConfigError
+from fsdp_opt.config.methods import method_flags
 from fsdp_opt.config.parse import Config
-from fsdp_opt.config.specs import method_flags
 from fsdp_opt.model.adapters import KEY
 from fsdp_opt.runtime.distributed import print0
 
@@ -45,7 +45,7 @@ BREAKING = {
     "max_length": "the blocks change",
     "packing": "the blocks change",
     "seed": "the data order changes",
-    # each method's own flags, as its spec classes them (config/specs.py)
+    # each method's own flags, as its spec classes them (config/methods/)
     **{flag: kind for flag, kind in method_flags().items() if kind is not None},
 }
 # Not compared: where this session is in the chain, and how this machine lays a step out.
@@ -80,7 +80,7 @@ NOT_COMPARED = {
     "pad_to_max_length",
     # how its workers start
     "nproc_per_node",
-    # each method's flags of how this machine runs it (config/specs.py: the same results, up to the last bits)
+    # each method's flags of how this machine runs it (config/methods/: the same results, up to the last bits)
     *(flag for flag, kind in method_flags().items() if kind is None),
     # the LoRA identity has its own check, with its own message (model/adapters.check_resume)
     "lora_rank",
@@ -165,9 +165,8 @@ def settings_drift(config: Config, payload: dict[str, Any] | None) -> list[dict[
         return []
     # A LoRA checkpoint's base is checked by its fingerprint (model.adapters.check_resume), a stronger test than a name
     saved = {k: v for k, v in (payload.get("config") or {}).items() if not (k == "model" and payload.get(KEY))}
-    # another method's own flags mean nothing to this run (--method itself is compared)
-    others = set(method_flags()) - {flag for flag, _ in config.method.spec.flags}
-    changes = compare(saved, {k: v for k, v in config.flat().items() if k not in others})
+    # the flags hold this run's method's own flags only: another method's mean nothing to it (--method is compared)
+    changes = compare(saved, config.flat())
     for change in changes:
         print0(line(change))
     refuse_if_breaking(changes, config.checkpoint.allow_changes, Path(payload["_path"]).name)

@@ -18,8 +18,8 @@ import argparse
 from fsdp_opt.base import ConfigError
 from fsdp_opt.config.choices import DATA_FORMATS, STRATEGIES, TRAIN_ON
 from fsdp_opt.config.flags import OneLineParser
-from fsdp_opt.config.method import MethodConfig
-from fsdp_opt.config.parse import add_flag, config_field
+from fsdp_opt.config.method import method_field
+from fsdp_opt.config.parse import add_flag
 from fsdp_opt.runtime.distributed import (
     end_process,
     fail,
@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
             "adapters-off reference is its base)",
         ),
     ):
-        add_flag(p, config_field(MethodConfig, name), default=None, help=help_text)
+        add_flag(p, method_field(name), default=None, help=help_text)
     p.add_argument("--chosen_column", default=None)
     p.add_argument("--rejected_column", default=None)
     p.add_argument("--text_column", default=None, help="default: the first checkpoint's, like every data flag here")

@@ -15,7 +15,8 @@ from dataclasses import replace
 
 from fsdp_opt.base import ConfigError, gib, parse_size
 from fsdp_opt.config.choices import STRATEGIES
-from fsdp_opt.config.specs import GENERATION, REFERENCE_PASS, spec
+from fsdp_opt.config.method import MethodConfig, union_flags
+from fsdp_opt.config.methods import GENERATION, REFERENCE_PASS, spec
 from fsdp_opt.config.training import TrainConfig
 from fsdp_opt.data.prompts import generation_slices
 from fsdp_opt.data.resolve import DataSource
@@ -100,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         if a.reduce_dtype == "fp16" and a.precision != "fp16":
             raise ConfigError(f"--reduce_dtype fp16: only with --precision fp16 (this plan computes in {a.precision})")
         samples, accum = batch_of(a)
+        # the method's settings as the trainer takes them: its own flags, its defaults, another method's refused
+        method = MethodConfig.from_flags(a.method, {k: getattr(a, k, None) for k in union_flags()})
+        settings = method.settings
         inputs = Inputs(
             gpus=a.gpus,
             nodes=a.nodes,
@@ -117,22 +121,22 @@ def main(argv: list[str] | None = None) -> int:
             cuda=not a.cpu,
             lora_rank=a.lora_rank,
             lora_targets=a.lora_targets,
-            lora_dropout=a.lora_dropout if a.lora_dropout is not None else 0.05 if spec(a.method).dropout else 0.0,
+            lora_dropout=a.lora_dropout if a.lora_dropout is not None else 0.05 if method.spec.dropout else 0.0,
             base_bits=a.base_bits,
             reduce_dtype="fp16" if a.reduce_dtype == "fp16" else "fp32",
             cpu_offload=a.cpu_offload,
             method=a.method,
             ref_model=a.ref_model is not None,
-            generations=a.num_generations,
-            completion_length=a.max_completion_length,
-            beta=a.beta,
-            decoding=a.decoding,
-            iterations=a.num_iterations,
-            generation_slices=generation_slices(a.steps_per_generation, accum)
-            if GENERATION in spec(a.method).phases
+            generations=settings.completions_per_prompt,
+            completion_length=getattr(settings, "max_completion_length", 256),
+            beta=settings.beta if settings.uses_reference else 0.0,
+            decoding=getattr(settings, "decoding", "static"),
+            iterations=getattr(settings, "num_iterations", 1),
+            generation_slices=generation_slices(getattr(settings, "steps_per_generation", None), accum)
+            if GENERATION in method.spec.phases
             else 1,
-            teacher=(a.teacher_model or a.model) if spec(a.method).teacher else None,
-            teacher_bits=a.teacher_bits,
+            teacher=getattr(settings, "teacher_model", None),
+            teacher_bits=getattr(settings, "teacher_bits", 16),
         )
         if a.lora_rank < 0:
             raise ConfigError(f"--lora_rank {a.lora_rank}: must be 0 (full fine-tuning) or more")

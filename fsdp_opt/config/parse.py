@@ -13,8 +13,9 @@ from fsdp_opt.base import VERSION, ConfigError
 from fsdp_opt.config.choices import AUTO
 from fsdp_opt.config.flags import OneLineParser, parse_bool
 from fsdp_opt.config.layout import LoraConfig, ParallelConfig
-from fsdp_opt.config.method import MethodConfig
-from fsdp_opt.config.specs import METHOD_SPECS, SFT, spec
+from fsdp_opt.config.method import MethodConfig, add_method_flags
+from fsdp_opt.config.methods import METHOD_SPECS, spec
+from fsdp_opt.config.methods.sft import SFT
 from fsdp_opt.config.storage import CheckpointConfig, HubConfig, WandbConfig
 from fsdp_opt.config.training import DataConfig, ModelConfig, TrainConfig
 
@@ -47,13 +48,19 @@ class Config:
         """Every flag and its value: what is printed and stored in checkpoints."""
         out: dict[str, Any] = {}
         for section in SECTIONS:
-            out.update(dataclasses.asdict(getattr(self, section)))
+            value = getattr(self, section)
+            out.update(value.flat() if isinstance(value, MethodConfig) else dataclasses.asdict(value))
         return out
 
     @classmethod
-    def from_flat(cls, values: dict[str, Any]) -> Config:
+    def from_flat(cls, values: dict[str, Any], strict: bool = True) -> Config:
+        """The flags as values (the command line's, or a checkpoint's stored ones: `strict` False drops another
+        method's flags there instead of refusing them)."""
         sections = {}
         for name, section_cls in SECTIONS.items():
+            if section_cls is MethodConfig:
+                sections[name] = MethodConfig.from_flags(values.get("method"), values, strict)
+                continue
             names = {f.name for f in dataclasses.fields(section_cls)}
             sections[name] = section_cls(**{k: v for k, v in values.items() if k in names})
         return cls(**sections)
@@ -79,6 +86,7 @@ def add_flag(parser: Any, f: dataclasses.Field, *, default: Any = KEEP, help: An
     default and help, never another type or other choices."""
     meta = dict(f.metadata)
     own_help = meta.pop("help")
+    meta.pop("drift", None)  # a method flag's drift class (config/methods/base.py), not argparse's
     aliases = meta.pop("aliases", ())
     kind = meta.pop("type", None) or _field_type(f)
     kwargs: dict[str, Any] = {
@@ -105,6 +113,9 @@ def build_parser(prog: str = "fsdp_finetune.py", description: str | None = None)
     )
     for section, section_cls in SECTIONS.items():
         group = parser.add_argument_group(section)
+        if section_cls is MethodConfig:
+            add_method_flags(group, add_flag)
+            continue
         for f in dataclasses.fields(section_cls):
             add_flag(group, f)
     parser.add_argument("--version", action="version", version=f"fsdp-opt {VERSION}", help="print the version and exit")
@@ -150,9 +161,9 @@ def check_method_flags(config: Config) -> None:
         raise ConfigError(
             f"--packing concat: not with --method {name} (each sequence must stay one document; use docs or pad)"
         )
-    if t.generates and config.method.max_completion_length >= dc.max_length:
+    if t.generates and config.method.settings.max_completion_length >= dc.max_length:
         raise ConfigError(
-            f"--max_completion_length {config.method.max_completion_length}: must be below --max_length "
+            f"--max_completion_length {config.method.settings.max_completion_length}: must be below --max_length "
             f"{dc.max_length} (a prompt and its completion share a sequence)"
         )
 

@@ -122,6 +122,14 @@ class Blocks:
             ok &= self.targets
         return ok
 
+    def describe(self, packing_words: str) -> str:
+        """What the slice became, for the summary's data line."""
+        return f"{len(self)} {packing_words} of {self.max_length} tokens"
+
+    def micro(self, index: torch.Tensor, device: torch.device) -> tuple[dict[str, torch.Tensor], None]:
+        """A micro-batch of these blocks (as `Sequences.micro` gives one: with no sequence map, a block being one)."""
+        return self.batch(torch.as_tensor(index, dtype=torch.long), device), None
+
     def batch(self, index: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
         """Rows `index` as model inputs; index -1 is a filler row that has no targets."""
         real = index >= 0

@@ -247,7 +247,10 @@ def _preference(spec: RowSpec, raw: dict[str, Any], index: int) -> dict[str, Any
 def check_row(spec: RowSpec, raw: dict[str, Any], index: int) -> dict[str, Any] | None:
     """One row as the trainer takes it; None for a row with nothing to train on (dropped and counted)."""
     if spec.format == "preference":
-        return _preference(spec, raw, index)
+        pair = _preference(spec, raw, index)
+        if pair is not None and raw.get("margin") is not None:  # a reward model's margin (TRL's column name)
+            pair["margin"] = float(raw["margin"])
+        return pair
     if spec.format == "unpaired":
         label = raw[LABEL_COLUMN]
         if not isinstance(label, bool):  # a 0/1 or a "yes" is not taken for one: the loss's sign depends on it

@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,60 +22,21 @@ import torch
 from fsdp_opt.base import ConfigError, DataError
 from fsdp_opt.data.blocks import GenerationSlot, StepBatch, count_by_source, epoch_order
 from fsdp_opt.data.formats import Rows
-from fsdp_opt.data.packing import MaskPattern
+from fsdp_opt.data.sequences import Fit, Packing, Sequences
 from fsdp_opt.data.tokens import encode_prompts
 
 
-@dataclass(frozen=True)
-class PromptFit:
-    """What fitting the prompts under --max_length less --max_completion_length cost."""
+class Prompts(Sequences):
+    """The prompts of a slice: token ids (each all targets: a forward over them is the fp16 probe's), the rows
+    themselves (prompt and other columns), each row's dataset index."""
 
-    rows: int
-    dropped: int = 0
-    cut: int = 0  # prompts are never cut: a cut prompt would ask something else
+    noun = "prompt"
 
-    def describe(self) -> str:
-        return (
-            f"{self.dropped} of {self.rows} prompts longer than --max_length less --max_completion_length were "
-            "dropped (no room for their completions)"
-        )
-
-
-class Prompts:
-    """The prompts of a slice: token ids, the rows themselves (prompt and other columns), each row's dataset index."""
-
-    def __init__(
-        self,
-        ids: list[list[int]],
-        rows: list[dict[str, Any]],
-        index: list[int],
-        pad_id: int,
-        max_length: int,
-        packing: str,
-        conversational: bool,
-        attention: str = "sdpa",
-        pattern: MaskPattern | None = None,
-        fit: PromptFit | None = None,
-        sources: list[int] | None = None,
-        source_names: list[str] | None = None,
-    ) -> None:
-        self.ids, self.rows, self.pad_id, self.max_length = ids, rows, pad_id, max_length
-        # a mixture's prompts: each one's source
-        self.sources = torch.tensor(sources, dtype=torch.long) if sources is not None else None
-        self.source_names = source_names
+    def __init__(self, ids: list[list[int]], rows: list[dict[str, Any]], *args, conversational: bool, **kwargs) -> None:  # noqa: ANN002, ANN003
+        super().__init__(ids, [[True] * len(q) for q in ids], *args, **kwargs)
+        self.rows, self.conversational = rows, conversational
         # the columns besides the prompt that any row has (a mixture's sources may differ)
         self.column_names = list(dict.fromkeys(k for row in rows for k in row if k != "prompt"))
-        self.index = torch.tensor(index, dtype=torch.long)
-        self.packing, self.conversational, self.attention, self.pattern, self.fit = (
-            packing,
-            conversational,
-            attention,
-            pattern,
-            fit,
-        )
-
-    def __len__(self) -> int:
-        return len(self.ids)
 
     def digest(self) -> str:
         """A fingerprint of the prompts' tokens (the data pin's)."""
@@ -85,7 +45,7 @@ class Prompts:
             digest.update(torch.tensor(ids, dtype=torch.int32).numpy().tobytes() + b"|")
         return digest.hexdigest()[:32]
 
-    def source_totals(self, taken: torch.Tensor | None = None) -> dict[str, list[int]] | None:
+    def source_totals(self, taken: Sequence[int] | torch.Tensor | None = None) -> dict[str, list[int]] | None:
         """A mixture's prompts (all, or these): how many each source gave (their completions' tokens are known once
         sampled)."""
         if self.sources is None:
@@ -102,18 +62,10 @@ class Prompts:
         return {k: [self.rows[p].get(k) for p in prompts] for k in self.column_names}
 
 
-def prompts_from_rows(
-    rows: Rows,
-    tokenizer,
-    *,
-    max_length: int,
-    max_completion_length: int,
-    packing: str,
-    attention: str = "sdpa",
-    pattern: MaskPattern | None = None,
-) -> Prompts:
+def prompts_from_rows(rows: Rows, tokenizer, packing: Packing, *, max_completion_length: int) -> Prompts:
     """The checked prompt rows of a slice as Prompts; a prompt with no room left for a completion is dropped."""
     ids = encode_prompts([r["prompt"] for r in rows.rows], tokenizer, rows.indices)
+    max_length = packing.max_length
     room = max_length - max_completion_length
     kept = [k for k, row_ids in enumerate(ids) if len(row_ids) <= room]
     if not kept:
@@ -122,21 +74,22 @@ def prompts_from_rows(
             f"{max_completion_length} tokens for its completion (the shortest has {min(map(len, ids))} "
             "tokens)"
         )
-    fit = PromptFit(len(ids), len(ids) - len(kept))
+    fit = Fit(
+        len(ids),
+        "prompt",
+        dropped=len(ids) - len(kept),
+        why_dropped="longer than --max_length less --max_completion_length (no room for their completions)",
+    )
     sources = [rows.sources[k] for k in kept] if rows.sources is not None else None
     return Prompts(
         [ids[k] for k in kept],
         [rows.rows[k] for k in kept],
         [rows.indices[k] for k in kept],
-        tokenizer.pad_token_id,
-        max_length,
         packing,
-        rows.conversational,
-        attention,
-        pattern,
         fit,
         sources,
         rows.source_names,
+        conversational=rows.conversational,
     )
 
 

@@ -238,6 +238,23 @@ def _with_targets(ids: list[list[int]], spans: list[list[tuple[int, int]]], all_
     return Encoded(ids, targets, whole_rows=True)
 
 
+def encode_whole(texts: Sequence[str | list[dict[str, str]]], tokenizer, indices: Sequence[int]) -> list[list[int]]:
+    """Whole texts as a reward model reads them (TRL's RewardTrainer): a string with EOS appended as text where it
+    does not end with it, tokenized with the tokenizer's special tokens; a conversation through the chat template
+    (its own special tokens, no generation prompt)."""
+    if not texts:
+        return []
+    if isinstance(texts[0], str):
+        eos = tokenizer.eos_token
+        return _ids(tokenizer, [t if t.endswith(eos) else t + eos for t in texts], True)
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            f"row {indices[0]}: the tokenizer has no chat template to render messages; give --chat_template chatml "
+            "or a Jinja file"
+        )
+    return _ids(tokenizer, [_render(tokenizer, m, False, f"row {i}") for m, i in zip(texts, indices)], False)
+
+
 def encode_prompts(prompts: Sequence[str | list[dict[str, str]]], tokenizer, indices: Sequence[int]) -> list[list[int]]:
     """Prompt rows' token ids, made as a prompt/completion row's prompt is here: a string with the tokenizer's own
     special tokens (a BOS where it adds one; an EOS it would append is left off: the completion follows), a list of

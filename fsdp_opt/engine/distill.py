@@ -1,8 +1,8 @@
 """On-policy distillation (--method distill): a step's prepare phase samples one completion of each of its prompts from
-the model (the same sampling as GRPO's: engine/rollout.py `decode`, each completion's draws keyed by the seed, the
-step, its row), then each micro-batch of completions runs the model and the teacher, and every completion token's
+the model (the same sampler as GRPO's: engine/rollout.py, each completion's draws keyed by the seed, the step, its row), then each micro-batch of completions runs the model and the teacher, and every completion token's
 next-token distributions are compared. TRL 1.16's DistillationTrainer loss:
 
+- the completions are engine/rollout.py's, as GRPO samples them, one of each prompt and not scored;
 - the distributions are the softmax of each model's logits divided by --temperature, fp32;
 - per completion token, the generalized Jensen-Shannon divergence of --beta: with the mixture m = (1 - beta) p_model +
   beta p_teacher, beta KL(p_teacher || m) + (1 - beta) KL(p_model || m); at beta 0 the forward KL(p_teacher ||
@@ -16,8 +16,8 @@ the teacher's sharded collectives line up.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,14 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_opt.data.blocks import GenerationSlot, StepBatch
-from fsdp_opt.engine.decoding import Decoder
-from fsdp_opt.engine.generation import Decoding, Sampling, completion_keys
-from fsdp_opt.engine.groups import reduce_max, reduce_sum
-from fsdp_opt.engine.logprobs import first_prompts_loss
+from fsdp_opt.data.blocks import StepBatch
+from fsdp_opt.data.prompts import Prompts
+from fsdp_opt.engine.groups import reduce_sum
 from fsdp_opt.engine.loss import HeadLoss, target_logits
-from fsdp_opt.engine.microbatches import run_micro_batches
-from fsdp_opt.engine.rollout import completion_text, decode, micro_batches, pack_members
+from fsdp_opt.engine.microbatches import MicroLoss, StepLoss
+from fsdp_opt.engine.rollout import Generation, Sampler, Slice, held_out, micro_batches, pack_members, sample_generation
+from fsdp_opt.runtime.distributed import DistEnv
 
 
 def divergence(
@@ -54,77 +53,6 @@ def divergence(
     return d, entropy
 
 
-@dataclass(kw_only=True)
-class DistillSettings(Decoding):
-    """What a distillation step needs of the flags, decided once: its decoding, and the divergence's beta."""
-
-    beta: float
-
-
-@dataclass
-class Completions:
-    """One step's completions on this rank: the sequences (prompt + completion), their targets (the completion's
-    tokens), this rank's micro-batches, the totals over the ranks, the records for completions.jsonl."""
-
-    sequences: list[list[int]]
-    targets: list[list[bool]]
-    micro: list[list[int]]
-    totals: dict[str, float]
-    records: list[dict[str, Any]]
-
-
-def sample_completions(
-    model: nn.Module,
-    env,  # noqa: ANN001
-    cfg: DistillSettings,
-    prompts,  # noqa: ANN001 - data/prompts.py Prompts
-    mine: list[int],
-    tokenizer,  # noqa: ANN001
-    decoder: Decoder | None,
-    at_step: int,
-    batch_size: int,
-    sampling: Sampling | None = None,
-) -> Completions:
-    """One completion of each of this rank's prompts `mine`, drawn with its key (seed, step, row), laid into
-    micro-batches; every rank calls it."""
-    started = time.perf_counter()
-    rows = [int(prompts.index[p]) for p in mine]
-    keys = completion_keys(cfg.seed, at_step, rows, [0] * len(rows))
-    made = decode(
-        model,
-        cfg,
-        [prompts.ids[p] for p in mine],
-        keys,
-        sampling or cfg.sampling,
-        prompts.pad_id,
-        env,
-        tokenizer,
-        decoder,
-        cfg.generation_batch,
-    )
-    seconds = time.perf_counter() - started
-    sequences = [list(prompts.ids[p]) + list(ids) for p, ids in zip(mine, made.ids)]
-    targets = [[False] * len(prompts.ids[p]) + [True] * len(ids) for p, ids in zip(mine, made.ids)]
-    micro = micro_batches(sequences, batch_size, prompts, env)
-    local = [len(mine), sum(len(i) for i in made.ids), sum(len(q) for q in sequences), sum(not e for e in made.ended)]
-    summed = reduce_sum(torch.tensor(local, dtype=torch.float64), env).tolist()
-    longest = reduce_max(torch.tensor([float(max((len(i) for i in made.ids), default=0)), seconds]), env).tolist()
-    totals = dict(zip(("completions", "tokens", "seen", "truncated"), summed))
-    totals.update(length_max=longest[0], seconds=longest[1])
-    records = [
-        {
-            "step": at_step + 1,
-            "row": r,
-            "prompt": tokenizer.decode(prompts.ids[p], skip_special_tokens=False),
-            "completion": completion_text(tokenizer, ids, ended, cfg.stop),
-            "completion_ids": list(ids),
-            "ended": bool(ended),
-        }
-        for p, r, ids, ended in zip(mine, rows, made.ids, made.ended)
-    ]
-    return Completions(sequences, targets, micro, totals, records)
-
-
 @dataclass
 class Models:
     """The trained model and the teacher, each with its output layer run at the completion tokens only where the
@@ -137,120 +65,97 @@ class Models:
 
 
 def micro_divergence(
-    m: Models,
-    c: Completions,
-    members: list[int],
-    prompts,
-    cfg: DistillSettings,
-    device: torch.device,  # noqa: ANN001
+    m: Models, batch: dict[str, torch.Tensor], beta: float, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One micro-batch's summed divergence over its completion tokens (with the model's gradient), their summed
     entropy, and the model's logits there (kept alive through the backward). A filler micro-batch has no completion
     token: its sums are 0, its backward (and every collective, the teacher's too) the same as every rank's."""
-    batch, _ = pack_members(c, members, prompts, device)
     student = target_logits(m.model, m.head, batch)
     with torch.no_grad():
         taught = target_logits(m.teacher, m.teacher_head, batch)
-    d, entropy = divergence(student, taught, cfg.beta, cfg.sampling.temperature)
+    d, entropy = divergence(student, taught, beta, temperature)
     return d.sum(), entropy.sum(), student
 
 
-class DistillLoss:
-    """--method distill's step (engine/step.py StepLoss). `prompts`: the slice's Prompts; `teacher`: the teacher model
-    (sharded, frozen)."""
+class DistillLoss(StepLoss):
+    """--method distill's step (engine/step.py): the step's completions sampled (`sampler`: one of each prompt, not
+    scored), then each micro-batch's divergence from `teacher` (sharded, frozen), the loss a mean over the step's
+    completion tokens."""
 
     names = ("loss", "entropy")
 
-    def __init__(self, settings: DistillSettings, prompts, tokenizer, teacher: nn.Module) -> None:  # noqa: ANN001
-        self.s, self.prompts, self.tokenizer, self.teacher = settings, prompts, tokenizer, teacher
-        self.teacher_head = HeadLoss.for_run(teacher, 0)
-        self.decoder = Decoder(graphs=settings.decoding == "graphs") if settings.decoding != "generate" else None
-        self.current: Completions | None = None
-        self.slot: GenerationSlot | None = None
+    def __init__(self, sampler: Sampler, teacher: nn.Module, beta: float, device: torch.device) -> None:
+        self.sampler, self.beta, self.device = sampler, beta, device
+        self.models = Models(None, sampler.head, teacher, HeadLoss.for_run(teacher, 0))
+        self.current: Slice | None = None
+        self.generation: Generation | None = None
 
-    def prepare(self, s, step: StepBatch) -> None:  # noqa: ANN001
+    @property
+    def temperature(self) -> float:
+        return self.sampler.decoding.sampling.temperature
+
+    def prepare(self, run, step: StepBatch) -> None:  # noqa: ANN001
         """The step's completions, sampled from the model as it is now."""
-        self.slot = step.generation
-        mine = [int(p) for p in step.generation.prompts[step.generation.slice]]
-        self.current = sample_completions(
-            s.model,
-            s.env,
-            self.s,
-            self.prompts,
-            mine,
-            self.tokenizer,
-            self.decoder,
-            s.state.global_step,
-            s.plan.batch_size,
-        )
+        self.generation = sample_generation(run, step, self.sampler)
+        self.current = self.generation.slices[0]
 
-    def accumulate(self, s, step: StepBatch, scale: float) -> torch.Tensor:  # noqa: ANN001
-        c = self.current
-        weight = scale / max(1.0, c.totals["tokens"])
-        sums = torch.zeros(len(self.names), device=s.env.device, dtype=torch.float32)
-        models = self.models(s.model, s.head_loss)
+    def micro_batches(self, step: StepBatch) -> list[list[int]]:
+        return self.current.micro
 
-        def loss_of(i: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
-            total, entropy, logits = micro_divergence(models, c, c.micro[i], self.prompts, self.s, s.env.device)
-            added = torch.stack([total.detach() / max(1.0, c.totals["tokens"]), entropy])
-            return total * weight, added, logits
+    def denominator(self, step: StepBatch) -> float:
+        return self.current.totals["tokens"]
 
-        run_micro_batches(s.model, len(c.micro), loss_of, sync_each=s.reduce_each_microbatch, sums=sums)
-        return sums
-
-    def models(self, model: nn.Module, head: HeadLoss | None) -> Models:
-        return Models(model, head, self.teacher, self.teacher_head)
-
-    def first_loss(self, s, first: StepBatch | None) -> torch.Tensor:  # noqa: ANN001
-        """The next-token loss of this rank's first prompts (the fp16 probe)."""
-        return first_prompts_loss(s, self.prompts, first)
+    def loss(self, model: nn.Module, members: list[int]) -> MicroLoss:
+        batch, _ = pack_members(self.current, members, self.sampler.prompts, self.device)
+        models = dataclasses.replace(self.models, model=model)
+        total, entropy, logits = micro_divergence(models, batch, self.beta, self.temperature)
+        return MicroLoss(total, entropy.detach().reshape(1), logits)
 
     def record(self, sums: dict[str, float], step: StepBatch, seconds: float) -> dict[str, Any]:
         t = self.current.totals
         completions = max(1.0, t["completions"])
-        out: dict[str, Any] = {
+        return {
             "tokens": int(t["tokens"]),
             "tokens_seen": int(t["seen"]),
             "completions": int(t["completions"]),
-            "completion_length": t["tokens"] / completions,
+            "completion_length": t["generated"] / completions,
             "completion_length_max": int(t["length_max"]),
             "truncated": t["truncated"] / completions,
             "entropy": sums["entropy"] / max(1.0, t["tokens"]),
-            "generation_share": min(1.0, t["seconds"] / seconds) if seconds > 0 else 0.0,
-            "generated_tokens_per_second": t["tokens"] / max(1e-9, t["seconds"]),
+            "generation_share": min(1.0, t["generation_seconds"] / seconds) if seconds > 0 else 0.0,
+            "generated_tokens_per_second": t["generated"] / max(1e-9, t["generation_seconds"]),
         }
-        return out
 
+    def completions(self) -> list[dict[str, Any]]:
+        return self.current.records
 
-@torch.no_grad()
-def held_out_divergence(
-    m: Models,
-    prompts,
-    tokenizer,
-    cfg: DistillSettings,
-    env,
-    batch_size: int,  # noqa: ANN001
-    decoder: Decoder | None = None,
-) -> dict[str, Any]:
-    """One greedy completion of each held-out prompt (this rank's share: every world_size-th), and the mean divergence
-    per completion token from the teacher over them all, in eval mode."""
-    mine = list(range(env.rank, len(prompts), env.world_size))
-    greedy = Sampling(cfg.sampling.max_new_tokens, top_k=1)
-    was = m.model.training
-    m.model.eval()
-    try:
-        c = sample_completions(m.model, env, cfg, prompts, mine, tokenizer, decoder, 0, batch_size, greedy)
-        local = torch.zeros(2, dtype=torch.float64, device=env.device)
-        for members in c.micro:
-            total, entropy, _ = micro_divergence(m, c, members, prompts, cfg, env.device)
-            local += torch.stack([total, entropy]).double()
-    finally:
-        m.model.train(was)
-    summed = reduce_sum(local, env)
-    tokens = max(1.0, c.totals["tokens"])
-    return {
-        "divergence": float(summed[0]) / tokens,
-        "entropy": float(summed[1]) / tokens,
-        "prompts": len(prompts),
-        "tokens": int(c.totals["tokens"]),
-    }
+    @torch.no_grad()
+    def held_out(self, model: nn.Module, prompts: Prompts, env: DistEnv, batch_size: int) -> dict[str, Any]:
+        """One greedy completion of each held-out prompt (this rank's share: every world_size-th), and the mean
+        divergence per completion token from the teacher over them all, in eval mode."""
+        was = model.training
+        model.eval()
+        sampler = dataclasses.replace(self.sampler, prompts=prompts)
+        try:
+            made = held_out(model, prompts, sampler, env)
+            micro = micro_batches(made.sequences, batch_size, prompts, env)
+            models = dataclasses.replace(self.models, model=model)
+            local = torch.zeros(3, dtype=torch.float64, device=env.device)
+            for members in micro:
+                batch, _ = prompts.layout.pack(
+                    [made.sequences[i] for i in members], [made.targets[i] for i in members], env.device
+                )
+                total, entropy, _ = micro_divergence(models, batch, self.beta, self.temperature)
+                local += torch.stack(
+                    [total, entropy, total.new_tensor(float(sum(sum(made.targets[i]) for i in members)))]
+                ).double()
+        finally:
+            model.train(was)
+        summed = reduce_sum(local, env)
+        tokens = max(1.0, float(summed[2]))
+        return {
+            "divergence": float(summed[0]) / tokens,
+            "entropy": float(summed[1]) / tokens,
+            "prompts": len(prompts),
+            "tokens": int(summed[2]),
+        }

@@ -22,7 +22,8 @@ from torch import nn
 
 from fsdp_opt.data.pairs import Pairs
 from fsdp_opt.engine.logprobs import micro_logps, scored_logps, unit_sequences
-from fsdp_opt.engine.microbatches import run_micro_batches
+from fsdp_opt.engine.loss import HeadLoss
+from fsdp_opt.engine.microbatches import MicroLoss, StepLoss
 from fsdp_opt.runtime.distributed import DistEnv
 
 STATS = ("loss", "rewards_chosen", "rewards_rejected", "accuracy")  # sums over pairs, in this order
@@ -38,45 +39,23 @@ def dpo_terms(pi: torch.Tensor, ref: torch.Tensor, beta: float) -> torch.Tensor:
     return torch.stack([loss, chosen.detach(), rejected.detach(), correct.detach()])
 
 
-class PairLoss:
-    """--method dpo's step (engine/step.py StepLoss): each micro-batch's pairs, their summed answer log-probabilities
-    against the reference's, the loss a mean over the step's pairs (each micro-batch's sum divided by the step's
-    global count of pairs). `reference`: the reference's log-probabilities of each training sequence (2 per pair)."""
+class PairLoss(StepLoss):
+    """--method dpo's step (engine/step.py): each micro-batch's pairs, their summed answer log-probabilities against
+    the reference's, the loss a mean over the step's pairs. `reference`: the reference's log-probabilities of each
+    training sequence (2 per pair)."""
 
     names = STATS
 
-    def __init__(self, reference: torch.Tensor, beta: float) -> None:
-        self.reference, self.beta = reference, beta
+    def __init__(
+        self, pairs: Pairs, reference: torch.Tensor, beta: float, head: HeadLoss | None, device: torch.device
+    ) -> None:
+        self.pairs, self.reference, self.beta, self.head, self.device = pairs, reference, beta, head, device
 
-    def prepare(self, s, step) -> None:  # noqa: ANN001
-        pass
-
-    def accumulate(self, s, step, scale: float) -> torch.Tensor:  # noqa: ANN001
-        env = s.env
-        weight = scale / max(1, step.loss_units)
-        stats = torch.zeros(len(STATS), device=env.device, dtype=torch.float32)
-
-        def loss_of(i: int):  # noqa: ANN202
-            members = step.micro_batches[i]
-            pi, out = micro_logps(s.model, s.blocks, members, env.device, s.head_loss)
-            if not members:  # a filler micro-batch: no pair, but the same backward (and collectives) as every rank's,
-                # the output layer's included (its log-probabilities of no tokens)
-                return pi.sum() * 0.0 * weight, None, out
-            terms = dpo_terms(pi, self.reference[self._seqs(members)].to(env.device), self.beta)
-            return terms[0].sum() * weight, terms.sum(1).detach(), out
-
-        run_micro_batches(s.model, len(step.micro_batches), loss_of, sync_each=s.reduce_each_microbatch, sums=stats)
-        return stats
-
-    def first_loss(self, s, first) -> torch.Tensor:  # noqa: ANN001
-        """The first micro-batch's summed pair loss and its pairs (this rank's)."""
-        total = torch.zeros(2, device=s.env.device, dtype=torch.float32)
-        members = first.micro_batches[0] if first is not None else []
-        pi, _ = micro_logps(s.model, s.blocks, members, s.env.device, s.head_loss)
-        if members:
-            total[0] = dpo_terms(pi, self.reference[self._seqs(members)].to(s.env.device), self.beta)[0].sum()
-            total[1] = len(members)
-        return total
+    def loss(self, model: nn.Module, members: list[int]) -> MicroLoss:
+        pi, out = micro_logps(model, self.pairs, members, self.device, self.head)
+        ref = self.reference[unit_sequences(members, 2)].to(self.device)
+        terms = dpo_terms(pi, ref, self.beta)
+        return MicroLoss(terms[0].sum(), terms[1:].sum(1).detach(), out)
 
     def record(self, sums: dict[str, float], step, seconds: float) -> dict[str, float | int]:  # noqa: ANN001
         """The step's means over its pairs."""
@@ -89,10 +68,6 @@ class PairLoss:
             "margin": chosen - rejected,
             "accuracy": sums["accuracy"] / pairs,
         }
-
-    @staticmethod
-    def _seqs(members: list[int]) -> torch.Tensor:
-        return unit_sequences(members, 2)
 
 
 def evaluate_pairs(

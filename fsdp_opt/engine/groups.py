@@ -1,5 +1,5 @@
-"""GRPO's groups (--method grpo): the settings a step reads, rewards into advantages (TRL 1.16's rule), and the
-reward statistics that span ranks."""
+"""Groups of completions (--method grpo, rloo): the settings a step reads, rewards into advantages (TRL 1.16's rules:
+GRPO's group-relative one, RLOO's leave-one-out baseline), and the reward statistics that span ranks."""
 
 from __future__ import annotations
 
@@ -27,7 +27,10 @@ class GroupSettings(Decoding):
     rewards: list[Reward]
     weights: list[float]
     delta: float | None = None  # the two-sided clip's upper bound on the ratio (TRL's delta)
-    level: str = "token"  # --importance_sampling_level
+    level: str = "token"  # where the ratio is taken: token, sequence (the mean log-ratio, GSPO), sequence_sum (RLOO)
+    baseline: str = "group"  # an advantage's baseline: its group's mean (group), or the others' mean (leave_one_out)
+    normalize: bool = False  # the generation's advantages less their mean, divided by their std (RLOO's option)
+    kl_in_reward: bool = False  # beta x the completion's summed log-ratio to the reference leaves its reward (RLOO)
 
 
 def advantages(
@@ -47,6 +50,15 @@ def advantages(
         adv = adv / ((batch_std if batch_std is not None else math.nan) + 1e-4)
     zero = torch.isclose(group_std, torch.zeros_like(group_std)).expand_as(grouped)
     return torch.nan_to_num(adv, nan=0.0).reshape(-1), zero.reshape(-1)
+
+
+def leave_one_out(rewards: torch.Tensor, generations: int) -> torch.Tensor:
+    """[n] each reward less the mean of the others of its group that have one (NaN where it has none, or no other
+    has), as TRL 1.16's RLOO takes it."""
+    grouped = rewards.view(-1, generations)
+    count = (~torch.isnan(grouped)).sum(1, keepdim=True)
+    others = (torch.nansum(grouped, dim=1, keepdim=True) - grouped) / (count - 1)
+    return (grouped - others).reshape(-1)
 
 
 def nan_stats(values: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,15 @@
-"""Group Relative Policy Optimization (--method grpo): a step's prepare phase samples --num_generations completions of
-each of its prompts from the policy, scores them with the reward functions, and turns the rewards into advantages
+"""A group's policy loss (--method grpo, rloo): a step's prepare phase samples --num_generations completions of each
+of its prompts from the policy, scores them with the reward functions, and turns the rewards into advantages
 (engine/rollout.py: a generation, which may feed several steps); then the same micro-batches, optimizer step and
-checkpoint as any method. TRL 1.16's GRPOTrainer loss:
+checkpoint as any method.
+
+RLOO (TRL 1.16's RLOOTrainer) is this loss with its own three rules: the advantage is the reward less the mean of the
+others' in its group (--normalize_advantages: then the generation's, standardized), the KL is in the reward (beta x
+the completion's summed log-ratio of the policy at sampling to the reference, no KL term in the loss), and the ratio
+is the exp of the completion's summed log-ratio (`level` sequence_sum), averaged over the step's completions (the
+grpo loss type, each completion's loss being the same at each of its tokens).
+
+TRL 1.16's GRPOTrainer loss:
 
 - advantages: A = (r - mean of its group) / (std of its group + 1e-4), the std with Bessel's correction
   (--scale_rewards group; batch: the std of the generation's rewards on all ranks; none: no division); r is the
@@ -29,36 +37,20 @@ statistics that span ranks (token and completion counts, the batch std, the metr
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from torch import nn
 
-from fsdp_opt.data.blocks import IGNORE_INDEX, GenerationSlot, StepBatch
-from fsdp_opt.engine.decoding import Decoder
+from fsdp_opt.data.blocks import GenerationSlot, StepBatch
 from fsdp_opt.engine.groups import GroupSettings
-from fsdp_opt.engine.logprobs import first_prompts_loss, head_logps
-from fsdp_opt.engine.loss import next_token_targets
-from fsdp_opt.engine.microbatches import run_micro_batches
-from fsdp_opt.engine.rollout import (
-    Generation,
-    Slice,
-    completion_text,
-    pack_members,
-    sample_generation,
-)
+from fsdp_opt.engine.logprobs import head_logps
+from fsdp_opt.engine.microbatches import MicroLoss, StepLoss
+from fsdp_opt.engine.rollout import Generation, Sampler, Slice, completion_positions, pack_members, sample_generation
 from fsdp_opt.runtime.distributed import print0
 
 CLIPS = ("low", "high", "region")  # the clip's shares the metrics log (TRL's clip_ratio/*_mean)
-
-
-def completion_positions(labels: torch.Tensor, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[batch, length] where a completion token is predicted (the loss's positions), and the member whose token it
-    is (-1: none): the log-probability at t is of the token at t + 1."""
-    owner = F.pad(slot[:, 1:], (0, 1), value=-1)
-    return (next_token_targets(labels) != IGNORE_INDEX) & (owner >= 0), owner
 
 
 def policy_terms(
@@ -77,18 +69,21 @@ def policy_terms(
     zero = torch.zeros_like(logp)
     adv = torch.where(on, member_adv.to(logp.device)[owner.clamp(min=0)], zero)
     log_ratio = logp - (logp.detach() if old is None else old.to(logp.device))
-    if cfg.level == "sequence":
+    if cfg.level in ("sequence", "sequence_sum"):
         index = torch.where(on, owner, members).reshape(-1)  # off the completions: one more slot, dropped
         sums = torch.zeros(members + 1, device=logp.device).index_add(
             0, index, torch.where(on, log_ratio, zero).reshape(-1)
         )
-        counts = torch.zeros(members + 1, device=logp.device).index_add(0, index, on.float().reshape(-1))
-        per_member = torch.exp(sums[:members] / counts[:members].clamp(min=1.0))
+        if cfg.level == "sequence":  # GSPO: the mean of its tokens' log-ratios
+            counts = torch.zeros(members + 1, device=logp.device).index_add(0, index, on.float().reshape(-1))
+            per_member = torch.exp(sums[:members] / counts[:members].clamp(min=1.0))
+        else:  # RLOO: their sum
+            per_member = torch.exp(sums[:members])
         weight = per_member[owner.clamp(min=0)]
     else:
         weight = torch.exp(log_ratio)
     kl = None
-    if cfg.beta > 0 and reference is not None:
+    if cfg.beta > 0 and reference is not None and not cfg.kl_in_reward:
         d = reference.to(logp.device) - logp
         kl = torch.where(on, (torch.exp(d) - d - 1) * weight, zero)
     clipped = torch.clamp(weight, 1 - cfg.epsilon, 1 + cfg.epsilon_high)
@@ -98,7 +93,7 @@ def policy_terms(
     if kl is not None:
         loss = loss + cfg.beta * kl
     with torch.no_grad():
-        if cfg.level == "sequence":  # one ratio per completion: counted per completion
+        if cfg.level != "token":  # one ratio per completion: counted per completion
             w = per_member if cfg.delta is None else torch.clamp(per_member, max=cfg.delta)
             a, counted = member_adv.to(logp.device), torch.ones_like(per_member)
         else:
@@ -109,43 +104,34 @@ def policy_terms(
     return torch.where(on, loss, zero), kl, clips
 
 
-class GroupLoss:
-    """--method grpo's step (engine/step.py StepLoss). `prompts`: the slice's Prompts; `reference_logps(batch)`: the
-    reference's token log-probabilities of a packed micro-batch (beta > 0); `restored`: the generation a checkpoint
-    saved between its steps (this rank's part)."""
+class GroupLoss(StepLoss):
+    """--method grpo's and rloo's step (engine/step.py). `sampler`: what a generation is sampled and scored with;
+    `restored`: the generation a checkpoint saved between its steps (this rank's part)."""
 
     names = ("loss", "kl", *(f"clip_{c}" for c in CLIPS), "clip_count")
 
     def __init__(
-        self,
-        settings: GroupSettings,
-        prompts,  # noqa: ANN001
-        tokenizer,  # noqa: ANN001
-        reference_logps: Callable | None = None,
-        restored: Generation | None = None,
+        self, settings: GroupSettings, sampler: Sampler, device: torch.device, restored: Generation | None = None
     ) -> None:
-        self.s, self.prompts, self.tokenizer, self.reference_logps = settings, prompts, tokenizer, reference_logps
-        self.decoder = Decoder(graphs=settings.decoding == "graphs") if settings.decoding != "generate" else None
+        self.settings, self.sampler, self.device = settings, sampler, device
         self.generation = restored
         self.current: Slice | None = None
         self.slot: GenerationSlot | None = None
 
     # ------------------------------------------------------------ the prepare phase
 
-    def prepare(self, s, step: StepBatch) -> None:  # noqa: ANN001
+    def prepare(self, run, step: StepBatch) -> None:  # noqa: ANN001
         """The step's slice of its generation: sampled now when the step opens one (or when a resumed session
         lacks the one it was inside), else the one kept."""
         slot, g = step.generation, self.generation
         if slot.index == 0 or g is None or (g.epoch, g.begin) != (step.epoch, slot.begin):
             if slot.index > 0:
                 print0(
-                    f"grpo: step {slot.index + 1} of a generation whose completions this session does not have (the "
+                    f"step {slot.index + 1} of a generation whose completions this session does not have (the "
                     "checkpoint was saved on another number of ranks, or before it kept them): sampling it again "
                     "from the model as it is now"
                 )
-            self.generation = sample_generation(
-                s, step, self.s, self.prompts, self.tokenizer, self.decoder, self.reference_logps
-            )
+            self.generation = sample_generation(run, step, self.sampler)
         self.slot, self.current = slot, self.generation.slices[slot.slice]
 
     @property
@@ -153,37 +139,31 @@ class GroupLoss:
         """Whether the generation has steps left after the current one (a checkpoint then keeps it)."""
         return self.slot is not None and self.slot.index + 1 < self.slot.count
 
-    def text(self, ids: list[int], ended: bool) -> str:
-        return completion_text(self.tokenizer, ids, ended, self.s.stop)
-
     # ------------------------------------------------------------ the micro-batches
 
-    def accumulate(self, s, step: StepBatch, scale: float) -> torch.Tensor:  # noqa: ANN001
-        c, cfg, env = self.current, self.s, s.env
-        sums = torch.zeros(len(self.names), device=env.device, dtype=torch.float32)
+    def micro_batches(self, step: StepBatch) -> list[Any]:
+        return list(enumerate(self.current.micro))
 
-        def loss_of(i: int) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
-            members = c.micro[i]
-            batch, slot = pack_members(c, members, self.prompts, env.device)
-            logp, _ = head_logps(s.model, s.head_loss, batch, cfg.sampling.temperature)
-            if not members:  # a filler micro-batch: the same backward (and collectives) as every rank's, the output
-                # layer's included (its log-probabilities of no tokens)
-                return logp.sum() * 0.0, None, None
-            on, owner = completion_positions(batch["labels"], slot)
-            member_adv = c.advantages[torch.tensor(members, dtype=torch.long)]
-            reference = c.reference[i] if c.reference else None
-            old = c.old[i] if c.old else None
-            loss, kl, clips = policy_terms(logp, old, member_adv, on, owner, cfg, reference)
-            total = (loss * self._weights(on, owner, members, c, i)).sum()
-            kl_sum = kl.sum().detach() if kl is not None else total.new_zeros(())
-            return total * scale, torch.cat([total.detach().reshape(1), kl_sum.reshape(1), clips]), None
+    def denominator(self, step: StepBatch) -> float:
+        return 1.0  # each position's loss is divided by what its --loss_type says (`_weights`)
 
-        run_micro_batches(s.model, len(c.micro), loss_of, sync_each=s.reduce_each_microbatch, sums=sums)
-        return sums
+    def loss(self, model: nn.Module, item: tuple[int, list[int]]) -> MicroLoss:
+        i, members = item
+        c, cfg = self.current, self.settings
+        batch, slot = pack_members(c, members, self.sampler.prompts, self.device)
+        logp, _ = head_logps(model, self.sampler.head, batch, cfg.sampling.temperature)
+        on, owner = completion_positions(batch["labels"], slot)
+        member_adv = c.advantages[torch.tensor(members, dtype=torch.long)]
+        reference = c.reference[i] if c.reference else None
+        old = c.old[i] if c.old else None
+        loss, kl, clips = policy_terms(logp, old, member_adv, on, owner, cfg, reference)
+        total = (loss * self._weights(on, owner, members, c, i)).sum()
+        kl_sum = kl.sum().detach() if kl is not None else total.new_zeros(())
+        return MicroLoss(total, torch.cat([kl_sum.reshape(1), clips]))
 
     def _weights(self, on: torch.Tensor, owner: torch.Tensor, members: list[int], c: Slice, micro: int) -> torch.Tensor:
         """What each position's loss is divided by, for --loss_type (0 where nothing is predicted)."""
-        cfg, t, on = self.s, c.totals, on.float()
+        cfg, t, on = self.settings, c.totals, on.float()
         if cfg.loss_type == "dapo":  # the generation's tokens, rescaled to one step of those it feeds (TRL's)
             g = self.generation
             return on / max(1.0, g.tokens / len(g.slices))
@@ -196,15 +176,14 @@ class GroupLoss:
         per_seq = torch.tensor([max(1, sum(c.targets[i])) for i in members], dtype=torch.float32, device=on.device)
         return on / (per_seq[owner.clamp(min=0)] * max(1.0, t["completions"]))
 
-    def first_loss(self, s, first: StepBatch | None) -> torch.Tensor:  # noqa: ANN001
-        """The next-token loss of this rank's first prompts (a forward whose loss must be finite: the fp16 probe)."""
-        return first_prompts_loss(s, self.prompts, first)
-
     def record(self, sums: dict[str, float], step: StepBatch, seconds: float) -> dict[str, Any]:
         """The step's metrics: rewards, completion lengths, the KL, the clip's shares, generation's share."""
-        t, cfg, g, slot = self.current.totals, self.s, self.generation, self.slot
+        t, cfg, g, slot = self.current.totals, self.settings, self.generation, self.slot
         completions = max(1.0, t["completions"])
         sampled_here = slot.index == 0
+        kl = None
+        if cfg.beta > 0:
+            kl = (t["log_ratio"] if cfg.kl_in_reward else sums["kl"]) / max(1.0, t["tokens"])
         out: dict[str, Any] = {
             "tokens": int(t["tokens"]),
             "tokens_seen": int(t["seen"]),
@@ -216,7 +195,7 @@ class GroupLoss:
             "completion_length_max": int(t["length_max"]),
             "truncated": t["truncated"] / completions,
             "zero_std_groups": t["zero_std"] / completions,
-            "kl": sums["kl"] / max(1.0, t["tokens"]) if cfg.beta > 0 else None,
+            "kl": kl,
             "generation_share": min(1.0, g.seconds / seconds) if seconds > 0 and sampled_here else 0.0,
             "generated_tokens_per_second": g.generated / max(1e-9, g.seconds),
             "iteration": slot.iteration + 1,
@@ -225,3 +204,18 @@ class GroupLoss:
         if self.current.source_tokens is not None:  # a mixture: beside source_rows (the step plan's)
             out["source_tokens"] = self.current.source_tokens
         return out
+
+    def state(self, env) -> dict[str, Any]:  # noqa: ANN001
+        """Saved between the steps of a generation: the generation itself, every rank's part."""
+        if not self.pending:
+            return {}
+        mine = self.generation.state()
+        parts = [mine]
+        if env.world_size > 1:
+            parts = [None] * env.world_size
+            dist.all_gather_object(parts, mine)
+        return {"generation": {"ranks": parts}}
+
+    def completions(self) -> list[dict[str, Any]]:
+        """The step's completions the first time they train (completions.jsonl)."""
+        return self.current.records if self.slot is not None and self.slot.iteration == 0 else []

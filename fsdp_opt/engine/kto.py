@@ -23,7 +23,8 @@ from torch import nn
 
 from fsdp_opt.data.unpaired import Scored, Unpaired, held_out_micro_batches, scored_pairs
 from fsdp_opt.engine.logprobs import head_logps, micro_logps, scored_logps, sequence_logps
-from fsdp_opt.engine.microbatches import run_micro_batches
+from fsdp_opt.engine.loss import HeadLoss
+from fsdp_opt.engine.microbatches import MicroLoss, StepLoss
 from fsdp_opt.runtime.distributed import DistEnv
 
 WITHOUT_KL = "apo_zero_unpaired"  # the --loss_type with no KL estimate (TRL's calculate_KL off)
@@ -53,41 +54,39 @@ def kto_terms(
     return torch.stack([loss, d, 1 - d, reward * d, reward * (1 - d)])
 
 
-class UnpairedLoss:
-    """--method kto's step (engine/step.py StepLoss): each micro-batch's KL estimate (a forward without gradients of
-    its mismatched sequences, reduced over the ranks), then its items' loss against the reference's log-probabilities,
-    each micro-batch's sum divided by the step's global count of items. `own`: the reference's log-probability of
-    each item's sequence; `mismatched`: of each (prompt item, completion item) the step's micro-batches read."""
+class UnpairedLoss(StepLoss):
+    """--method kto's step (engine/step.py): each micro-batch's KL estimate (a forward without gradients of its
+    mismatched sequences, reduced over the ranks), then its items' loss against the reference's log-probabilities, the
+    loss a mean over the step's items. `own`: the reference's log-probability of each item's sequence; `mismatched`: of
+    each (prompt item, completion item) the step's micro-batches read."""
 
     names = STATS
 
     def __init__(
         self,
+        items: Unpaired,
         own: torch.Tensor,
         mismatched: dict[tuple[int, int], float],
-        beta: float,
-        loss_type: str,
-        weights: tuple[float, float],
+        settings,  # noqa: ANN001 - config/methods/kto.py KtoFlags
+        head: HeadLoss | None,
+        env: DistEnv,
     ) -> None:
-        self.own, self.mismatched = own, mismatched
-        self.beta, self.loss_type, self.weights = beta, loss_type, weights
-
-    def prepare(self, s, step) -> None:  # noqa: ANN001
-        pass
+        self.items, self.own, self.mismatched, self.head, self.env = items, own, mismatched, head, env
+        self.beta, self.loss_type, self.weights = settings.beta, settings.loss_type, settings.weights
 
     def _ref(self, a: int, b: int) -> float:
         """The reference's log-probability of item a's prompt with item b's completion (a micro-batch of one item:
         its own)."""
         return float(self.own[a]) if a == b else self.mismatched[(a, b)]
 
-    def kl(self, s, members: list[int]) -> tuple[torch.Tensor, bool]:  # noqa: ANN001
+    def kl(self, model: nn.Module, members: list[int]) -> tuple[torch.Tensor, bool]:
         """The KL estimate z of this micro-batch round (every rank calls it), and whether any rank had items."""
-        env = s.env
+        env = self.env
         found = torch.zeros(2, device=env.device, dtype=torch.float32)
         if self.loss_type != WITHOUT_KL:
             with torch.no_grad():
-                batch, slot = s.blocks.kl_micro(members, env.device)
-                logps, _ = head_logps(s.model, s.head_loss, batch)
+                batch, slot = self.items.kl_micro(members, env.device)
+                logps, _ = head_logps(model, self.head, batch)
                 pi = sequence_logps(logps, slot, len(members))
             if members:
                 ref = torch.tensor([self._ref(a, b) for a, b in Unpaired.partners(members)], device=env.device)
@@ -98,39 +97,15 @@ class UnpairedLoss:
             dist.all_reduce(found)
         return (found[0] / found[1].clamp(min=1)).clamp(min=0), bool(found[1] > 0)
 
-    def accumulate(self, s, step, scale: float) -> torch.Tensor:  # noqa: ANN001
-        env = s.env
-        weight = scale / max(1, step.loss_units)
-        stats = torch.zeros(len(STATS), device=env.device, dtype=torch.float32)
-
-        def loss_of(i: int):  # noqa: ANN202
-            members = step.micro_batches[i]
-            z, counted = self.kl(s, members)
-            pi, out = micro_logps(s.model, s.blocks, members, env.device, s.head_loss)
-            kl_sums = torch.stack([z, torch.tensor(float(counted), device=env.device)]) / env.world_size
-            if not members:  # a filler micro-batch: the same forward and backward as every rank's
-                return pi.sum() * 0.0 * weight, torch.cat([torch.zeros(5, device=env.device), kl_sums]), out
-            terms = self.terms(pi, members, z, env.device, s.blocks)
-            return terms[0].sum() * weight, torch.cat([terms.sum(1).detach(), kl_sums]), out
-
-        run_micro_batches(s.model, len(step.micro_batches), loss_of, sync_each=s.reduce_each_microbatch, sums=stats)
-        return stats
-
-    def terms(self, pi: torch.Tensor, members: list[int], z: torch.Tensor, device, items: Unpaired) -> torch.Tensor:  # noqa: ANN001
+    def loss(self, model: nn.Module, members: list[int]) -> MicroLoss:
+        env = self.env
+        z, counted = self.kl(model, members)
+        pi, out = micro_logps(model, self.items, members, env.device, self.head)
+        kl_sums = torch.stack([z, torch.tensor(float(counted), device=env.device)]) / env.world_size
         index = torch.tensor(members, dtype=torch.long)
-        ref, desirable = self.own[index].to(device), items.labels[index].to(device)
-        return kto_terms(pi, ref, desirable, z, self.beta, self.loss_type, self.weights)
-
-    def first_loss(self, s, first) -> torch.Tensor:  # noqa: ANN001
-        """The first micro-batch's summed loss and its items (this rank's)."""
-        total = torch.zeros(2, device=s.env.device, dtype=torch.float32)
-        members = first.micro_batches[0] if first is not None else []
-        z, _ = self.kl(s, members)
-        pi, _ = micro_logps(s.model, s.blocks, members, s.env.device, s.head_loss)
-        if members:
-            total[0] = self.terms(pi, members, z, s.env.device, s.blocks)[0].sum()
-            total[1] = len(members)
-        return total
+        ref, desirable = self.own[index].to(env.device), self.items.labels[index].to(env.device)
+        terms = kto_terms(pi, ref, desirable, z, self.beta, self.loss_type, self.weights)
+        return MicroLoss(terms[0].sum(), torch.cat([terms[1:].sum(1).detach(), kl_sums]), out)
 
     def record(self, sums: dict[str, float], step, seconds: float) -> dict[str, float | int | None]:  # noqa: ANN001
         """The step's means: the rewards over its desirable and its undesirable items, z over its rounds."""

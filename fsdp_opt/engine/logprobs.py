@@ -24,8 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_opt.data.blocks import IGNORE_INDEX, StepBatch, model_inputs
-from fsdp_opt.data.sequences import pack
+from fsdp_opt.data.blocks import IGNORE_INDEX
+from fsdp_opt.data.sequences import held_out_micro_batches, rank_rounds
 from fsdp_opt.engine.loss import HeadLoss, head_forward, next_token_targets
 from fsdp_opt.runtime.distributed import DistEnv
 
@@ -92,18 +92,6 @@ def unit_sequences(members: list[int], per_unit: int) -> torch.Tensor:
     return torch.tensor([per_unit * p + k for p in members for k in range(per_unit)], dtype=torch.long)
 
 
-def _rank_micro(units: Units, batch_size: int, env: DistEnv) -> tuple[list[list[int]], int]:
-    """The units in their own order, laid into micro-batches; this rank's share, padded so every rank runs as many."""
-    micro: list[list[int]] = [[]]
-    for p in range(len(units)):
-        if micro[-1] and not units.fits(micro[-1] + [p], batch_size):
-            micro.append([])
-        micro[-1].append(p)
-    rounds = -(-len(micro) // env.world_size)
-    grid = micro + [[] for _ in range(rounds * env.world_size - len(micro))]
-    return [grid[r * env.world_size + env.rank] for r in range(rounds)], rounds
-
-
 @torch.no_grad()
 def scored_logps(model: nn.Module, units: Units, batch_size: int, env: DistEnv) -> torch.Tensor:
     """[per_unit x units] summed answer log-probabilities of every unit's sequences, in eval mode; every rank runs the
@@ -114,7 +102,7 @@ def scored_logps(model: nn.Module, units: Units, batch_size: int, env: DistEnv) 
     model.eval()
     found = torch.zeros(units.per_unit * len(units), dtype=torch.float32, device=env.device)
     try:
-        for members in _rank_micro(units, batch_size, env)[0]:
+        for members in rank_rounds(held_out_micro_batches(units, batch_size), env.rank, env.world_size):
             sums, _ = micro_logps(model, units, members, env.device, head)
             if members:
                 found[unit_sequences(members, units.per_unit).to(env.device)] = sums
@@ -160,21 +148,3 @@ class Reference:
     def scored(cls, model: nn.Module, units: Units, batch_size: int, env: DistEnv) -> Reference:
         """The model's log-probabilities of these units (scored_logps), by their keys."""
         return cls(units.keys.clone(), scored_logps(model, units, batch_size, env).view(-1, units.per_unit))
-
-
-def first_prompts_loss(s, prompts, first: StepBatch | None) -> torch.Tensor:  # noqa: ANN001
-    """[summed next-token loss, tokens] of this rank's first prompts of the session (a method that samples: a forward
-    whose loss must be finite, the fp16 probe)."""
-    total = torch.zeros(2, device=s.env.device, dtype=torch.float32)
-    mine = [int(p) for p in first.micro_batches[0]][: s.plan.batch_size] if first is not None else []
-    ids = [prompts.ids[p] for p in mine]
-    p = prompts
-    batch, _ = pack(
-        ids, [[True] * len(q) for q in ids], p.pad_id, p.max_length, p.packing, s.env.device, p.attention, p.pattern
-    )
-    logp = token_logps(s.model(**model_inputs(batch)).logits, batch["labels"], None)
-    if ids:
-        on = next_token_targets(batch["labels"]) != IGNORE_INDEX
-        total[0] = -(logp * on).sum()
-        total[1] = on.sum()
-    return total

@@ -31,7 +31,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fsdp_opt.base import ConfigError
-from fsdp_opt.data.blocks import IGNORE_INDEX, model_inputs
+from fsdp_opt.data.blocks import IGNORE_INDEX, Blocks, model_inputs
+from fsdp_opt.engine.microbatches import MicroLoss, StepLoss
 from fsdp_opt.model.families import head_refusal
 
 
@@ -179,3 +180,16 @@ def forward_loss_sum(
     out = head_forward(model, head, batch)
     loss = head.loss_sum(out, batch["labels"]) if head else causal_lm_loss_sum(out, batch["labels"])
     return out, loss
+
+
+class TokenLoss(StepLoss):
+    """--method sft's step: the token-mean cross-entropy of the targets, each micro-batch's sum divided by the step's
+    global count of target tokens (engine/step.py)."""
+
+    def __init__(self, blocks: Blocks, head: HeadLoss | None, device: torch.device) -> None:
+        self.blocks, self.head, self.device = blocks, head, device
+
+    def loss(self, model: nn.Module, micro: torch.Tensor) -> MicroLoss:
+        # NOTE: the output stays referenced through backward, as the memory plan and its simulation count it
+        out, total = forward_loss_sum(model, self.head, self.blocks.batch(micro, self.device))
+        return MicroLoss(total, None, out)

@@ -1,5 +1,5 @@
 """A step's micro-batches on one rank, forward and backward: the loop every method's step (and the planner's simulation
-of a step) runs, written once.
+of a step) runs, written once; and what a method's loss gives that loop (`StepLoss`, `MicroLoss`).
 
 FSDP2 reduces the gradients only after the last micro-batch (--reduce_every_microbatch: after each): the sync flag is
 set here and nowhere else. A method gives the loss of micro-batch i, already weighted for the step (its share of
@@ -12,19 +12,63 @@ takes part in every collective): the method's loss of a filler is 0 times its ou
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
+
+class MicroLoss(NamedTuple):
+    """One micro-batch's part of a step: its summed loss (with the gradient), what it adds to the loss's other sums
+    (detached; None: nothing), and what must stay alive through its backward (the forward's output, as the memory plan
+    counts it)."""
+
+    total: torch.Tensor
+    stats: torch.Tensor | None = None
+    output: Any = None
+
+
+class StepLoss:
+    """What a method computes in a step, which train_step runs without asking which method it is."""
+
+    names: tuple[str, ...] = ("loss",)  # the sums a step keeps: the loss's first, then what `MicroLoss.stats` holds
+
+    def prepare(self, run: Any, step: Any) -> None:  # noqa: ANN401 - engine/step.py StepRun, StepBatch
+        """The phase before the forward (a method that samples: the step's completions)."""
+
+    def micro_batches(self, step: Any) -> list[Any]:  # noqa: ANN401
+        """This rank's micro-batches of the step, as many on every rank."""
+        return step.micro_batches
+
+    def denominator(self, step: Any) -> float:  # noqa: ANN401
+        """What the step's summed loss is divided by (all ranks): the step's loss units by default."""
+        return step.loss_units
+
+    def loss(self, model: nn.Module, micro: Any) -> MicroLoss:
+        raise NotImplementedError
+
+    def record(self, sums: dict[str, float], step: Any, seconds: float) -> dict[str, Any]:  # noqa: ANN401
+        """The method's metrics fields of the step from its sums over the ranks."""
+        return {}
+
+    def state(self, env: Any) -> dict[str, Any]:  # noqa: ANN401 - runtime/distributed.py DistEnv
+        """What a checkpoint keeps of the step (every rank calls it: a generation in progress, gathered)."""
+        return {}
+
+    def completions(self) -> list[dict[str, Any]]:
+        """This rank's completions the step trained for the first time (completions.jsonl), for a method that
+        samples them."""
+        return []
+
+
 # micro-batch i -> (the weighted loss its backward takes, what it adds to the sums or None, what backward keeps alive)
-MicroLoss = Callable[[int], tuple[torch.Tensor, torch.Tensor | None, Any]]
+LossOf = Callable[[int], tuple[torch.Tensor, torch.Tensor | None, Any]]
 
 
 def run_micro_batches(
     model: nn.Module,
     count: int,
-    loss_of: MicroLoss,
+    loss_of: LossOf,
     *,
     sync_each: bool = False,
     sums: torch.Tensor | None = None,

@@ -36,6 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from fsdp_opt.base import ConfigError, first_line
 
 MATH_VERIFY_INSTALL = 'pip install "math-verify>=0.8"'
@@ -117,6 +120,7 @@ class Reward:
     fn: Callable[..., list]
     source: str  # sha256 of its source: its file's or module's (a built-in's: this package's code of the function)
     label: str = ""
+    collective: bool = False  # every rank calls it, before the others, as many times (a sharded reward model)
 
     def __post_init__(self) -> None:
         self.label = self.label or (self.name if self.name in BUILTINS else self.name.rsplit(":", 1)[-1])
@@ -199,8 +203,9 @@ def load(name: str) -> Reward:
     return Reward(name, fn, _digest(module))
 
 
-def load_all(names: Sequence[str], weights: str | None) -> tuple[list[Reward], list[float]]:
-    """--reward and --reward_weights, checked."""
+def load_all(names: Sequence[str], weights: str | None, models: int = 0) -> tuple[list[Reward], list[float]]:
+    """--reward and --reward_weights, checked (`models`: the reward models scored after the functions, whose weights
+    follow theirs)."""
     rewards = [load(n) for n in names]
     seen: dict[str, int] = {}
     for r in rewards:  # two functions of one name (from two files): the second is label_2
@@ -208,13 +213,16 @@ def load_all(names: Sequence[str], weights: str | None) -> tuple[list[Reward], l
         if seen[r.label] > 1:
             r.label = f"{r.label}_{seen[r.label]}"
     if weights is None:
-        return rewards, [1.0] * len(rewards)
+        return rewards, [1.0] * (len(rewards) + models)
     try:
         values = [float(w) for w in weights.split(",")]
     except ValueError:
         raise ConfigError(f"--reward_weights {weights}: numbers, comma-separated") from None
-    if len(values) != len(rewards):
-        raise ConfigError(f"--reward_weights {weights}: {len(values)} weight(s) for {len(rewards)} reward function(s)")
+    if len(values) != len(rewards) + models:
+        raise ConfigError(
+            f"--reward_weights {weights}: {len(values)} weight(s) for {len(rewards)} reward function(s)"
+            + (f" and {models} reward model(s)" if models else "")
+        )
     return rewards, values
 
 
@@ -232,9 +240,11 @@ def score(
     returns the wrong count or a non-number stops the run in one line naming it, the row and the completion's place
     in its group (`places`: each completion's; None: one completion per row, as the held-out prompts have)."""
     out = [[math.nan] * len(rewards) for _ in completions]
-    if not completions:
-        return out
-    for j, reward in enumerate(rewards):
+    # a reward model first, on every rank (its forward is collective: no rank may have left for an error before it)
+    for j in sorted(range(len(rewards)), key=lambda j: not rewards[j].collective):
+        reward = rewards[j]
+        if not completions and not reward.collective:
+            continue
         kwargs = dict(columns)
         if reward.fn in READS_ENDED:
             kwargs["completion_ended"] = list(ended)
@@ -285,3 +295,35 @@ def _failing(reward: Reward, prompts, completions, completion_ids, kwargs: dict,
         f"the batch of rows {min(rows)} to {max(rows)} ({len(completions)} completions; no one of them alone "
         "makes it raise)"
     )
+
+
+def model_reward(name: str, model: Any, tokenizer: Any, env: Any, batch_size: int) -> Reward:  # noqa: ANN401
+    """A reward model as a reward function (--reward_model, as TRL takes a reward model among its reward functions):
+    each completion's prompt and text as one string (a conversation through the reward model's own chat template),
+    tokenized by its own tokenizer without special tokens, right-padded, and its score at the last token that is not
+    the pad token. The model is sharded: every rank scores as many micro-batches of `batch_size`."""
+
+    def scores(prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any) -> list[float]:
+        if prompts and not isinstance(prompts[0], str):
+            texts = [tokenizer.apply_chat_template(p + c, tokenize=False) for p, c in zip(prompts, completions)]
+        else:
+            texts = [p + c for p, c in zip(prompts, completions)]
+        mine = -(-len(texts) // batch_size)
+        count = torch.tensor([mine], device=env.device)
+        if env.world_size > 1:
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        out: list[float] = []
+        with torch.no_grad():
+            for k in range(int(count)):
+                part = texts[k * batch_size : (k + 1) * batch_size] or [tokenizer.pad_token]  # a filler row
+                given = tokenizer(
+                    text=part, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False
+                )
+                logits = model(
+                    **{key: v.to(env.device) for key, v in given.items() if key in ("input_ids", "attention_mask")}
+                ).logits
+                out += logits[:, 0].float().tolist()[: len(texts[k * batch_size : (k + 1) * batch_size])]
+        return out
+
+    label = name.rstrip("/").rsplit("/", 1)[-1]
+    return Reward(name, scores, "model", label=label, collective=True)

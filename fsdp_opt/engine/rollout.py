@@ -1,12 +1,15 @@
-"""A GRPO generation (--method grpo): the completions a rank samples for its prompts of one or more optimizer steps,
-scored, turned into advantages and laid into each step's micro-batches, with what the loss needs of them kept
-beside: the reference's token log-probabilities (--beta > 0) and, when the generation is trained on more than once
-(--num_iterations, --steps_per_generation), the policy's own at sampling time (the "old" log-probabilities the
-probability ratio is taken against).
+"""A generation: the completions a rank samples for its prompts of one or more optimizer steps, laid into each
+step's micro-batches, with what the loss needs of them kept beside. One sampler for every method that samples
+(GRPO, RLOO, distillation); a method whose completions are scored (`Scoring`: GRPO, RLOO) adds their rewards and
+advantages on top.
 
 - **Slices.** A generation takes the prompts of `slices` optimizer steps (--steps_per_generation / --accum_steps)
   and samples them at once; each step trains one slice's completions. Advantages are taken over the whole generation
-  (a prompt's group lies in one slice; --scale_rewards batch: the std of the generation's rewards, all ranks).
+  (a prompt's group lies in one slice; --scale_rewards batch, --normalize_advantages: the generation's rewards, all
+  ranks).
+- **Kept beside.** Per micro-batch: the reference's token log-probabilities (a KL term), and the policy's own at
+  sampling time (the "old" log-probabilities a ratio is taken against, when the generation is trained on more than
+  once; RLOO's KL in the reward reads them too).
 - **Counts.** Each slice keeps its totals over the ranks (completions, tokens, rewards, ...) for its steps' loss and
   metrics; the generation keeps its completion tokens, all ranks (--loss_type dapo divides by them, rescaled to one
   step: TRL's normalizer).
@@ -24,14 +27,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from fsdp_opt.data.blocks import StepBatch
-from fsdp_opt.data.sequences import fits, pack
+from fsdp_opt.data.blocks import IGNORE_INDEX
+from fsdp_opt.data.prompts import Prompts
 from fsdp_opt.engine.decoding import Decoder
 from fsdp_opt.engine.generation import Decoding, Generated, Sampling, completion_keys, gathered, generate
 from fsdp_opt.engine.groups import (
     GroupSettings,
     advantages,
+    leave_one_out,
     nan_stats,
     reduce_max,
     reduce_sum,
@@ -39,8 +44,9 @@ from fsdp_opt.engine.groups import (
     weighted_rewards,
 )
 from fsdp_opt.engine.logprobs import head_logps
+from fsdp_opt.engine.loss import HeadLoss, next_token_targets
 from fsdp_opt.engine.rewards import score
-from fsdp_opt.runtime.distributed import all_ranks_ok
+from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok
 
 
 @dataclass
@@ -49,13 +55,13 @@ class Slice:
 
     sequences: list[list[int]]  # prompt + completion tokens of each of this rank's completions
     targets: list[list[bool]]  # the tokens that carry loss (the completion's, up to its end)
-    advantages: torch.Tensor  # [n] float32
+    advantages: torch.Tensor  # [n] float32 (zeros for completions that are not scored)
     micro: list[list[int]]  # this rank's completions in each micro-batch (the same count on every rank)
-    reference: list[torch.Tensor | None]  # per micro-batch: the reference's token log-probabilities (beta > 0)
-    old: list[torch.Tensor | None]  # per micro-batch: the policy's at sampling time (a generation trained on again)
+    reference: list[torch.Tensor | None]  # per micro-batch: the reference's token log-probabilities
+    old: list[torch.Tensor | None]  # per micro-batch: the policy's at sampling time
     totals: dict[str, float]  # over ranks: completions, tokens, seen, truncated, ...
     records: list[dict[str, Any]]  # this rank's completions, for completions.jsonl
-    micro_tokens: list[float] = field(default_factory=list)  # --loss_type bnpo: each micro-batch's tokens
+    micro_tokens: list[float] = field(default_factory=list)  # each micro-batch's tokens (--loss_type bnpo)
     source_tokens: list[int] | None = None  # a mixture's step: the tokens trained of each source's completions
 
 
@@ -91,17 +97,16 @@ class Generation:
 
 
 def decode(
-    model,
+    model,  # noqa: ANN001
     cfg: Decoding,
     prompts: list[list[int]],
     keys: torch.Tensor,
     sampling: Sampling,
-    pad_id: int,  # noqa: ANN001
-    env,
-    tokenizer,
+    pad_id: int,
+    env: DistEnv,
+    tokenizer,  # noqa: ANN001
     decoder: Decoder | None,
-    batch_size: int = 0,
-) -> Generated:  # noqa: ANN001
+) -> Generated:
     """This rank's completions of `prompts`, on the model gathered once (or its shards), each drawn with its key."""
     with gathered(model, cfg.gather):
         return generate(
@@ -115,7 +120,7 @@ def decode(
             stop=cfg.stop,
             tokenizer=tokenizer,
             synced=not cfg.gather and env.world_size > 1,
-            batch_size=batch_size,
+            batch_size=cfg.generation_batch,
             decoder=decoder,
         )
 
@@ -129,12 +134,12 @@ def completion_text(tokenizer, ids: list[int], ended: bool, stop: str | None) ->
     return text
 
 
-def micro_batches(sequences: list[list[int]], batch_size: int, prompts, env) -> list[list[int]]:  # noqa: ANN001
+def micro_batches(sequences: list[list[int]], batch_size: int, prompts: Prompts, env: DistEnv) -> list[list[int]]:
     """These completions laid into micro-batches in order, as many as fit each; every rank runs as many."""
     out: list[list[int]] = [[]]
     for i, seq in enumerate(sequences):
         lengths = [len(sequences[j]) for j in out[-1]] + [len(seq)]
-        if out[-1] and not fits(lengths, prompts.max_length, prompts.packing, batch_size):
+        if out[-1] and not prompts.layout.fits(lengths, batch_size):
             out.append([])
         out[-1].append(i)
     mine = len(out) if sequences else 0
@@ -142,78 +147,67 @@ def micro_batches(sequences: list[list[int]], batch_size: int, prompts, env) -> 
     return (out if sequences else []) + [[] for _ in range(count - mine)]
 
 
-def pack_members(sl: Slice, members: list[int], prompts, device: torch.device):  # noqa: ANN001, ANN201
+def pack_members(sl: Slice, members: list[int], prompts: Prompts, device: torch.device):  # noqa: ANN201
     """A micro-batch of these completions of the slice (data/sequences.py pack): the batch, and each position's
     member index (-1: none)."""
-    return pack(
-        [sl.sequences[i] for i in members],
-        [sl.targets[i] for i in members],
-        prompts.pad_id,
-        prompts.max_length,
-        prompts.packing,
-        device,
-        prompts.attention,
-        prompts.pattern,
-    )
+    return prompts.layout.pack([sl.sequences[i] for i in members], [sl.targets[i] for i in members], device)
 
 
-def sample_generation(
-    s,  # noqa: ANN001 - the step's run (engine/step.py StepRun)
-    step: StepBatch,
-    cfg: GroupSettings,
-    prompts,  # noqa: ANN001 - data/prompts.py Prompts
-    tokenizer,  # noqa: ANN001
-    decoder: Decoder | None,
-    reference_logps: Callable | None,
-) -> Generation:
+@dataclass
+class Scoring:
+    """How a generation's completions are scored (GRPO, RLOO): the settings, and the reference's token log-probabilities
+    of a packed micro-batch (None without one)."""
+
+    settings: GroupSettings
+    reference_logps: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None = None
+
+
+@dataclass
+class Sampler:
+    """What a generation is sampled with: the decoding, the prompts and the tokenizer, the decoder (a static KV cache;
+    None: transformers' generate), the model's output layer at the targets, the completions per prompt, whether a
+    never-ended completion carries loss, and the scoring (None: the completions are not scored)."""
+
+    decoding: Decoding
+    prompts: Prompts
+    tokenizer: Any
+    decoder: Decoder | None
+    head: HeadLoss | None
+    generations: int = 1
+    mask_truncated: bool = False
+    scoring: Scoring | None = None
+
+
+def sample_generation(run, step, sampler: Sampler) -> Generation:  # noqa: ANN001 - engine/step.py StepRun, StepBatch
     """Sample, score and lay out the generation `step` opens (every rank; the collectives are the statistics')."""
     started = time.perf_counter()
-    env, slot = s.env, step.generation
+    env, slot, prompts, cfg = run.env, step.generation, sampler.prompts, sampler.decoding
     parts = [[int(p) for p in part] for part in slot.prompts]
-    requests = [(p, g) for part in parts for p in part for g in range(cfg.generations)]
-    rows = [int(prompts.index[p]) for p, _ in requests]
-    places = [g for _, g in requests]
-    at_step = s.state.global_step - slot.index  # the generation's first step: its keys, whenever it is sampled
-    keys = completion_keys(cfg.seed, at_step, rows, places)
+    requests = [(p, g) for part in parts for p in part for g in range(sampler.generations)]
+    made = Made(requests, [int(prompts.index[p]) for p, _ in requests], [g for _, g in requests])
+    at_step = run.state.global_step - slot.index  # the generation's first step: its keys, whenever it is sampled
+    keys = completion_keys(cfg.seed, at_step, made.rows, made.places)
     sampling_started = time.perf_counter()
-    made = decode(
-        s.model,
+    made.generated = decode(
+        run.model,
         cfg,
         [prompts.ids[p] for p, _ in requests],
         keys,
         cfg.sampling,
         prompts.pad_id,
         env,
-        tokenizer,
-        decoder,
-        cfg.generation_batch,
+        sampler.tokenizer,
+        sampler.decoder,
     )
     sampling = time.perf_counter() - sampling_started
-    texts = [completion_text(tokenizer, ids, ended, cfg.stop) for ids, ended in zip(made.ids, made.ended)]
-    completions = [[{"role": "assistant", "content": t}] for t in texts] if prompts.conversational else texts
-    asked = [prompts.rows[p]["prompt"] for p, _ in requests]
-    columns = prompts.column_lists([p for p, _ in requests]) if requests else {}
-    per_func = all_ranks_ok(lambda: score(cfg.rewards, asked, completions, made.ids, columns, rows, made.ended, places))
-    per_func = torch.tensor(per_func, dtype=torch.float32).view(len(requests), len(cfg.rewards))
-    reward = weighted_rewards(per_func, cfg.weights)
-    generation_stats = reduce_sum(nan_stats(reward), env)  # the generation's rewards on all ranks
-    batch_std = std_of(generation_stats) if cfg.scale_rewards == "batch" else None
-    if requests:
-        adv, zero = advantages(reward, cfg.generations, cfg.scale_rewards, batch_std)
-    else:
-        adv, zero = torch.zeros(0), torch.zeros(0, dtype=torch.bool)
-    sequences, targets = [], []
-    for (p, _), ids, ended in zip(requests, made.ids, made.ended):
-        counts = not (cfg.mask_truncated and not ended)
-        sequences.append(list(prompts.ids[p]) + list(ids))
-        targets.append([False] * len(prompts.ids[p]) + [counts] * len(ids))
-    made_here = _Made(requests, rows, places, texts, made, per_func, reward, adv, zero, sequences, targets)
-    slices, lo = [], 0
-    for j, part in enumerate(parts):
-        hi = lo + len(part) * cfg.generations
-        slices.append(_slice(made_here, lo, hi, s, cfg, prompts, tokenizer, at_step + 1 + j, sampling))
-        lo = hi
-    generation = Generation(
+    made.lay_out(sampler)
+    bounds = [0]
+    for part in parts:
+        bounds.append(bounds[-1] + len(part) * sampler.generations)
+    pieces = [made.piece(run, sampler, lo, hi, slot.count > 1) for lo, hi in zip(bounds, bounds[1:])]
+    scored = scores(run, sampler, made, pieces)
+    slices = [_slice(run, sampler, made, scored, piece, at_step + 1 + j, sampling) for j, piece in enumerate(pieces)]
+    return Generation(
         epoch=step.epoch,
         begin=slot.begin,
         step=at_step,
@@ -221,168 +215,253 @@ def sample_generation(
         tokens=sum(sl.totals["tokens"] for sl in slices),
         generated=sum(sl.totals["generated"] for sl in slices),
         seconds=float(reduce_max(torch.tensor([sampling]), env)[0]),
-        prepare_seconds=0.0,
+        prepare_seconds=time.perf_counter() - started,
     )
-    for sl in slices:  # what the loss reads of other models (or of this one before its updates), per micro-batch
-        batches = [pack_members(sl, members, prompts, env.device)[0] for members in sl.micro]
-        if cfg.beta > 0 and reference_logps is not None:
-            sl.reference = [reference_logps(b) for b in batches]
-        if slot.count > 1:  # trained on more than once: the log-probabilities it was sampled with
-            with torch.no_grad():
-                sl.old = [
-                    head_logps(s.model, s.head_loss, b, cfg.sampling.temperature)[0] if members else None
-                    for b, members in zip(batches, sl.micro)
-                ]
-    generation.prepare_seconds = time.perf_counter() - started
-    return generation
 
 
 @dataclass
-class _Made:
-    """What one rank sampled and scored for a generation, in request order."""
+class Piece:
+    """One slice's completions [lo, hi) of the generation on this rank: their micro-batches, and per micro-batch what
+    the loss reads of other models (the reference) or of this one before its updates (the old log-probabilities)."""
 
-    requests: list[tuple[int, int]]
+    lo: int
+    hi: int
+    micro: list[list[int]]
+    reference: list[torch.Tensor | None]
+    old: list[torch.Tensor | None]
+    log_ratio: torch.Tensor  # [hi - lo] each completion's summed log-ratio to the reference (RLOO's KL), else zeros
+
+
+@dataclass
+class Made:
+    """What one rank sampled for a generation, in request order."""
+
+    requests: list[tuple[int, int]]  # (prompt, place in its group)
     rows: list[int]
     places: list[int]
-    texts: list[str]
-    made: Generated
-    per_func: torch.Tensor
-    reward: torch.Tensor
-    adv: torch.Tensor
-    zero: torch.Tensor
-    sequences: list[list[int]]
-    targets: list[list[bool]]
+    generated: Generated | None = None
+    texts: list[str] = field(default_factory=list)
+    sequences: list[list[int]] = field(default_factory=list)  # prompt + completion
+    targets: list[list[bool]] = field(default_factory=list)  # the completion's tokens (none of a masked one)
+
+    def lay_out(self, sampler: Sampler) -> None:
+        g, prompts, stop = self.generated, sampler.prompts, sampler.decoding.stop
+        self.texts = [completion_text(sampler.tokenizer, ids, ended, stop) for ids, ended in zip(g.ids, g.ended)]
+        for (p, _), ids, ended in zip(self.requests, g.ids, g.ended):
+            carries = not (sampler.mask_truncated and not ended)
+            self.sequences.append(list(prompts.ids[p]) + list(ids))
+            self.targets.append([False] * len(prompts.ids[p]) + [carries] * len(ids))
+
+    def piece(self, run, sampler: Sampler, lo: int, hi: int, trained_again: bool) -> Piece:  # noqa: ANN001
+        """Completions [lo, hi) as one slice's micro-batches, and what the loss keeps of each (every rank)."""
+        prompts, env = sampler.prompts, run.env
+        micro = micro_batches(self.sequences[lo:hi], run.plan.batch_size, prompts, env)
+        scoring = sampler.scoring
+        settings = scoring.settings if scoring else None
+        use_reference = scoring is not None and scoring.reference_logps is not None and settings.beta > 0
+        kl_in_reward = use_reference and settings.kl_in_reward
+        temperature = sampler.decoding.sampling.temperature
+        piece = Piece(lo, hi, micro, [], [], torch.zeros(hi - lo))
+        for members in micro:
+            batch, slot = prompts.layout.pack(
+                [self.sequences[lo + i] for i in members], [self.targets[lo + i] for i in members], env.device
+            )
+            reference = scoring.reference_logps(batch) if use_reference else None
+            old = None
+            if members and (trained_again or kl_in_reward):  # the log-probabilities it was sampled with
+                with torch.no_grad():
+                    old = head_logps(run.model, sampler.head, batch, temperature)[0]
+            if use_reference:
+                piece.reference.append(reference)
+            if trained_again:
+                piece.old.append(old)
+            if kl_in_reward and members:
+                piece.log_ratio[members] = member_sums(old - reference, batch["labels"], slot, len(members)).cpu()
+        return piece
+
+
+def member_sums(per_token: torch.Tensor, labels: torch.Tensor, slot: torch.Tensor, members: int) -> torch.Tensor:
+    """[members] a per-position value summed over each member's completion tokens (the positions that predict
+    them)."""
+    on, owner = completion_positions(labels, slot)
+    index = torch.where(on, owner, members).reshape(-1)
+    values = torch.where(on, per_token, torch.zeros_like(per_token)).reshape(-1)
+    return torch.zeros(members + 1, dtype=values.dtype, device=values.device).index_add(0, index, values)[:members]
+
+
+def completion_positions(labels: torch.Tensor, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[batch, length] where a completion token is predicted (the loss's positions), and the member whose token it
+    is (-1: none): the log-probability at t is of the token at t + 1."""
+    owner = F.pad(slot[:, 1:], (0, 1), value=-1)
+    return (next_token_targets(labels) != IGNORE_INDEX) & (owner >= 0), owner
+
+
+@dataclass
+class Scored:
+    """The generation's scores on this rank, in request order (NaN: no reward)."""
+
+    per_func: torch.Tensor  # [n, functions]
+    reward: torch.Tensor  # [n] the weighted sum of the functions' (what the records and the metrics show)
+    advantages: torch.Tensor  # [n] from the reward, less the KL where it is in the reward (RLOO)
+    zero: torch.Tensor  # [n] bool: its group's rewards are all the same
+
+
+def scores(run, sampler: Sampler, made: Made, pieces: list[Piece]) -> Scored | None:  # noqa: ANN001
+    """The rewards of every completion of the generation and their advantages (None: the completions are not
+    scored). Every rank calls it (the statistics span the ranks)."""
+    scoring = sampler.scoring
+    if scoring is None:
+        return None
+    cfg, env, prompts, g = scoring.settings, run.env, sampler.prompts, made.generated
+    n = len(made.requests)
+    completions = [[{"role": "assistant", "content": t}] for t in made.texts] if prompts.conversational else made.texts
+    asked = [prompts.rows[p]["prompt"] for p, _ in made.requests]
+    columns = prompts.column_lists([p for p, _ in made.requests]) if n else {}
+    per_func = all_ranks_ok(
+        lambda: score(cfg.rewards, asked, completions, g.ids, columns, made.rows, g.ended, made.places)
+    )
+    per_func = torch.tensor(per_func, dtype=torch.float32).view(n, len(cfg.rewards))
+    raw = weighted_rewards(per_func, cfg.weights)
+    reward = raw
+    if cfg.kl_in_reward and pieces:
+        reward = raw - cfg.beta * torch.cat([piece.log_ratio for piece in pieces]).float()
+    generation_stats = reduce_sum(nan_stats(reward), env)  # the generation's rewards on all ranks
+    if not n:
+        adv, zero = torch.zeros(0), torch.zeros(0, dtype=torch.bool)
+    elif cfg.baseline == "leave_one_out":
+        adv, zero = leave_one_out(reward, cfg.generations), advantages(reward, cfg.generations, "none")[1]
+    else:
+        batch_std = std_of(generation_stats) if cfg.scale_rewards == "batch" else None
+        adv, zero = advantages(reward, cfg.generations, cfg.scale_rewards, batch_std)
+    if cfg.normalize:  # over the generation's scored advantages, all ranks
+        stats = reduce_sum(nan_stats(adv), env)
+        adv = (adv - float(stats[1] / max(1.0, float(stats[0])))) / (std_of(stats) + 1e-4)
+    return Scored(per_func, raw, torch.nan_to_num(adv, nan=0.0), zero)
 
 
 def _slice(
-    m: _Made,
-    lo: int,
-    hi: int,
-    s,
-    cfg: GroupSettings,
-    prompts,
-    tokenizer,
-    first_step: int,  # noqa: ANN001
-    sampling: float,
-) -> Slice:
-    """Requests [lo, hi) as one step's slice: its micro-batches, its totals over the ranks, its records."""
-    env = s.env
-    ids, ended = m.made.ids[lo:hi], m.made.ended[lo:hi]
-    sequences, targets = m.sequences[lo:hi], m.targets[lo:hi]
-    per_func, reward = m.per_func[lo:hi], m.reward[lo:hi]
+    run, sampler: Sampler, made: Made, scored: Scored | None, piece: Piece, first_step: int, sampling: float
+) -> Slice:  # noqa: ANN001
+    """One slice's completions: its totals over the ranks and its records."""
+    env, prompts, lo, hi = run.env, sampler.prompts, piece.lo, piece.hi
+    g = made.generated
+    ids, ended, targets = g.ids[lo:hi], g.ended[lo:hi], made.targets[lo:hi]
     tokens = [sum(t) for t in targets]
-    micro = micro_batches(sequences, s.plan.batch_size, prompts, env)
     local = torch.tensor(
         [
             hi - lo,
             sum(tokens),
-            sum(len(q) for q in sequences),
+            sum(len(q) for q in made.sequences[lo:hi]),
             sum(not e for e in ended),
-            float(m.zero[lo:hi].float().sum()),
+            float(scored.zero[lo:hi].float().sum()) if scored else 0.0,
             float(sum(len(i) for i in ids)),
+            float(piece.log_ratio.sum()),
         ],
         dtype=torch.float64,
     )
-    funcs = range(len(cfg.rewards))
-    reward_sums = torch.cat([nan_stats(reward)[:2], *(nan_stats(per_func[:, j])[:2] for j in funcs)])
+    functions = scored.per_func.shape[1] if scored else 0
+    reward = scored.reward[lo:hi] if scored else torch.zeros(0)
+    reward_sums = torch.cat(
+        [nan_stats(reward)[:2], *(nan_stats(scored.per_func[lo:hi, j])[:2] for j in range(functions))]
+    ) if scored else torch.zeros(0, dtype=torch.float64)  # fmt: skip
     # a mixture: the tokens trained of each source's completions (the prompts' sources are known, their completions'
     # lengths only now)
     by_source = torch.zeros(0, dtype=torch.float64)
     if prompts.sources is not None:
-        origin = prompts.sources[torch.tensor([p for p, _ in m.requests[lo:hi]], dtype=torch.long)]
-        weights = torch.tensor(tokens, dtype=torch.float64)
-        by_source = torch.bincount(origin, weights=weights, minlength=len(prompts.source_names))
-    summed = reduce_sum(torch.cat([local, reward_sums, nan_stats(reward), by_source]), env)
+        origin = prompts.sources[torch.tensor([p for p, _ in made.requests[lo:hi]], dtype=torch.long)]
+        by_source = torch.bincount(
+            origin, weights=torch.tensor(tokens, dtype=torch.float64), minlength=len(prompts.source_names)
+        )
+    std_stats = nan_stats(reward) if scored else torch.zeros(0, dtype=torch.float64)
+    summed = reduce_sum(torch.cat([local, reward_sums, std_stats, by_source]), env)
     longest = reduce_max(torch.tensor([float(max((len(i) for i in ids), default=0)), sampling]), env)
-    names = ("completions", "tokens", "seen", "truncated", "zero_std", "generated")
-    totals = dict(zip(names, summed[:6].tolist()))
-    stats_at = 8 + 2 * len(cfg.rewards)
-    totals.update(
-        length_max=float(longest[0]),
-        generation_seconds=float(longest[1]),
-        reward_count=float(summed[6]),
-        reward_sum=float(summed[7]),
-        reward_std=std_of(summed[stats_at : stats_at + 3]),
-    )
-    for j, r in enumerate(cfg.rewards):
-        totals[f"reward_{r.label}"] = float(summed[8 + 2 * j + 1] / max(1.0, float(summed[8 + 2 * j])))
-    source_tokens = [int(v) for v in summed[stats_at + 3 :].tolist()] if len(by_source) else None
-    micro_tokens = [float(sum(tokens[i] for i in mb)) for mb in micro]
+    names = ("completions", "tokens", "seen", "truncated", "zero_std", "generated", "log_ratio")
+    totals = dict(zip(names, summed[:7].tolist()))
+    totals.update(length_max=float(longest[0]), generation_seconds=float(longest[1]))
+    at = 7
+    if scored:
+        cfg = sampler.scoring.settings
+        totals.update(reward_count=float(summed[at]), reward_sum=float(summed[at + 1]))
+        for j, r in enumerate(cfg.rewards):
+            count, total = float(summed[at + 2 + 2 * j]), float(summed[at + 3 + 2 * j])
+            totals[f"reward_{r.label}"] = total / max(1.0, count)
+        at += 2 + 2 * functions
+        totals["reward_std"] = std_of(summed[at : at + 3])
+        at += 3
+    source_tokens = [int(v) for v in summed[at:].tolist()] if len(by_source) else None
     records = []
     for i in range(hi - lo):
-        p, g = m.requests[lo + i]
-        masked = cfg.mask_truncated and not ended[i]
-        rewards = {rw.label: None if math.isnan(v) else v for rw, v in zip(cfg.rewards, per_func[i].tolist())}
-        records.append(
-            {
-                "step": first_step,
-                "row": m.rows[lo + i],
-                "place": g,
-                "prompt": tokenizer.decode(prompts.ids[p], skip_special_tokens=False),
-                "completion": m.texts[lo + i],
-                "completion_ids": [] if masked else list(ids[i]),
-                "rewards": rewards,
-                "reward": None if math.isnan(float(reward[i])) else float(reward[i]),
-                "advantage": float(m.adv[lo + i]),
+        p, place = made.requests[lo + i]
+        record = {
+            "step": first_step,
+            "row": made.rows[lo + i],
+            "place": place,
+            "prompt": sampler.tokenizer.decode(prompts.ids[p], skip_special_tokens=False),
+            "completion": made.texts[lo + i],
+            "completion_ids": [] if sampler.mask_truncated and not ended[i] else list(ids[i]),
+            "ended": bool(ended[i]),
+        }
+        if scored:
+            record["rewards"] = {
+                rw.label: None if math.isnan(v) else v
+                for rw, v in zip(sampler.scoring.settings.rewards, scored.per_func[lo + i].tolist())
             }
-        )
+            record["reward"] = None if math.isnan(float(scored.reward[lo + i])) else float(scored.reward[lo + i])
+            record["advantage"] = float(scored.advantages[lo + i])
+        records.append(record)
     return Slice(
-        sequences,
+        made.sequences[lo:hi],
         targets,
-        m.adv[lo:hi].float(),
-        micro,
-        [],
-        [],
+        scored.advantages[lo:hi].float() if scored else torch.zeros(hi - lo),
+        piece.micro,
+        piece.reference,
+        piece.old,
         totals,
         records,
-        micro_tokens=micro_tokens,
+        micro_tokens=[float(sum(tokens[i] for i in mb)) for mb in piece.micro],
         source_tokens=source_tokens,
     )
 
 
-def held_out_rewards(
-    model,  # noqa: ANN001
-    prompts,  # noqa: ANN001
-    tokenizer,  # noqa: ANN001
-    settings: GroupSettings,
-    env,  # noqa: ANN001
-    batch_size: int = 0,
-    decoder: Decoder | None = None,
-) -> dict[str, Any]:
-    """One greedy completion of each held-out prompt (this rank's share: every world_size-th), scored: the mean reward
-    in total and per function, over ranks, and this rank's completions."""
+def held_out(model, prompts: Prompts, sampler: Sampler, env: DistEnv) -> Made:  # noqa: ANN001
+    """One greedy completion of each held-out prompt, this rank's share (every world_size-th), in eval mode."""
     mine = list(range(env.rank, len(prompts), env.world_size))
-    if decoder is None and settings.decoding != "generate":
-        decoder = Decoder()
-    greedy = Sampling(settings.sampling.max_new_tokens, top_k=1)
-    keys = torch.zeros(len(mine), dtype=torch.int64)
-    made = decode(
+    made = Made([(p, 0) for p in mine], [int(prompts.index[p]) for p in mine], [0] * len(mine))
+    greedy = Sampling(sampler.decoding.sampling.max_new_tokens, top_k=1)
+    made.generated = decode(
         model,
-        settings,
+        sampler.decoding,
         [prompts.ids[p] for p in mine],
-        keys,
+        torch.zeros(len(mine), dtype=torch.int64),
         greedy,
         prompts.pad_id,
         env,
-        tokenizer,
-        decoder,
-        batch_size,
+        sampler.tokenizer,
+        sampler.decoder,
     )
-    texts = [completion_text(tokenizer, ids, e, settings.stop) for ids, e in zip(made.ids, made.ended)]
-    completions = [[{"role": "assistant", "content": t}] for t in texts] if prompts.conversational else texts
-    rows = [int(prompts.index[p]) for p in mine]
-    columns = prompts.column_lists(mine)
+    made.lay_out(sampler)
+    return made
+
+
+def held_out_rewards(model, sampler: Sampler, env: DistEnv) -> dict[str, Any]:  # noqa: ANN001
+    """One greedy completion of each held-out prompt (`sampler.prompts`), scored: the mean reward in total and per
+    function, over ranks, and this rank's completions (`samples`)."""
+    cfg, prompts = sampler.scoring.settings, sampler.prompts
+    made = held_out(model, prompts, sampler, env)
+    g, mine = made.generated, [p for p, _ in made.requests]
+    completions = [[{"role": "assistant", "content": t}] for t in made.texts] if prompts.conversational else made.texts
     asked = [prompts.rows[p]["prompt"] for p in mine]
-    per_func = all_ranks_ok(lambda: score(settings.rewards, asked, completions, made.ids, columns, rows, made.ended))
-    per_func = torch.tensor(per_func, dtype=torch.float32).view(len(mine), len(settings.rewards))
-    reward = weighted_rewards(per_func, settings.weights)
-    funcs = range(len(settings.rewards))
+    columns = prompts.column_lists(mine)
+    per_func = all_ranks_ok(lambda: score(cfg.rewards, asked, completions, g.ids, columns, made.rows, g.ended))
+    per_func = torch.tensor(per_func, dtype=torch.float32).view(len(mine), len(cfg.rewards))
+    reward = weighted_rewards(per_func, cfg.weights)
+    funcs = range(len(cfg.rewards))
     stats = reduce_sum(torch.cat([nan_stats(reward)[:2], *(nan_stats(per_func[:, j])[:2] for j in funcs)]), env)
     out: dict[str, Any] = {"reward": float(stats[1] / max(1.0, float(stats[0]))), "prompts": len(prompts)}
-    for j, r in enumerate(settings.rewards):
+    for j, r in enumerate(cfg.rewards):
         out[f"reward_{r.label}"] = float(stats[2 + 2 * j + 1] / max(1.0, float(stats[2 + 2 * j])))
     out["samples"] = [
         {"row": r, "completion": t, "completion_ids": list(i), "reward": None if math.isnan(float(v)) else float(v)}
-        for r, t, i, v in zip(rows, texts, made.ids, reward.tolist())
+        for r, t, i, v in zip(made.rows, made.texts, g.ids, reward.tolist())
     ]
     return out

@@ -24,9 +24,10 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fsdp_opt.base import CheckpointError, ConfigError
 from fsdp_opt.config.layout import LoraConfig
+from fsdp_opt.model.loader import load_full_state_dict
 from fsdp_opt.model.nf4 import load_quantized, quantize_base, store_base
 from fsdp_opt.model.parallelize import block_linear_names, storages
-from fsdp_opt.model.sources import load_full_state_dict, load_model_config, resolve_model
+from fsdp_opt.model.sources import load_model_config, resolve_model
 from fsdp_opt.runtime.distributed import broadcast_object
 
 ADAPTER = "default"  # peft's adapter name inside the model; not part of the exported keys

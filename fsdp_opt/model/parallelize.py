@@ -11,11 +11,9 @@ import warnings
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -24,7 +22,6 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from fsdp_opt.base import ConfigError, ModelError
 from fsdp_opt.config.choices import DTYPES, shard_count
 from fsdp_opt.model.families import block_class_names
-from fsdp_opt.model.sources import ModelSource, load_full_state_dict, non_persistent_buffer_names
 from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok
 
 
@@ -260,57 +257,6 @@ def shard_model(
         ignored=ignored,
     )
     return classes, len(blocks)
-
-
-def initialize(
-    model: nn.Module,
-    env: DistEnv,
-    source: ModelSource,
-    config,
-    seed: int,
-    *,
-    weights: bool,
-    loader: Any = None,
-    **load: Any,
-) -> None:
-    """Allocate the local shards; with `weights`, fill them with the source's weights (rank 0 reads them once).
-
-    Without `weights` (a checkpoint fills them next) rank 0 still builds the model on CPU when it has
-    non-persistent buffers, which no state dict carries. `load` goes to load_full_state_dict (dtype, prepare);
-    `loader(model, full_state, env)` may load the weights itself (a quantized LoRA base) and return True."""
-    need = weights or bool(non_persistent_buffer_names(model))
-    init = all_ranks_ok(
-        lambda: load_full_state_dict(source, config, seed, weights=weights, **load) if env.is_main and need else None
-    )
-    full_state, buffers = init if init is not None else (None, None)
-    materialize(model, env, buffers)
-    if weights and not (loader is not None and loader(model, full_state, env)):
-        load_weights(model, full_state, env)
-
-
-def materialize(model: nn.Module, env: DistEnv, buffers: dict[str, torch.Tensor] | None) -> None:
-    """Allocate this rank's shards; copy rank 0's non-persistent buffers (not in any state dict) to all ranks."""
-    model.to_empty(device=env.device)
-    own = dict(model.named_buffers())
-    for name in non_persistent_buffer_names(model):
-        buf = own[name]
-        if env.is_main and buffers is not None:
-            buf.copy_(buffers[_clean(name)].to(env.device))
-        if env.world_size > 1:
-            dist.broadcast(buf, src=0)
-
-
-def _clean(name: str) -> str:
-    return name.replace("_checkpoint_wrapped_module.", "")
-
-
-def load_weights(model: nn.Module, full_state: dict[str, torch.Tensor] | None, env: DistEnv) -> None:
-    """Fill the local shards from rank 0's full state dict by broadcast."""
-    set_model_state_dict(
-        model,
-        full_state if env.is_main else {},
-        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
-    )
 
 
 def tie_and_check(model: nn.Module) -> None:

@@ -13,11 +13,11 @@ from torch import nn
 
 from fsdp_opt.model.catalog import catalog_config, catalog_id
 from fsdp_opt.model.families import head_refusal
+from fsdp_opt.model.loader import meta_model
 from fsdp_opt.model.parallelize import find_block_classes, find_blocks
 from fsdp_opt.model.sources import (
     LLAMA_8B,
     OPT_FAMILY,
-    build_meta_model,
     llama_8b_config,
     load_model_config,
     opt_config,
@@ -62,7 +62,7 @@ class Shape:
     def of(cls, config) -> Shape:
         import torch
 
-        model = build_meta_model(config)
+        model = meta_model(config)
         unique = {id(p): p for p in model.parameters()}
         blocks = find_blocks(model, find_block_classes(model))
         in_blocks = {id(p) for b in blocks for p in b.parameters()}

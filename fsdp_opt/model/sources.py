@@ -1,26 +1,14 @@
-"""Where a model comes from: a hub id, a local folder, or the built-in `tiny-opt`.
-
-Only rank 0 ever holds full weights. Every rank builds the model skeleton on the meta device; the
-parallelize step shards it and then receives its shards from rank 0.
+"""Where a model comes from: a hub id, a local folder, or the built-in `tiny-opt` (or a `random:` shape); its config
+and tokenizer. Building the model itself is model/loader.py's.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from torch import nn
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    PretrainedConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from fsdp_opt.base import ModelError, looks_like_path, quiet_hub_logs
 from fsdp_opt.model.catalog import SHAPES, catalog_config, catalog_id
@@ -78,7 +66,7 @@ def model_tag(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9.]+", "_", base).strip("_") or "model"
 
 
-def _fetch_error(source: ModelSource, exc: Exception) -> ModelError:
+def fetch_error(source: ModelSource, exc: Exception) -> ModelError:
     reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if source.kind == "hub":
         return ModelError(
@@ -100,7 +88,7 @@ def load_model_config(source: ModelSource, attn_implementation: str = "auto") ->
             else:
                 config = AutoConfig.from_pretrained(source.location)
     except Exception as exc:  # noqa: BLE001 - any failure to fetch is reported as one line
-        raise _fetch_error(source, exc) from None
+        raise fetch_error(source, exc) from None
     config._attn_implementation = resolve_attention(config, attn_implementation)[0]
     config.use_cache = False  # training never reads a KV cache
     return config
@@ -126,57 +114,12 @@ def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
                 str(ASSETS / BUILTIN_MODEL) if source.kind == "random" else source.location
             )
     except Exception as exc:  # noqa: BLE001
-        raise _fetch_error(source, exc) from None
+        raise fetch_error(source, exc) from None
     if tokenizer.eos_token_id is None:
         raise ModelError(f"--model {source.name}: its tokenizer has no EOS token")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
-
-
-def build_meta_model(config: PretrainedConfig) -> PreTrainedModel:
-    """The model skeleton with no storage: every rank shards this."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return model
-
-
-def load_full_state_dict(
-    source: ModelSource,
-    config: PretrainedConfig,
-    seed: int,
-    *,
-    weights: bool = True,
-    dtype: torch.dtype = torch.float32,
-    prepare: Callable[[nn.Module], None] | None = None,
-) -> tuple[dict[str, torch.Tensor] | None, dict[str, torch.Tensor]]:
-    """Full weights (or None when `weights` is False) and the non-persistent buffers, on CPU.
-
-    Called on rank 0 only. The built-in model is initialised from `seed` (in fp32, then cast to `dtype`); the others
-    load their weights in `dtype`. `prepare` changes the model before its state is taken (LoRA adds its adapters).
-    """
-    if source.pretrained_weights and weights:
-        try:
-            model = AutoModelForCausalLM.from_pretrained(source.location, config=config, dtype=dtype)
-        except Exception as exc:  # noqa: BLE001
-            raise _fetch_error(source, exc) from None
-    else:
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(dtype)
-    if prepare is not None:
-        prepare(model)
-    own = dict(model.named_buffers())
-    buffers = {n: own[n].detach().clone() for n in non_persistent_buffer_names(model)}
-    return (model.state_dict() if weights else None), buffers
-
-
-def non_persistent_buffer_names(model: nn.Module) -> list[str]:
-    """Buffers that state_dict() leaves out (e.g. rotary tables): they must be sent separately."""
-    names = []
-    for mod_name, module in model.named_modules():
-        for b in sorted(getattr(module, "_non_persistent_buffers_set", ())):
-            names.append(f"{mod_name}.{b}" if mod_name else b)
-    return names
 
 
 def max_positions(config: PretrainedConfig) -> int | None:

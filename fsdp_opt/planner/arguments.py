@@ -7,8 +7,8 @@ import argparse
 
 from fsdp_opt.config.choices import PACKING_MODES, T4_MEMORY
 from fsdp_opt.config.flags import OneLineParser, parse_batch, parse_bool
-from fsdp_opt.config.method import MethodConfig
-from fsdp_opt.config.parse import KEEP, add_flag, config_field
+from fsdp_opt.config.method import method_field
+from fsdp_opt.config.parse import KEEP, add_flag
 from fsdp_opt.model.catalog import SHAPES
 from fsdp_opt.model.sources import LLAMA_8B, OPT_FAMILY
 from fsdp_opt.planner.steptime import Rates
@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("teacher_bits", KEEP, "--method distill: the trainer's --teacher_bits (4: its blocks' linear weights in NF4)"),
         (
             "beta",
-            0.0,
+            KEEP,
             "--method grpo: the KL weight; above 0 a reference model's forward (a model of its own for full "
             "fine-tuning or with --ref_model, kept beside the policy)",
         ),
@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
             "shape) instead of the base with the adapters off",
         ),
     ):
-        add_flag(p, config_field(MethodConfig, name), default=default, help=help_text)
+        add_flag(p, method_field(name), default=default, help=help_text)
     p.add_argument("--disk", default="20GB", help="disk for checkpoints (Kaggle's /kaggle/working: 20GB)")
     p.add_argument(
         "--data_on_disk",

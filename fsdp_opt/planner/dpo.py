@@ -22,7 +22,7 @@ import math
 from typing import Any
 
 from fsdp_opt.base import gib
-from fsdp_opt.config.specs import spec
+from fsdp_opt.config.methods import spec
 from fsdp_opt.model.shapes import Shape
 from fsdp_opt.planner.inputs import CUDA_CONTEXT_BYTES, FRAGMENTATION, NCCL_BUFFER_BYTES, Inputs, shard_factor
 from fsdp_opt.planner.memory import layer_bytes, mask_bytes

@@ -11,6 +11,7 @@ from typing import Any
 from fsdp_opt.base import ConfigError, gib
 from fsdp_opt.config.choices import AUTO, STRATEGIES
 from fsdp_opt.config.parse import Config
+from fsdp_opt.data.prompts import generation_slices
 from fsdp_opt.model.shapes import Shape
 from fsdp_opt.planner.calibrate import measure
 from fsdp_opt.planner.generation import gathered_fits, with_generation
@@ -38,6 +39,7 @@ class Layout:
     cpu_offload: bool = False
     reduce_dtype: str = "fp32"  # --reduce_dtype, with auto decided
     searched: bool = False  # --batch_size auto chose it
+    gathered: bool = True  # a method that samples: generation on the model gathered once (else on its shards)
 
     def decided(self) -> dict[str, Any]:
         """The flags this layout decides, with their values: what the run prints and stores in place of the flags."""
@@ -98,11 +100,37 @@ def choose_layout(
     precision: str,
     accum_steps: int | None,
     gpu: tuple[int, str] | None = None,
+    beside: Any = None,
 ) -> Layout:
-    """Decide what the flags leave open. `gpu` is this GPU's (usable memory in bytes, name), from
-    `distributed.cap_gpu_memory`; None without one. `accum_steps`: the flags' (None with --batch_size auto). The
-    config is only read: what is decided comes back as the Layout. Every rank calls it (a CPU run with
-    --batch_size auto measures its rates with all ranks)."""
+    """Decide what the flags leave open, once, with the method's phases: a method that samples gets where it
+    generates (the model gathered once, or its shards) and its step's prediction with its generation and the forward
+    of a model kept beside (`beside`: that model's config, where it is another one: a teacher). `gpu` is this GPU's
+    (usable memory in bytes, name), from `distributed.cap_gpu_memory`; None without one. `accum_steps`: the flags'
+    (None with --batch_size auto). The config is only read: what is decided comes back as the Layout. Every rank
+    calls it (a CPU run with --batch_size auto measures its rates with all ranks)."""
+    layout = training_layout(config, env, model_config, precision, accum_steps, gpu)
+    if not config.method.spec.generates:
+        return layout
+    global_batch = layout.batch_size * env.world_size * layout.accum_steps
+    gathered = gathered_generation_fits(config, env, model_config, precision, global_batch)
+    settings = config.method.settings
+    slices = generation_slices(getattr(settings, "steps_per_generation", None), layout.accum_steps)
+    layout = dataclasses.replace(layout, gathered=gathered)
+    graphs = settings.decoding == "graphs" and env.device.type == "cuda"
+    return with_generation_phase(
+        layout, config, env, model_config, precision, global_batch, gathered, graphs, slices, beside
+    )
+
+
+def training_layout(
+    config: Config,
+    env: DistEnv,
+    model_config: Any,
+    precision: str,
+    accum_steps: int | None,
+    gpu: tuple[int, str] | None = None,
+) -> Layout:
+    """The training step's layout: what the flags leave open of it."""
     if config.train.batch_size == AUTO:
         return searched_layout(config, env, model_config, precision, gpu)
     pc, tc = config.parallel, config.train
@@ -285,12 +313,12 @@ def with_generation_phase(
         inputs,
         global_batch,
         m.completions_per_prompt,
-        m.max_completion_length,
+        m.settings.max_completion_length,
         m.uses_reference or m.spec.teacher,  # a model kept beside, its forward on the completions
         gathered,
         graphs=graphs,
         steps_per_generation=slices,
-        iterations=m.num_iterations,
+        iterations=getattr(m.settings, "num_iterations", 1),
         beside=Shape.of(beside_config) if beside_config is not None else None,
     )
     return dataclasses.replace(layout, prediction=prediction)

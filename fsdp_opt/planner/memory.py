@@ -4,7 +4,7 @@ of it: the peak, the largest micro-batch that fits, whether gradients must be re
 
 from __future__ import annotations
 
-from fsdp_opt.config.specs import spec
+from fsdp_opt.config.methods import spec
 from fsdp_opt.model.shapes import Shape
 from fsdp_opt.planner.inputs import (
     CUDA_CONTEXT_BYTES,

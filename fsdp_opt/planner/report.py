@@ -12,7 +12,7 @@ from typing import Any
 
 from fsdp_opt.base import gib
 from fsdp_opt.config.choices import STRATEGIES
-from fsdp_opt.config.specs import GENERATION, REFERENCE_PASS, spec
+from fsdp_opt.config.methods import GENERATION, REFERENCE_PASS, spec
 from fsdp_opt.model.shapes import Shape, model_config
 from fsdp_opt.planner.disk import disk_and_hub, disk_line
 from fsdp_opt.planner.dpo import reference_line, reference_pass

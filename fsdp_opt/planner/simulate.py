@@ -35,7 +35,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp_opt.config.choices import DTYPES, shard_count
 from fsdp_opt.config.layout import LoraConfig
-from fsdp_opt.config.specs import spec
+from fsdp_opt.config.methods import spec
 from fsdp_opt.data.packing import document_mask, segment_positions
 from fsdp_opt.data.pairs import Pairs
 from fsdp_opt.engine.dpo import dpo_terms
@@ -45,9 +45,9 @@ from fsdp_opt.engine.loss import HeadLoss, forward_loss_sum
 from fsdp_opt.engine.microbatches import run_micro_batches
 from fsdp_opt.engine.optim import build_optimizer, create_state
 from fsdp_opt.model.adapters import Adapters
+from fsdp_opt.model.loader import meta_model
 from fsdp_opt.model.parallelize import shard_model
 from fsdp_opt.model.shapes import model_config
-from fsdp_opt.model.sources import build_meta_model
 from fsdp_opt.runtime.distributed import DistEnv
 
 # Groups compared with the plan: simulated labels on the left, the plan's components on the right.
@@ -158,7 +158,7 @@ def _meta_model(model_name: str, inputs):  # noqa: ANN001, ANN202
     config = model_config(model_name)
     if inputs.attn_implementation:
         config._attn_implementation = inputs.attn_implementation
-    return config, build_meta_model(config)
+    return config, meta_model(config)
 
 
 def _optimizer_bytes(optimizer) -> int:  # noqa: ANN001

@@ -23,7 +23,7 @@ from typing import Any
 
 from fsdp_opt.base import gib
 from fsdp_opt.config.choices import HOST_LINK_GBPS, HOST_OPTIMIZER_GBPS, T4_HBM_GBPS, T4_LINK_GBPS, T4_TFLOPS
-from fsdp_opt.config.specs import SECOND_FORWARD, spec
+from fsdp_opt.config.methods import SECOND_FORWARD, spec
 from fsdp_opt.planner.calibrate import ADAMW_BYTES_PER_PARAM
 from fsdp_opt.planner.inputs import Inputs, shard_factor
 from fsdp_opt.planner.lora import adapter_dims, adapter_params, block_base_bytes

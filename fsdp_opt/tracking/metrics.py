@@ -29,7 +29,7 @@ METRICS_FIELDS = (
     "slice",  # the rows this session trains, "start-end"
     "skipped_rate",  # share of the last 20 steps (fewer at the start) skipped for a non-finite gradient (fp16 overflow)
 )
-# A method's own fields follow these (its spec's `fields`: config/specs.py).
+# A method's own fields follow these (its spec's `fields`: config/methods/).
 COMPLETIONS_FILE = "completions.jsonl"  # --method grpo: one line per completion: step, row, prompt, completion, ...
 
 

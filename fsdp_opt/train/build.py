@@ -1,9 +1,12 @@
 """Building a session in a fixed order: check the flags -> read the checkpoint to resume -> read model config,
-tokenizer and data -> build the model (meta, adapters, layout, shard, weights) -> optimizer, scaler, schedule and
-position -> the side work (summary, fp16 probe, uploads, W&B). Every step is agreed across ranks."""
+tokenizer and data -> decide the layout -> the method's components that come before the model (a reference pass) ->
+build the model (model/loader.py) -> the components that need it (a model kept beside, the decoding) -> the method's
+loss and scorer -> optimizer, scaler, schedule and the position (a checkpoint restored) -> the session, then its side
+work (summary, fp16 probe, uploads, W&B). Every step is agreed across ranks; the session is made once, at the end."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,9 +17,11 @@ from torch import nn
 from fsdp_opt.base import ConfigError
 from fsdp_opt.checkpoint.drift import CHANGES_KEY
 from fsdp_opt.checkpoint.read import check_compatible
-from fsdp_opt.checkpoint.resume import Resume
+from fsdp_opt.checkpoint.resume import Resume, position, slice_key
 from fsdp_opt.checkpoint.save import BackgroundWriter
-from fsdp_opt.config.choices import AUTO, DTYPES, shard_count
+from fsdp_opt.config.choices import AUTO, DTYPES
+from fsdp_opt.config.layout import LoraConfig
+from fsdp_opt.config.methods import TEACHER, MethodSpec
 from fsdp_opt.config.parse import Config
 from fsdp_opt.data.pin import packed_as, pinned_revision, with_range
 from fsdp_opt.data.prompts import check_groups, generation_slices
@@ -29,28 +34,27 @@ from fsdp_opt.engine.step import TrainState, first_batch_loss
 from fsdp_opt.hub.lease import Lease
 from fsdp_opt.hub.store import read_resume
 from fsdp_opt.model.adapters import KEY, Adapters, check_resume
-from fsdp_opt.model.parallelize import fp32_products_on_cpu, initialize, resolve_precision, shard_model, tie_and_check
+from fsdp_opt.model.loader import Build, Loaded, load_model, meta_model
+from fsdp_opt.model.parallelize import resolve_precision, tie_and_check
 from fsdp_opt.model.shapes import count_params, flops_per_token
-from fsdp_opt.model.sources import ModelSource, build_meta_model, model_tag, resolve_model
+from fsdp_opt.model.sources import ModelSource, load_model_config, model_tag, resolve_model
 from fsdp_opt.planner.layout import Layout, choose_layout
-from fsdp_opt.runtime.distributed import (
-    DistEnv,
-    all_ranks_ok,
-    broadcast_object,
-    cap_gpu_memory,
-    print0,
-)
+from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, broadcast_object, cap_gpu_memory, print0
 from fsdp_opt.runtime.gpus import peak_flops
 from fsdp_opt.runtime.hostmem import release_host_memory
 from fsdp_opt.runtime.torchao_gate import check_for_nf4
 from fsdp_opt.tracking.metrics import MetricsWriter
 from fsdp_opt.tracking.wandb_run import WandbRun
+from fsdp_opt.train import components as parts_of
 from fsdp_opt.train.chain import start_status
-from fsdp_opt.train.inputs import Loaded, check_pin, read_inputs, refuse_changed_mixture_now
+from fsdp_opt.train.components import Components, Setup
+from fsdp_opt.train.inputs import Inputs, check_pin, read_inputs, refuse_changed_mixture_now
 from fsdp_opt.train.methods import Method, method_for
+from fsdp_opt.train.methods.base import PlanInput, RunParts
 from fsdp_opt.train.publish import start_uploader
+from fsdp_opt.train.reference import Frozen
 from fsdp_opt.train.saving import uses_async_save
-from fsdp_opt.train.session import Session, seed_dropout, step_plan
+from fsdp_opt.train.session import Position, Session, seed_dropout
 from fsdp_opt.train.summary import print_summary
 
 
@@ -61,27 +65,13 @@ class Checked:
     source: ModelSource
     precision: str  # --precision, with auto decided for this device
     accum_steps: int | None  # --accum_steps, or what --global_batch implies for this many ranks (None: auto decides)
-
-
-@dataclass
-class Built:
-    """The sharded model with its weights in place, and what building it decided."""
-
-    model: nn.Module
-    adapters: Adapters | None
-    layout: Layout
-    block_classes: set[type]
-    units: int
-    head_loss: HeadLoss | None
-    n_params: int  # of the model without adapters
-    flops_per_token: float
+    method: Method  # the run's method, with its settings
+    components: Components  # what its flags name, had (its reward functions)
 
 
 def setup(config: Config, env: DistEnv, checked: Checked | None = None, lease: Lease | None = None) -> Session:
-    """The fixed order: check the flags (unless `run` did) -> read the checkpoint to resume -> read model config,
-    tokenizer and data -> build the model (meta, adapters, layout, shard, weights) -> optimizer and position -> the
-    session and its side work (summary, fp16 probe, uploads, W&B). Every step is agreed across ranks: a user error
-    anywhere stops all."""
+    """The fixed order (this module's docstring). Every step is agreed across ranks: a user error anywhere stops
+    all."""
     checked = checked or check_flags(config, env)
     read_started = time.perf_counter()
     payload = all_ranks_ok(
@@ -101,7 +91,7 @@ def setup(config: Config, env: DistEnv, checked: Checked | None = None, lease: L
     pin = resume.pin
     # a Hub dataset is read at the revision the chain recorded, unless --dataset_revision names one
     revision = broadcast_object(config.data.dataset_revision or pinned_revision(pin, DataSource.of(config.data)))
-    method = method_for(config)
+    method = checked.method
     inputs = read_inputs(config, checked.source, method, revision, pin)
     data_source = all_ranks_ok(
         lambda: (
@@ -110,50 +100,136 @@ def setup(config: Config, env: DistEnv, checked: Checked | None = None, lease: L
             else None
         )
     )
-    # what the flags leave open, decided before anything is loaded: a method's work before the model (a reference
-    # pass) may score the micro-batches training will run
+    # what the flags leave open, decided before anything is loaded, with the method's phases (a generation, a model
+    # beside): a method's work before the model (a reference pass) may score the micro-batches training will run
+    beside = beside_config(config, method.spec, env)
     layout = all_ranks_ok(
         lambda: choose_layout(
-            config, env, inputs.model_config, checked.precision, checked.accum_steps, gpu=cap_gpu_memory(config, env)
+            config,
+            env,
+            inputs.model_config,
+            checked.precision,
+            checked.accum_steps,
+            gpu=cap_gpu_memory(config, env),
+            beside=beside,
         )
     )
-    method.before_model(inputs.data, env, resume.payload, checked.precision, inputs.tokenizer, layout)
-    built = build_model(config, env, checked, inputs, resume.payload, method, layout)
-    session = make_session(config, env, checked, inputs, built, method)
-    method.after_model(session)
-    session.lease = lease
-    session.data_revision = revision
+    data = inputs.data
+    plan = method.plan(
+        data.blocks, PlanInput(layout.batch_size, layout.accum_steps, env.rank, env.world_size, config.train.seed)
+    )
+    made = Setup(
+        env=env,
+        model_name=config.model.model,
+        model_config=inputs.model_config,
+        tokenizer=inputs.tokenizer,
+        lora=config.lora.enabled,
+        sequences=data.blocks,
+        held_out=data.eval_blocks,
+        plan=plan,
+        epochs=trained_epochs(config, env, resume, inputs),
+        batch_size=layout.batch_size,
+        gather=layout.gathered,
+        allow_changes=config.checkpoint.allow_changes,
+    )
+    how = Frozen(
+        env,
+        checked.precision,
+        layout.strategy,
+        inputs.tokenizer,
+        config.model.model,
+        config.model.attn_implementation,
+        config.train.seed,
+    )
+    components = parts_of.before_model(checked.components, how, resume.payload, made)
+    built, adapters, n_params, fpt = build_model(config, env, checked, inputs, resume.payload, method.spec, layout)
+    head_loss = all_ranks_ok(lambda: HeadLoss.for_run(built.model, layout.loss_chunk_tokens))
+    components = parts_of.after_model(components, built.model, head_loss, how, made)
+    parts = RunParts(
+        env,
+        inputs.model_config,
+        inputs.tokenizer,
+        head_loss,
+        data.blocks,
+        data.eval_blocks,
+        layout.batch_size,
+        components,
+    )
+    loss = method.loss(parts)
+    scorer = method.scorer(parts) if data.eval_blocks is not None else None
+    model = built.model
+    tc = config.train
+    optimizer = build_optimizer(model, tc.lr, tc.weight_decay, env.device)
+    scaler = LossScaler(enabled=checked.precision == "fp16", init_scale=tc.init_loss_scale)
+    seed_dropout(config, env)
+    state, changes, run_id, saved_chain = TrainState(epoch=tc.initial_epoch), [], None, None
+    if resume.resuming:
+        changes = resume.record_changes(config, plan.global_batch, env)
+        state = resume.restore_into(
+            model,
+            optimizer,
+            scaler,
+            config,
+            env,
+            data.end_idx,
+            len(data.blocks),
+            data.spec.key(data.train_on),
+            inputs.tokenizer.chat_template,
+        )
+        run_id, saved_chain = resume.handover(env)
+    data_pin = None
     if env.is_main:
-        d = inputs.data
-        session.data_pin = with_range(
+        data_pin = with_range(
             pin,
             data_source,
             config.data.start_idx,
-            d.end_idx,
-            d.rows_digest,
-            d.tokens_digest,
+            data.end_idx,
+            data.rows_digest,
+            data.tokens_digest,
             packed_as(config.data.max_length, config.data.packing),
         )
-    run_id, saved_chain = None, None
-    if resume.resuming:
-        session.settings_changes = resume.record_changes(config, session.plan.global_batch, env)
-        session.state = resume.restore_into(
-            built.model,
-            session.optimizer,
-            session.scaler,
-            config,
-            env,
-            inputs.data.end_idx,
-            len(inputs.data.blocks),
-            session.rows,
-            session.chat_template,
-        )
-        run_id, saved_chain = resume.handover(env)
-    session.chain = start_status(session, saved_chain, inputs.data.rows)
-    session.chain_seconds_before = session.chain.train_seconds
-    tie_and_check(built.model)
-    built.model.train()
-    start_side_work(session, built, run_id, inputs.bf16_pretrained)
+    chain = start_status(config, data.end_idx, state, plan, saved_chain, data.rows)
+    tie_and_check(model)
+    model.train()
+    out_dir = Path(config.checkpoint.output_dir)
+    session = Session(
+        config=config,
+        env=env,
+        model=model,
+        optimizer=optimizer,
+        schedule=LRSchedule(tc.lr, tc.warmup_steps, tc.lr_schedule, tc.lr_decay_steps, tc.min_lr_ratio),
+        scaler=scaler,
+        blocks=data.blocks,
+        plan=plan,
+        writer=MetricsWriter(out_dir, enabled=env.is_main),
+        tag=model_tag(config.model.model),
+        end_idx=data.end_idx,
+        precision=checked.precision,
+        layout=layout,
+        flops_per_token=fpt,
+        peak_flops=peak_flops(env.device),
+        out_dir=out_dir,
+        model_config=inputs.model_config,
+        tokenizer=inputs.tokenizer,
+        method=method,
+        components=components,
+        loss=loss,
+        position=Position(state, chain, chain_seconds_before=chain.train_seconds),
+        scorer=scorer,
+        n_params=n_params,
+        params=[p for p in model.parameters() if p.requires_grad],
+        eval_blocks=data.eval_blocks,
+        eval_label=data.eval_label,
+        head_loss=head_loss,
+        rows=data.spec.key(data.train_on),
+        lora=adapters.identity() if adapters else None,
+        settings_changes=changes,
+        data_pin=data_pin,
+        data_revision=revision,
+        lease=lease,
+        ckpt_writer=BackgroundWriter() if uses_async_save(config, env.device.type) else None,
+    )
+    session = start_side_work(session, built, run_id, inputs.bf16_pretrained)
     release_host_memory()  # every rank: what reading the weights (and a checkpoint) left, so the steps start clean
     return session
 
@@ -176,131 +252,119 @@ def check_flags(config: Config, env: DistEnv) -> Checked:
     # anything is built
     all_ranks_ok(lambda: check_exists(DataSource.of(config.data), config.data.eval_split) if env.is_main else None)
     all_ranks_ok(lambda: refuse_changed_mixture_now(config) if env.is_main else None)
-    method_for(config).check()
+    method = method_for(config.method)
+    components = parts_of.check(method.spec, method.settings, env)
     auto = config.train.batch_size == AUTO
-    if config.method.spec.generates:  # a step's completions: whole groups of --num_generations
-        check_groups(config.train.samples_per_step(env.world_size), config.method.completions_per_prompt)
-        generation_slices(config.method.steps_per_generation, None if auto else config.train.accum_for(env.world_size))
-    return Checked(source, precision, None if auto else config.train.accum_for(env.world_size))
+    if method.spec.generates:  # a step's completions: whole groups of --num_generations
+        settings = method.settings
+        check_groups(config.train.samples_per_step(env.world_size), settings.completions_per_prompt)
+        generation_slices(
+            getattr(settings, "steps_per_generation", None), None if auto else config.train.accum_for(env.world_size)
+        )
+    return Checked(source, precision, None if auto else config.train.accum_for(env.world_size), method, components)
+
+
+def beside_config(config: Config, spec: MethodSpec, env: DistEnv) -> Any:  # noqa: ANN401
+    """The config of the model a method keeps beside the trained one where it is another model (a teacher): the
+    layout counts its memory and its forward at its own size."""
+    if TEACHER not in spec.needs:
+        return None
+    name = config.method.settings.teacher_model
+    return all_ranks_ok(lambda: load_model_config(resolve_model(name), config.model.attn_implementation))
+
+
+def trained_epochs(config: Config, env: DistEnv, resume: Resume, inputs: Inputs) -> range:
+    """The epochs of the slice this session trains: from the checkpoint's own (a resume inside the slice) or the
+    first, one for a range of an auto chain."""
+
+    def first() -> int:
+        if resume.payload is None:
+            return config.train.initial_epoch
+        d = inputs.data
+        here = slice_key(config, d.end_idx, len(d.blocks), d.spec.key(d.train_on), inputs.tokenizer.chat_template)
+        return position(config, resume.payload, here, len(d.blocks))[0].epoch
+
+    start = broadcast_object(first() if env.is_main else None)
+    return range(start, start + (1 if config.data.range_size is not None else config.train.num_epochs))
+
+
+def lora_settings(spec: MethodSpec, lc: LoraConfig) -> LoraConfig:
+    """The LoRA settings the run builds its adapters with: no adapter dropout either where the method trains without
+    dropout (unless --lora_dropout gives one)."""
+    if spec.dropout or not lc.enabled or lc.lora_dropout is not None:
+        return lc
+    return dataclasses.replace(lc, lora_dropout=0.0)
 
 
 def build_model(
     config: Config,
     env: DistEnv,
     checked: Checked,
-    inputs: Loaded,
+    inputs: Inputs,
     payload: dict[str, Any] | None,
-    method: Method,
+    spec: MethodSpec,
     layout: Layout,
-) -> Built:
-    """Meta model -> adapters -> resume checks (rank 0 holds the payload) -> shard in the layout (with activation
-    checkpointing) -> weights."""
-    mc, tc, pc, lc = config.model, config.train, config.parallel, config.lora
+) -> tuple[Loaded, Adapters | None, int, float]:
+    """The trainable model (model/loader.py), sharded in the layout, its weights in place (a LoRA run: its base from
+    --model; the checkpoint's state is loaded once the optimizer exists); with its adapters, the parameters of the
+    model without them, and its training FLOPs per token. A resumed checkpoint is checked against the skeleton."""
+    mc, tc, pc = config.model, config.train, config.parallel
+    lc = lora_settings(spec, config.lora)
     resuming = bool(config.checkpoint.resume_file)
-    model = build_meta_model(inputs.model_config)
-    n_params = count_params(model)  # the model's own, before any adapters
-    fpt = flops_per_token(model, config.data.max_length, frozen_base=lc.enabled)
-    lc = method.lora(lc)
+    skeleton = meta_model(inputs.model_config, spec.head)
+    n_params = count_params(skeleton)  # the model's own, before any adapters
+    fpt = flops_per_token(skeleton, config.data.max_length, frozen_base=lc.enabled)
+    del skeleton
     adapters = Adapters(lc, mc.model, DTYPES[checked.precision], tc.seed) if lc.enabled else None
-    if adapters is not None:
-        shards = shard_count(layout.strategy, env.world_size, env.local_world_size)
-        all_ranks_ok(lambda: adapters.add_to(model, shards))
-    head_loss = all_ranks_ok(lambda: HeadLoss.for_run(model, layout.loss_chunk_tokens))
-    if resuming:
 
-        def check() -> None:
+    def check(model: nn.Module) -> None:
+        if not resuming:
+            return
+
+        def on_main() -> None:
             path = Path(payload["_path"])
             same_base = check_resume(payload.get(KEY), adapters.identity() if adapters else None, path)
             if adapters is None or same_base:  # else checked once the base is read
                 check_compatible(payload, model, path)
 
-        all_ranks_ok(lambda: check() if env.is_main else None)
-    block_classes, units = shard_model(
-        model,
-        env,
-        strategy=layout.strategy,
-        precision=checked.precision,
-        reduce_dtype=layout.reduce_dtype,
-        activation_checkpointing=layout.activation_checkpointing,
-        offload=layout.cpu_offload,
-        compile_blocks=pc.compile,
-        prefetch=pc.prefetch,
-        ignored=adapters.unsharded(model) if adapters else None,
-    )
-    fp32_products_on_cpu(model, env.device, checked.precision)
-    # A LoRA run always loads its base from --model; a checkpoint holds only the adapters.
-    initialize(
-        model,
-        env,
+        all_ranks_ok(lambda: on_main() if env.is_main else None)
+
+    build = Build(
         checked.source,
         inputs.model_config,
+        checked.precision,
+        layout.strategy,
         tc.seed,
+        head=spec.head,
+        adapters=adapters,
+        # A LoRA run always loads its base from --model; a checkpoint holds only the adapters.
         weights=not resuming or adapters is not None,
-        loader=adapters.load_weights if adapters else None,
-        **(adapters.load_options() if adapters else {}),
+        activation_checkpointing=layout.activation_checkpointing,
+        reduce_dtype=layout.reduce_dtype,
+        offload=layout.cpu_offload,
+        compile=pc.compile,
+        prefetch=pc.prefetch,
     )
-    if adapters is not None:
-        adapters.share_fingerprint(env)
-        if resuming:
+    built = load_model(build, env, check)
+    if adapters is not None and resuming:
 
-            def check_base() -> None:
-                path = Path(payload["_path"])
-                check_resume(payload.get(KEY), adapters.identity(), path)
-                check_compatible(payload, model, path)
+        def check_base() -> None:
+            path = Path(payload["_path"])
+            check_resume(payload.get(KEY), adapters.identity(), path)
+            check_compatible(payload, built.model, path)
 
-            all_ranks_ok(lambda: check_base() if env.is_main else None)
-    return Built(model, adapters, layout, block_classes, units, head_loss, n_params, fpt)
-
-
-def make_session(
-    config: Config, env: DistEnv, checked: Checked, inputs: Loaded, built: Built, method: Method
-) -> Session:
-    """Optimizer, loss scaler, schedule and the data order around the built model; the position starts fresh."""
-    tc = config.train
-    model = built.model
-    optimizer = build_optimizer(model, tc.lr, tc.weight_decay, env.device)
-    seed_dropout(config, env)
-    out_dir = Path(config.checkpoint.output_dir)
-    return Session(
-        config=config,
-        env=env,
-        model=model,
-        optimizer=optimizer,
-        schedule=LRSchedule(tc.lr, tc.warmup_steps, tc.lr_schedule, tc.lr_decay_steps, tc.min_lr_ratio),
-        scaler=LossScaler(enabled=checked.precision == "fp16", init_scale=tc.init_loss_scale),
-        blocks=inputs.data.blocks,
-        plan=step_plan(config, env, method, inputs.data.blocks, built.layout.batch_size, built.layout.accum_steps),
-        method=method,
-        state=TrainState(epoch=tc.initial_epoch),
-        writer=MetricsWriter(out_dir, enabled=env.is_main),
-        tag=model_tag(config.model.model),
-        end_idx=inputs.data.end_idx,
-        precision=checked.precision,
-        layout=built.layout,
-        flops_per_token=built.flops_per_token,
-        peak_flops=peak_flops(env.device),
-        out_dir=out_dir,
-        model_config=inputs.model_config,
-        tokenizer=inputs.tokenizer,
-        n_params=built.n_params,
-        params=[p for p in model.parameters() if p.requires_grad],
-        eval_blocks=inputs.data.eval_blocks,
-        eval_label=inputs.data.eval_label,
-        head_loss=built.head_loss,
-        rows=inputs.data.spec.key(inputs.data.train_on),
-        lora=built.adapters.identity() if built.adapters else None,
-        ckpt_writer=BackgroundWriter() if uses_async_save(config, env.device.type) else None,
-    )
+        all_ranks_ok(lambda: check_base() if env.is_main else None)
+    return built, adapters, n_params, fpt
 
 
-def start_side_work(s: Session, built: Built, run_id: str | None, bf16_pretrained: bool) -> None:
+def start_side_work(s: Session, built: Loaded, run_id: str | None, bf16_pretrained: bool) -> Session:
     """The summary, the fp16 overflow probe, the Hub uploader (rank 0) and the W&B run."""
     config, env = s.config, s.env
     print_summary(s, built.block_classes, built.units, s.n_params)
-    probe = overflow_probe(bf16_pretrained, s.precision, lambda: first_batch_loss(s), config.model.model)
+    probe = overflow_probe(bf16_pretrained, s.precision, lambda: first_batch_loss(s, s.blocks), config.model.model)
     if probe:
         print0(probe)
-    s.uploader = all_ranks_ok(lambda: start_uploader(s) if env.is_main and config.hub.hf_repo else None)
+    uploader = all_ranks_ok(lambda: start_uploader(s) if env.is_main and config.hub.hf_repo else None)
     wc = config.wandb
     wandb_config = {
         **s.flags(),
@@ -309,7 +373,7 @@ def start_side_work(s: Session, built: Built, run_id: str | None, bf16_pretraine
         "parameters": s.n_params,
         CHANGES_KEY: s.settings_changes,
     }
-    s.wandb = WandbRun(
+    wandb = WandbRun(
         enabled=env.is_main,
         project=wc.wandb_project,
         mode=wc.wandb_mode,
@@ -317,3 +381,4 @@ def start_side_work(s: Session, built: Built, run_id: str | None, bf16_pretraine
         config=wandb_config,
         out_dir=s.out_dir,
     )
+    return dataclasses.replace(s, uploader=uploader, wandb=wandb)

@@ -26,9 +26,11 @@ from fsdp_opt.hub.lease import FileLease, HubLease, Lease, Outcome, hold_seconds
 from fsdp_opt.hub.store import HubStore, newest_checkpoint, newest_pin
 from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, broadcast_object, print0
 from fsdp_opt.runtime.stopping import StopControl
+from fsdp_opt.train.components import Setup, for_range
 from fsdp_opt.train.inputs import SliceData, read_slice, refuse_changed_mixture
+from fsdp_opt.train.methods.base import PlanInput, RunParts
 from fsdp_opt.train.saving import save_estimate
-from fsdp_opt.train.session import Session, seed_dropout, step_plan
+from fsdp_opt.train.session import Session, seed_dropout
 
 MARGIN_S = 10.0  # seconds kept free at the end of --time_limit, as the stop rule keeps them
 
@@ -137,36 +139,40 @@ def range_fits(steps: int, step_seconds: float, save_seconds: float, seconds_lef
     return seconds_left is None or steps * step_seconds + save_seconds + MARGIN_S <= seconds_left
 
 
-def next_in_session(s: Session, stop: StopControl, trained_here: int) -> bool:
-    """After a finished range: start the next one in this process when --session_ranges and --time_limit allow it.
-    Every rank calls this at the same point; the decisions are agreed."""
+def next_in_session(s: Session, stop: StopControl, trained_here: int) -> Session | None:
+    """After a finished range: the session of the next one, in this process, when --session_ranges and --time_limit
+    allow it (None: the session ends here). Every rank calls this at the same point; the decisions are agreed."""
     dc = s.config.data
     if dc.range_size is None or s.chain is None:
-        return False
+        return None
     after = s.chain.following()
     if after is None:
         print0("chain: done: every pass over the data is trained")
-        return False
+        return None
     if dc.session_ranges and trained_here >= dc.session_ranges:
         print0(
             f"chain: {trained_here} range(s) this session (--session_ranges {dc.session_ranges}); the next session "
             f"goes on with [{after[0]}, {after[1]})"
         )
-        return False
+        return None
     reason = stop.check(save_estimate(s))
     if reason:
         print0(f"chain: {reason}: the next session goes on with [{after[0]}, {after[1]})")
-        return False
-    why_not = s.method.further_range(s)
+        return None
+    why_not = s.components.further_range()
     if why_not:
         print0(f"chain: {why_not}: the next session goes on with [{after[0]}, {after[1]})")
-        return False
+        return None
+    p = s.position
     config = range_config(
-        s.config, NextRange(*after, resume=s.last_saved_path.name if s.last_saved_path else None, finishing=False)
+        s.config, NextRange(*after, resume=p.last_saved_path.name if p.last_saved_path else None, finishing=False)
     )
     data = read_slice(config, s.tokenizer, s.model_config, s.method, s.data_revision, s.data_pin)
-    steps = step_plan(config, s.env, s.method, data.blocks, s.layout.batch_size, s.accum_steps).steps_per_epoch()
-    step_s = statistics.median(s.step_seconds) if s.step_seconds else 0.0
+    plan = s.method.plan(
+        data.blocks, PlanInput(s.layout.batch_size, s.accum_steps, s.env.rank, s.env.world_size, config.train.seed)
+    )
+    steps = plan.steps_per_epoch()
+    step_s = statistics.median(p.step_seconds) if p.step_seconds else 0.0
     left = stop.seconds_left()
     fits = broadcast_object(range_fits(steps, step_s, save_estimate(s), left) if s.env.is_main else None)
     if not fits:
@@ -175,56 +181,84 @@ def next_in_session(s: Session, stop: StopControl, trained_here: int) -> bool:
             f"{step_s:.2f} s per step, then a save), does not fit in the {left / 60:,.1f} min left of --time_limit; "
             "the next session starts it"
         )
-        return False
-    switch_range(s, config, data)
-    s.method.switch_range(s, data)
-    return True
+        return None
+    return switch_range(s, config, data, plan)
 
 
-def switch_range(s: Session, config: Config, data: SliceData) -> None:
-    """Point the session at the next range, as a new session resuming from the last checkpoint would start it."""
-    s.config = config
-    s.blocks, s.end_idx, s.eval_blocks, s.eval_label = data.blocks, data.end_idx, data.eval_blocks, data.eval_label
-    if s.data_pin is not None:  # rank 0
-        s.data_pin = with_range(
-            s.data_pin,
-            s.data_pin["source"],
+def switch_range(s: Session, config: Config, data: SliceData, plan) -> Session:  # noqa: ANN001
+    """The session of the next range, as a new session resuming from the last checkpoint would start it: its rows,
+    plan and position, the method's loss and scorer for them; the model, optimizer, uploader and W&B run go on."""
+    data_pin = s.data_pin
+    if data_pin is not None:  # rank 0
+        data_pin = with_range(
+            data_pin,
+            data_pin["source"],
             config.data.start_idx,
             data.end_idx,
             data.rows_digest,
             data.tokens_digest,
             packed_as(config.data.max_length, config.data.packing),
         )
-    s.plan = step_plan(config, s.env, s.method, data.blocks, s.layout.batch_size, s.accum_steps)
-    s.state = TrainState(s.state.global_step, config.train.initial_epoch, 0)
+    state = TrainState(s.state.global_step, config.train.initial_epoch, 0)
     seed_dropout(config, s.env)
-    s.chain = dataclasses.replace(s.chain, start=config.data.start_idx, end=data.end_idx)
-    s.chain.move_to(s.state.epoch, 0, s.plan.num_samples)
+    chain = dataclasses.replace(s.chain, start=config.data.start_idx, end=data.end_idx)
+    chain.move_to(state.epoch, 0, plan.num_samples)
+    made = Setup(
+        env=s.env,
+        model_name=config.model.model,
+        model_config=s.model_config,
+        tokenizer=s.tokenizer,
+        lora=s.lora is not None,
+        sequences=data.blocks,
+        held_out=data.eval_blocks,
+        plan=plan,
+        epochs=range(state.epoch, state.epoch + 1),
+        batch_size=s.layout.batch_size,
+        gather=s.layout.gathered,
+    )
+    components = for_range(s.components, s.model, made)
+    parts = RunParts(
+        s.env, s.model_config, s.tokenizer, s.head_loss, data.blocks, data.eval_blocks, s.layout.batch_size, components
+    )
     print0(
         f"next range in this session: rows [{config.data.start_idx}, {data.end_idx}) -> {len(data.blocks)} blocks, "
-        f"{s.plan.steps_per_epoch()} steps, from global step {s.state.global_step}"
+        f"{plan.steps_per_epoch()} steps, from global step {state.global_step}"
     )
-    print0(s.chain.line())
+    print0(chain.line())
+    return dataclasses.replace(
+        s,
+        config=config,
+        blocks=data.blocks,
+        plan=plan,
+        end_idx=data.end_idx,
+        eval_blocks=data.eval_blocks,
+        eval_label=data.eval_label,
+        data_pin=data_pin,
+        components=components,
+        loss=s.method.loss(parts),
+        scorer=s.method.scorer(parts) if data.eval_blocks is not None else None,
+        position=dataclasses.replace(s.position, state=state, chain=chain),
+    )
 
 
-def start_status(s: Session, saved: dict | None, rows: int) -> ChainStatus:
+def start_status(config: Config, end_idx: int, state: TrainState, plan, saved: dict | None, rows: int) -> ChainStatus:  # noqa: ANN001
     """Where the chain stands as this session starts: the counters of the resumed checkpoint (if it has them) and this
     session's range and position."""
-    dc = s.config.data
+    dc = config.data
     prev = ChainStatus.from_dict(saved)
     auto = dc.range_size is not None
     status = ChainStatus(
         rows=rows,
         start=dc.start_idx,
-        end=s.end_idx,
-        epoch=s.state.epoch,
+        end=end_idx,
+        epoch=state.epoch,
         position=float(dc.start_idx),
         ranges_done=prev.ranges_done if prev else 0,
         rows_trained=prev.rows_trained if prev else 0.0,
         train_seconds=prev.train_seconds if prev else 0.0,
         range_size=dc.range_size,
-        passes=s.config.train.num_epochs if auto else None,
-        session_seconds=s.config.checkpoint.time_limit_seconds,
+        passes=config.train.num_epochs if auto else None,
+        session_seconds=config.checkpoint.time_limit_seconds,
     )
-    status.move_to(s.state.epoch, s.state.offset, s.plan.num_samples)
+    status.move_to(state.epoch, state.offset, plan.num_samples)
     return status

@@ -17,27 +17,31 @@ from fsdp_opt.base import ConfigError
 from fsdp_opt.checkpoint.atomic import atomic_save_text
 from fsdp_opt.checkpoint.loading import load_into
 from fsdp_opt.checkpoint.read import check_compatible, read_checkpoint
-from fsdp_opt.config.choices import DTYPES, shard_count
+from fsdp_opt.config.choices import DTYPES
 from fsdp_opt.config.layout import LoraConfig
 from fsdp_opt.config.method import MethodConfig
-from fsdp_opt.config.parse import Config
-from fsdp_opt.config.specs import DEFAULT_METHOD
+from fsdp_opt.config.methods import DEFAULT_METHOD
 from fsdp_opt.config.training import DataConfig, ModelConfig
 from fsdp_opt.data.formats import held_out_rows, held_out_split, select_rows
 from fsdp_opt.data.mixture import MixtureTable
 from fsdp_opt.data.pin import PIN_KEY, pinned_revision
 from fsdp_opt.data.resolve import DataSource
+from fsdp_opt.data.sequences import Packing
 from fsdp_opt.data.sources import held_out_mixture, open_source
 from fsdp_opt.data.tokens import end_of_turn, generation_prompt, read_template
 from fsdp_opt.engine.evaluation import generate
 from fsdp_opt.hub.store import find_resume
 from fsdp_opt.model.adapters import Adapters, check_resume
 from fsdp_opt.model.families import mask_pattern
-from fsdp_opt.model.parallelize import initialize, resolve_precision, shard_model, tie_and_check
-from fsdp_opt.model.sources import build_meta_model, load_model_config, load_tokenizer, resolve_model
+from fsdp_opt.model.loader import Build, load_model, set_head
+from fsdp_opt.model.parallelize import resolve_precision
+from fsdp_opt.model.sources import ModelSource, load_model_config, load_tokenizer, resolve_model
 from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, broadcast_object, print0, rank0_first
-from fsdp_opt.train.inputs import data_spec
-from fsdp_opt.train.methods import REGISTRY, method_for
+from fsdp_opt.train.components import Setup, check, for_evaluation
+from fsdp_opt.train.inputs import data_spec, without_dropout_where
+from fsdp_opt.train.methods import method_for
+from fsdp_opt.train.methods.base import RunParts, SequenceInput
+from fsdp_opt.train.reference import Frozen
 from fsdp_opt.train.report import report_markdown
 
 DEFAULT_EVAL_ROWS = 200
@@ -67,8 +71,7 @@ def _trained_from(entries: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[s
     flags = dict(payload.get("config") or {})
     flags["chat_template_text"] = payload.get("chat_template")
     flags[PIN_KEY] = payload.get(PIN_KEY)
-    method = REGISTRY[flags.get("method") or DEFAULT_METHOD]
-    flags["reference"] = (payload.get(method.state_key) or {}).get("ref_model") if method.state_key else None
+    flags["reference"] = (payload.get(flags.get("method") or DEFAULT_METHOD) or {}).get("ref_model")
     return flags, payload.get("slice") or {}
 
 
@@ -86,19 +89,10 @@ def _find(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any
     return (entries, *_trained_from(entries))
 
 
-def _read_checked(path: Path, model: nn.Module) -> dict[str, Any]:
-    """Rank 0: a checkpoint, refused unless it fits the (meta) model."""
-
-    payload = read_checkpoint(path, "--checkpoints")
-    check_compatible(payload, model, path, "--checkpoints")
-    return payload
-
-
-def _adapters(info: dict[str, Any] | None, model: nn.Module, precision: str, env: DistEnv, strategy: str, seed: int):
-    """A LoRA checkpoint's adapters (as its run had them) added to the meta model every rank shards; None otherwise."""
+def _adapters(info: dict[str, Any] | None, precision: str, seed: int) -> Adapters | None:
+    """A LoRA checkpoint's adapters, as its run had them (None for a full checkpoint)."""
     if info is None:
         return None
-
     settings = LoraConfig(
         lora_rank=info["rank"],
         lora_alpha=info["alpha"],
@@ -106,48 +100,48 @@ def _adapters(info: dict[str, Any] | None, model: nn.Module, precision: str, env
         lora_targets=",".join(info["targets"]),
         base_bits=info.get("base_bits", 16),
     )
-    adapters = Adapters(settings, info["base"], DTYPES[precision], seed)
-    adapters.add_to(model, shard_count(strategy, env.world_size, env.local_world_size))
-    return adapters
+    return Adapters(settings, info["base"], DTYPES[precision], seed)
 
 
-def _fill(
-    model: nn.Module,
-    entry: dict[str, Any],
-    payload: dict[str, Any] | None,
-    source,
-    model_config,
-    env: DistEnv,
-    seed: int,
-    adapters: Any = None,
-) -> None:
-    """Allocate the shards of a sharded meta model and load one candidate's weights into them (a LoRA checkpoint:
-    the base from --model, checked against the base the adapters were trained on, then the adapters)."""
-
+def _candidate(
+    entry: dict[str, Any], source: ModelSource, model_config, head: str, precision: str, args, env: DistEnv
+) -> nn.Module:  # noqa: ANN001
+    """One model to score, built by the loader and filled: the base (its weights), a model folder (its own), a
+    checkpoint (a full one: its state loaded into the shards; a LoRA one: the base from --model, checked against the
+    base the adapters were trained on, then the adapters)."""
     if entry["kind"] != "ckpt":
-        weights_from = source if entry["kind"] == "base" else resolve_model(entry["path"])
-        initialize(model, env, weights_from, model_config, seed, weights=True)
-        return
-    sharded = broadcast_object(bool(payload.get("_sharded")) if env.is_main else None)
+        where = source if entry["kind"] == "base" else resolve_model(entry["path"])
+        return load_model(
+            Build(where, model_config, precision, args.sharding_strategy, args.seed, head=head), env
+        ).model
     path = Path(entry["path"])
+    payload = all_ranks_ok(lambda: read_checkpoint(path, "--checkpoints") if env.is_main else None)
+    # A LoRA checkpoint's base is built from its run's seed when the base is the built-in or a random: one.
+    info, seed = broadcast_object(
+        (payload.get("lora"), int((payload.get("config") or {}).get("seed", args.seed))) if env.is_main else None
+    )
+    adapters = _adapters(info, precision, seed)
+    build = Build(
+        source,
+        model_config,
+        precision,
+        args.sharding_strategy,
+        seed,
+        head=head,
+        adapters=adapters,
+        weights=adapters is not None,
+    )
+    check = lambda model: all_ranks_ok(  # noqa: E731
+        lambda: check_compatible(payload, model, path, "--checkpoints") if env.is_main else None
+    )
+    model = load_model(build, env, check).model
     if adapters is not None:
-        initialize(
-            model,
-            env,
-            source,
-            model_config,
-            seed,
-            weights=True,
-            loader=adapters.load_weights,
-            **adapters.load_options(),
-        )
-        adapters.share_fingerprint(env)
         all_ranks_ok(
             lambda: check_resume(payload["lora"], adapters.identity(), path, "--checkpoints") if env.is_main else None
         )
-    else:
-        initialize(model, env, source, model_config, seed, weights=False)
+    sharded = broadcast_object(bool(payload.get("_sharded")) if env.is_main else None)
     load_into(model, None, payload, env, load_optimizer=False, sharded_path=path if sharded else None)
+    return model
 
 
 # The data flags evaluate takes, or else the first checkpoint's.
@@ -188,20 +182,16 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
     if start is None and dc.eval_split is None:
         raise ConfigError("--start_idx: needed when no checkpoint says which rows it was trained on (or --eval_split)")
     pin = trained.get(PIN_KEY) if dataset == trained.get("dataset") else None
-    # the method's settings as the first checkpoint trained with them (its reward functions, ...), --method and
-    # --beta given here aside
-    settings = {f.name: trained[f.name] for f in dataclasses.fields(MethodConfig) if f.name in trained}
-    settings.update(
-        method=args.method or trained.get("method") or DEFAULT_METHOD, beta=args.beta or trained.get("beta")
+    # the method's settings as the first checkpoint trained with them (its reward functions, ...), --method and its
+    # flags given here aside (another method than the checkpoint's: its own defaults)
+    name = args.method or trained.get("method") or DEFAULT_METHOD
+    given = {k: getattr(args, k, None) for k in ("beta", "reward", "ref_model")}
+    values = {**(trained if name == trained.get("method") else {}), **{k: v for k, v in given.items() if v is not None}}
+    method = method_for(
+        MethodConfig.from_flags(name, {k: v for k, v in values.items() if k != "ref_model"}, strict=False)
     )
-    if settings["method"] != trained.get("method"):
-        settings = {k: settings[k] for k in ("method", "beta")}
-    if getattr(args, "reward", None):
-        settings["reward"] = args.reward
-    method = method_for(Config(method=MethodConfig(**settings)))
     # a built-in or random: base is made from a seed: the run's, so the base evaluated is the one it trained from
     args.seed = args.seed if args.seed is not None else int(trained.get("seed", 42))
-    beta = method.config.method.beta
     src = DataSource.of(dc, pinned_revision(pin, DataSource.of(dc)))
 
     source = all_ranks_ok(lambda: resolve_model(model_name))
@@ -244,31 +234,27 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
     end = held_out.end_idx
     packing = args.packing or ("concat" if trained.get("packing") == "concat" else "docs")
     pattern = all_ranks_ok(lambda: mask_pattern(model_config) if packing == "docs" else None)
-    method.model_config(model_config)
-    blocks = all_ranks_ok(
-        lambda: method.sequences(
-            held_out,
-            spec,
-            tokenizer,
-            train_on=train_on,
-            max_length=max_length,
-            packing=packing,
-            attention=model_config._attn_implementation,
-            pattern=pattern,
-        )
-    )
-    ref_name = method.before_scoring(
-        blocks,
-        env,
-        precision,
-        tokenizer,
-        args.batch_size,
-        model_name,
-        args.ref_model or trained.get("reference"),
-        args.sharding_strategy,
-        args.seed,
+    without_dropout_where(method.spec, model_config)
+    set_head(model_config, method.spec.head, tokenizer.pad_token_id)
+    laid = Packing(tokenizer.pad_token_id, max_length, packing, model_config._attn_implementation, pattern)
+    blocks = all_ranks_ok(lambda: method.sequences(SequenceInput(held_out, spec, tokenizer, train_on, laid)))
+    made = Setup(
+        env=env,
+        model_name=model_name,
         model_config=model_config,
+        tokenizer=tokenizer,
+        lora=False,
+        sequences=None,
+        held_out=blocks,
+        plan=None,
+        epochs=range(0),
+        batch_size=args.batch_size,
     )
+    how = Frozen(env, precision, args.sharding_strategy, tokenizer, model_name, seed=args.seed)
+    components = for_evaluation(
+        check(method.spec, method.settings, env), how, made, args.ref_model or trained.get("reference")
+    )
+    scorer = method.scorer(RunParts(env, model_config, tokenizer, None, None, blocks, args.batch_size, components))
     asked = [generation_prompt(r, spec, tokenizer) for r in held_out.rows[: args.num_prompts]]
     if args.prompts:
         asked = [(p, False, "") for p in args.prompts]
@@ -278,37 +264,13 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
     candidates = ([] if args.no_base else [{"name": f"base ({model_name})", "kind": "base"}]) + entries
     print0(
         f"evaluating {len(candidates)} model(s) on rows [{start}, {end}) ({where}) of {dataset}: "
-        f"{method.scored_what(blocks, packing, max_length, train_on)}, {env.world_size} rank(s), {precision}"
+        f"{scorer.what()}, {env.world_size} rank(s), {precision}"
     )
 
     models, samples = [], [{"prompt": p, "answer": a, "outputs": {}} for p, _, a in asked]
     for entry in candidates:
-        model = build_meta_model(model_config)
-        payload, adapters, seed = None, None, args.seed
-        if entry["kind"] == "ckpt":
-            payload = all_ranks_ok(
-                lambda: read_checkpoint(Path(entry["path"]), "--checkpoints") if env.is_main else None
-            )
-            # A LoRA checkpoint's base is built from its run's seed when the base is the built-in or a random: one.
-            info, seed = broadcast_object(
-                (payload.get("lora"), int((payload.get("config") or {}).get("seed", args.seed)))
-                if env.is_main
-                else None
-            )
-            adapters = all_ranks_ok(lambda: _adapters(info, model, precision, env, args.sharding_strategy, seed))
-            all_ranks_ok(lambda: _read_checked(Path(entry["path"]), model) if env.is_main else None)
-        shard_model(
-            model,
-            env,
-            strategy=args.sharding_strategy,
-            precision=precision,
-            activation_checkpointing=False,
-            ignored=adapters.unsharded(model) if adapters else None,
-        )
-        _fill(model, entry, payload, source, model_config, env, seed, adapters)
-        payload = None
-        tie_and_check(model)
-        result = method.score(model, blocks, args.batch_size, env)
+        model = _candidate(entry, source, model_config, method.spec.head, precision, args, env)
+        result = scorer.score(model)
         scored = result.pop("samples", None)  # completions the score was taken on (GRPO): those are shown
         if scored is not None and not args.prompts:
             by_row = {x["row"]: x["completion"] for x in scored}
@@ -329,7 +291,7 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
                 rendered=rendered,
                 stop=stop,
             )
-        print0(f"  {entry['name']}: {method.score_line(result)}")
+        print0(f"  {entry['name']}: {scorer.line(result)}")
         models.append({"name": entry["name"], "kind": entry["kind"], "path": entry.get("path"), **result})
         for sample, text in zip(samples, texts_out):
             sample["outputs"][entry["name"]] = text
@@ -345,8 +307,9 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
         "split": where,
         "dataset": dataset,
         "method": method.name,
-        "reference": ref_name,
-        "beta": beta,
+        "reference": components.reference.name if components.reference else None,
+        "beta": getattr(method.settings, "beta", None),
+        "settings": dataclasses.asdict(method.settings),
         "data_format": spec.format,
         "columns": list(spec.columns),
         "train_on": train_on,
@@ -364,6 +327,7 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
             "seed": args.seed,
         },
     }
+    report["table"] = scorer.table(report)
     if env.is_main:
         print(report_markdown(report))
         if args.json:

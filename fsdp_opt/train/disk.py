@@ -37,7 +37,7 @@ def make_room(s: Session, keep: Path) -> None:
         ]
         s.out_dir.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(s.out_dir).free
-        plan = choose(held, s.last_save_bytes or save_bytes_estimate(s), free, cc.disk_budget_bytes)
+        plan = choose(held, s.position.last_save_bytes or save_bytes_estimate(s), free, cc.disk_budget_bytes)
         why = f"{plan.needed / 1e9:,.2f} GB needed, {free / 1e9:,.2f} GB free" + (
             f", --disk_budget {cc.disk_budget}" if cc.disk_budget_bytes is not None else ""
         )

@@ -11,21 +11,24 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from fsdp_opt.base import ConfigError, DataError
 from fsdp_opt.config.choices import AUTO
+from fsdp_opt.config.methods import METHOD_SPECS, MethodSpec
 from fsdp_opt.config.parse import Config
 from fsdp_opt.config.training import DataConfig
 from fsdp_opt.data.formats import Rows, RowSpec, held_out_rows, held_out_split, mixed, resolve_spec, select_rows
 from fsdp_opt.data.mixture import MixtureTable
 from fsdp_opt.data.pin import described, mixture_changed, rows_digest, tokens_digest
 from fsdp_opt.data.resolve import DataSource
+from fsdp_opt.data.sequences import Packing
 from fsdp_opt.data.sources import held_out_mixture, mixture_definition, open_source
 from fsdp_opt.data.table import Table
 from fsdp_opt.data.tokens import read_template
 from fsdp_opt.engine.fp16watch import trained_in_bf16
 from fsdp_opt.hub.store import resume_pin
 from fsdp_opt.model.families import bos_note, mask_pattern, untested_note
-from fsdp_opt.model.sources import ModelSource, load_model_config, load_tokenizer, max_positions
+from fsdp_opt.model.loader import set_head
+from fsdp_opt.model.sources import ModelSource, load_model_config, load_tokenizer, max_positions, without_dropout
 from fsdp_opt.runtime.distributed import all_ranks_ok, broadcast_object, env_rank, print0, rank0_first
-from fsdp_opt.train.methods.base import Method, words
+from fsdp_opt.train.methods.base import Method, SequenceInput
 
 
 @dataclass
@@ -47,7 +50,7 @@ class SliceData:
 
 
 @dataclass
-class Loaded:
+class Inputs:
     """The model's config and tokenizer and the slice, read once."""
 
     model_config: PretrainedConfig
@@ -58,7 +61,7 @@ class Loaded:
 
 def read_inputs(
     config: Config, source: ModelSource, method: Method, revision: str | None = None, pin: dict[str, Any] | None = None
-) -> Loaded:
+) -> Inputs:
     mc, dc = config.model, config.data
     model_config, tokenizer = rank0_first(
         lambda: (load_model_config(source, mc.attn_implementation), load_tokenizer(source))
@@ -71,11 +74,12 @@ def read_inputs(
         if line:
             print0(line)
     bf16_pretrained = trained_in_bf16(model_config)
-    method.model_config(model_config)
+    without_dropout_where(method.spec, model_config)
+    set_head(model_config, method.spec.head, tokenizer.pad_token_id)
     positions = max_positions(model_config)
     if positions is not None and dc.max_length > positions:
         raise ConfigError(f"--max_length {dc.max_length}: {mc.model} has only {positions} positions")
-    return Loaded(
+    return Inputs(
         model_config, tokenizer, read_slice(config, tokenizer, model_config, method, revision, pin), bf16_pretrained
     )
 
@@ -93,7 +97,7 @@ def data_spec(dc: DataConfig, table: Table, method: Method) -> tuple[RowSpec, st
         spec = mixed(parts)
     else:
         spec = _row_spec(dc, table.column_names, dc.data_format, method)
-    method.check_rows(spec)
+    check_rows(method.spec, spec)
     if dc.train_on == "completion" and not spec.has_answers:
         raise ConfigError(
             f"--train_on completion: the rows are text (column {spec.text_column}), with no completion; "
@@ -183,21 +187,13 @@ def read_slice(
     pattern = all_ranks_ok(lambda: mask_pattern(model_config) if dc.packing == "docs" else None)
 
     def blocks_of(part: Rows, packing: str):  # noqa: ANN202
-        return method.sequences(
-            part,
-            spec,
-            tokenizer,
-            train_on=train_on,
-            max_length=dc.max_length,
-            packing=packing,
-            attention=attention,
-            pattern=pattern,
-        )
+        laid = Packing(tokenizer.pad_token_id, dc.max_length, packing, attention, pattern)
+        return method.sequences(SequenceInput(part, spec, tokenizer, train_on, laid))
 
     blocks = all_ranks_ok(lambda: blocks_of(rows, dc.packing))
     eval_blocks = None
     if eval_rows is not None:
-        eval_blocks = all_ranks_ok(lambda: blocks_of(eval_rows, method.eval_packing(dc.packing)))
+        eval_blocks = all_ranks_ok(lambda: blocks_of(eval_rows, eval_packing(method.spec, dc.packing)))
     describe_rows(spec, train_on, rows, blocks)
     return SliceData(
         blocks,
@@ -302,18 +298,10 @@ def check_pin(
         else:
             rows = select_rows(table, data.spec, last["start"], last["end"])
             pattern = mask_pattern(model_config) if dc.packing == "docs" else None
-            tokens = tokens_digest(
-                method.sequences(
-                    rows,
-                    data.spec,
-                    tokenizer,
-                    train_on=data.train_on,
-                    max_length=dc.max_length,
-                    packing=dc.packing,
-                    attention=model_config._attn_implementation,
-                    pattern=pattern,
-                )
+            laid = Packing(
+                tokenizer.pad_token_id, dc.max_length, dc.packing, model_config._attn_implementation, pattern
             )
+            tokens = tokens_digest(method.sequences(SequenceInput(rows, data.spec, tokenizer, data.train_on, laid)))
         if tokens != last["tokens"]:
             raise DataError(
                 f"--model {config.model.model}: its tokenizer makes other token ids of rows [{last['start']}, "
@@ -345,3 +333,51 @@ def describe_rows(spec: RowSpec, train_on: str, rows: Rows, blocks) -> None:  # 
                 for name, n, t in zip(rows.source_names, totals["rows"], tokens)
             )
         )
+
+
+def eval_packing(spec: MethodSpec, packing: str) -> str:
+    """How the held-out rows are packed: blocks of whole rows (docs and pad give the same per-row losses; docs in
+    fewer blocks) unless the rows are joined; a method whose sequences stay whole packs them as training does."""
+    if spec.concat:
+        return "concat" if packing == "concat" else "docs"
+    return packing
+
+
+def without_dropout_where(spec: MethodSpec, model_config: PretrainedConfig) -> None:
+    """The model's config before anything is built: dropout off where the method trains without it (its loss compares
+    forwards of one model, or samples and scores on the same forward), in one line saying why."""
+    off = [] if spec.dropout else without_dropout(model_config)
+    if off:
+        why = (
+            "completions are sampled and scored on the same forward the loss takes"
+            if spec.generates
+            else ("the policy is compared with its reference on the same forward")
+        )
+        print0(f"{spec.name}: dropout off ({', '.join(off)}): {why}")
+
+
+def check_rows(method: MethodSpec, spec: RowSpec) -> None:
+    """The rows' format (found from the columns) against the formats the method trains on: one line if not. A
+    mixture's sources may differ in format: each must be one of them."""
+    if all(p.format in method.rows for p in spec.parts or (spec,)):
+        return
+    owner = next((m for m, t in METHOD_SPECS.items() if spec.format in t.rows), None)
+    then = f": train them with --method {owner}" if owner else f"; it trains on {method.what}"
+    hint = f" ({method.rows_hint})" if method.rows_hint else ""
+    raise ConfigError(f"--method {method.name}: the rows are {words(spec)}{then}{hint}")
+
+
+def words(spec: RowSpec) -> str:
+    """A row format in words, with its columns."""
+    if spec.format == "mixed":
+        kinds = dict.fromkeys(words(p).split(" (")[0] for p in spec.parts)
+        return f"a mixture of {' and '.join(kinds)} (column {', '.join(spec.columns)})"
+    kind = {
+        "text": "text",
+        "messages": "conversations",
+        "prompt_completion": "prompt/completion pairs",
+        "preference": "preference pairs",
+        "prompt": "prompts",
+        "unpaired": "unpaired rows",
+    }[spec.format]
+    return f"{kind} (column {', '.join(spec.columns)})"

@@ -115,7 +115,7 @@ def finish_outside(s: Session) -> NotOnHub | None:
 
 def newest_not_on_hub(s: Session, failed: list) -> NotOnHub | None:  # noqa: ANN001
     """The session's newest checkpoint, when the Hub does not have it (its upload failed, or did not end in time)."""
-    path = s.last_saved_path
+    path = s.position.last_saved_path
     job = next((j for j in failed if path is not None and j.name == path.name), None)
     if job is None:
         return None

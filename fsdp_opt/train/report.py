@@ -7,15 +7,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fsdp_opt.config.specs import DEFAULT_METHOD
-from fsdp_opt.train.methods import REGISTRY
-
 
 def report_markdown(results: dict[str, Any] | str | Path) -> str:
     """An evaluation report (`--json`) as Markdown: the table of models, then the samples side by side."""
     if not isinstance(results, dict):
         results = json.loads(Path(results).read_text())
-    lines = REGISTRY[results.get("method") or DEFAULT_METHOD].table(results)
+    lines = list(results["table"])  # the method's table of the models, made when they were scored
     cell = lambda text: text.strip().replace("|", "\\|").replace(chr(10), " / ")  # noqa: E731
     for sample in results.get("samples", []):
         lines += ["", f"**Prompt:** {cell(sample['prompt'])}", "", "| model | continuation |", "| --- | --- |"]

@@ -5,7 +5,10 @@ train():  for each step: micro-batches forward/backward -> global norm -> unscal
 
 from __future__ import annotations
 
+import json
 import time
+
+import torch
 
 from fsdp_opt.base import NotPushedError
 from fsdp_opt.checkpoint.atomic import remove_stale_temp
@@ -16,6 +19,7 @@ from fsdp_opt.planner.steptime import step_time_line
 from fsdp_opt.runtime.distributed import barrier, init_distributed, print0, teardown
 from fsdp_opt.runtime.hostmem import configure_allocator, freeze_imported
 from fsdp_opt.runtime.stopping import WRITE_FAILED, StopControl, resume_command
+from fsdp_opt.tracking.metrics import COMPLETIONS_FILE
 from fsdp_opt.tracking.progress import Progress, gpu_memory_line, host_peaks_line
 from fsdp_opt.train.build import check_flags, setup
 from fsdp_opt.train.chain import claim, next_in_session
@@ -38,8 +42,8 @@ def run(config: Config) -> None:
             barrier()
             return
         session = setup(config, env, checked, lease)
-        train_session(session)
-        for line in (step_time_line(session.step_seconds, session.predicted_step), gpu_memory_line(env)):
+        session = train_session(session)
+        for line in (step_time_line(session.position.step_seconds, session.predicted_step), gpu_memory_line(env)):
             if line:
                 print0(line)
         print0(host_peaks_line(env.world_size))
@@ -57,19 +61,22 @@ def run(config: Config) -> None:
 # ---------------------------------------------------------------- loop
 
 
-def train_session(s: Session) -> None:
-    """The session's range, then (--session_ranges) those after it while they fit; the export; the last writes."""
+def train_session(s: Session) -> Session:
+    """The session's range, then (--session_ranges) those after it while they fit; the export; the last writes.
+    Returns the session of the last range trained."""
     stop = StopControl(s.config.checkpoint.time_limit_seconds)
-    s.clock_started = stop.started
+    s.position.clock_started = stop.started
     try:
         finished, ranges = train(s, stop), 1
-        while finished and next_in_session(s, stop, ranges):
+        while finished and (following := next_in_session(s, stop, ranges)) is not None:
+            s = following
             finished, ranges = train(s, stop), ranges + 1
         if finished and s.config.checkpoint.export_hf:
             export_final(s)
         wait_for_writes(s)
     finally:
         stop.close()
+    return s
 
 
 def train(s: Session, stop: StopControl) -> bool:
@@ -108,18 +115,18 @@ def run_epoch(s: Session, epoch: int, stop: StopControl, progress: Progress) -> 
             return reason
         step_started = time.perf_counter()
         record = train_step(s, step)
-        s.step_seconds.append(time.perf_counter() - step_started)
-        stop.observe_step(s.step_seconds[-1])
+        s.position.step_seconds.append(time.perf_counter() - step_started)
+        stop.observe_step(s.position.step_seconds[-1])
         s.state.offset, s.state.within = step.end_offset, step.within_after
         s.count_step(step)
         record["elapsed"] = round(stop.elapsed(), 3)
         record["skipped_rate"], warning, overflow = s.skip_watch.observe(record["skipped"], record["loss_scale"])
-        s.writer.write(record, s.method.fields)
+        s.writer.write(record, fields_of(s))
         s.wandb.log_step(record)
-        s.method.after_step(s, record)
+        write_completions(s)
         if s.uploader is not None:
             log_pushed(s)
-        progress.update(record["loss"], record["tokens_per_second"], **{k: record[k] for k in s.method.shown})
+        progress.update(record["loss"], record["tokens_per_second"], **{k: record[k] for k in s.method.spec.shown})
         if warning:
             print0(warning)
         if overflow:
@@ -132,8 +139,30 @@ def run_epoch(s: Session, epoch: int, stop: StopControl, progress: Progress) -> 
 
 def _stop_early(s: Session, reason: str) -> None:
     print0(f"stopping: {reason} at global step {s.state.global_step}")
-    path = s.last_saved_path  # saved at this very step already (an epoch end just before the stop, say)
-    if s.last_saved_step != s.state.global_step or path is None:
+    path = s.position.last_saved_path  # saved at this very step already (an epoch end just before the stop, say)
+    if s.position.last_saved_step != s.state.global_step or path is None:
         path = save(s, epoch_end=False, evaluate=False)  # no time for an evaluation now
     wait_for_writes(s)
     print0("resume with:\n  " + resume_command(path.name, same=s.config.data.range_size is not None))
+
+
+def fields_of(s: Session) -> tuple[str, ...]:
+    """metrics.jsonl's fields beyond the common ones: the method's, and a reward field per reward function."""
+    rewards = tuple(f"reward_{r.label}" for r in s.components.rewards or ())
+    return (*s.method.spec.fields, *rewards)
+
+
+def write_completions(s: Session) -> None:
+    """completions.jsonl (a method that samples): every completion the step trained for the first time, gathered to
+    rank 0 (every rank calls this)."""
+    if not s.method.spec.generates:
+        return
+    everyone = [s.loss.completions()]
+    if s.env.world_size > 1:
+        everyone = [None] * s.env.world_size
+        torch.distributed.all_gather_object(everyone, s.loss.completions())
+    if s.env.is_main and any(everyone):
+        with (s.out_dir / COMPLETIONS_FILE).open("a") as f:
+            for part in everyone:
+                for r in part:
+                    f.write(json.dumps(r, ensure_ascii=False) + "\n")

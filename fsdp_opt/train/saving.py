@@ -29,21 +29,29 @@ from fsdp_opt.train.session import Session
 
 def save_estimate(s: Session) -> float:
     """Seconds the next save may take: the last one measured, or a guess from the state size at 100 MB/s."""
-    estimate = 1.5 * s.last_save_seconds if s.last_save_seconds else 12 * s.n_params / 100e6 + 5.0
+    p = s.position
+    estimate = 1.5 * p.last_save_seconds if p.last_save_seconds else 12 * s.n_params / 100e6 + 5.0
     if s.uploader is not None:  # the final checkpoint must reach the Hub too
         estimate += 1.5 * s.uploader.last_seconds()
     return estimate
 
 
 def run_eval(s: Session) -> dict[str, float]:
-    """--eval_rows on every rank (the method's evaluation); rank 0 appends eval.jsonl and logs to W&B."""
-    result = s.method.evaluate(s)
+    """--eval_rows on every rank (the method's scorer); rank 0 appends eval.jsonl and logs to W&B."""
+    started = time.perf_counter()
+    result = s.scorer.score(s.model)
+    result.pop("samples", None)
+    result["seconds"] = round(time.perf_counter() - started, 3)
+    print0(
+        f"eval at step {s.state.global_step}: {s.scorer.line(result)} on rows {s.eval_label} "
+        f"({result['seconds']:.1f} s)"
+    )
     if s.env.is_main:
         with (s.out_dir / EVAL_FILE).open("a") as f:
             f.write(
                 json.dumps({"step": s.state.global_step, "epoch": s.state.epoch, "rows": s.eval_label, **result}) + "\n"
             )
-    s.wandb.log_eval(s.state.global_step, {k: result[k] for k in s.method.eval_logged})
+    s.wandb.log_eval(s.state.global_step, {k: result[k] for k in s.scorer.logged})
     return result
 
 
@@ -58,8 +66,9 @@ def save(s: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
     """Every rank: evaluate (--eval_rows), then save. A full checkpoint written in the background (--async_save) is
     announced, pushed and pruned once it is on disk; the rest of save() is the gather training waits for."""
     dc, cc = s.config.data, s.config.checkpoint
-    s.method.at_save(s)
-    evaluation = run_eval(s) if evaluate and s.eval_blocks is not None else None
+    if s.env.is_main and s.loss.completions():  # W&B: a table of the last step's completions (the first 16)
+        s.wandb.log_table("completions", s.state.global_step, s.loss.completions()[:16])
+    evaluation = run_eval(s) if evaluate and s.scorer is not None else None
     sharded = cc.state_dict_type == "sharded"
     if epoch_end:
         name = checkpoint_name(s.tag, dc.start_idx, s.end_idx, s.state.epoch, sharded=sharded)
@@ -82,13 +91,13 @@ def save(s: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
         "model_name": s.config.model.model,
         "world_size": s.env.world_size,
         "global_batch": s.plan.global_batch,
-        "last_loss": s.last_loss,
+        "last_loss": s.state.last_loss,
         "wandb_run_id": s.wandb.run_id if s.wandb is not None else None,
         "lora": s.lora,
         CHAIN_KEY: s.chain_record(),
         CHANGES_KEY: s.settings_changes,
         PIN_KEY: s.data_pin,
-        **({s.method.state_key: s.method.state()} if s.method.state_key else {}),
+        s.method.name: s.method_state(),
         "fsdp_opt_version": VERSION,
     }
     entry = {
@@ -96,7 +105,7 @@ def save(s: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
         "epochs_done": s.state.epoch,
         "start_idx": dc.start_idx,
         "end_idx": s.end_idx,
-        "loss": s.last_loss if math.isfinite(s.last_loss) else None,
+        "loss": s.state.last_loss if math.isfinite(s.state.last_loss) else None,
         "world_size": s.env.world_size,
         "sharded": sharded,
         "eval_loss": evaluation.get("loss") if evaluation else None,
@@ -138,11 +147,11 @@ def save(s: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
         sharded=sharded,
         hand_off=write_in_background if background else None,
     )
-    s.last_saved_step, s.last_saved_path = s.state.global_step, path
+    s.position.last_saved_step, s.position.last_saved_path = s.state.global_step, path
     if info is not None:
         finished(s, path, kind, entry, info)
     if not background:
-        s.last_save_seconds = broadcast_object(s.last_save_seconds)
+        s.position.last_save_seconds = broadcast_object(s.position.last_save_seconds)
     return path
 
 
@@ -150,7 +159,7 @@ def finished(
     s: Session, path: Path, kind: str, entry: dict[str, Any], info: dict[str, float], waited: float | None = None
 ) -> None:
     """Rank 0, once a checkpoint is whole on disk: say so, queue its upload, prune older ones."""
-    s.last_save_seconds, s.last_save_bytes = info["seconds"], int(info["bytes"])
+    s.position.last_save_seconds, s.position.last_save_bytes = info["seconds"], int(info["bytes"])
     note = f"; training waited {waited:.1f} s of it" if waited is not None else ""
     print0(f"saved {path} ({info['bytes'] / 2**20:,.1f} MiB in {info['seconds']:.1f} s{note})")
     if s.uploader is not None:

@@ -1,4 +1,6 @@
-"""The state of one training session, built once by `run.setup()` and shared by the loop and the savers."""
+"""The state of one training session, built once by `build.setup()` and shared by the loop and the savers. Frozen
+after setup but for its `position`: what a step, a save and the clock move. A further range in the same session is
+a new Session (train/chain.py), the model, optimizer, uploader and W&B run going on."""
 
 from __future__ import annotations
 
@@ -15,23 +17,41 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from fsdp_opt.checkpoint.chain import ChainStatus
 from fsdp_opt.checkpoint.save import BackgroundWriter
 from fsdp_opt.config.parse import Config
-from fsdp_opt.data.blocks import Blocks, StepBatch, StepPlan
+from fsdp_opt.data.blocks import StepBatch
 from fsdp_opt.engine.fp16watch import SkipWatch
 from fsdp_opt.engine.loss import HeadLoss
+from fsdp_opt.engine.microbatches import StepLoss
 from fsdp_opt.engine.optim import LossScaler, LRSchedule
-from fsdp_opt.engine.step import StepLoss, TrainState
+from fsdp_opt.engine.step import TrainState
 from fsdp_opt.hub.lease import Lease
 from fsdp_opt.hub.uploads import Uploader
 from fsdp_opt.planner.layout import Layout
 from fsdp_opt.runtime.distributed import DistEnv
 from fsdp_opt.tracking.metrics import MetricsWriter
 from fsdp_opt.tracking.wandb_run import WandbRun
+from fsdp_opt.train.components import Components
+from fsdp_opt.train.methods.base import Method, Scorer
 
 
 @dataclass
+class Position:
+    """What moves while a session trains: the position in the data, the chain's status, the saves and the clock."""
+
+    state: TrainState
+    chain: ChainStatus | None = None  # where the chain of sessions stands; saved with every checkpoint
+    last_save_seconds: float = 0.0
+    last_save_bytes: int = 0
+    last_saved_step: int = -1
+    last_saved_path: Path | None = None
+    step_seconds: list[float] = field(default_factory=list)  # of this session's optimizer steps
+    clock_started: float | None = None  # time.monotonic() when training began: the session's share of train_seconds
+    chain_seconds_before: float = 0.0  # train_seconds of the chain before this session
+
+
+@dataclass(frozen=True)
 class Session:
-    """Everything the loop needs, built once by setup(). The flags (`config`) are only read; what they leave open is
-    decided at setup and held here: `precision` and `layout` (strategy, batch, accumulation, ...)."""
+    """Everything the loop needs. The flags (`config`) are only read; what they leave open is decided at setup and
+    held here: `precision` and `layout` (strategy, batch, accumulation, ...)."""
 
     config: Config
     env: DistEnv
@@ -39,9 +59,8 @@ class Session:
     optimizer: torch.optim.Optimizer
     schedule: LRSchedule
     scaler: LossScaler
-    blocks: Blocks
-    plan: StepPlan
-    state: TrainState
+    blocks: Any  # the slice's sequences: blocks, preference pairs, items, prompts (the method's)
+    plan: Any  # the global batches of its epochs, this rank's share of each
     writer: MetricsWriter
     tag: str  # the model's part of checkpoint names
     end_idx: int  # the slice's end, clamped to the dataset
@@ -52,33 +71,35 @@ class Session:
     out_dir: Path
     model_config: PretrainedConfig
     tokenizer: PreTrainedTokenizerBase
+    method: Method  # the run's method (train/methods): its sequences, plan, loss and scorer
+    components: Components  # what setup built for it (train/components.py)
+    loss: StepLoss  # the method's step (engine/microbatches.py)
+    position: Position
+    scorer: Scorer | None = None  # the held-out evaluation at each save (--eval_rows)
     n_params: int = 0
     params: list[nn.Parameter] = field(default_factory=list)  # the trainable ones
-    last_loss: float = float("nan")
-    last_save_seconds: float = 0.0
-    last_save_bytes: int = 0
-    last_saved_step: int = -1
-    last_saved_path: Path | None = None
-    uploader: Uploader | None = None  # rank 0 with --hf_repo
-    wandb: WandbRun | None = None  # inactive off rank 0 or when disabled
-    prune_lock: threading.Lock = field(default_factory=threading.Lock)
-    eval_blocks: Blocks | None = None  # --eval_rows
+    eval_blocks: Any = None  # --eval_rows
     eval_label: str = ""  # which rows they are: [a, b), or [0, n) of split S
-    step_seconds: list[float] = field(default_factory=list)  # of this session's optimizer steps
     head_loss: HeadLoss | None = None  # the output layer run by the loss (at the targets; --loss_chunk_tokens)
     lora: dict[str, Any] | None = None  # adapters.identity() of a LoRA run: what its checkpoints record
-    skip_watch: SkipWatch = field(default_factory=SkipWatch)  # fp16: skipped-step rate, warnings, the storm stop
-    ckpt_writer: BackgroundWriter | None = None  # --async_save (rank 0 writes; None: saves written in place)
-    chain: ChainStatus | None = None  # where the chain of sessions stands; saved with every checkpoint
-    clock_started: float | None = None  # time.monotonic() when training began: the session's share of train_seconds
-    chain_seconds_before: float = 0.0  # train_seconds of the chain before this session
     rows: dict[str, Any] = field(default_factory=dict)  # the rows' format, resolved: data.formats.row_key
     settings_changes: list[dict[str, Any]] = field(default_factory=list)  # flags changed along the chain (rank 0)
     data_pin: dict[str, Any] | None = None  # the data the chain trained on (rank 0): data/pin.py
     data_revision: str | None = None  # a Hub dataset's revision this session reads
     lease: Lease | None = None  # the chain's lease (rank 0): renewed by pushes, or with each save on a shared disk
-    method: Any = None  # the run's method object (train/methods): what it computes, logs, keeps, evaluates
-    loss: StepLoss | None = None  # the method's step (engine/step.py): set once the model is built
+    uploader: Uploader | None = None  # rank 0 with --hf_repo
+    wandb: WandbRun | None = None  # inactive off rank 0 or when disabled
+    ckpt_writer: BackgroundWriter | None = None  # --async_save (rank 0 writes; None: saves written in place)
+    skip_watch: SkipWatch = field(default_factory=SkipWatch)  # fp16: skipped-step rate, warnings, the storm stop
+    prune_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def state(self) -> TrainState:
+        return self.position.state
+
+    @property
+    def chain(self) -> ChainStatus | None:
+        return self.position.chain
 
     @property
     def chat_template(self) -> str | None:
@@ -113,16 +134,15 @@ class Session:
         """The chain's status now, as saved with a checkpoint (and its Hub index entry)."""
         if self.chain is None:
             return None
-        if self.clock_started is not None:
-            self.chain.train_seconds = self.chain_seconds_before + time.monotonic() - self.clock_started
+        p = self.position
+        if p.clock_started is not None:
+            self.chain.train_seconds = p.chain_seconds_before + time.monotonic() - p.clock_started
         return self.chain.to_dict()
 
-
-def step_plan(
-    config: Config, env: DistEnv, method: Any, sequences: Any, batch_size: int, accum_steps: int
-) -> StepPlan | Any:
-    """The global batches of the slice's epochs, and this rank's share of each (the method's plan of its sequences)."""
-    return method.plan(config, env, sequences, batch_size, accum_steps)
+    def method_state(self) -> dict[str, Any]:
+        """What checkpoints keep of the method (under its name): its components', and its step's (every rank calls
+        this, as every rank saves: a generation in progress is gathered from every rank)."""
+        return {**self.components.state(), **self.loss.state(self.env)}
 
 
 def seed_dropout(config: Config, env: DistEnv) -> None:

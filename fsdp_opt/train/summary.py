@@ -26,8 +26,8 @@ def print_summary(s: Session, classes: set[type], units: int, n_params: int) -> 
                 "activation ckpt": s.layout.activation_checkpointing,
                 "world": f"{s.env.world_size} rank(s) on {s.env.device.type}, {s.env.num_nodes} node(s)",
                 "data": f"{c.data.dataset} rows [{c.data.start_idx}, {s.end_idx}) -> "
-                + s.method.describe(s.blocks, PACKING_WORDS[c.data.packing], c.data.max_length),
-                "method": s.method.summary(s),
+                + s.blocks.describe(PACKING_WORDS[c.data.packing]),
+                "method": describe_method(s),
                 "batch": f"{s.layout.batch_size} per rank x {s.env.world_size} ranks x {s.accum_steps} accum = {global_batch} sequences per step",
                 "gradient sync": "every micro-batch"
                 if s.reduce_each_microbatch or s.accum_steps == 1
@@ -78,3 +78,15 @@ def describe_loss(s: Session) -> str:
     where = "the output layer at the target tokens only"
     chunk = s.layout.loss_chunk_tokens
     return f"{where}, {chunk} tokens at a time" if chunk else where
+
+
+def describe_method(s: Session) -> str:
+    """The method, its settings and what setup built for it, in a line."""
+    parts = [s.method.name, s.method.settings.describe(), s.components.describe()]
+    slices, iterations = getattr(s.plan, "slices", 1), getattr(s.plan, "iterations", 1)
+    if slices > 1 or iterations > 1:  # a generation fed to several steps
+        parts.append(
+            f"each generation feeds {slices * iterations} steps ({slices} step(s) of prompts, trained {iterations} "
+            "time(s))"
+        )
+    return ", ".join(p for p in parts if p)

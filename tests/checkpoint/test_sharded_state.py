@@ -7,7 +7,8 @@ import json
 
 from conftest import ROOT, launch
 
-from fsdp_opt.model.sources import build_meta_model, load_model_config, resolve_model
+from fsdp_opt.model.loader import meta_model as build_meta_model
+from fsdp_opt.model.sources import load_model_config, resolve_model
 
 
 def test_full_shard_halves_per_rank_state(tmp_path):

@@ -179,7 +179,7 @@ def test_lora_plan_counts_what_peft_adds(model, targets):
     """The planner's adapter count against peft's own: peft adds its layers to the meta model and counts them."""
     from peft import LoraConfig, get_peft_model
 
-    from fsdp_opt.model.sources import build_meta_model
+    from fsdp_opt.model.loader import meta_model as build_meta_model
     from fsdp_opt.planner.lora import adapter_params, checkpoints
 
     rank = 16

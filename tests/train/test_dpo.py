@@ -190,6 +190,7 @@ def test_trl_makes_the_same_answer_tokens_and_the_same_loss(tmp_path):
 
     from fsdp_opt.data.formats import resolve_spec, select_rows
     from fsdp_opt.data.pairs import pairs_from_rows
+    from fsdp_opt.data.sequences import Packing
 
     policy = make_chat_llama(tmp_path / "policy", seed=0)
     ref = make_chat_llama(tmp_path / "reference", seed=1)
@@ -197,7 +198,7 @@ def test_trl_makes_the_same_answer_tokens_and_the_same_loss(tmp_path):
     for rows in (string_pairs(), chat_pairs()):
         ds = Dataset.from_list(rows)
         spec = resolve_spec(ds.column_names, "preference")
-        ours = pairs_from_rows(select_rows(ds, spec, 0, None), spec, tok, max_length=256, packing="docs")
+        ours = pairs_from_rows(select_rows(ds, spec, 0, None), spec, tok, Packing(tok.pad_token_id, 256, "docs"))
         args = DPOConfig(
             output_dir=str(tmp_path / "trl"),
             per_device_train_batch_size=PAIRS,

@@ -1066,18 +1066,14 @@ def test_a_resumed_session_keeps_the_reference_its_chain_recorded(tmp_path, setu
     """The KL term's reference is the chain's: --ref_model, else what the checkpoint recorded (the model the first
     session started from), not a later session's --model; a LoRA run's base with its adapters off likewise."""
     from fsdp_opt.config.parse import parse_args
-    from fsdp_opt.runtime.distributed import DistEnv
-    from fsdp_opt.train.methods import method_for
-    from fsdp_opt.train.reference import ADAPTERS_OFF
+    from fsdp_opt.train.reference import ADAPTERS_OFF, reference_name
 
     f = setup_files
-    env = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
     flags = ["--dataset", str(f["data"]), "--method", "grpo", "--reward", f"{f['rewards']}:overlap", "--beta", "0.1"]
 
     def ref(model: str, saved: dict | None, *more: str) -> str:
-        method = method_for(parse_args(["--model", model, *flags, *more]))
-        method.before_model(None, env, {"grpo": saved} if saved else None, "fp32", None, None)
-        return method.ref_name
+        config = parse_args(["--model", model, *flags, *more])
+        return reference_name(config.method.settings.ref_model, saved, config.model.model, config.lora.enabled)
 
     assert ref("first", None) == "first"
     assert ref("copy-of-first", {"ref_model": "first", "rewards": []}) == "first"

@@ -193,6 +193,7 @@ def test_items_are_trls_tokens_and_preference_rows_unpair_as_trl_unpairs_them(fi
     from trl.data_utils import unpair_preference_dataset
 
     from fsdp_opt.data.formats import resolve_spec, select_rows
+    from fsdp_opt.data.sequences import Packing
     from fsdp_opt.data.unpaired import items_from_rows
 
     tok = AutoTokenizer.from_pretrained(files["policy"])
@@ -200,7 +201,7 @@ def test_items_are_trls_tokens_and_preference_rows_unpair_as_trl_unpairs_them(fi
     ds = Dataset.from_list(rows)
     spec = resolve_spec(ds.column_names, "auto", prefer=("unpaired", "preference"))
     assert spec.format == "unpaired"
-    items = items_from_rows(select_rows(ds, spec, 0, None), spec, tok, max_length=64, packing="pad")
+    items = items_from_rows(select_rows(ds, spec, 0, None), spec, tok, Packing(tok.pad_token_id, 64, "pad"))
     for k, row in enumerate(rows):
         prompt = tok(row["prompt"])["input_ids"]
         completion = tok(row["prompt"] + row["completion"])["input_ids"][len(prompt) :] + [tok.eos_token_id]
@@ -213,7 +214,7 @@ def test_items_are_trls_tokens_and_preference_rows_unpair_as_trl_unpairs_them(fi
     ]
     pref = Dataset.from_list(pairs)
     spec = resolve_spec(pref.column_names, "auto", prefer=("unpaired", "preference"))
-    mine = items_from_rows(select_rows(pref, spec, 0, None), spec, tok, max_length=64, packing="pad")
+    mine = items_from_rows(select_rows(pref, spec, 0, None), spec, tok, Packing(tok.pad_token_id, 64, "pad"))
     theirs = unpair_preference_dataset(pref)
     want = sorted((r["prompt"], r["completion"], r["label"]) for r in theirs)
     got = sorted(

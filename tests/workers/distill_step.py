@@ -44,7 +44,9 @@ def main() -> None:
     record = s.loss.record(dict(zip(s.loss.names, sums.tolist())), step, 1.0)
     if env.rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"loss": float(sums[0]) / step.loss_units, "record": record, "grads": grads, "micro": micro}, f)
+            json.dump(
+                {"loss": float(sums[0]) / s.loss.denominator(step), "record": record, "grads": grads, "micro": micro}, f
+            )
     teardown()
 
 

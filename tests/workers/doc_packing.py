@@ -8,6 +8,7 @@ against the same row run alone (no padding, no mask) through the same sharded mo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -18,7 +19,7 @@ from fsdp_opt.config.parse import parse_args
 from fsdp_opt.data.blocks import StepPlan, build_blocks, model_inputs, tokenize
 from fsdp_opt.data.formats import select_texts
 from fsdp_opt.data.sources import load_rows
-from fsdp_opt.engine.loss import HeadLoss
+from fsdp_opt.engine.loss import HeadLoss, TokenLoss
 from fsdp_opt.engine.step import accumulate
 from fsdp_opt.runtime.distributed import end_process, init_distributed, teardown
 from fsdp_opt.train.build import setup
@@ -34,8 +35,8 @@ def one_step(blocks, s, batch_size: int):
     return next(plan.steps(0))
 
 
-def gradients(s, blocks, batch_size: int) -> tuple[dict[str, torch.Tensor], float, int]:
-    s.blocks = blocks
+def gradients(s, blocks, batch_size: int, head) -> tuple[dict[str, torch.Tensor], float, int]:
+    s = dataclasses.replace(s, blocks=blocks, head_loss=head, loss=TokenLoss(blocks, head, s.env.device))
     step = one_step(blocks, s, batch_size)
     s.optimizer.zero_grad(set_to_none=True)
     loss_sum, _ = accumulate(s, step)
@@ -67,9 +68,8 @@ def main() -> None:
         "rows_per_block": max(int((docs.positions[k] == 0).sum()) for k in range(len(docs))),
     }
     for name, chunked in (("whole", None), ("chunked", HeadLoss(s.model, 48))):
-        s.head_loss = chunked
-        g_docs, loss_docs, tokens_docs = gradients(s, docs, b)
-        g_pad, loss_pad, tokens_pad = gradients(s, padded, b)
+        g_docs, loss_docs, tokens_docs = gradients(s, docs, b, chunked)
+        g_pad, loss_pad, tokens_pad = gradients(s, padded, b, chunked)
         report[name] = {
             "grad_diff": largest_difference(g_docs, g_pad),
             "grad_max": max(g.abs().max().item() for g in g_pad.values()),
@@ -78,7 +78,6 @@ def main() -> None:
             "tokens_docs": tokens_docs,
             "tokens_pad": tokens_pad,
         }
-    s.head_loss = None
     s.optimizer.zero_grad(set_to_none=True)
     # Per-token losses inside the packed blocks against each row alone: every rank runs the same forwards.
     s.model.eval()

@@ -34,13 +34,13 @@ def main() -> None:
 
     def injected(model, asked, keys, sampling, **kwargs) -> Generated:  # noqa: ANN001, ANN003
         mine = [int(p) for part in step.generation.prompts for p in part]
-        pairs = [(int(prompts.index[p]), g) for p in mine for g in range(s.config.method.num_generations)]
+        pairs = [(int(prompts.index[p]), g) for p in mine for g in range(s.config.method.settings.num_generations)]
         return Generated(
             [given["completions"][f"{r}:{g}"] for r, g in pairs], [given["ended"][f"{r}:{g}"] for r, g in pairs]
         )
 
     rollout.generate = injected
-    if s.config.method.num_iterations > 1:  # the first pass trains; the report is of the second
+    if s.config.method.settings.num_iterations > 1:  # the first pass trains; the report is of the second
         train_step(s, step)
         weights = get_model_state_dict(s.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if env.rank == 0:

@@ -1,21 +1,31 @@
-"""The training methods behind --method, one object each (base.py says what such an object answers), by name: the
-registry. The run and the step call the object; nothing outside this package and config/specs.py names a method."""
+"""The run's definition of each --method (base.py says what one is). A method's definition is the module of its name
+here, holding one `Method` subclass for its spec: the registry is config/methods/ alone (one line a method), and no
+other module of the run names a method."""
 
 from __future__ import annotations
 
-from fsdp_opt.config.parse import Config
-from fsdp_opt.config.specs import METHOD_SPECS
+import importlib
+import inspect
+from functools import cache
+
+from fsdp_opt.config.method import MethodConfig
 from fsdp_opt.train.methods.base import Method
-from fsdp_opt.train.methods.distill import Distill
-from fsdp_opt.train.methods.dpo import Dpo
-from fsdp_opt.train.methods.grpo import Grpo
-from fsdp_opt.train.methods.kto import Kto
-from fsdp_opt.train.methods.sft import Sft
-
-REGISTRY: dict[str, type[Method]] = {"sft": Sft, "dpo": Dpo, "grpo": Grpo, "kto": Kto, "distill": Distill}
-assert set(REGISTRY) <= set(METHOD_SPECS)
 
 
-def method_for(config: Config) -> Method:
-    """The method object of a run (or of an evaluation: a Config with its method section)."""
-    return REGISTRY[config.method.method](config)
+@cache
+def definition(name: str) -> type[Method]:
+    """The Method subclass of --method `name` (its module, train/methods/<name>.py)."""
+    module = importlib.import_module(f"{__name__}.{name}")
+    return next(
+        c
+        for _, c in inspect.getmembers(module, inspect.isclass)
+        if issubclass(c, Method) and getattr(c, "spec", None) is not None and c.spec.name == name
+    )
+
+
+def method_for(config: MethodConfig) -> Method:
+    """The method of a run (or of an evaluation): its definition with the run's settings."""
+    return definition(config.method)(config.settings)
+
+
+__all__ = ["Method", "definition", "method_for"]

@@ -1,208 +1,115 @@
-"""What a training method is to the run: one object per run, made from the flags, that the run and the step call at
-fixed points without asking which method it is.
+"""What a training method is to the run: one definition a method, made from its settings (its own flags class,
+config/methods/), of a few builders that the data side, the run and `evaluate` each call without asking which method
+it is:
 
-- rows -> sequences: the row formats it trains on (checked against the columns), what a slice's rows become (blocks,
-  preference pairs, prompts), the order of a slice's steps;
-- setup: the model's config before it is built (dropout), the LoRA settings, work before the trainable model exists
-  (DPO's reference pass) and after (the adapters-off reference, a reference kept beside the policy);
-- the step: an engine StepLoss (engine/step.py), whose prepare phase and micro-batch loss train_step runs;
-- what is logged: its metrics fields beyond the common ones (tracking/metrics), and those the progress bar shows;
-- what is kept: its state in every checkpoint (under its own key);
-- evaluation at a save, the summary's line, and the chain's rule for a further range in the same session.
+- `sequences`: a slice's checked rows as what its steps read (blocks of tokens, preference pairs, items, prompts);
+- `plan`: the global batches of the slice's epochs, and this rank's share of each;
+- `loss`: the step's loss (engine/microbatches.py StepLoss: its micro-batches, its denominator, the summed loss of a
+  micro-batch), from the run's parts and the components setup built for the method (train/components.py);
+- `scorer`: how held-out sequences are scored (at a save, and by `python -m fsdp_opt.evaluate`).
 
-`Method` is the interface: what every method must say (abstract: its sequences, its plan, its step's loss, its
-held-out evaluation and how `python -m fsdp_opt.evaluate` scores it) and the hooks a method may leave as they are
-(no-ops). SFT is one method among them (sft.py). The session a hook receives is train/session.py's `Session`.
+The spec (config/methods/) says the rest: the rows it trains on, what setup builds for it (a reference pass, a model
+kept beside, a generator, reward functions), its metrics fields, the planner's phases, dropout. The micro-batch loop,
+the components' lifecycles and the checkpoint's state are the run's, written once.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from fsdp_opt.base import ConfigError
-from fsdp_opt.config.parse import Config
-from fsdp_opt.config.specs import METHOD_SPECS
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+from fsdp_opt.config.methods import MethodSpec
+from fsdp_opt.config.methods.base import Flags
 from fsdp_opt.data.formats import Rows, RowSpec
-from fsdp_opt.engine.step import StepLoss
-from fsdp_opt.model.sources import without_dropout
-from fsdp_opt.runtime.distributed import DistEnv, print0
+from fsdp_opt.data.pairs import UnitPlan
+from fsdp_opt.data.sequences import Packing
+from fsdp_opt.engine.loss import HeadLoss
+from fsdp_opt.engine.microbatches import StepLoss
+from fsdp_opt.runtime.distributed import DistEnv
 
-if TYPE_CHECKING:  # the session a hook receives (train/session.py imports nothing of the methods)
-    from fsdp_opt.train.session import Session
+
+@dataclass(frozen=True)
+class SequenceInput:
+    """What a slice's sequences are made of: its checked rows, their format, the tokenizer, which tokens train, and
+    how sequences are laid into micro-batches."""
+
+    rows: Rows
+    spec: RowSpec
+    tokenizer: PreTrainedTokenizerBase
+    train_on: str
+    packing: Packing
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    """What a plan is laid out for: the micro-batch, the accumulation, this rank among the ranks, the seed."""
+
+    batch_size: int
+    accum_steps: int
+    rank: int
+    world_size: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class RunParts:
+    """What a method's loss and scorer are made of: the ranks, the model's config and tokenizer, the output layer run
+    at the targets (None: whole logits), the slice's sequences and held-out ones, the micro-batch, and the components
+    setup built for the method (train/components.py)."""
+
+    env: DistEnv
+    model_config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase
+    head: HeadLoss | None
+    sequences: Any
+    held_out: Any | None
+    batch_size: int
+    components: Any
+
+
+class Scorer(Protocol):
+    """How held-out sequences are scored: by the run at each save, and by `python -m fsdp_opt.evaluate` for each
+    model it compares."""
+
+    logged: tuple[str, ...]  # the result's fields W&B gets
+
+    def score(self, model: Any) -> dict[str, Any]: ...  # noqa: ANN401 - every rank
+
+    def line(self, result: dict[str, Any]) -> str: ...
+
+    def what(self) -> str: ...  # what it scores, in words
+
+    def table(self, results: dict[str, Any]) -> list[str]: ...  # the evaluate report's table of the models scored
 
 
 class Method(ABC):
-    """A training method as the run calls it: what each method must say (abstract) and the hooks it may leave."""
+    """A training method: its spec, its settings, and its builders."""
 
-    shown: tuple[str, ...] = ()  # fields the progress bar shows beside the loss
-    state_key: str | None = None  # where its state goes in a checkpoint's payload
+    spec: MethodSpec
 
-    def __init__(self, config: Config) -> None:
-        self.config = config
-        self.name = config.method.method
-        self.spec = config.method.spec
+    def __init__(self, settings: Flags) -> None:
+        self.settings = settings
 
     @property
-    def fields(self) -> tuple[str, ...]:
-        """metrics.jsonl fields beyond METRICS_FIELDS (tracking/metrics): the spec's."""
-        return self.spec.fields
-
-    def check(self) -> None:
-        """What the method's flags name is there (every rank): before anything is taken or built."""
-        return None  # an optional hook: nothing unless a method says otherwise
-
-    # ------------------------------------------------------------ rows -> sequences
-
-    def check_rows(self, spec: RowSpec) -> None:
-        """The rows' format (found from the columns) against the formats this method trains on: one line if not. A
-        mixture's sources may differ in format: each must be one of them."""
-        if all(p.format in self.spec.rows for p in spec.parts or (spec,)):
-            return
-        owner = next((m for m, t in METHOD_SPECS.items() if spec.format in t.rows), None)
-        then = f": train them with --method {owner}" if owner else f"; it trains on {self.spec.what}"
-        raise ConfigError(f"--method {self.name}: the rows are {words(spec)}{then}")
+    def name(self) -> str:
+        return self.spec.name
 
     @abstractmethod
-    def sequences(
-        self,
-        rows: Rows,
-        spec: RowSpec,
-        tokenizer,
-        *,
-        train_on: str,
-        max_length: int,
-        packing: str,
-        attention: str,
-        pattern,
-    ) -> Any:  # noqa: ANN001
-        """A slice's checked rows as what its steps read (blocks of tokens, pairs, items, prompts)."""
+    def sequences(self, made: SequenceInput) -> Any:
+        """A slice's checked rows as what its steps read."""
 
-    def eval_packing(self, packing: str) -> str:
-        """How the held-out rows are packed (a method whose sequences stay whole: as training packs them)."""
-        return packing
+    def plan(self, sequences: Any, layout: PlanInput) -> Any:
+        """The global batches of the slice's epochs, and this rank's share of each: whole units laid into
+        micro-batches as many as fit each (data/pairs.py UnitPlan)."""
+        return UnitPlan(sequences, **vars(layout))
 
     @abstractmethod
-    def plan(self, config: Config, env: DistEnv, sequences: Any, batch_size: int, accum_steps: int) -> Any:
-        """The global batches of the slice's epochs, and this rank's share of each (data/blocks.py StepPlan's
-        interface)."""
+    def loss(self, parts: RunParts) -> StepLoss:
+        """The step's loss."""
 
     @abstractmethod
-    def describe(self, sequences: Any, packing_words: str, max_length: int) -> str:
-        """What the slice became, for the summary's data line."""
-
-    # ------------------------------------------------------------ setup
-
-    def model_config(self, model_config) -> None:  # noqa: ANN001
-        """The model's config before anything is built: dropout off where the spec has none (the loss compares
-        forwards of one model), in one line saying why."""
-        off = [] if self.spec.dropout else without_dropout(model_config)
-        if off:
-            print0(f"{self.name}: dropout off ({', '.join(off)}): {self.dropout_off_why}")
-
-    dropout_off_why = "the policy is compared with its reference on the same forward"
-
-    def lora(self, lc):  # noqa: ANN001, ANN201
-        """The LoRA settings the run builds its adapters with: no adapter dropout either where the spec has none
-        (unless --lora_dropout gives one)."""
-        if self.spec.dropout or not lc.enabled or lc.lora_dropout is not None:
-            return lc
-        return dataclasses.replace(lc, lora_dropout=0.0)
-
-    def before_model(
-        self, session_inputs: Any, env: DistEnv, payload: dict[str, Any] | None, precision: str, tokenizer, layout
-    ) -> None:  # noqa: ANN001
-        """Work before the trainable model exists (every rank), once the layout (planner/layout.py: the micro-batch,
-        the accumulation) is decided."""
-        return None  # an optional hook: nothing unless a method says otherwise
-
-    @abstractmethod
-    def after_model(self, s: Session) -> None:
-        """Work once the model is built and the session made, before a resumed state is loaded: at least the step's
-        loss (`s.loss`, an engine/step.py StepLoss)."""
-
-    # ------------------------------------------------------------ the run
-
-    def summary(self, s: Session) -> str:
-        return self.name
-
-    def state(self) -> dict[str, Any] | None:
-        """What checkpoints keep of the method (under `state_key`)."""
-        return None
-
-    @abstractmethod
-    def evaluate(self, s: Session) -> dict[str, Any]:
-        """--eval_rows at a save (every rank): the result, which rank 0 prints and logs."""
-
-    eval_logged: tuple[str, ...] = ("loss",)  # what W&B gets of an evaluation
-
-    def after_step(self, s: Session, record: dict[str, Any]) -> None:
-        """After each optimizer step (every rank), once its record is written."""
-        return None  # an optional hook: nothing unless a method says otherwise
-
-    def at_save(self, s: Session) -> None:
-        """At each save (every rank), before the checkpoint is gathered."""
-        return None  # an optional hook: nothing unless a method says otherwise
-
-    def further_range(self, s: Session) -> str | None:
-        """Why the session cannot start the chain's next range itself (None: it can)."""
-        return None
-
-    def switch_range(self, s: Session, data) -> None:  # noqa: ANN001
-        """A further range in the same session: what the method needs of its rows (before its first step)."""
-        return None  # an optional hook: nothing unless a method says otherwise
-
-    # ------------------------------------------------------------ python -m fsdp_opt.evaluate
-
-    def before_scoring(
-        self,
-        held,
-        env: DistEnv,
-        precision: str,
-        tokenizer,
-        batch_size: int,
-        model_name: str,
-        reference_name: str | None,
-        strategy: str,
-        seed: int,
-        model_config=None,
-    ) -> str | None:  # noqa: ANN001
-        """Before the models are scored on the held-out sequences: what they are scored against (the name), if any."""
-        return None
-
-    @abstractmethod
-    def scored_what(self, sequences: Any, packing: str, max_length: int, train_on: str) -> str:
-        """What `python -m fsdp_opt.evaluate` scores the models on, in words."""
-
-    @abstractmethod
-    def score(self, model, held, batch_size: int, env: DistEnv) -> dict[str, Any]:  # noqa: ANN001
-        """One model's result on the held-out sequences (every rank)."""
-
-    @abstractmethod
-    def score_line(self, result: dict[str, Any]) -> str:
-        """One model's result, in words."""
-
-    @staticmethod
-    @abstractmethod
-    def table(results: dict[str, Any]) -> list[str]:
-        """The report's table of the models scored."""
-
-
-def words(spec: RowSpec) -> str:
-    """A row format in words, with its columns."""
-    if spec.format == "mixed":
-        kinds = dict.fromkeys(words(p).split(" (")[0] for p in spec.parts)
-        return f"a mixture of {' and '.join(kinds)} (column {', '.join(spec.columns)})"
-    kind = {
-        "text": "text",
-        "messages": "conversations",
-        "prompt_completion": "prompt/completion pairs",
-        "preference": "preference pairs",
-        "prompt": "prompts",
-        "unpaired": "unpaired rows",
-    }[spec.format]
-    return f"{kind} (column {', '.join(spec.columns)})"
-
-
-__all__ = ["Method", "StepLoss", "words"]
+    def scorer(self, parts: RunParts) -> Scorer:
+        """How the held-out sequences (`parts.held_out`) are scored."""
