@@ -12,8 +12,11 @@ value}}, lm-eval's own result keys.
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 from typing import Any
 
+from fsdp_opt.base import looks_like_path
 from fsdp_opt.checkpoint.chain import CHAIN_KEY, ChainStatus
 from fsdp_opt.config.parse import build_parser
 from fsdp_opt.data.pin import PIN_KEY, described
@@ -37,6 +40,11 @@ def record_from_checkpoint(payload: dict[str, Any], name: str) -> dict[str, Any]
         PIN_KEY: payload.get(PIN_KEY),
     }
     return {"checkpoints": {name: entry}, "run": {"base_model": flags.get("model"), "dataset": flags.get("dataset")}}
+
+
+def _hub_id(name: str) -> bool:
+    """A Hub id (owner/name), which the metadata may name; not a local path."""
+    return bool(re.fullmatch(r"[\w.-]+/[\w.-]+", name)) and not looks_like_path(name) and not Path(name).exists()
 
 
 def _pin_cell(pin: dict[str, Any] | None, start: int, end: int) -> str:
@@ -106,9 +114,9 @@ def render_model_card(
     meta = ["---", f"library_name: {'peft' if adapter else 'transformers'}", "pipeline_tag: text-generation", "tags:"]
     meta += ["- fsdp-opt", "- causal-lm", f"- {method}"] + (["- lora"] if flags.get("lora_rank") else [])
     meta += ["- gguf"] if ggufs else []
-    if "/" in base or adapter:
+    if _hub_id(base):
         meta.append(f"base_model: {base}")
-    if "/" in dataset:
+    if _hub_id(dataset):
         meta += ["datasets:", f"- {dataset}"]
     meta.append("---")
     lora = f", LoRA rank {flags['lora_rank']} (merged into the base)" if flags.get("lora_rank") and not adapter else ""
