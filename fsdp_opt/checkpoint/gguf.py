@@ -229,6 +229,10 @@ def plan_exports(
     config: PretrainedConfig, shapes: dict[str, tuple[int, ...]], qtypes: list[str], dest: Path
 ) -> list[GgufPlan]:
     """The GGUFs asked for, planned; a model llama.cpp does not run is refused in one line naming the folder."""
+    try:
+        import gguf  # noqa: F401 - an extra: fsdp-opt[gguf]
+    except ImportError:
+        raise ConfigError("--gguf: the gguf package is not installed: pip install 'fsdp-opt[gguf]'") from None
     why = refusal(config, str(dest))
     if why:
         raise ConfigError(why)
