@@ -46,7 +46,11 @@ TEXTS = [
 ]
 BOUNDS = {"f16": 1e-2}  # the issue's bound at f16; q8_0's and q4_0's are measured and printed
 GAP = 1e-2  # greedy tokens are compared where fp32's top-two gap is wider than this
-CHAT = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Ünïcode?"}]
+CHAT = [
+    {"role": "user", "content": "Hi there"},
+    {"role": "assistant", "content": "Hello!"},
+    {"role": "user", "content": "Ünïcode?"},
+]
 
 
 def hf_greedy(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
@@ -76,7 +80,9 @@ def check(model_type: str, bos: bool, types: list[str], root: Path) -> list[dict
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
     template = LLAMA_STYLE_TEMPLATE if bos else None
-    folder = make_family_model(root / f"{model_type}-{bos}", model_type, bos=bos, template=template, **FAMILIES[model_type])
+    folder = make_family_model(
+        root / f"{model_type}-{bos}", model_type, bos=bos, template=template, **FAMILIES[model_type]
+    )
     config, tokenizer = AutoConfig.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
     plans = plan_exports(config, SafetensorsFolder(folder).shapes(), types, folder)
     write_ggufs(folder, config, tokenizer, plans, log=lambda line: None)
