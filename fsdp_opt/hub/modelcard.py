@@ -20,7 +20,7 @@ from fsdp_opt.base import looks_like_path
 from fsdp_opt.checkpoint.chain import CHAIN_KEY, ChainStatus
 from fsdp_opt.config.parse import build_parser
 from fsdp_opt.data.pin import PIN_KEY, described
-from fsdp_opt.hub.card import LOCAL_FLAGS, _eval_cell, _fmt_loss, slices, template_section
+from fsdp_opt.hub.card import LOCAL_FLAGS, range_cells, slices, template_section
 
 BENCHMARKS_KEY = "benchmarks"  # of an index entry (lm-eval's results, issue 72)
 
@@ -136,12 +136,7 @@ def render_model_card(
         "| rows | epochs | global steps | final loss | held-out | data pin | date (UTC) |",
         "|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        steps = f"{r['first_step']}–{r['last_step']}" if r["last_step"] is not None else "-"
-        out.append(
-            f"| [{r['start']}, {r['end']}) | {r['epochs']} | {steps} | {_fmt_loss(r['loss'])} | {_eval_cell(r)} | "
-            f"{_pin_cell(pin, r['start'], r['end'])} | {r.get('date') or '-'} |"
-        )
+    out += [f"{range_cells(r)} {_pin_cell(pin, r['start'], r['end'])} | {r.get('date') or '-'} |" for r in rows]
     scores = benchmark_lines(rows)
     out += ["", "## Benchmarks", ""]
     if scores:
