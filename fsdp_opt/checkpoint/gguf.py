@@ -211,7 +211,7 @@ def write_gguf(
                 )
             writer.write_padding(out, written)
         writer.close()
-    log(f"wrote {gguf_plan.path} ({size_text(gguf_plan.path.stat().st_size)})")
+    log(f"wrote {gguf_plan.path.name} ({size_text(gguf_plan.path.stat().st_size)})")
     return gguf_plan.path, extra
 
 

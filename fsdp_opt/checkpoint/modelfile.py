@@ -45,22 +45,23 @@ class Turns:
         return out + (self.user_to_assistant if previous == "user" else "")
 
     def go_template(self) -> str:
+        # NOTE: no `{{-` trim markers: they would eat the template's own newlines around the pieces
         def q(text: str | None) -> str:
             return (text or "").replace("{{", '{{ "{{" }}')
 
         return (
-            '{{- $last := "" }}{{- range .Messages }}'
-            '{{- if eq .Role "system" }}' + q(self.system_start) + "{{ .Content }}"
-            '{{- else if eq .Role "user" }}{{- if eq $last "" }}'
+            '{{ $last := "" }}{{ range .Messages }}'
+            '{{ if eq .Role "system" }}' + q(self.system_start) + "{{ .Content }}"
+            '{{ else if eq .Role "user" }}{{ if eq $last "" }}'
             + q(self.start)
-            + '{{- else if eq $last "system" }}'
+            + '{{ else if eq $last "system" }}'
             + q(self.system_to_user)
-            + '{{- else if eq $last "assistant" }}'
+            + '{{ else if eq $last "assistant" }}'
             + q(self.assistant_to_user)
-            + "{{- end }}{{ .Content }}"
-            '{{- else if eq .Role "assistant" }}' + q(self.user_to_assistant) + "{{ .Content }}"
-            "{{- end }}{{- $last = .Role }}{{- end }}"
-            '{{- if eq $last "user" }}' + q(self.user_to_assistant) + "{{- end }}"
+            + "{{ end }}{{ .Content }}"
+            '{{ else if eq .Role "assistant" }}' + q(self.user_to_assistant) + "{{ .Content }}"
+            "{{ end }}{{ $last = .Role }}{{ end }}"
+            '{{ if eq $last "user" }}' + q(self.user_to_assistant) + "{{ end }}"
         )
 
 
