@@ -14,7 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LLAMA_STYLE_TEMPLATE, assert_clean_failure, launch, make_family_model, make_local_model
+from conftest import (
+    CHATML_TEMPLATE,
+    GGUF_FAMILIES,
+    LLAMA_STYLE_TEMPLATE,
+    assert_clean_failure,
+    launch,
+    make_family_model,
+    make_local_model,
+    make_spm_tokenizer,
+)
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from fsdp_opt.checkpoint.gguf import SafetensorsFolder, check_room, plan_exports, write_ggufs
@@ -24,22 +33,6 @@ from fsdp_opt.model.sources import build_meta_model
 
 pytest.importorskip("gguf")
 
-# Each family small, with the settings llama.cpp and transformers' loader agree on: Gemma scales attention by the
-# head size; transformers' loader reads Qwen3 at its default head size (128).
-FAMILIES = {
-    "llama": {},
-    "mistral": {},
-    "qwen2": {},
-    "qwen3": {"head_dim": 128},
-    "gemma2": {"head_dim": 16, "query_pre_attn_scalar": 16},
-    "gemma3_text": {"head_dim": 16, "query_pre_attn_scalar": 16},
-    "phi3": {},
-}
-CHATML = (
-    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-
 
 def export(folder: Path, types: list[str]) -> list[Path]:
     config = AutoConfig.from_pretrained(folder)
@@ -47,12 +40,12 @@ def export(folder: Path, types: list[str]) -> list[Path]:
     return write_ggufs(folder, config, AutoTokenizer.from_pretrained(folder), plans, log=lambda line: None)
 
 
-@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+@pytest.mark.parametrize("model_type", sorted(GGUF_FAMILIES))
 def test_transformers_reads_back_the_weights_written(tmp_path, model_type):
     """f16: every 2-D weight is the fp16 rounding of the model's, every 1-D one (norms, biases) exact; q8_0: within
     half a quantisation step of each 32-value block (its absolute maximum / 127), plus the fp16 rounding of its scale."""
     bos = model_type != "qwen2"  # Qwen's tokenizer adds no BOS, the others' do
-    folder = make_family_model(tmp_path / model_type, model_type, bos=bos, **FAMILIES[model_type])
+    folder = make_family_model(tmp_path / model_type, model_type, bos=bos, **GGUF_FAMILIES[model_type])
     written = export(folder, ["f16", "q8_0"])
     assert sorted(p.name for p in written) == sorted(
         [f"{model_type}-f16.gguf", f"{model_type}-q8_0.gguf", "Modelfile.f16", "Modelfile.q8_0"]
@@ -103,6 +96,53 @@ def test_gguf_header_carries_the_whole_tokenizer(tmp_path):
     types = {t.name: t.tensor_type.name for t in reader.tensors}
     assert types["token_embd.weight"] == "Q8_0" and types["blk.0.ffn_down.weight"] == "Q4_0"
     assert types["blk.0.attn_norm.weight"] == "F32"
+
+
+SPM_TEXTS = [
+    "The quick brown fox jumps over the lazy dog. 12345 + 678 = 13023",
+    "Grüße aus Köln — naïve café, 日本語のテキスト, emoji 🙂 and tabs\tend",
+    "a special token inside, </s> then <unk> and plain text;\nnew lines\n\n  and two spaces",
+]
+
+
+@pytest.mark.parametrize(
+    "model_type,style", [("llama", "llama"), ("phi3", "llama"), ("gemma2", "gemma"), ("gemma3_text", "gemma")]
+)
+def test_transformers_reads_back_a_sentencepiece_vocabulary(tmp_path, model_type, style):
+    """A SentencePiece-style tokenizer (byte fallback, as Llama 2's, Mistral's, Phi-3's and Gemma's are) read back by
+    transformers' GGUF loader from the file alone: every token at its id, the special ids, and the same ids for each
+    text. For llama's architecture the loader rebuilds the merges from the scores written (a piece made by an earlier
+    merge scores higher), so equal ids test the scores; Gemma's are rebuilt from the tokens' order. Its Phi-3
+    tokenizer puts a ▁ before the text after a special token (llama.cpp's rule), which transformers' own Phi-3
+    tokenizer does not: that text is compared up to the special token."""
+    from gguf import GGUFReader
+
+    extra = {"head_dim": 16, "query_pre_attn_scalar": 16} if style == "gemma" else {}
+    folder = make_family_model(
+        tmp_path / model_type, model_type, bos=True, tokenizer=make_spm_tokenizer(style), **extra
+    )
+    export(folder, ["q8_0"])
+    alone = tmp_path / "gguf-alone"  # the file without the folder's tokenizer files beside it
+    alone.mkdir()
+    (folder / f"{model_type}-q8_0.gguf").rename(alone / f"{model_type}-q8_0.gguf")
+    want = AutoTokenizer.from_pretrained(folder)
+    got = AutoTokenizer.from_pretrained(alone, gguf_file=f"{model_type}-q8_0.gguf")
+    vocab = want.get_vocab()
+    assert {t: i for t, i in got.get_vocab().items() if i < len(vocab)} == vocab
+    for name in ("bos", "eos", "unk", "pad"):
+        assert getattr(got, f"{name}_token_id") == getattr(want, f"{name}_token_id"), name
+    for text in SPM_TEXTS:
+        if model_type == "phi3":
+            text = text.split("</s>")[0]
+        assert got(text)["input_ids"] == want(text)["input_ids"], (text, got.tokenize(text), want.tokenize(text))
+
+    fields = GGUFReader(str(alone / f"{model_type}-q8_0.gguf")).fields
+    assert fields["tokenizer.ggml.model"].contents() == "llama"
+    assert fields["tokenizer.ggml.add_space_prefix"].contents() is (style == "llama")
+    types = fields["tokenizer.ggml.token_type"].contents()
+    specials = len(want.all_special_tokens)
+    assert types[:specials] == [3] * specials and types[specials : specials + 256] == [6] * 256  # control, byte
+    assert set(types[specials + 256 : len(vocab)]) == {1} and set(types[len(vocab) :]) == {5}  # normal, unused
 
 
 def test_a_model_llama_cpp_does_not_run_gets_one_line(tmp_path):
@@ -179,7 +219,7 @@ def test_a_7b_shaped_export_stays_within_the_ram_it_predicted(tmp_path):
     assert 0 < figures["grew"] <= figures["predicted"], figures
 
 
-@pytest.mark.parametrize("template,bos", [(LLAMA_STYLE_TEMPLATE, True), (CHATML, False)])
+@pytest.mark.parametrize("template,bos", [(LLAMA_STYLE_TEMPLATE, True), (CHATML_TEMPLATE, False)])
 def test_the_modelfile_template_rebuilds_the_chat_prompts(tmp_path, template, bos):
     """The pieces measured from the tokenizer's template, laid out as the Modelfile's Go template lays them, give
     apply_chat_template's text for another conversation (a system turn, three user turns); the stop tokens close the
@@ -188,7 +228,7 @@ def test_the_modelfile_template_rebuilds_the_chat_prompts(tmp_path, template, bo
     tokenizer = AutoTokenizer.from_pretrained(folder)
     markers = (
         ["<|im_start|>", "<|im_end|>"]
-        if template is CHATML
+        if template is CHATML_TEMPLATE
         else ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
     )
     tokenizer.add_special_tokens({"additional_special_tokens": markers})  # special, as the real families' are
