@@ -36,6 +36,8 @@ session_hours = 12.0  # Kaggle ends a session after about 12 hours
 reserve_minutes = 30  # stop this long before the end: the last save and push fit in it
 disk_budget = "19GB"  # checkpoints in output_dir stay under this (Kaggle keeps 20 GB of /kaggle/working)
 extra_flags = ""  # more fsdp_finetune.py flags, e.g. "--save_every_steps 200 --eval_rows 200"
+push_model_to = None  # "user/model-name": when the chain is done, the last cell pushes the model repo there
+gguf = ""  # e.g. "q8_0": GGUF for llama.cpp/Ollama with the model repo (Llama, Mistral, Qwen, Gemma, Phi-3; not OPT)
 
 # %% [markdown]
 # # Fine-tune with FSDP on Kaggle, one range of rows per session
@@ -157,3 +159,21 @@ assert _exit_code == 0, "training stopped with an error: see the lines above"  #
 
 # %%
 fig = nb.plot_loss_curve(output_dir, Path(output_dir) / "loss_curve.png")
+
+# %% [markdown]
+# ## 5. The end of the chain: the model repo
+#
+# Once the last range is trained, the newest checkpoint becomes a model repo that `from_pretrained("user/name")`
+# loads: LoRA merged, fp16 safetensors, the tokenizer and its chat template, and a card listing every range with its
+# data pin and figures (docs/export.md). Set `push_model_to` to push it; OPT gets its model repo and one line saying
+# why it gets no GGUF.
+
+# %%
+checkpoints = sorted(Path(output_dir).glob("*-epoch-*"), key=lambda p: p.stat().st_mtime)
+if push_model_to and checkpoints:
+    export_args = [str(checkpoints[-1]), "--push_to_hub", push_model_to] + (["--gguf", *gguf.split()] if gguf else [])
+    export_cmd = nb.python_module("fsdp_opt.export", export_args)
+    print(export_cmd)
+    get_ipython().system(export_cmd)  # noqa: F821 - IPython's
+else:
+    print("push_model_to is not set (or no checkpoint yet): the model repo is pushed from the last session")

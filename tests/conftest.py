@@ -559,6 +559,23 @@ LLAMA_STYLE_TEMPLATE = (
 )
 
 
+CHATML_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# The families GGUF is written for, each small, with the settings llama.cpp and transformers' GGUF loader agree on:
+# Gemma scales attention by the head size; transformers' loader reads Qwen3 at its default head size (128).
+GGUF_FAMILIES = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {},
+    "qwen3": {"head_dim": 128},
+    "gemma2": {"head_dim": 16, "query_pre_attn_scalar": 16},
+    "gemma3_text": {"head_dim": 16, "query_pre_attn_scalar": 16},
+    "phi3": {},
+}
+
+
 def make_chat_llama(dest: Path, seed: int = 0, template: str | None = LLAMA_STYLE_TEMPLATE, **overrides) -> Path:
     """A local Llama-architecture model folder whose tokenizer adds a BOS (as Llama 3's does) and has a chat template:
     random weights, the built-in tokenizer's vocabulary, dropout off."""
@@ -567,24 +584,70 @@ def make_chat_llama(dest: Path, seed: int = 0, template: str | None = LLAMA_STYL
     )
 
 
+SPM_STYLES = {
+    # Llama 2's, Mistral's and Phi-3's: LlamaTokenizer (transformers 5 gives it Metaspace, ▁ put before the text)
+    "llama": (["<unk>", "<s>", "</s>"], "<s>"),
+    # Gemma's: GemmaTokenizer (spaces become ▁, none put before the text)
+    "gemma": (["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"], "<bos>"),
+}
+
+
+def make_spm_tokenizer(style: str, bos: bool = True, pieces: int = 1000):
+    """A SentencePiece-style tokenizer as the released Llama 2, Mistral, Phi-3 (`llama`) and Gemma (`gemma`) ones
+    are laid out, small and offline: BPE over characters with byte fallback, its control tokens first, then the 256
+    byte tokens <0x00>..<0xFF>, then pieces and merges learned here (the `tokenizers` trainer) from the Python docs'
+    paragraphs, split at spaces as SentencePiece splits; built through transformers' own class for the family
+    (LlamaTokenizer, GemmaTokenizer), which sets the normalizer, pre-tokenizer and decoder it runs with."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import GemmaTokenizer, LlamaTokenizer
+
+    from fsdp_opt.data.builtins import python_docs_texts
+
+    specials, bos_token = SPM_STYLES[style]
+    learner = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    learner.normalizer = normalizers.Replace(" ", "\u2581")
+    learner.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
+    learner.train_from_iterator(python_docs_texts()[:400], trainers.BpeTrainer(vocab_size=pieces, show_progress=False))
+    spec = json.loads(learner.to_str())["model"]
+    learned = sorted(spec["vocab"], key=spec["vocab"].get)
+    vocab = {t: i for i, t in enumerate(specials + [f"<0x{b:02X}>" for b in range(256)] + learned)}
+    merges = [tuple(m) for m in spec["merges"]]
+    if style == "llama":
+        return LlamaTokenizer(vocab=vocab, merges=merges, add_bos_token=bos)
+    return GemmaTokenizer(vocab=vocab, merges=merges, add_bos_token=bos)
+
+
 def make_family_model(
-    dest: Path, model_type: str, bos: bool, seed: int = 0, template: str | None = None, **overrides
+    dest: Path,
+    model_type: str,
+    bos: bool,
+    seed: int = 0,
+    template: str | None = None,
+    tokenizer=None,  # noqa: ANN001 - a transformers tokenizer (make_spm_tokenizer's); None: the built-in vocabulary
+    **overrides,
 ) -> Path:
     """A local model folder of one architecture (transformers' model_type), small, with random weights, and a
     tokenizer of the built-in vocabulary that puts a BOS first (as Llama 3's, Gemma's and Mistral's do) or not (as
-    Qwen's): the config, safetensors weights and tokenizer files `from_pretrained` reads."""
+    Qwen's), or the tokenizer given: the config, safetensors weights and tokenizer files `from_pretrained` reads."""
     import torch
     from tokenizers import Tokenizer, processors
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    raw = Tokenizer.from_file(str(ASSETS / "tokenizer.json"))
-    steps = [processors.ByteLevel(trim_offsets=False)]
-    if bos:
-        steps.append(processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)]))
-    raw.post_processor = processors.Sequence(steps)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=raw, bos_token="<s>" if bos else None, eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
-    )
+    if tokenizer is None:
+        raw = Tokenizer.from_file(str(ASSETS / "tokenizer.json"))
+        steps = [processors.ByteLevel(trim_offsets=False)]
+        if bos:
+            steps.append(
+                processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)])
+            )
+        raw.post_processor = processors.Sequence(steps)
+        tokenizer = PreTrainedTokenizerFast(
+            tokenizer_object=raw,
+            bos_token="<s>" if bos else None,
+            eos_token="</s>",
+            pad_token="<pad>",
+            unk_token="<unk>",
+        )
     if template:
         tokenizer.chat_template = template
     settings = dict(
@@ -595,9 +658,9 @@ def make_family_model(
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=512,
-        bos_token_id=0 if bos else None,
-        eos_token_id=2,
-        pad_token_id=1,
+        bos_token_id=tokenizer.bos_token_id if bos else None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     settings.update(overrides)
     torch.manual_seed(seed)

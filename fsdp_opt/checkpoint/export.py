@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig
 
-from fsdp_opt.base import CheckpointError, ConfigError
+from fsdp_opt.base import CheckpointError
 from fsdp_opt.checkpoint.atomic import save_or_explain
 from fsdp_opt.checkpoint.loading import load_full_payload, load_model_only
 from fsdp_opt.checkpoint.names import MODEL_KEY
@@ -96,26 +96,6 @@ def export_lora(
         folder = write_adapter(adapters, info, Path(tmp) / "adapter", torch.float32)
         state = merged_state(folder, info, seed)
     return export_model_folder(state, load_model_config(source), tokenizer_with(source, chat_template), dest, dtype)
-
-
-def export_checkpoint(
-    path: Path, dest: Path, dtype: str = "fp16", model_name: str | None = None, merge: bool = False
-) -> Path:
-    payload = load_full_payload(Path(path), "checkpoint")
-    info = payload.get("lora")
-    if info is not None:
-        seed = int((payload.get("config") or {}).get("seed", 0))
-        return export_lora(
-            payload[MODEL_KEY], info, dest, dtype, merge=merge, seed=seed, chat_template=payload.get("chat_template")
-        )
-    if merge:
-        raise ConfigError(f"--merge: {path} is a full fine-tuning checkpoint (nothing to merge); leave --merge out")
-    name = model_name or (payload.get("config") or {}).get("model")
-    if not name:
-        raise ConfigError(f"checkpoint {path}: it does not record its model; pass --model NAME")
-    source = resolve_model(name)
-    tokenizer = tokenizer_with(source, payload.get("chat_template"))
-    return export_model_folder(payload[MODEL_KEY], load_model_config(source), tokenizer, dest, dtype)
 
 
 def to_single_file(folder: Path, out: Path) -> Path:

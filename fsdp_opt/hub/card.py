@@ -91,6 +91,14 @@ def slices(index: dict[str, Any]) -> list[dict[str, Any]]:
     return ordered
 
 
+def range_cells(row: dict[str, Any]) -> str:
+    """A table row's first cells for a range of `slices`: rows, epochs, global steps, the last loss, held-out."""
+    steps = f"{row['first_step']}–{row['last_step']}" if row["last_step"] is not None else "-"
+    return (
+        f"| [{row['start']}, {row['end']}) | {row['epochs']} | {steps} | {_fmt_loss(row['loss'])} | {_eval_cell(row)} |"
+    )
+
+
 def _fmt_loss(x: Any) -> str:
     return f"{x:.4f}" if isinstance(x, (int, float)) and math.isfinite(x) else "-"
 
@@ -160,11 +168,7 @@ def render_card(repo_id: str, index: dict[str, Any]) -> str:
         "| rows | epochs | global steps | final loss | eval loss | date (UTC) | latest checkpoint |",
         "|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        steps = f"{r['first_step']}–{r['last_step']}" if r["last_step"] is not None else "-"
-        out.append(
-            f"| [{r['start']}, {r['end']}) | {r['epochs']} | {steps} | {_fmt_loss(r['loss'])} | {_eval_cell(r)} | {r['date']} | `{r['where']}` |"
-        )
+    out += [f"{range_cells(r)} {r['date']} | `{r['where']}` |" for r in rows]
     if not rows:
         out.append("| - | - | - | - | - | - | - |")
     storage = index.get("storage")

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from fsdp_opt.base import CheckpointError, ConfigError
 from fsdp_opt.config.layout import LoraConfig
 from fsdp_opt.model.loader import load_full_state_dict
-from fsdp_opt.model.nf4 import load_quantized, quantize_base, store_base
+from fsdp_opt.model.nf4 import dequantize_base, load_quantized, quantize_base, store_base
 from fsdp_opt.model.parallelize import block_linear_names, storages
 from fsdp_opt.model.sources import load_model_config, resolve_model
 from fsdp_opt.runtime.distributed import broadcast_object
@@ -246,10 +246,14 @@ def load_base(info: dict[str, Any], seed: int, dtype: torch.dtype = torch.float3
 
 
 def merged_state(adapter_dir: Path, info: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
-    """The base with the adapter folder's update merged into its weights (peft's merge_and_unload), in fp32."""
+    """The base with the adapter folder's update merged into its weights (peft's merge_and_unload), in fp32. A 4-bit
+    base (--base_bits 4) is the NF4 weights the adapters were trained on, dequantized."""
     from peft import PeftModel
 
-    model = PeftModel.from_pretrained(load_base(info, seed), str(adapter_dir))
+    base = load_base(info, seed)
+    if info.get("base_bits") == 4:
+        dequantize_base(base)
+    model = PeftModel.from_pretrained(base, str(adapter_dir))
     return model.merge_and_unload().state_dict()
 
 

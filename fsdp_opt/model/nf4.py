@@ -67,6 +67,20 @@ def quantize_base(model: nn.Module, shards: int, flag: str = "--base_bits 4") ->
 
 
 @torch.no_grad()
+def dequantize_base(model: nn.Module) -> list[str]:
+    """The frozen linear weights of the blocks replaced by their NF4 round trip (quantized as training quantized them,
+    then dequantized): the base a --base_bits 4 run's adapters were trained on, for a merge. Returns the names."""
+    to_nf4 = _to_nf4()
+    names = []
+    for name in base_linears(model):
+        layer = model.get_submodule(name)
+        weight = layer.weight.detach()
+        layer.weight.data = to_nf4(weight).get_original_weight().to(weight.dtype)
+        names.append(f"{name}.weight")
+    return names
+
+
+@torch.no_grad()
 def load_quantized(model: nn.Module, full_state: dict[str, torch.Tensor] | None, names: list[str], env: Any) -> None:
     """Fill the NF4 shards: rank 0 sends each weight whole, every rank quantizes it whole (the same bytes on every
     rank and for any rank count) and keeps its own rows. The other weights load as usual."""

@@ -296,7 +296,7 @@ def test_lora_checkpoint_is_small_resumes_exactly_after_sigkill_and_merges(tmp_p
 
     # --merge: the base with the update in, a plain model folder; its logits are peft's on the adapter folder.
     final = straight / checkpoint_name("tiny_opt", 0, 80, 1)
-    for dest, extra in ((tmp_path / "adapter", []), (tmp_path / "merged", ["--merge"])):
+    for dest, extra in ((tmp_path / "adapter", ["--adapter"]), (tmp_path / "merged", ["--merge"])):
         proc = launch(["-m", "fsdp_opt.export"], [str(final), str(dest), "--dtype", "fp32", *extra], tmp_path)
         assert proc.returncode == 0, proc.stderr[-2000:]
     from peft import PeftModel

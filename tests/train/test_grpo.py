@@ -896,7 +896,9 @@ def test_lora_grpo_with_a_kl_term_references_the_base_with_the_adapters_off(tmp_
 
     out = tmp_path / "fp16base" / "out"
     (first,) = out.glob("*-step-1.pt")
-    proc = launch(["-m", "fsdp_opt.export"], [str(first), str(tmp_path / "adapter"), "--dtype", "fp32"], tmp_path)
+    proc = launch(
+        ["-m", "fsdp_opt.export"], [str(first), str(tmp_path / "adapter"), "--dtype", "fp32", "--adapter"], tmp_path
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     tok = AutoTokenizer.from_pretrained(wide)
     model = PeftModel.from_pretrained(
