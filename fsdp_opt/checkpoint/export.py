@@ -8,15 +8,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig
+from transformers import GenerationConfig, PretrainedConfig
 
-from fsdp_opt.base import CheckpointError
+from fsdp_opt.base import CheckpointError, ConfigError
 from fsdp_opt.checkpoint.atomic import save_or_explain
 from fsdp_opt.checkpoint.loading import load_full_payload, load_model_only
 from fsdp_opt.checkpoint.names import MODEL_KEY
 from fsdp_opt.checkpoint.weightsfile import write_weights
 from fsdp_opt.config.choices import DTYPES
-from fsdp_opt.model.adapters import merged_state, write_adapter
+from fsdp_opt.config.methods import SEQUENCE_SCORE
+from fsdp_opt.model.adapters import merged_state, whole_state, write_adapter
+from fsdp_opt.model.loader import meta_model, set_head
 from fsdp_opt.model.sources import load_model_config, load_tokenizer, resolve_model
 
 
@@ -31,15 +33,22 @@ def weights_from_checkpoint(checkpoint: Path, dest: Path) -> Path:
 
 
 def export_model_folder(
-    state_dict: dict[str, torch.Tensor], model_config: PretrainedConfig, tokenizer: Any, dest: Path, dtype: str = "fp16"
+    state_dict: dict[str, torch.Tensor],
+    model_config: PretrainedConfig,
+    tokenizer: Any,
+    dest: Path,
+    dtype: str = "fp16",
+    head: str = "causal_lm",
 ) -> Path:
+    """A Hugging Face model folder of these weights: safetensors, config, tokenizer, generation config; a model with
+    a score head (a reward model) as a one-label sequence classifier that AutoModelForSequenceClassification loads."""
     dest = Path(dest)
     tmp = dest.with_name(f".{dest.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     config = model_config.__class__.from_dict(model_config.to_dict())
     config.use_cache = True  # the exported model is for inference
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    set_head(config, head, tokenizer.pad_token_id)
+    model = meta_model(config, head)
     # Copy: save_pretrained may consume the dict it is given, and the caller may need it again.
     weights = {k: v.detach().to(DTYPES[dtype]).clone() for k, v in state_dict.items()}
     missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
@@ -84,7 +93,13 @@ def export_lora(
     update merged in, by peft), which needs the base: `info` names it and holds its fingerprint. With a chat template,
     the adapter folder holds the base's tokenizer carrying it."""
 
+    whole = whole_state(adapters, info)
     if not merge:
+        if whole:
+            raise ConfigError(
+                f"--adapter: this LoRA checkpoint's {', '.join(info['whole'])} layer trained whole beside the "
+                "adapters (a reward model's score layer): export it merged (leave --adapter out)"
+            )
         folder = write_adapter(adapters, info, dest, DTYPES[dtype])
         if chat_template:
             tokenizer_with(resolve_model(info["base"]), chat_template).save_pretrained(folder)
@@ -94,8 +109,10 @@ def export_lora(
     source = resolve_model(info["base"])
     with tempfile.TemporaryDirectory(dir=Path(dest).parent) as tmp:
         folder = write_adapter(adapters, info, Path(tmp) / "adapter", torch.float32)
-        state = merged_state(folder, info, seed)
-    return export_model_folder(state, load_model_config(source), tokenizer_with(source, chat_template), dest, dtype)
+        state = merged_state(folder, info, seed, whole)
+    head = SEQUENCE_SCORE if whole else "causal_lm"
+    tokenizer = tokenizer_with(source, chat_template)
+    return export_model_folder(state, load_model_config(source), tokenizer, dest, dtype, head)
 
 
 def to_single_file(folder: Path, out: Path) -> Path:

@@ -31,6 +31,7 @@ import torch
 
 from fsdp_opt.engine.decoding import Decoder
 from fsdp_opt.engine.generation import Sampling, completion_keys, processors
+from fsdp_opt.model.loader import cpu_model
 from fsdp_opt.model.sources import load_model_config, resolve_model
 from fsdp_opt.runtime.gpus import MEMORY_GBPS
 
@@ -39,13 +40,9 @@ WAYS = ("hf_static", "static", "graphs")
 
 def build(name: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """A model of a built-in shape (or tiny-opt) with random weights, in eval mode on `device`."""
-    from transformers import AutoModelForCausalLM
-
-    config = load_model_config(resolve_model(name))
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model.eval()
+    source = resolve_model(name)
+    model = cpu_model(source, load_model_config(source), 0, weights=False, dtype=dtype)
+    return model.to(device).eval()
 
 
 def sync(device: torch.device) -> None:

@@ -30,6 +30,7 @@ from fsdp_opt.data.table import as_table
 
 ROLES = ("system", "user", "assistant")
 LABEL_COLUMN = "label"  # unpaired rows: whether the completion is desirable (TRL's column name)
+MARGIN_COLUMN = "margin"  # a preference row's margin, where the rows have one (TRL's RewardTrainer reads it)
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class RowSpec:
     rejected_column: str = "rejected"
     implicit: bool = False  # preference rows without a prompt column: the answers' shared first turns are the prompt
     extra: tuple[str, ...] = ()  # prompt rows: the other columns, which go to the reward functions
+    margin: bool = False  # preference rows with a margin column (TRL's: a reward model's loss reads it)
     parts: tuple[RowSpec, ...] = ()  # a mixture whose sources differ in format or columns: each source's own
 
     @property
@@ -60,7 +62,7 @@ class RowSpec:
         if self.format == "unpaired":
             return (self.prompt_column, self.completion_column, LABEL_COLUMN)
         if self.format == "preference":
-            pair = (self.chosen_column, self.rejected_column)
+            pair = (self.chosen_column, self.rejected_column, *((MARGIN_COLUMN,) if self.margin else ()))
             return pair if self.implicit else (self.prompt_column, *pair)
         return (self.messages_column,)
 
@@ -138,6 +140,7 @@ def resolve_spec(
         "rejected_column": rejected_column,
         "implicit": prompt_column not in have,
         "extra": tuple(c for c in column_names if c != prompt_column),
+        "margin": MARGIN_COLUMN in have,
     }
     listed = ", ".join(column_names)
     preferred = [f for f in prefer if f in DATA_FORMATS and all(c in have for c in RowSpec(f, **kw).columns)]
@@ -248,8 +251,8 @@ def check_row(spec: RowSpec, raw: dict[str, Any], index: int) -> dict[str, Any] 
     """One row as the trainer takes it; None for a row with nothing to train on (dropped and counted)."""
     if spec.format == "preference":
         pair = _preference(spec, raw, index)
-        if pair is not None and raw.get("margin") is not None:  # a reward model's margin (TRL's column name)
-            pair["margin"] = float(raw["margin"])
+        if pair is not None and raw.get(MARGIN_COLUMN) is not None:
+            pair["margin"] = float(raw[MARGIN_COLUMN])
         return pair
     if spec.format == "unpaired":
         label = raw[LABEL_COLUMN]

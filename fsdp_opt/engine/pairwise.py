@@ -27,6 +27,7 @@ from fsdp_opt.data.blocks import model_inputs
 from fsdp_opt.data.pairs import Pairs
 from fsdp_opt.data.sequences import held_out_micro_batches, rank_rounds
 from fsdp_opt.engine.microbatches import MicroLoss, StepLoss
+from fsdp_opt.model.loader import SCORE_LAYER
 from fsdp_opt.runtime.distributed import DistEnv
 
 STATS = ("loss", "accuracy", "margin", "mean_reward")  # sums over pairs (mean_reward: over answers), in this order
@@ -34,7 +35,7 @@ STATS = ("loss", "accuracy", "margin", "mean_reward")  # sums over pairs (mean_r
 
 def score_layer(model: nn.Module) -> nn.Module:
     """The layer that turns a sequence classifier's hidden states into its scores."""
-    return model.score
+    return model.get_submodule(SCORE_LAYER)
 
 
 def sequence_scores(

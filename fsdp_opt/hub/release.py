@@ -19,9 +19,11 @@ from fsdp_opt.checkpoint.export import export_lora, export_model_folder, tokeniz
 from fsdp_opt.checkpoint.gguf import SafetensorsFolder, check_room, plan_exports, write_ggufs
 from fsdp_opt.checkpoint.loading import load_full_payload
 from fsdp_opt.checkpoint.names import MODEL_KEY
+from fsdp_opt.config.methods import DEFAULT_METHOD, spec
 from fsdp_opt.hub.modelcard import record_from_checkpoint, render_model_card
 from fsdp_opt.hub.modelrepo import push_folder, read_chain_index
-from fsdp_opt.model.sources import build_meta_model, load_model_config, resolve_model
+from fsdp_opt.model.loader import meta_model
+from fsdp_opt.model.sources import load_model_config, resolve_model
 
 
 @dataclass
@@ -66,7 +68,7 @@ def run_release(release: Release, command: list[str], log=print) -> Path | None:
     final = release.dest or Path(tempfile.gettempdir()) / release.push_to_hub.replace("/", "--")
     plans = []
     if release.gguf:
-        shapes = {k: tuple(v.shape) for k, v in build_meta_model(config).state_dict().items()}
+        shapes = {k: tuple(v.shape) for k, v in meta_model(config).state_dict().items()}
         plans = plan_exports(config, shapes, release.gguf, final)
         for p in plans:
             log(p.line())
@@ -115,7 +117,8 @@ def _write_folder(release: Release, payload: dict[str, Any] | None, name: str, f
         return tokenizer_with(resolve_model(info["base"]), template)
     source = resolve_model(name)
     tokenizer = tokenizer_with(source, template)
-    export_model_folder(payload[MODEL_KEY], load_model_config(source), tokenizer, folder, release.dtype)
+    head = spec((payload.get("config") or {}).get("method") or DEFAULT_METHOD).head
+    export_model_folder(payload[MODEL_KEY], load_model_config(source), tokenizer, folder, release.dtype, head)
     return tokenizer
 
 

@@ -24,10 +24,11 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fsdp_opt.base import CheckpointError, ConfigError
 from fsdp_opt.config.layout import LoraConfig
-from fsdp_opt.model.loader import load_full_state_dict
+from fsdp_opt.config.methods import SEQUENCE_SCORE
+from fsdp_opt.model.loader import SCORE_LAYER, load_full_state_dict, set_head
 from fsdp_opt.model.nf4 import dequantize_base, load_quantized, quantize_base, store_base
 from fsdp_opt.model.parallelize import block_linear_names, storages
-from fsdp_opt.model.sources import load_model_config, resolve_model
+from fsdp_opt.model.sources import load_model_config, load_tokenizer, resolve_model
 from fsdp_opt.runtime.distributed import broadcast_object
 
 ADAPTER = "default"  # peft's adapter name inside the model; not part of the exported keys
@@ -67,9 +68,12 @@ def peft_config(settings: LoraConfig, targets: list[str], base: str | None = Non
     )
 
 
-def inject(model: nn.Module, settings: LoraConfig, *, meta: bool, seed: int | None = None) -> list[str]:
-    """Add the adapters to `model` in place (every base weight frozen). On a real model, `seed` fixes their initial
-    values (lora_A random, lora_B zero, so the model's output is unchanged). Returns the adapted layers' names."""
+def inject(
+    model: nn.Module, settings: LoraConfig, *, meta: bool, seed: int | None = None, whole: tuple[str, ...] = ()
+) -> list[str]:
+    """Add the adapters to `model` in place (every base weight frozen, but those of the layers `whole` names, which
+    train as they are: a reward model's new score layer). On a real model, `seed` fixes their initial values (lora_A
+    random, lora_B zero, so the model's output is unchanged). Returns the adapted layers' names."""
     from peft import inject_adapter_in_model
 
     targets = find_targets(model, settings.lora_targets)
@@ -77,15 +81,15 @@ def inject(model: nn.Module, settings: LoraConfig, *, meta: bool, seed: int | No
         torch.manual_seed(seed)
     inject_adapter_in_model(peft_config(settings, targets), model, adapter_name=ADAPTER, low_cpu_mem_usage=meta)
     for name, p in model.named_parameters():
-        p.requires_grad_(".lora_" in name)
+        p.requires_grad_(".lora_" in name or name.split(".", 1)[0] in whole)
     return targets
 
 
 class Adapters:
     """One run's adapters: added to the meta model every rank shards, and to rank 0's CPU model that fills it."""
 
-    def __init__(self, settings: LoraConfig, base: str, dtype: torch.dtype, seed: int):
-        self.settings, self.base, self.dtype, self.seed = settings, base, dtype, seed
+    def __init__(self, settings: LoraConfig, base: str, dtype: torch.dtype, seed: int, whole: tuple[str, ...] = ()):
+        self.settings, self.base, self.dtype, self.seed, self.whole = settings, base, dtype, seed, whole
         self.targets: list[str] = []
         self.quantized: list[str] = []  # the NF4 weights with --base_bits 4
         self.shards = 1
@@ -93,7 +97,7 @@ class Adapters:
 
     def add_to(self, model: nn.Module, shards: int = 1) -> None:
         """Every rank, on the meta skeleton, before sharding into `shards`."""
-        self.targets = inject(model, self.settings, meta=True)
+        self.targets = inject(model, self.settings, meta=True, whole=self.whole)
         store_base(model, self.dtype)
         self.quantized = quantize_base(model, shards) if self.settings.base_bits == 4 else []
         self.shards = shards
@@ -117,7 +121,7 @@ class Adapters:
 
         def prepare(model: nn.Module) -> None:
             self.base_fingerprint = fingerprint(model.state_dict())
-            inject(model, self.settings, meta=False, seed=self.seed)
+            inject(model, self.settings, meta=False, seed=self.seed, whole=self.whole)
             store_base(model, self.dtype)
 
         return {"dtype": self.dtype, "prepare": prepare}
@@ -128,7 +132,7 @@ class Adapters:
             self.base_fingerprint = broadcast_object(self.base_fingerprint)
 
     def identity(self) -> dict[str, Any]:
-        return identity(self.settings, self.targets, self.base, self.base_fingerprint)
+        return {**identity(self.settings, self.targets, self.base, self.base_fingerprint), "whole": list(self.whole)}
 
 
 def base_name(state_key: str) -> str:
@@ -229,13 +233,16 @@ def write_adapter(model_state: dict[str, torch.Tensor], info: dict[str, Any], de
 
 
 def load_base(info: dict[str, Any], seed: int, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The base model a LoRA checkpoint belongs to, on CPU, checked against the fingerprint the checkpoint recorded."""
+    """The base model a LoRA checkpoint belongs to, on CPU (with its head: a score layer where one trained whole),
+    checked against the fingerprint the checkpoint recorded."""
 
     source = resolve_model(info["base"])
     config = load_model_config(source)
     config.use_cache = True
+    head = SEQUENCE_SCORE if SCORE_LAYER in info.get("whole", ()) else "causal_lm"
+    set_head(config, head, load_tokenizer(source).pad_token_id)
     built: list[nn.Module] = []
-    state, _ = load_full_state_dict(source, config, seed, dtype=dtype, prepare=built.append)
+    state, _ = load_full_state_dict(source, config, seed, head=head, dtype=dtype, prepare=built.append)
     found = fingerprint(state)
     if found != info["base_fingerprint"]:
         raise CheckpointError(
@@ -245,16 +252,24 @@ def load_base(info: dict[str, Any], seed: int, dtype: torch.dtype = torch.float3
     return built[0].eval()
 
 
-def merged_state(adapter_dir: Path, info: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
-    """The base with the adapter folder's update merged into its weights (peft's merge_and_unload), in fp32. A 4-bit
-    base (--base_bits 4) is the NF4 weights the adapters were trained on, dequantized."""
+def merged_state(
+    adapter_dir: Path, info: dict[str, Any], seed: int, whole: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """The base with the adapter folder's update merged into its weights (peft's merge_and_unload), in fp32, and the
+    layers that trained whole (`whole`: their weights) in place. A 4-bit base (--base_bits 4) is the NF4 weights the
+    adapters were trained on, dequantized."""
     from peft import PeftModel
 
     base = load_base(info, seed)
     if info.get("base_bits") == 4:
         dequantize_base(base)
     model = PeftModel.from_pretrained(base, str(adapter_dir))
-    return model.merge_and_unload().state_dict()
+    return {**model.merge_and_unload().state_dict(), **{k: v.float() for k, v in (whole or {}).items()}}
+
+
+def whole_state(model_state: dict[str, torch.Tensor], info: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The weights of a LoRA checkpoint's layers that trained whole (a reward model's score layer)."""
+    return {k: v for k, v in model_state.items() if k.split(".", 1)[0] in info.get("whole", ())}
 
 
 @torch.no_grad()

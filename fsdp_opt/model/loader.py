@@ -29,6 +29,13 @@ from fsdp_opt.model.parallelize import fp32_products_on_cpu, shard_model, tie_an
 from fsdp_opt.model.sources import ModelSource, fetch_error
 from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok
 
+SCORE_LAYER = "score"  # a sequence classifier's layer from hidden states to scores (transformers' name, every family)
+
+
+def head_layers(head: str) -> tuple[str, ...]:
+    """The layers of a head that train whole beside LoRA's adapters: a reward model's new score layer."""
+    return (SCORE_LAYER,) if head == SEQUENCE_SCORE else ()
+
 
 def model_class(head: str) -> type:
     """The transformers auto class of a head: the next-token layer, or a score per sequence."""

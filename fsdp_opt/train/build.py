@@ -34,7 +34,7 @@ from fsdp_opt.engine.step import TrainState, first_batch_loss
 from fsdp_opt.hub.lease import Lease
 from fsdp_opt.hub.store import read_resume
 from fsdp_opt.model.adapters import KEY, Adapters, check_resume
-from fsdp_opt.model.loader import Build, Loaded, load_model, meta_model
+from fsdp_opt.model.loader import Build, Loaded, head_layers, load_model, meta_model
 from fsdp_opt.model.parallelize import resolve_precision, tie_and_check
 from fsdp_opt.model.shapes import count_params, flops_per_token
 from fsdp_opt.model.sources import ModelSource, load_model_config, model_tag, resolve_model
@@ -315,7 +315,9 @@ def build_model(
     n_params = count_params(skeleton)  # the model's own, before any adapters
     fpt = flops_per_token(skeleton, config.data.max_length, frozen_base=lc.enabled)
     del skeleton
-    adapters = Adapters(lc, mc.model, DTYPES[checked.precision], tc.seed) if lc.enabled else None
+    adapters = (
+        Adapters(lc, mc.model, DTYPES[checked.precision], tc.seed, head_layers(spec.head)) if lc.enabled else None
+    )
 
     def check(model: nn.Module) -> None:
         if not resuming:

@@ -100,7 +100,7 @@ def _adapters(info: dict[str, Any] | None, precision: str, seed: int) -> Adapter
         lora_targets=",".join(info["targets"]),
         base_bits=info.get("base_bits", 16),
     )
-    return Adapters(settings, info["base"], DTYPES[precision], seed)
+    return Adapters(settings, info["base"], DTYPES[precision], seed, tuple(info.get("whole", ())))
 
 
 def _candidate(

@@ -29,7 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from fsdp_opt.checkpoint.gguf import SafetensorsFolder, check_room, plan_exports, write_ggufs
 from fsdp_opt.checkpoint.modelfile import measure, stop_tokens
 from fsdp_opt.model.catalog import catalog_config
-from fsdp_opt.model.sources import build_meta_model
+from fsdp_opt.model.loader import meta_model as build_meta_model
 
 pytest.importorskip("gguf")
 

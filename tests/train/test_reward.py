@@ -117,12 +117,15 @@ def test_a_step_is_trls_reward_loss_and_gradient_on_the_same_pairs(tmp_path, fil
     assert max(diffs.values()) <= 1e-5, sorted(diffs.items(), key=lambda kv: -kv[1])[:4]
     assert max(g.abs().max().item() for g in grads.values()) > 1e-3
     record = ours["record"]
-    assert record["pairs"] == PAIRS and record["min_reward"] <= record["mean_reward"] <= record["max_reward"]
+    assert (
+        record["pairs"] == sum(len(m) for rank in ours["micro"] for m in rank)
+        and record["min_reward"] <= record["mean_reward"] <= record["max_reward"]
+    )
 
 
 def test_a_reward_model_learns_exports_and_scores_grpo_completions(tmp_path, files):
-    """Trained on the string pairs (held-out: the chat split's answers are not used here), its held-out accuracy rises
-    above chance; exported, transformers' AutoModelForSequenceClassification loads it and scores a pair as the run
+    """Trained on pairs whose chosen answer says good and whose rejected one says bad, its held-out pairs ranked right
+    and their loss halved from the first epoch's; exported, transformers' AutoModelForSequenceClassification loads it and scores a pair as the run
     did; a GRPO run takes it as --reward_model, its completions.jsonl holding its scores, equal to the exported model's
     on the same texts; a causal LM given as --reward_model is refused in one line."""
     rows = [
@@ -134,8 +137,9 @@ def test_a_reward_model_learns_exports_and_scores_grpo_completions(tmp_path, fil
     trained = run_cli(flags, tmp_path, nproc=2)
     assert trained.returncode == 0, trained.stdout[-2000:] + trained.stderr[-3000:]
     evals = read_jsonl(tmp_path / "rm" / "eval.jsonl")
-    print("held-out accuracy", [e["accuracy"] for e in evals])
-    assert evals[-1]["accuracy"] >= 0.9 and evals[-1]["accuracy"] > evals[0]["accuracy"]
+    print("held-out accuracy", [e["accuracy"] for e in evals], "loss", [round(e["loss"], 4) for e in evals])
+    assert evals[-1]["accuracy"] >= 0.9 and evals[-1]["loss"] < 0.5 * evals[0]["loss"]
+    assert evals[-1]["margin"] > evals[0]["margin"] > 0
     final = next((tmp_path / "rm").glob("*-epoch-4.pt"))
     export = tmp_path / "rm-folder"
     proc = launch(["-m", "fsdp_opt.export"], [str(final), str(export), "--dtype", "fp32"], tmp_path)
@@ -186,5 +190,5 @@ def test_a_reward_model_learns_exports_and_scores_grpo_completions(tmp_path, fil
         with torch.no_grad():
             assert abs(model(**given).logits[0, 0].item() - r["rewards"][label]) <= 1e-4
     assert_clean_failure(
-        run_cli([*grpo[:6], str(files["policy"]), *grpo[7:]], tmp_path), "not a sequence classifier of one label"
+        run_cli([*grpo[:7], str(files["policy"]), *grpo[8:]], tmp_path), "not a sequence classifier of one label"
     )

@@ -223,6 +223,7 @@ class MethodSpec:
     unit: str = "row"  # what a step's loss is a mean over, in words (the plan's lines)
     shown: tuple[str, ...] = ()  # metrics fields the progress bar shows beside the loss
     rows_hint: str = ""  # what to give when the rows are of another format
+    no_dropout: str = "the policy is compared with its reference on the same forward"  # why it trains without
     head: str = CAUSAL_LM  # the model's head: the next-token layer, or a score per sequence
 
     @property

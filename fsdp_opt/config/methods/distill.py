@@ -70,4 +70,5 @@ DISTILL = MethodSpec(
     unit="completion token",
     shown=("entropy",),
     rows_hint="name the prompt's column with --prompt_column (--data_format prompt)",
+    no_dropout="completions are sampled on the same forward the loss takes",
 )

@@ -78,4 +78,5 @@ GRPO = MethodSpec(
     phases=(GENERATION,),
     shown=("reward",),
     rows_hint="name the prompt's column with --prompt_column (--data_format prompt)",
+    no_dropout="completions are sampled and scored on the same forward the loss takes",
 )

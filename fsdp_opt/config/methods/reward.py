@@ -48,4 +48,5 @@ REWARD = MethodSpec(
     head=SEQUENCE_SCORE,
     shown=("accuracy", "margin"),
     rows_hint="name the answers' columns with --chosen_column and --rejected_column",
+    no_dropout="the two answers of a pair are scored by the same model, as TRL's RewardTrainer trains it",
 )

@@ -50,4 +50,5 @@ RLOO = MethodSpec(
     phases=(GENERATION,),
     shown=("reward",),
     rows_hint="name the prompt's column with --prompt_column (--data_format prompt)",
+    no_dropout="completions are sampled and scored on the same forward the loss takes",
 )
