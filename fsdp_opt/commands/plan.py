@@ -18,7 +18,6 @@ from fsdp_opt.config.choices import STRATEGIES
 from fsdp_opt.config.method import MethodConfig, union_flags
 from fsdp_opt.config.methods import GENERATION, REFERENCE_PASS, spec
 from fsdp_opt.config.training import TrainConfig
-from fsdp_opt.data.prompts import generation_slices
 from fsdp_opt.data.resolve import DataSource
 from fsdp_opt.data.sources import data_on_disk
 from fsdp_opt.model.shapes import Shape, model_config
@@ -103,7 +102,6 @@ def main(argv: list[str] | None = None) -> int:
         samples, accum = batch_of(a)
         # the method's settings as the trainer takes them: its own flags, its defaults, another method's refused
         method = MethodConfig.from_flags(a.method, {k: getattr(a, k, None) for k in union_flags()})
-        settings = method.settings
         inputs = Inputs(
             gpus=a.gpus,
             nodes=a.nodes,
@@ -125,18 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             base_bits=a.base_bits,
             reduce_dtype="fp16" if a.reduce_dtype == "fp16" else "fp32",
             cpu_offload=a.cpu_offload,
-            method=a.method,
-            ref_model=a.ref_model is not None,
-            generations=settings.completions_per_prompt,
-            completion_length=getattr(settings, "max_completion_length", 256),
-            beta=settings.beta if settings.uses_reference else 0.0,
-            decoding=getattr(settings, "decoding", "static"),
-            iterations=getattr(settings, "num_iterations", 1),
-            generation_slices=generation_slices(getattr(settings, "steps_per_generation", None), accum)
-            if GENERATION in method.spec.phases
-            else 1,
-            teacher=getattr(settings, "teacher_model", None),
-            teacher_bits=getattr(settings, "teacher_bits", 16),
+            method=method,
         )
         if a.lora_rank < 0:
             raise ConfigError(f"--lora_rank {a.lora_rank}: must be 0 (full fine-tuning) or more")

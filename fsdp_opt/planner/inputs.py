@@ -3,11 +3,14 @@ strategy, the resident training state per GPU, and the runtime's fixed costs the
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fsdp_opt.base import GIB
 from fsdp_opt.config.choices import shard_count
+from fsdp_opt.config.method import MethodConfig
+from fsdp_opt.data.prompts import generation_slices
 from fsdp_opt.model.shapes import Shape
 
 # Allocator slack, the CUDA context and NCCL's buffers (with 2 GPUs or more), which torch's counters do not see.
@@ -40,16 +43,58 @@ class Inputs:
     base_bits: int = 16
     reduce_dtype: str = "fp32"  # the trainer's --reduce_dtype: gradients reduce-scattered in fp32 or fp16
     cpu_offload: bool = False  # the trainer's --cpu_offload: sharded state in host memory, AdamW on the host
-    method: str = "sft"  # the trainer's --method: dpo adds the reference pass (planner/dpo.py), grpo its generation
-    ref_model: bool = False  # --method dpo with --ref_model: a LoRA run's reference is a model of its own
-    generations: int = 8  # --method grpo: --num_generations
-    completion_length: int = 256  # --method grpo: --max_completion_length
-    beta: float = 0.0  # --method grpo: the KL weight (> 0: a reference model's forward, kept beside the policy)
-    decoding: str = "static"  # --method grpo: --decoding (graphs: each decoding step a CUDA graph's replay)
-    iterations: int = 1  # --method grpo: --num_iterations
-    generation_slices: int = 1  # --method grpo: the steps' worth of prompts a generation takes (--steps_per_generation)
-    teacher: str | None = None  # --method distill: --teacher_model (kept beside the model: its memory, its forward)
-    teacher_bits: int = 16  # --method distill: --teacher_bits (4: the teacher's blocks' linear weights in NF4)
+    # the trainer's --method with its settings: dpo and kto add their reference pass (planner/dpo.py), a method that
+    # samples its generation phase (planner/generation.py), distillation its teacher
+    method: MethodConfig = field(default_factory=MethodConfig)
+
+    @property
+    def method_name(self) -> str:
+        return self.method.method
+
+    @property
+    def ref_model(self) -> bool:
+        """A reference named by --ref_model: with LoRA, a model of its own instead of the base with its adapters off."""
+        return bool(getattr(self.method.settings, "ref_model", None))
+
+    @property
+    def generations(self) -> int:
+        """Completions sampled per prompt (a group's, or one)."""
+        return self.method.completions_per_prompt
+
+    @property
+    def completion_length(self) -> int:
+        return getattr(self.method.settings, "max_completion_length", 256)
+
+    @property
+    def beta(self) -> float:
+        """The weight of a reference kept beside the policy (> 0: its forward on the completions), else 0."""
+        return self.method.settings.beta if self.method.uses_reference and self.method.spec.generates else 0.0
+
+    @property
+    def decoding(self) -> str:
+        return getattr(self.method.settings, "decoding", "static")
+
+    @property
+    def iterations(self) -> int:
+        return getattr(self.method.settings, "num_iterations", 1)
+
+    @property
+    def generation_slices(self) -> int:
+        """The steps' worth of prompts a generation takes (--steps_per_generation over --accum_steps)."""
+        return generation_slices(getattr(self.method.settings, "steps_per_generation", None), self.accum_steps)
+
+    @property
+    def teacher(self) -> str | None:
+        return getattr(self.method.settings, "teacher_model", None)
+
+    @property
+    def teacher_bits(self) -> int:
+        return getattr(self.method.settings, "teacher_bits", 16)
+
+    def described(self) -> dict:
+        """The inputs as plain values (the plan's JSON): the method by name with its settings."""
+        plain = {k: v for k, v in self.__dict__.items() if k != "method"}
+        return {**plain, "method": self.method_name, "method_settings": dataclasses.asdict(self.method.settings)}
 
 
 def shard_factor(strategy: str, inputs: Inputs) -> int:

@@ -90,6 +90,7 @@ def run_inputs(
         base_bits=config.lora.base_bits,
         reduce_dtype="fp16" if pc.reduce_dtype == "fp16" else "fp32",
         cpu_offload=pc.cpu_offload,
+        method=config.method,
     )
 
 

@@ -4,7 +4,6 @@ of it: the peak, the largest micro-batch that fits, whether gradients must be re
 
 from __future__ import annotations
 
-from fsdp_opt.config.methods import spec
 from fsdp_opt.model.shapes import Shape
 from fsdp_opt.planner.inputs import (
     CUDA_CONTEXT_BYTES,
@@ -21,7 +20,7 @@ def memory(shape: Shape, strategy: str, inputs: Inputs, batch_size: int | None =
     """Peak bytes per GPU by component for one micro-batch of `batch_size` sequences."""
     b = inputs.batch_size if batch_size is None else batch_size
     if inputs.packing == "pad":  # a micro-batch of rows: each row's sequences padded (a preference pair: two)
-        b *= spec(inputs.method).sequences_per_row
+        b *= inputs.method.spec.sequences_per_row
     s, h, L = inputs.max_length, shape.hidden, shape.layers
     c = 4 if inputs.precision == "fp32" else 2  # compute dtype: gathered weights, activations
     r = 2 if inputs.reduce_dtype == "fp16" else 4  # a reduced gradient's bytes

@@ -96,7 +96,7 @@ def make_plan(
         "lora": describe(shape, inputs) if inputs.lora_rank else None,
         "adapter_params": adapter_params(shape, inputs) if inputs.lora_rank else 0,
         "inputs": {
-            **inputs.__dict__,
+            **inputs.described(),
             "disk": disk,
             "host_memory": host_memory,
             "keep_last": keep_last,
@@ -127,22 +127,22 @@ def make_plan(
             saved,
         ),
     }
-    if REFERENCE_PASS in spec(inputs.method).phases:  # a pass of the reference before training, keyed by the method
+    if REFERENCE_PASS in inputs.method.spec.phases:  # a pass of the reference before training, keyed by the method
         strategy = next(s for s in ("FULL_SHARD", "HYBRID_SHARD", "SHARD_GRAD_OP", "NO_SHARD") if s in strategies)
         own = bool(inputs.lora_rank) and not inputs.ref_model
-        plan[inputs.method] = reference_pass(shape, strategy, inputs, rates, own)
-        plan[inputs.method]["strategy"] = strategy
+        plan[inputs.method_name] = reference_pass(shape, strategy, inputs, rates, own)
+        plan[inputs.method_name]["strategy"] = strategy
     if (
-        GENERATION in spec(inputs.method).phases
+        GENERATION in inputs.method.spec.phases
     ):  # GRPO: the generation phase beside the training step, keyed by the method
         # the flags given where they fit (what the command runs), else the recommended layout
         strategy = given["strategy"] if given else recommended["sharding_strategy"] if recommended else "FULL_SHARD"
         training_s = given["step_s"] if given else recommended["predicted_step_time_s"] if recommended else None
-        t = spec(inputs.method)
+        t = inputs.method.spec
         # the model kept beside the trained one: the teacher (of its own shape), or GRPO's reference at --beta > 0 (a
         # model of its own for full fine-tuning or with --ref_model; else the base with the adapters off)
         own_reference = t.teacher or (inputs.beta > 0 and (not inputs.lora_rank or inputs.ref_model))
-        plan[inputs.method] = grpo_plan(
+        plan[inputs.method_name] = grpo_plan(
             shape,
             strategy,
             inputs,

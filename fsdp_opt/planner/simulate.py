@@ -35,7 +35,6 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp_opt.config.choices import DTYPES, shard_count
 from fsdp_opt.config.layout import LoraConfig
-from fsdp_opt.config.methods import spec
 from fsdp_opt.data.packing import document_mask, segment_positions
 from fsdp_opt.data.pairs import Pairs
 from fsdp_opt.engine.dpo import dpo_terms
@@ -196,7 +195,7 @@ def simulate(model_name: str, inputs, strategy: str, *, fake: bool = True, micro
         prefetch=inputs.prefetch,
     )
     micro = min(micro_batches, inputs.accum_steps)
-    pairs = DpoMicroBatch(config.vocab_size, inputs, env.device) if spec(inputs.method).sequences_per_row == 2 else None
+    pairs = DpoMicroBatch(config.vocab_size, inputs, env.device) if inputs.method.spec.sequences_per_row == 2 else None
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext()
     with mode:
         model.to_empty(device=env.device)

@@ -23,7 +23,7 @@ from typing import Any
 
 from fsdp_opt.base import gib
 from fsdp_opt.config.choices import HOST_LINK_GBPS, HOST_OPTIMIZER_GBPS, T4_HBM_GBPS, T4_LINK_GBPS, T4_TFLOPS
-from fsdp_opt.config.methods import SECOND_FORWARD, spec
+from fsdp_opt.config.methods import SECOND_FORWARD
 from fsdp_opt.planner.calibrate import ADAMW_BYTES_PER_PARAM
 from fsdp_opt.planner.inputs import Inputs, shard_factor
 from fsdp_opt.planner.lora import adapter_dims, adapter_params, block_base_bytes
@@ -195,7 +195,7 @@ def step_time(shape, strategy: str, inputs, rates: Rates | None = None) -> dict[
     else:  # one set of cores does everything in turn
         step = busy + communication + host_s + optimizer
     second = 0.0
-    if SECOND_FORWARD in spec(inputs.method).phases:  # a forward without gradients of each micro-batch (KTO's KL)
+    if SECOND_FORWARD in inputs.method.spec.phases:  # a forward without gradients of each micro-batch (KTO's KL)
         rows = inputs.batch_size * inputs.accum_steps * inputs.gpus
         second = forward_time(shape, strategy, inputs, rows, rates)["seconds"]
         step += second
