@@ -149,15 +149,15 @@ class GroupLoss(StepLoss):
 
     def loss(self, model: nn.Module, item: tuple[int, list[int]]) -> MicroLoss:
         i, members = item
-        c, cfg = self.current, self.settings
-        batch, slot = pack_members(c, members, self.sampler.prompts, self.device)
+        current, cfg = self.current, self.settings
+        batch, slot = pack_members(current, members, self.sampler.prompts, self.device)
         logp, _ = head_logps(model, self.sampler.head, batch, cfg.sampling.temperature)
         on, owner = completion_positions(batch["labels"], slot)
-        member_adv = c.advantages[torch.tensor(members, dtype=torch.long)]
-        reference = c.reference[i] if c.reference else None
-        old = c.old[i] if c.old else None
+        member_adv = current.advantages[torch.tensor(members, dtype=torch.long)]
+        reference = current.reference[i] if current.reference else None
+        old = current.old[i] if current.old else None
         loss, kl, clips = policy_terms(logp, old, member_adv, on, owner, cfg, reference)
-        total = (loss * self._weights(on, owner, members, c, i)).sum()
+        total = (loss * self._weights(on, owner, members, current, i)).sum()
         kl_sum = kl.sum().detach() if kl is not None else total.new_zeros(())
         return MicroLoss(total, torch.cat([kl_sum.reshape(1), clips]))
 

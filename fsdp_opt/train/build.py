@@ -359,21 +359,23 @@ def build_model(
     return built, adapters, n_params, fpt
 
 
-def start_side_work(s: Session, built: Loaded, run_id: str | None, bf16_pretrained: bool) -> Session:
+def start_side_work(session: Session, built: Loaded, run_id: str | None, bf16_pretrained: bool) -> Session:
     """The summary, the fp16 overflow probe, the Hub uploader (rank 0) and the W&B run."""
-    config, env = s.config, s.env
-    print_summary(s, built.block_classes, built.units, s.n_params)
-    probe = overflow_probe(bf16_pretrained, s.precision, lambda: first_batch_loss(s, s.blocks), config.model.model)
+    config, env = session.config, session.env
+    print_summary(session, built.block_classes, built.units, session.n_params)
+    probe = overflow_probe(
+        bf16_pretrained, session.precision, lambda: first_batch_loss(session, session.blocks), config.model.model
+    )
     if probe:
         print0(probe)
-    uploader = all_ranks_ok(lambda: start_uploader(s) if env.is_main and config.hub.hf_repo else None)
+    uploader = all_ranks_ok(lambda: start_uploader(session) if env.is_main and config.hub.hf_repo else None)
     wc = config.wandb
     wandb_config = {
-        **s.flags(),
+        **session.flags(),
         "world_size": env.world_size,
-        "global_batch": s.plan.global_batch,
-        "parameters": s.n_params,
-        CHANGES_KEY: s.settings_changes,
+        "global_batch": session.plan.global_batch,
+        "parameters": session.n_params,
+        CHANGES_KEY: session.settings_changes,
     }
     wandb = WandbRun(
         enabled=env.is_main,
@@ -381,6 +383,6 @@ def start_side_work(s: Session, built: Loaded, run_id: str | None, bf16_pretrain
         mode=wc.wandb_mode,
         run_id=None if wc.wandb_new_run else run_id,
         config=wandb_config,
-        out_dir=s.out_dir,
+        out_dir=session.out_dir,
     )
-    return dataclasses.replace(s, uploader=uploader, wandb=wandb)
+    return dataclasses.replace(session, uploader=uploader, wandb=wandb)

@@ -139,13 +139,13 @@ def range_fits(steps: int, step_seconds: float, save_seconds: float, seconds_lef
     return seconds_left is None or steps * step_seconds + save_seconds + MARGIN_S <= seconds_left
 
 
-def next_in_session(s: Session, stop: StopControl, trained_here: int) -> Session | None:
+def next_in_session(session: Session, stop: StopControl, trained_here: int) -> Session | None:
     """After a finished range: the session of the next one, in this process, when --session_ranges and --time_limit
     allow it (None: the session ends here). Every rank calls this at the same point; the decisions are agreed."""
-    dc = s.config.data
-    if dc.range_size is None or s.chain is None:
+    dc = session.config.data
+    if dc.range_size is None or session.chain is None:
         return None
-    after = s.chain.following()
+    after = session.chain.following()
     if after is None:
         print0("chain: done: every pass over the data is trained")
         return None
@@ -155,26 +155,31 @@ def next_in_session(s: Session, stop: StopControl, trained_here: int) -> Session
             f"goes on with [{after[0]}, {after[1]})"
         )
         return None
-    reason = stop.check(save_estimate(s))
+    reason = stop.check(save_estimate(session))
     if reason:
         print0(f"chain: {reason}: the next session goes on with [{after[0]}, {after[1]})")
         return None
-    why_not = s.components.further_range()
+    why_not = session.components.further_range()
     if why_not:
         print0(f"chain: {why_not}: the next session goes on with [{after[0]}, {after[1]})")
         return None
-    p = s.position
+    p = session.position
     config = range_config(
-        s.config, NextRange(*after, resume=p.last_saved_path.name if p.last_saved_path else None, finishing=False)
+        session.config, NextRange(*after, resume=p.last_saved_path.name if p.last_saved_path else None, finishing=False)
     )
-    data = read_slice(config, s.tokenizer, s.model_config, s.method, s.data_revision, s.data_pin)
-    plan = s.method.plan(
-        data.blocks, PlanInput(s.layout.batch_size, s.accum_steps, s.env.rank, s.env.world_size, config.train.seed)
+    data = read_slice(
+        config, session.tokenizer, session.model_config, session.method, session.data_revision, session.data_pin
+    )
+    plan = session.method.plan(
+        data.blocks,
+        PlanInput(
+            session.layout.batch_size, session.accum_steps, session.env.rank, session.env.world_size, config.train.seed
+        ),
     )
     steps = plan.steps_per_epoch()
     step_s = statistics.median(p.step_seconds) if p.step_seconds else 0.0
     left = stop.seconds_left()
-    fits = broadcast_object(range_fits(steps, step_s, save_estimate(s), left) if s.env.is_main else None)
+    fits = broadcast_object(range_fits(steps, step_s, save_estimate(session), left) if session.env.is_main else None)
     if not fits:
         print0(
             f"chain: the next range, [{after[0]}, {after[1]}) ({steps} steps, about {steps * step_s / 60:,.1f} min at "
@@ -182,13 +187,13 @@ def next_in_session(s: Session, stop: StopControl, trained_here: int) -> Session
             "the next session starts it"
         )
         return None
-    return switch_range(s, config, data, plan)
+    return switch_range(session, config, data, plan)
 
 
-def switch_range(s: Session, config: Config, data: SliceData, plan) -> Session:  # noqa: ANN001
+def switch_range(session: Session, config: Config, data: SliceData, plan) -> Session:  # noqa: ANN001
     """The session of the next range, as a new session resuming from the last checkpoint would start it: its rows,
     plan and position, the method's loss and scorer for them; the model, optimizer, uploader and W&B run go on."""
-    data_pin = s.data_pin
+    data_pin = session.data_pin
     if data_pin is not None:  # rank 0
         data_pin = with_range(
             data_pin,
@@ -199,26 +204,33 @@ def switch_range(s: Session, config: Config, data: SliceData, plan) -> Session: 
             data.tokens_digest,
             packed_as(config.data.max_length, config.data.packing),
         )
-    state = TrainState(s.state.global_step, config.train.initial_epoch, 0)
-    seed_dropout(config, s.env)
-    chain = dataclasses.replace(s.chain, start=config.data.start_idx, end=data.end_idx)
+    state = TrainState(session.state.global_step, config.train.initial_epoch, 0)
+    seed_dropout(config, session.env)
+    chain = dataclasses.replace(session.chain, start=config.data.start_idx, end=data.end_idx)
     chain.move_to(state.epoch, 0, plan.num_samples)
     made = Setup(
-        env=s.env,
+        env=session.env,
         model_name=config.model.model,
-        model_config=s.model_config,
-        tokenizer=s.tokenizer,
-        lora=s.lora is not None,
+        model_config=session.model_config,
+        tokenizer=session.tokenizer,
+        lora=session.lora is not None,
         sequences=data.blocks,
         held_out=data.eval_blocks,
         plan=plan,
         epochs=range(state.epoch, state.epoch + 1),
-        batch_size=s.layout.batch_size,
-        gather=s.layout.gathered,
+        batch_size=session.layout.batch_size,
+        gather=session.layout.gathered,
     )
-    components = for_range(s.components, s.model, made)
+    components = for_range(session.components, session.model, made)
     parts = RunParts(
-        s.env, s.model_config, s.tokenizer, s.head_loss, data.blocks, data.eval_blocks, s.layout.batch_size, components
+        session.env,
+        session.model_config,
+        session.tokenizer,
+        session.head_loss,
+        data.blocks,
+        data.eval_blocks,
+        session.layout.batch_size,
+        components,
     )
     print0(
         f"next range in this session: rows [{config.data.start_idx}, {data.end_idx}) -> {len(data.blocks)} blocks, "
@@ -226,7 +238,7 @@ def switch_range(s: Session, config: Config, data: SliceData, plan) -> Session: 
     )
     print0(chain.line())
     return dataclasses.replace(
-        s,
+        session,
         config=config,
         blocks=data.blocks,
         plan=plan,
@@ -235,9 +247,9 @@ def switch_range(s: Session, config: Config, data: SliceData, plan) -> Session: 
         eval_label=data.eval_label,
         data_pin=data_pin,
         components=components,
-        loss=s.method.loss(parts),
-        scorer=s.method.scorer(parts) if data.eval_blocks is not None else None,
-        position=dataclasses.replace(s.position, state=state, chain=chain),
+        loss=session.method.loss(parts),
+        scorer=session.method.scorer(parts) if data.eval_blocks is not None else None,
+        position=dataclasses.replace(session.position, state=state, chain=chain),
     )
 
 

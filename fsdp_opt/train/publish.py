@@ -20,27 +20,27 @@ from fsdp_opt.train.saving import wait_for_writes
 from fsdp_opt.train.session import Session
 
 
-def start_uploader(s: Session) -> Any:
-    hc = s.config.hub
+def start_uploader(session: Session) -> Any:
+    hc = session.config.hub
     run = run_info(
-        s.flags(),
-        world_size=s.env.world_size,
-        global_batch=s.plan.global_batch,
-        n_params=s.n_params,
-        rows=s.rows,
-        chat_template=s.chat_template,
+        session.flags(),
+        world_size=session.env.world_size,
+        global_batch=session.plan.global_batch,
+        n_params=session.n_params,
+        rows=session.rows,
+        chat_template=session.chat_template,
     )
     uploader = Uploader(
         HubStore(hc.hf_repo, retries=hc.hub_retries),
         lambda index: render_card(hc.hf_repo, index),
         run=run,
         private=not hc.hub_public,
-        metrics=s.writer.path,
+        metrics=session.writer.path,
         retries=hc.hub_retries,
-        on_uploaded=lambda job: prune(s, job.path),
+        on_uploaded=lambda job: prune(session, job.path),
         log=print0,
         keep_full=hc.keep_full,
-        lease=s.lease if isinstance(s.lease, HubLease) else None,
+        lease=session.lease if isinstance(session.lease, HubLease) else None,
     )
     where = "reachable" if uploader.repo_ready else "not reachable now; uploads will retry"
     print0(f"hub: checkpoints go to {hc.hf_repo}/{'checkpoints'} in the background (the Hub is {where})")
@@ -70,57 +70,57 @@ class NotOnHub:
         )
 
 
-def finish_outside(s: Session) -> NotOnHub | None:
+def finish_outside(session: Session) -> NotOnHub | None:
     """After the process group is gone (no collective can time out): rank 0 waits for uploads (retrying those that
     failed for a passing reason while --hub_wait lasts), closes W&B. Returns the session's newest checkpoint when it
     is not on the Hub."""
-    if s.ckpt_writer is not None:
-        s.ckpt_writer.wait()  # a write still in flight after an error: it finishes (or fails) before the uploads end
+    if session.ckpt_writer is not None:
+        session.ckpt_writer.wait()  # a write still in flight after an error: it finishes (or fails) before the uploads end
     lost = None
-    if s.uploader is not None:
-        failed = s.uploader.finish(s.config.hub.hub_wait_seconds)
-        log_pushed(s)
+    if session.uploader is not None:
+        failed = session.uploader.finish(session.config.hub.hub_wait_seconds)
+        log_pushed(session)
         for job in failed:
             what = "did not finish in --hub_wait" if job.status != "failed" else f"failed ({job.error})"
             print0(
-                f"warning: upload of {job.name} to {s.config.hub.hf_repo} {what}; the local copy is kept: {job.path.resolve()}"
+                f"warning: upload of {job.name} to {session.config.hub.hf_repo} {what}; the local copy is kept: {job.path.resolve()}"
             )
         if not failed:
-            jobs = s.uploader.jobs
+            jobs = session.uploader.jobs
             pushed = sum(j.status == "done" for j in jobs)
             replaced = sum(j.status == "superseded" for j in jobs)
             print0(
-                f"hub: uploads done: {pushed} pushed to {s.config.hub.hf_repo}"
+                f"hub: uploads done: {pushed} pushed to {session.config.hub.hf_repo}"
                 + (f", {replaced} replaced by a newer checkpoint before their turn" if replaced else "")
             )
-        storage = s.uploader.index.get("storage")
+        storage = session.uploader.index.get("storage")
         if storage:
             print0(
-                f"hub: {s.config.hub.hf_repo} holds {storage['bytes'] / 1e9:,.2f} GB: {storage['full_checkpoints']} "
-                f"full checkpoint(s), {storage['weights_files']} weights file(s) (--hub_keep_full {s.config.hub.keep_full})"
+                f"hub: {session.config.hub.hf_repo} holds {storage['bytes'] / 1e9:,.2f} GB: {storage['full_checkpoints']} "
+                f"full checkpoint(s), {storage['weights_files']} weights file(s) (--hub_keep_full {session.config.hub.keep_full})"
             )
-        lost = newest_not_on_hub(s, failed)
-        if lost is not None and s.wandb is not None:
-            s.wandb.summarize(
+        lost = newest_not_on_hub(session, failed)
+        if lost is not None and session.wandb is not None:
+            session.wandb.summarize(
                 {
                     "hub/not_pushed": lost.name,
                     "hub/kept_at": str(lost.path),
                     "hub/resume_from": lost.resume_from or "none",
                 }
             )
-    if s.wandb is not None:
-        s.wandb.finish()
+    if session.wandb is not None:
+        session.wandb.finish()
     return lost
 
 
-def newest_not_on_hub(s: Session, failed: list) -> NotOnHub | None:  # noqa: ANN001
+def newest_not_on_hub(session: Session, failed: list) -> NotOnHub | None:  # noqa: ANN001
     """The session's newest checkpoint, when the Hub does not have it (its upload failed, or did not end in time)."""
-    path = s.position.last_saved_path
+    path = session.position.last_saved_path
     job = next((j for j in failed if path is not None and j.name == path.name), None)
     if job is None:
         return None
     why = f"the upload failed: {job.error}" if job.status == "failed" else "its upload did not end within --hub_wait"
-    pushed = s.uploader.index.get("checkpoints") or {}
+    pushed = session.uploader.index.get("checkpoints") or {}
     newest = max(pushed, key=lambda n: pushed[n].get("global_step", -1), default=None)
     return NotOnHub(job.name, job.path.resolve(), why, newest)
 
@@ -136,45 +136,49 @@ def release_lease(lease: Lease) -> None:
         )
 
 
-def log_pushed(s: Session) -> None:
+def log_pushed(session: Session) -> None:
     """Each pushed checkpoint becomes a W&B artifact that references its file on the Hub."""
-    for job in s.uploader.take_done():
+    for job in session.uploader.take_done():
         if job.kind != "export" and job.commit:
-            url = s.uploader.store.file_url(job.path_in_repo, job.commit)
-            s.wandb.log_checkpoint(job.name, url, {**job.entry, "hf_repo": s.config.hub.hf_repo, "commit": job.commit})
+            url = session.uploader.store.file_url(job.path_in_repo, job.commit)
+            session.wandb.log_checkpoint(
+                job.name, url, {**job.entry, "hf_repo": session.config.hub.hf_repo, "commit": job.commit}
+            )
 
 
-def export_final(s: Session) -> None:
+def export_final(session: Session) -> None:
     """--export_hf: every rank joins the gather; rank 0 writes the folder."""
 
-    cc = s.config.checkpoint
-    wait_for_writes(s)  # one gathered state in host RAM at a time
-    model_sd, _ = gather_full_state(s.model, None)
+    cc = session.config.checkpoint
+    wait_for_writes(session)  # one gathered state in host RAM at a time
+    model_sd, _ = gather_full_state(session.model, None)
     dest = Path(cc.export_hf)
-    if s.env.is_main:
-        if s.lora is not None:
+    if session.env.is_main:
+        if session.lora is not None:
             all_ranks_ok(
                 lambda: export_lora(
                     model_sd,
-                    s.lora,
+                    session.lora,
                     dest,
                     cc.export_dtype,
                     merge=cc.export_merge,
-                    seed=s.config.train.seed,
-                    chat_template=s.chat_template,
+                    seed=session.config.train.seed,
+                    chat_template=session.chat_template,
                 )
             )
             what = "the base with the adapters merged in" if cc.export_merge else "a peft adapter folder"
         else:
-            all_ranks_ok(lambda: export_model_folder(model_sd, s.model_config, s.tokenizer, dest, cc.export_dtype))
+            all_ranks_ok(
+                lambda: export_model_folder(model_sd, session.model_config, session.tokenizer, dest, cc.export_dtype)
+            )
             what = "safetensors, tokenizer, generation config"
         print0(f"exported {dest} ({cc.export_dtype}, {what})")
-        if s.uploader is not None:
+        if session.uploader is not None:
             entry = {
-                "global_step": s.state.global_step,
+                "global_step": session.state.global_step,
                 "dtype": cc.export_dtype,
-                "adapter": s.lora is not None and not cc.export_merge,
+                "adapter": session.lora is not None and not cc.export_merge,
             }
-            s.uploader.submit(dest, "export", entry)
+            session.uploader.submit(dest, "export", entry)
     else:
         all_ranks_ok(lambda: None)

@@ -61,108 +61,116 @@ def run(config: Config) -> None:
 # ---------------------------------------------------------------- loop
 
 
-def train_session(s: Session) -> Session:
+def train_session(session: Session) -> Session:
     """The session's range, then (--session_ranges) those after it while they fit; the export; the last writes.
     Returns the session of the last range trained."""
-    stop = StopControl(s.config.checkpoint.time_limit_seconds)
-    s.position.clock_started = stop.started
+    stop = StopControl(session.config.checkpoint.time_limit_seconds)
+    session.position.clock_started = stop.started
     try:
-        finished, ranges = train(s, stop), 1
-        while finished and (following := next_in_session(s, stop, ranges)) is not None:
-            s = following
-            finished, ranges = train(s, stop), ranges + 1
-        if finished and s.config.checkpoint.export_hf:
-            export_final(s)
-        wait_for_writes(s)
+        finished, ranges = train(session, stop), 1
+        while finished and (following := next_in_session(session, stop, ranges)) is not None:
+            session = following
+            finished, ranges = train(session, stop), ranges + 1
+        if finished and session.config.checkpoint.export_hf:
+            export_final(session)
+        wait_for_writes(session)
     finally:
         stop.close()
-    return s
+    return session
 
 
-def train(s: Session, stop: StopControl) -> bool:
+def train(session: Session, stop: StopControl) -> bool:
     """The epochs of this slice (one range of an auto chain: one epoch); False when it stopped early."""
-    tc = s.config.train
-    if s.env.is_main:
-        for p in remove_stale_temp(s.out_dir):
+    tc = session.config.train
+    if session.env.is_main:
+        for p in remove_stale_temp(session.out_dir):
             print0(f"removed {p.name}, left by an interrupted save")
-    first_epoch = s.state.epoch
-    epochs = 1 if s.config.data.range_size is not None else tc.num_epochs
+    first_epoch = session.state.epoch
+    epochs = 1 if session.config.data.range_size is not None else tc.num_epochs
     for epoch in range(first_epoch, first_epoch + epochs):
-        s.state.epoch = epoch
-        progress = Progress(s.env.is_main, s.plan.steps_per_epoch(s.state.offset, s.state.within), f"epoch {epoch + 1}")
+        session.state.epoch = epoch
+        progress = Progress(
+            session.env.is_main,
+            session.plan.steps_per_epoch(session.state.offset, session.state.within),
+            f"epoch {epoch + 1}",
+        )
         try:
-            reason = run_epoch(s, epoch, stop, progress)
+            reason = run_epoch(session, epoch, stop, progress)
         finally:
             progress.close()  # also on an error: the error line then starts a line of its own
         if reason:
-            _stop_early(s, reason)
+            _stop_early(session, reason)
             return False
-        s.state.epoch, s.state.offset, s.state.within = epoch + 1, 0, 0
-        if s.chain is not None:
-            s.chain.ranges_done += 1
-        save(s, epoch_end=True)
+        session.state.epoch, session.state.offset, session.state.within = epoch + 1, 0, 0
+        if session.chain is not None:
+            session.chain.ranges_done += 1
+        save(session, epoch_end=True)
     return True
 
 
-def run_epoch(s: Session, epoch: int, stop: StopControl, progress: Progress) -> str | None:
+def run_epoch(session: Session, epoch: int, stop: StopControl, progress: Progress) -> str | None:
     """The steps of one epoch from the saved position; returns the agreed reason to stop early, if any."""
-    cc = s.config.checkpoint
-    for step in s.plan.steps(epoch, s.state.offset, s.state.within):
-        reason = stop.check(save_estimate(s), write_failed=bool(s.ckpt_writer and s.ckpt_writer.error))
+    cc = session.config.checkpoint
+    for step in session.plan.steps(epoch, session.state.offset, session.state.within):
+        reason = stop.check(
+            save_estimate(session), write_failed=bool(session.ckpt_writer and session.ckpt_writer.error)
+        )
         if reason == WRITE_FAILED:
-            raise_if_write_failed(s)
+            raise_if_write_failed(session)
         if reason:
             return reason
         step_started = time.perf_counter()
-        record = train_step(s, step)
-        s.position.step_seconds.append(time.perf_counter() - step_started)
-        stop.observe_step(s.position.step_seconds[-1])
-        s.state.offset, s.state.within = step.end_offset, step.within_after
-        s.count_step(step)
+        record = train_step(session, step)
+        session.position.step_seconds.append(time.perf_counter() - step_started)
+        stop.observe_step(session.position.step_seconds[-1])
+        session.state.offset, session.state.within = step.end_offset, step.within_after
+        session.count_step(step)
         record["elapsed"] = round(stop.elapsed(), 3)
-        record["skipped_rate"], warning, overflow = s.skip_watch.observe(record["skipped"], record["loss_scale"])
-        s.writer.write(record, fields_of(s))
-        s.wandb.log_step(record)
-        write_completions(s)
-        if s.uploader is not None:
-            log_pushed(s)
-        progress.update(record["loss"], record["tokens_per_second"], **{k: record[k] for k in s.method.spec.shown})
+        record["skipped_rate"], warning, overflow = session.skip_watch.observe(record["skipped"], record["loss_scale"])
+        session.writer.write(record, fields_of(session))
+        session.wandb.log_step(record)
+        write_completions(session)
+        if session.uploader is not None:
+            log_pushed(session)
+        progress.update(
+            record["loss"], record["tokens_per_second"], **{k: record[k] for k in session.method.spec.shown}
+        )
         if warning:
             print0(warning)
         if overflow:
             raise Fp16Overflow(overflow)
-        epoch_done = step.end_offset >= s.plan.num_samples
-        if cc.save_every_steps and s.state.global_step % cc.save_every_steps == 0 and not epoch_done:
-            save(s, epoch_end=False)
+        epoch_done = step.end_offset >= session.plan.num_samples
+        if cc.save_every_steps and session.state.global_step % cc.save_every_steps == 0 and not epoch_done:
+            save(session, epoch_end=False)
     return None
 
 
-def _stop_early(s: Session, reason: str) -> None:
-    print0(f"stopping: {reason} at global step {s.state.global_step}")
-    path = s.position.last_saved_path  # saved at this very step already (an epoch end just before the stop, say)
-    if s.position.last_saved_step != s.state.global_step or path is None:
-        path = save(s, epoch_end=False, evaluate=False)  # no time for an evaluation now
-    wait_for_writes(s)
-    print0("resume with:\n  " + resume_command(path.name, same=s.config.data.range_size is not None))
+def _stop_early(session: Session, reason: str) -> None:
+    print0(f"stopping: {reason} at global step {session.state.global_step}")
+    path = session.position.last_saved_path  # saved at this very step already (an epoch end just before the stop, say)
+    if session.position.last_saved_step != session.state.global_step or path is None:
+        path = save(session, epoch_end=False, evaluate=False)  # no time for an evaluation now
+    wait_for_writes(session)
+    print0("resume with:\n  " + resume_command(path.name, same=session.config.data.range_size is not None))
 
 
-def fields_of(s: Session) -> tuple[str, ...]:
+def fields_of(session: Session) -> tuple[str, ...]:
     """metrics.jsonl's fields beyond the common ones: the method's, and a reward field per reward function."""
-    rewards = tuple(f"reward_{r.label}" for r in s.components.rewards or ())
-    return (*s.method.spec.fields, *rewards)
+    rewards = tuple(f"reward_{r.label}" for r in session.components.rewards or ())
+    return (*session.method.spec.fields, *rewards)
 
 
-def write_completions(s: Session) -> None:
+def write_completions(session: Session) -> None:
     """completions.jsonl (a method that samples): every completion the step trained for the first time, gathered to
     rank 0 (every rank calls this)."""
-    if not s.method.spec.generates:
+    if not session.method.spec.generates:
         return
-    everyone = [s.loss.completions()]
-    if s.env.world_size > 1:
-        everyone = [None] * s.env.world_size
-        torch.distributed.all_gather_object(everyone, s.loss.completions())
-    if s.env.is_main and any(everyone):
-        with (s.out_dir / COMPLETIONS_FILE).open("a") as f:
+    everyone = [session.loss.completions()]
+    if session.env.world_size > 1:
+        everyone = [None] * session.env.world_size
+        torch.distributed.all_gather_object(everyone, session.loss.completions())
+    if session.env.is_main and any(everyone):
+        with (session.out_dir / COMPLETIONS_FILE).open("a") as f:
             for part in everyone:
                 for r in part:
                     f.write(json.dumps(r, ensure_ascii=False) + "\n")

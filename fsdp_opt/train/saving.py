@@ -27,31 +27,39 @@ from fsdp_opt.train.disk import make_room, prune
 from fsdp_opt.train.session import Session
 
 
-def save_estimate(s: Session) -> float:
+def save_estimate(session: Session) -> float:
     """Seconds the next save may take: the last one measured, or a guess from the state size at 100 MB/s."""
-    p = s.position
-    estimate = 1.5 * p.last_save_seconds if p.last_save_seconds else 12 * s.n_params / 100e6 + 5.0
-    if s.uploader is not None:  # the final checkpoint must reach the Hub too
-        estimate += 1.5 * s.uploader.last_seconds()
+    p = session.position
+    estimate = 1.5 * p.last_save_seconds if p.last_save_seconds else 12 * session.n_params / 100e6 + 5.0
+    if session.uploader is not None:  # the final checkpoint must reach the Hub too
+        estimate += 1.5 * session.uploader.last_seconds()
     return estimate
 
 
-def run_eval(s: Session) -> dict[str, float]:
+def run_eval(session: Session) -> dict[str, float]:
     """--eval_rows on every rank (the method's scorer); rank 0 appends eval.jsonl and logs to W&B."""
     started = time.perf_counter()
-    result = s.scorer.score(s.model)
+    result = session.scorer.score(session.model)
     result.pop("samples", None)
     result["seconds"] = round(time.perf_counter() - started, 3)
     print0(
-        f"eval at step {s.state.global_step}: {s.scorer.line(result)} on rows {s.eval_label} "
+        f"eval at step {session.state.global_step}: {session.scorer.line(result)} on rows {session.eval_label} "
         f"({result['seconds']:.1f} s)"
     )
-    if s.env.is_main:
-        with (s.out_dir / EVAL_FILE).open("a") as f:
+    if session.env.is_main:
+        with (session.out_dir / EVAL_FILE).open("a") as f:
             f.write(
-                json.dumps({"step": s.state.global_step, "epoch": s.state.epoch, "rows": s.eval_label, **result}) + "\n"
+                json.dumps(
+                    {
+                        "step": session.state.global_step,
+                        "epoch": session.state.epoch,
+                        "rows": session.eval_label,
+                        **result,
+                    }
+                )
+                + "\n"
             )
-    s.wandb.log_eval(s.state.global_step, {k: result[k] for k in s.scorer.logged})
+    session.wandb.log_eval(session.state.global_step, {k: result[k] for k in session.scorer.logged})
     return result
 
 
@@ -62,57 +70,64 @@ def uses_async_save(config: Config, device_type: str) -> bool:
     return choice == "true" or (choice == "auto" and device_type == "cuda")
 
 
-def save(s: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
+def save(session: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
     """Every rank: evaluate (--eval_rows), then save. A full checkpoint written in the background (--async_save) is
     announced, pushed and pruned once it is on disk; the rest of save() is the gather training waits for."""
-    dc, cc = s.config.data, s.config.checkpoint
-    if s.env.is_main and s.loss.completions():  # W&B: a table of the last step's completions (the first 16)
-        s.wandb.log_table("completions", s.state.global_step, s.loss.completions()[:16])
-    evaluation = run_eval(s) if evaluate and s.scorer is not None else None
+    dc, cc = session.config.data, session.config.checkpoint
+    if session.env.is_main and session.loss.completions():  # W&B: a table of the last step's completions (the first 16)
+        session.wandb.log_table("completions", session.state.global_step, session.loss.completions()[:16])
+    evaluation = run_eval(session) if evaluate and session.scorer is not None else None
     sharded = cc.state_dict_type == "sharded"
     if epoch_end:
-        name = checkpoint_name(s.tag, dc.start_idx, s.end_idx, s.state.epoch, sharded=sharded)
+        name = checkpoint_name(session.tag, dc.start_idx, session.end_idx, session.state.epoch, sharded=sharded)
     else:
-        name = checkpoint_name(s.tag, dc.start_idx, s.end_idx, s.state.epoch + 1, s.state.global_step, sharded=sharded)
-    path = s.out_dir / name
-    background = s.ckpt_writer is not None and not sharded
-    if s.env.is_main:
-        if s.ckpt_writer is not None:
-            s.ckpt_writer.wait()  # the previous write: its bytes count in make_room, its memory is freed first
-        make_room(s, keep=path)
-        if isinstance(s.lease, FileLease):  # on a shared disk the lease moves on with each save
-            s.lease.renew()
+        name = checkpoint_name(
+            session.tag,
+            dc.start_idx,
+            session.end_idx,
+            session.state.epoch + 1,
+            session.state.global_step,
+            sharded=sharded,
+        )
+    path = session.out_dir / name
+    background = session.ckpt_writer is not None and not sharded
+    if session.env.is_main:
+        if session.ckpt_writer is not None:
+            session.ckpt_writer.wait()  # the previous write: its bytes count in make_room, its memory is freed first
+        make_room(session, keep=path)
+        if isinstance(session.lease, FileLease):  # on a shared disk the lease moves on with each save
+            session.lease.renew()
     extra = {
-        "slice": slice_key(s.config, s.end_idx, len(s.blocks), s.rows, s.chat_template),
-        "chat_template": s.chat_template,  # the export and evaluate render with it, on any machine
-        "scaler": s.scaler.state_dict(),
-        "lr_schedule": s.schedule.state_dict(),
-        "config": s.flags(),
-        "model_name": s.config.model.model,
-        "world_size": s.env.world_size,
-        "global_batch": s.plan.global_batch,
-        "last_loss": s.state.last_loss,
-        "wandb_run_id": s.wandb.run_id if s.wandb is not None else None,
-        "lora": s.lora,
-        CHAIN_KEY: s.chain_record(),
-        CHANGES_KEY: s.settings_changes,
-        PIN_KEY: s.data_pin,
-        s.method.name: s.method_state(),
+        "slice": slice_key(session.config, session.end_idx, len(session.blocks), session.rows, session.chat_template),
+        "chat_template": session.chat_template,  # the export and evaluate render with it, on any machine
+        "scaler": session.scaler.state_dict(),
+        "lr_schedule": session.schedule.state_dict(),
+        "config": session.flags(),
+        "model_name": session.config.model.model,
+        "world_size": session.env.world_size,
+        "global_batch": session.plan.global_batch,
+        "last_loss": session.state.last_loss,
+        "wandb_run_id": session.wandb.run_id if session.wandb is not None else None,
+        "lora": session.lora,
+        CHAIN_KEY: session.chain_record(),
+        CHANGES_KEY: session.settings_changes,
+        PIN_KEY: session.data_pin,
+        session.method.name: session.method_state(),
         "fsdp_opt_version": VERSION,
     }
     entry = {
-        "global_step": s.state.global_step,
-        "epochs_done": s.state.epoch,
+        "global_step": session.state.global_step,
+        "epochs_done": session.state.epoch,
         "start_idx": dc.start_idx,
-        "end_idx": s.end_idx,
-        "loss": s.state.last_loss if math.isfinite(s.state.last_loss) else None,
-        "world_size": s.env.world_size,
+        "end_idx": session.end_idx,
+        "loss": session.state.last_loss if math.isfinite(session.state.last_loss) else None,
+        "world_size": session.env.world_size,
         "sharded": sharded,
         "eval_loss": evaluation.get("loss") if evaluation else None,
         "eval_reward": evaluation.get("reward") if evaluation else None,  # --method grpo's held-out reward
         CHAIN_KEY: extra[CHAIN_KEY],
-        CHANGES_KEY: s.settings_changes,
-        PIN_KEY: s.data_pin,
+        CHANGES_KEY: session.settings_changes,
+        PIN_KEY: session.data_pin,
     }
     kind = "epoch" if epoch_end else "step"
     started = time.perf_counter()
@@ -125,7 +140,7 @@ def save(s: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
             payload.clear()
             release_host_memory()
             finished(
-                s,
+                session,
                 path,
                 kind,
                 entry,
@@ -133,51 +148,52 @@ def save(s: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
                 waited=gathered,
             )
 
-        s.ckpt_writer.start(work)
+        session.ckpt_writer.start(work)
 
     info = save_checkpoint(
         path,
-        s.env,
-        s.model,
-        s.optimizer,
-        state=s.state,
-        epochs_run=s.state.epoch,
+        session.env,
+        session.model,
+        session.optimizer,
+        state=session.state,
+        epochs_run=session.state.epoch,
         extra=extra,
         save_optimizer=cc.save_optimizer,
         sharded=sharded,
         hand_off=write_in_background if background else None,
     )
-    s.position.last_saved_step, s.position.last_saved_path = s.state.global_step, path
+    session.position.last_saved_step, session.position.last_saved_path = session.state.global_step, path
     if info is not None:
-        finished(s, path, kind, entry, info)
+        finished(session, path, kind, entry, info)
     if not background:
-        s.position.last_save_seconds = broadcast_object(s.position.last_save_seconds)
+        session.position.last_save_seconds = broadcast_object(session.position.last_save_seconds)
     return path
 
 
 def finished(
-    s: Session, path: Path, kind: str, entry: dict[str, Any], info: dict[str, float], waited: float | None = None
+    session: Session, path: Path, kind: str, entry: dict[str, Any], info: dict[str, float], waited: float | None = None
 ) -> None:
     """Rank 0, once a checkpoint is whole on disk: say so, queue its upload, prune older ones."""
-    s.position.last_save_seconds, s.position.last_save_bytes = info["seconds"], int(info["bytes"])
+    session.position.last_save_seconds, session.position.last_save_bytes = info["seconds"], int(info["bytes"])
     note = f"; training waited {waited:.1f} s of it" if waited is not None else ""
     print0(f"saved {path} ({info['bytes'] / 2**20:,.1f} MiB in {info['seconds']:.1f} s{note})")
-    if s.uploader is not None:
-        s.uploader.submit(path, kind, {**entry, "bytes": info["bytes"]})
-    prune(s, path)
+    if session.uploader is not None:
+        session.uploader.submit(path, kind, {**entry, "bytes": info["bytes"]})
+    prune(session, path)
 
 
-def wait_for_writes(s: Session) -> None:
+def wait_for_writes(session: Session) -> None:
     """Every rank: the background write done, and a failed one raised as the same CheckpointError on every rank."""
-    if s.ckpt_writer is not None and s.env.is_main:
-        s.ckpt_writer.wait()
-    raise_if_write_failed(s)
+    if session.ckpt_writer is not None and session.env.is_main:
+        session.ckpt_writer.wait()
+    raise_if_write_failed(session)
 
 
-def raise_if_write_failed(s: Session) -> None:
+def raise_if_write_failed(session: Session) -> None:
     """Every rank (a collective): stop all ranks with rank 0's write error, if there is one."""
-    failed = max_over_ranks(1 if s.ckpt_writer is not None and s.ckpt_writer.error else 0)
+    failed = max_over_ranks(1 if session.ckpt_writer is not None and session.ckpt_writer.error else 0)
     if failed:
         raise CheckpointError(
-            broadcast_object(s.ckpt_writer.error if s.env.is_main else None) or "writing a checkpoint failed"
+            broadcast_object(session.ckpt_writer.error if session.env.is_main else None)
+            or "writing a checkpoint failed"
         )

@@ -17,8 +17,8 @@ class RewardFlags(Flags):
     )
 
     def describe(self) -> str:
-        c = self.center_rewards_coefficient
-        return "pairwise loss" + (f", centred with coefficient {c:g}" if c else "")
+        coefficient = self.center_rewards_coefficient
+        return "pairwise loss" + (f", centred with coefficient {coefficient:g}" if coefficient else "")
 
 
 # metrics.jsonl fields (TRL's names; over the step's pairs, all ranks); its `loss` is the mean pair loss

@@ -13,11 +13,11 @@ class Grpo(GroupMethod):
     spec = GRPO
 
     def group_settings(self, parts: RunParts) -> GroupSettings:
-        s = self.settings
+        settings = self.settings
         return GroupSettings(
             **self.common(parts),
-            loss_type=s.loss_type,
-            scale_rewards=s.scale_rewards,
-            delta=s.delta,
-            level=s.importance_sampling_level,
+            loss_type=settings.loss_type,
+            scale_rewards=settings.scale_rewards,
+            delta=settings.delta,
+            level=settings.importance_sampling_level,
         )

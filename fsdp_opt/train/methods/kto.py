@@ -59,9 +59,16 @@ class HeldOutItems:
     logged = ("loss", "rewards_chosen", "rewards_rejected", "margin", "kl")
 
     def score(self, model: Any) -> dict[str, Any]:  # noqa: ANN401
-        s = self.settings
+        settings = self.settings
         return evaluate_items(
-            model, self.items, self.reference, s.beta, s.loss_type, s.weights, self.batch_size, self.env
+            model,
+            self.items,
+            self.reference,
+            settings.beta,
+            settings.loss_type,
+            settings.weights,
+            self.batch_size,
+            self.env,
         )
 
     def line(self, result: dict[str, Any]) -> str:

@@ -36,12 +36,12 @@ class SamplingMethod(Method):
 
     def sampler(self, parts: RunParts, prompts: Prompts, scoring: Scoring | None = None) -> Sampler:
         """What the run's completions of `prompts` are sampled (and scored) with."""
-        c = parts.components
+        components = parts.components
         return Sampler(
-            c.decoding,
+            components.decoding,
             prompts,
             parts.tokenizer,
-            c.decoder,
+            components.decoder,
             parts.head,
             generations=self.settings.completions_per_prompt,
             mask_truncated=getattr(self.settings, "mask_truncated_completions", False),
@@ -69,16 +69,16 @@ class GroupMethod(SamplingMethod):
 
     def common(self, parts: RunParts) -> dict[str, Any]:
         """The group settings both methods take from their flags and components alike."""
-        s, c = self.settings, parts.components
+        settings, components = self.settings, parts.components
         return dict(
-            **vars(c.decoding),
-            generations=s.num_generations,
-            epsilon=s.epsilon,
-            epsilon_high=s.clip_high,
-            beta=s.beta,
-            mask_truncated=s.mask_truncated_completions,
-            rewards=c.rewards,
-            weights=c.weights,
+            **vars(components.decoding),
+            generations=settings.num_generations,
+            epsilon=settings.epsilon,
+            epsilon_high=settings.clip_high,
+            beta=settings.beta,
+            mask_truncated=settings.mask_truncated_completions,
+            rewards=components.rewards,
+            weights=components.weights,
         )
 
 
@@ -104,10 +104,11 @@ class HeldOutRewards:
         )
 
     def what(self) -> str:
-        s = self.sampler
+        sampler = self.sampler
         return (
-            f"{len(s.prompts)} prompts, one greedy completion each of up to {s.decoding.sampling.max_new_tokens} tokens, "
-            f"scored by {', '.join(r.label for r in s.scoring.settings.rewards)}"
+            f"{len(sampler.prompts)} prompts, one greedy completion each of up to "
+            f"{sampler.decoding.sampling.max_new_tokens} tokens, scored by "
+            f"{', '.join(r.label for r in sampler.scoring.settings.rewards)}"
         )
 
     def table(self, results: dict[str, Any]) -> list[str]:
