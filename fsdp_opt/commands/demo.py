@@ -29,6 +29,8 @@ from fsdp_opt.tracking.metrics import read_metrics
 # tiny-opt's activations are a few MB: the demos keep them instead of recomputing each layer in backward (the
 # default for real models), which takes a sixth off a CPU step and changes no loss.
 NO_RECOMPUTE = ["--activation_checkpointing", "false"]
+# two epochs at 3e-3, warmed up over 20 steps, from seed 0: the text and chat demos' schedule
+TWO_EPOCHS = ["--num_epochs", "2", "--lr", "3e-3", "--warmup_steps", "20"]
 DEMO_ARGS = [
     "--model",
     "tiny-opt",
@@ -38,12 +40,7 @@ DEMO_ARGS = [
     "128",
     "--batch_size",
     "4",
-    "--num_epochs",
-    "2",
-    "--lr",
-    "3e-3",
-    "--warmup_steps",
-    "20",
+    *TWO_EPOCHS,
     "--seed",
     "0",
     *NO_RECOMPUTE,
@@ -96,12 +93,7 @@ CHAT_ARGS = [
     str(CHAT_ROWS),
     "--batch_size",
     "2",
-    "--num_epochs",
-    "2",
-    "--lr",
-    "3e-3",
-    "--warmup_steps",
-    "20",
+    *TWO_EPOCHS,
     "--lr_schedule",
     "cosine",
     "--lr_decay_steps",

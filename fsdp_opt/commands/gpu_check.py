@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_opt.base import GIB, parse_size
-from fsdp_opt.commands.gpu_launches import _grab, _launch, decode_peer, grpo_launch
+from fsdp_opt.commands.gpu_launches import _grab, _launch, decode_peer, grpo_launch, torchrun
 from fsdp_opt.commands.gpu_table import render
 from fsdp_opt.config.choices import T4_MEMORY
 from fsdp_opt.model.shapes import Shape, model_config
@@ -225,19 +225,7 @@ def link_speeds(nproc: int, cuda: bool, work: Path) -> list[dict[str, Any]]:
     for p2p_off in [False, True] if cuda else [False]:
         out = work / f"comm_p2p_{'off' if p2p_off else 'on'}.json"
         env = {**os.environ, **({"NCCL_P2P_DISABLE": "1"} if p2p_off else {})}
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            "-m",
-            "fsdp_opt.commbench",
-            "--device",
-            "cuda" if cuda else "cpu",
-            "--json",
-            str(out),
-        ]
+        cmd = torchrun(nproc, "fsdp_opt.commbench", "--device", "cuda" if cuda else "cpu", "--json", str(out))
         if not cuda:
             cmd += ["--mib", "16", "--iters", "3"]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

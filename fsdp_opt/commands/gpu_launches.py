@@ -21,19 +21,23 @@ from fsdp_opt.planner.generation import generation_memory, requests_per_rank
 from fsdp_opt.planner.inputs import Inputs
 
 
-def _launch(nproc: int, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    cmd = [
+def torchrun(nproc: int, module: str, *args: str) -> list[str]:
+    """The command that runs `module` in `nproc` workers on this machine, under torchrun."""
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         f"--nproc_per_node={nproc}",
         "-m",
-        "fsdp_opt",
+        module,
         *args,
     ]
+
+
+def _launch(nproc: int, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "WANDB_MODE": "disabled"}
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    return subprocess.run(torchrun(nproc, "fsdp_opt", *args), cwd=cwd, env=env, capture_output=True, text=True)
 
 
 def _grab(pattern: str, text: str, cast=float):  # noqa: ANN001

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from fsdp_opt.base import CheckpointError, ConfigError
 from fsdp_opt.config.layout import LoraConfig
 from fsdp_opt.config.methods import SEQUENCE_SCORE
-from fsdp_opt.model.loader import SCORE_LAYER, load_full_state_dict, set_head
+from fsdp_opt.model.loader import SCORE_LAYER, cpu_model, full_state, set_head
 from fsdp_opt.model.nf4 import dequantize_base, load_quantized, quantize_base, store_base
 from fsdp_opt.model.parallelize import block_linear_names, storages
 from fsdp_opt.model.sources import load_model_config, load_tokenizer, resolve_model
@@ -241,15 +241,14 @@ def load_base(info: dict[str, Any], seed: int, dtype: torch.dtype = torch.float3
     config.use_cache = True
     head = SEQUENCE_SCORE if SCORE_LAYER in info.get("whole", ()) else "causal_lm"
     set_head(config, head, load_tokenizer(source).pad_token_id)
-    built: list[nn.Module] = []
-    state, _ = load_full_state_dict(source, config, seed, head=head, dtype=dtype, prepare=built.append)
-    found = fingerprint(state)
+    base = cpu_model(source, config, seed, head=head, dtype=dtype)
+    found = fingerprint(full_state(base)[0])
     if found != info["base_fingerprint"]:
         raise CheckpointError(
             f"--model {info['base']}: its weights ({found}) are not the base the adapters were trained on "
             f"({info['base_fingerprint']})"
         )
-    return built[0].eval()
+    return base.eval()
 
 
 def merged_state(

@@ -77,19 +77,11 @@ def cpu_model(
     return model_class(head).from_config(config, dtype=torch.float32).to(dtype)
 
 
-def load_full_state_dict(
-    source: ModelSource,
-    config: PretrainedConfig,
-    seed: int,
-    *,
-    head: str = "causal_lm",
-    weights: bool = True,
-    dtype: torch.dtype = torch.float32,
-    prepare: Callable[[nn.Module], None] | None = None,
+def full_state(
+    model: nn.Module, weights: bool = True, prepare: Callable[[nn.Module], None] | None = None
 ) -> tuple[dict[str, torch.Tensor] | None, dict[str, torch.Tensor]]:
-    """Rank 0: full weights (or None when `weights` is False) and the non-persistent buffers, on CPU. `prepare`
+    """Rank 0: a CPU model's full weights (or None when `weights` is False) and its non-persistent buffers. `prepare`
     changes the model before its state is taken (LoRA adds its adapters)."""
-    model = cpu_model(source, config, seed, head=head, weights=weights, dtype=dtype)
     if prepare is not None:
         prepare(model)
     own = dict(model.named_buffers())
@@ -115,16 +107,22 @@ def initialize(
     *,
     weights: bool,
     loader: Any = None,
+    prepare: Callable[[nn.Module], None] | None = None,
     **load: Any,
 ) -> None:
     """Allocate the local shards; with `weights`, fill them with the source's weights (rank 0 reads them once).
 
     Without `weights` (a checkpoint fills them next) rank 0 still builds the model on CPU when it has
-    non-persistent buffers, which no state dict carries. `load` goes to load_full_state_dict (head, dtype, prepare);
-    `loader(model, full_state, env)` may load the weights itself (NF4 weights) and return True."""
+    non-persistent buffers, which no state dict carries. `load` goes to cpu_model (head, dtype); `prepare(cpu model)`
+    runs before its state is taken; `loader(model, full_state, env)` may load the weights itself (NF4 weights) and
+    return True."""
     need = weights or bool(non_persistent_buffer_names(model))
     init = all_ranks_ok(
-        lambda: load_full_state_dict(source, config, seed, weights=weights, **load) if env.is_main and need else None
+        lambda: (
+            full_state(cpu_model(source, config, seed, weights=weights, **load), weights, prepare)
+            if env.is_main and need
+            else None
+        )
     )
     full_state, buffers = init if init is not None else (None, None)
     materialize(model, env, buffers)

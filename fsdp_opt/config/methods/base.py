@@ -268,3 +268,24 @@ GROUP_FIELDS = (
     "clip_ratio/high_mean",  # clipped above: ratio > 1 + eps_high, A > 0
     "clip_ratio/region_mean",  # either
 )
+
+
+# What every method that samples completions of prompt rows declares alike (GRPO, RLOO, distillation)
+ON_PROMPTS = dict(
+    rows=("prompt",),
+    sequences_per_row=1,
+    dropout=False,
+    concat=False,
+    answers_only=True,
+    rows_hint="name the prompt's column with --prompt_column (--data_format prompt)",
+)
+# and every method that scores groups of them (GRPO, RLOO)
+IN_GROUPS = dict(
+    **ON_PROMPTS,
+    what="prompt rows (a prompt column; the other columns go to the rewards)",
+    needs=(GENERATOR, REWARDS, REFERENCE_BESIDE),
+    fields=GROUP_FIELDS,
+    phases=(GENERATION,),
+    shown=("reward",),
+    no_dropout="completions are sampled and scored on the same forward the loss takes",
+)

@@ -8,6 +8,7 @@ from fsdp_opt.base import ConfigError
 from fsdp_opt.config.methods.base import (
     GENERATION,
     GENERATOR,
+    ON_PROMPTS,
     SAMPLED_FIELDS,
     TEACHER,
     MethodSpec,
@@ -55,20 +56,15 @@ DISTILL_FIELDS = (*SAMPLED_FIELDS, "entropy")  # entropy: the model's mean per c
 DISTILL = MethodSpec(
     name="distill",
     flags=DistillFlags,
-    rows=("prompt",),
+    **ON_PROMPTS,
     what="prompt rows (a prompt column; the model completes each, the teacher scores every token)",
     summary="distill: on-policy distillation on prompt rows: a completion of each prompt sampled from the model, then "
     "each of its tokens' next-token distribution pulled toward --teacher_model's by the generalized Jensen-Shannon "
     "divergence of --beta (TRL's DistillationTrainer).",
-    sequences_per_row=1,
-    dropout=False,
-    concat=False,
-    answers_only=True,
     needs=(GENERATOR, TEACHER),
     fields=DISTILL_FIELDS,
     phases=(GENERATION, TEACHER),
     unit="completion token",
     shown=("entropy",),
-    rows_hint="name the prompt's column with --prompt_column (--data_format prompt)",
     no_dropout="completions are sampled on the same forward the loss takes",
 )

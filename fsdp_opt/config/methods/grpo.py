@@ -6,11 +6,7 @@ from dataclasses import dataclass
 
 from fsdp_opt.base import ConfigError
 from fsdp_opt.config.methods.base import (
-    GENERATION,
-    GENERATOR,
-    GROUP_FIELDS,
-    REFERENCE_BESIDE,
-    REWARDS,
+    IN_GROUPS,
     GroupFlags,
     MethodSpec,
     method_flag,
@@ -64,19 +60,8 @@ class GrpoFlags(GroupFlags):
 GRPO = MethodSpec(
     name="grpo",
     flags=GrpoFlags,
-    rows=("prompt",),
-    what="prompt rows (a prompt column; the other columns go to the rewards)",
     summary="grpo: Group Relative Policy Optimization on prompt rows: --num_generations completions of each prompt, "
     "sampled from the policy, scored by --reward, each pushed up or down by its reward against its group's (TRL's "
     "loss).",
-    sequences_per_row=1,
-    dropout=False,
-    concat=False,
-    answers_only=True,
-    needs=(GENERATOR, REWARDS, REFERENCE_BESIDE),
-    fields=GROUP_FIELDS,
-    phases=(GENERATION,),
-    shown=("reward",),
-    rows_hint="name the prompt's column with --prompt_column (--data_format prompt)",
-    no_dropout="completions are sampled and scored on the same forward the loss takes",
+    **IN_GROUPS,
 )

@@ -5,11 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fsdp_opt.config.methods.base import (
-    GENERATION,
-    GENERATOR,
-    GROUP_FIELDS,
-    REFERENCE_BESIDE,
-    REWARDS,
+    IN_GROUPS,
     GroupFlags,
     MethodSpec,
     method_flag,
@@ -36,19 +32,8 @@ class RlooFlags(GroupFlags):
 RLOO = MethodSpec(
     name="rloo",
     flags=RlooFlags,
-    rows=("prompt",),
-    what="prompt rows (a prompt column; the other columns go to the rewards)",
     summary="rloo: REINFORCE Leave-One-Out on prompt rows: --num_generations completions of each prompt, sampled from "
     "the policy and scored by --reward (less the KL to the reference), each pushed up or down by its reward less the "
     "mean of the others' in its group, through a clipped ratio of its summed log-probabilities (TRL's loss).",
-    sequences_per_row=1,
-    dropout=False,
-    concat=False,
-    answers_only=True,
-    needs=(GENERATOR, REWARDS, REFERENCE_BESIDE),
-    fields=GROUP_FIELDS,
-    phases=(GENERATION,),
-    shown=("reward",),
-    rows_hint="name the prompt's column with --prompt_column (--data_format prompt)",
-    no_dropout="completions are sampled and scored on the same forward the loss takes",
+    **IN_GROUPS,
 )
