@@ -27,6 +27,11 @@ class ModelError(ConfigError):
     """The model cannot be found, fetched or sharded."""
 
 
+class RewardError(ConfigError):
+    """A reward function failed on a completion (raised, or gave no number): the session saves its last whole step
+    before it ends."""
+
+
 class CheckpointError(ConfigError):
     """A checkpoint file is missing, damaged or does not belong to this run."""
 

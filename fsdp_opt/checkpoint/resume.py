@@ -184,12 +184,15 @@ class Resume:
             return None
         return self.payload["slice"]["start_idx"], self.payload["slice"]["end_idx"]
 
-    def record_changes(self, config: Config, global_batch: int, env: DistEnv) -> list[dict[str, Any]]:
+    def record_changes(
+        self, config: Config, global_batch: int, env: DistEnv, more: list[dict[str, Any]] | None = None
+    ) -> list[dict[str, Any]]:
         """Every rank: the global batch checked too (known once the layout is), then the chain's record of changes:
-        the checkpoint's, and this session's at its first global step (rank 0's; [] elsewhere)."""
+        the checkpoint's, and this session's at its first global step (rank 0's; [] elsewhere; `more`: changes found
+        beside the flags, a reward function's rule)."""
 
         def on_main() -> list[dict[str, Any]]:
-            payload, changes = self.payload, list(self.changes or [])
+            payload, changes = self.payload, list(self.changes or []) + list(more or [])
             ts = payload.get("train_state") or {}
             mid_range = bool(ts.get("offset") or ts.get("within"))
             moved = global_batch_change(payload.get("global_batch"), global_batch, mid_range=mid_range)

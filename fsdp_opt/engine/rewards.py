@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdp_opt.base import ConfigError, first_line
+from fsdp_opt.base import ConfigError, RewardError, first_line
 
 MATH_VERIFY_INSTALL = 'pip install "math-verify>=0.8"'
 DEFAULT_MAX_WORDS = 50
@@ -256,12 +256,12 @@ def score(
             raise
         except Exception as exc:  # noqa: BLE001 - the user's function: which, and on which row
             where = _failing(reward, prompts, completions, completion_ids, kwargs, rows, places)
-            raise ConfigError(
+            raise RewardError(
                 f"--reward {reward.name}: it raised on {where} ({type(exc).__name__}: {first_line(exc)})"
             ) from None
         got = list(got) if got is not None else []
         if len(got) != len(completions):
-            raise ConfigError(
+            raise RewardError(
                 f"--reward {reward.name}: it returned {len(got)} reward(s) for {len(completions)} "
                 "completions (one float or None per completion)"
             )
@@ -269,7 +269,7 @@ def score(
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(float(value)):
-                raise ConfigError(
+                raise RewardError(
                     f"--reward {reward.name}: it returned {value!r} for {_which(rows, places, i)} (a "
                     "float or None per completion)"
                 )
@@ -278,8 +278,9 @@ def score(
 
 
 def _which(rows: Sequence[int], places: Sequence[int] | None, i: int) -> str:
-    """Completion i in words: its row, and its place in the row's group when there is a group."""
-    return f"row {rows[i]}" + (f" (completion {places[i] + 1} of its group)" if places is not None else "")
+    """Completion i in words: its row, and its place in the row's group when there is a group (from 0, as
+    completions.jsonl's `place` numbers it)."""
+    return f"row {rows[i]}" + (f", place {places[i]} of its group" if places is not None else "")
 
 
 def _failing(reward: Reward, prompts, completions, completion_ids, kwargs: dict, rows, places) -> str:  # noqa: ANN001

@@ -124,10 +124,10 @@ def initialize(
             else None
         )
     )
-    full_state, buffers = init if init is not None else (None, None)
+    state, buffers = init if init is not None else (None, None)
     materialize(model, env, buffers)
-    if weights and not (loader is not None and loader(model, full_state, env)):
-        load_weights(model, full_state, env)
+    if weights and not (loader is not None and loader(model, state, env)):
+        load_weights(model, state, env)
 
 
 def materialize(model: nn.Module, env: DistEnv, buffers: dict[str, torch.Tensor] | None) -> None:

@@ -164,7 +164,7 @@ def setup(config: Config, env: DistEnv, checked: Checked | None = None, lease: L
     seed_dropout(config, env)
     state, changes, run_id, saved_chain = TrainState(epoch=tc.initial_epoch), [], None, None
     if resume.resuming:
-        changes = resume.record_changes(config, plan.global_batch, env)
+        changes = resume.record_changes(config, plan.global_batch, env, components.changes)
         state = resume.restore_into(
             model,
             optimizer,

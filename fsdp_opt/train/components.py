@@ -80,6 +80,7 @@ class Components:
     decoding: Decoding | None = None
     decoder: Decoder | None = None
     restored: Generation | None = None  # the generation a checkpoint was saved inside (this rank's part)
+    changes: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # rank 0's: reward rules changed since
 
     def state(self) -> dict[str, Any]:
         """What checkpoints keep of the components (the method's loss adds a generation it is inside)."""
@@ -156,11 +157,11 @@ def before_model(components: Components, how: Frozen, payload: dict[str, Any] | 
             how, name, saved, units, held_units, made.batch_size, spec.name
         )
     if REWARDS in spec.needs:
-        all_ranks_ok(
+        components.changes = all_ranks_ok(
             lambda: (
                 refuse_changed_rewards(components, saved.get("rewards") or [], made.allow_changes)
                 if env.is_main
-                else None
+                else []
             )
         )
         components.beside_name = name
@@ -174,24 +175,29 @@ def before_model(components: Components, how: Frozen, payload: dict[str, Any] | 
     return components
 
 
-def refuse_changed_rewards(components: Components, saved: list[dict[str, str]], allow: bool) -> None:
+def refuse_changed_rewards(components: Components, saved: list[dict[str, str]], allow: bool) -> list[dict[str, Any]]:
     """Rank 0, resuming: a reward function whose source changed since the checkpoint is drift (its rule changed the
-    objective): one line, refused unless --allow_changes."""
+    objective): one line, refused unless --allow_changes; taken, it goes into the chain's record of changes (the
+    changes returned)."""
     before = {r["name"]: r["source"] for r in saved}
     changed = [r for r in components.rewards if r.name in before and not r.same_rule(before[r.name])]
-    for r in changed:
-        change = {
+    changes = [
+        {
             "flag": "reward",
             "from": f"{r.name} (source {before[r.name]})",
             "to": f"{r.name} (source {r.source})",
             "breaks": "another loss trains",
         }
+        for r in changed
+    ]
+    for change in changes:
         print0(drift_line(change))
     if changed and not allow:
         raise ConfigError(
             f"--reward {changed[0].name}: its source changed since the checkpoint (the chain's objective would change "
             "mid-run); restore it, or pass --allow_changes to go on with the new rule"
         )
+    return changes
 
 
 def after_model(

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from fsdp_opt.base import NotPushedError
+from fsdp_opt.base import NotPushedError, RewardError
 from fsdp_opt.checkpoint.atomic import remove_stale_temp
 from fsdp_opt.config.parse import Config
 from fsdp_opt.engine.fp16watch import Fp16Overflow
@@ -120,7 +120,10 @@ def run_epoch(session: Session, epoch: int, stop: StopControl, progress: Progres
         if reason:
             return reason
         step_started = time.perf_counter()
-        record = train_step(session, step)
+        try:
+            record = train_step(session, step)
+        except RewardError as exc:
+            raise keep_last_step(session, exc) from None
         session.position.step_seconds.append(time.perf_counter() - step_started)
         stop.observe_step(session.position.step_seconds[-1])
         session.state.offset, session.state.within = step.end_offset, step.within_after
@@ -143,6 +146,23 @@ def run_epoch(session: Session, epoch: int, stop: StopControl, progress: Progres
         if cc.save_every_steps and session.state.global_step % cc.save_every_steps == 0 and not epoch_done:
             save(session, epoch_end=False)
     return None
+
+
+def keep_last_step(session: Session, exc: RewardError) -> RewardError:
+    """A reward function failed on the step's completions (every rank has the same error, before any update of the
+    step): the last whole step saved (and pushed) before the session ends, metrics.jsonl and completions.jsonl ending
+    with it. Returns the error to raise, its line saying where the session can go on from."""
+    step = session.state.global_step
+    if step == 0:
+        return exc
+    path = session.position.last_saved_path
+    if session.position.last_saved_step != step or path is None:
+        path = save(session, epoch_end=False, evaluate=False)
+    wait_for_writes(session)
+    return RewardError(
+        f"{exc}, in step {step + 1}: step {step}, the last whole one, is saved in {path.name}; fix the function and "
+        f"resume from it (--resume_file {path.name}, or --start_idx auto), with --allow_changes where its rule changed"
+    )
 
 
 def _stop_early(session: Session, reason: str) -> None:
