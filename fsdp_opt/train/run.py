@@ -16,6 +16,7 @@ from fsdp_opt.planner.steptime import step_time_line
 from fsdp_opt.runtime.distributed import barrier, init_distributed, print0, teardown
 from fsdp_opt.runtime.hostmem import configure_allocator, freeze_imported
 from fsdp_opt.runtime.stopping import WRITE_FAILED, StopControl, resume_command
+from fsdp_opt.tracking.metrics import REPLACED, set_aside
 from fsdp_opt.tracking.progress import Progress, gpu_memory_line, host_peaks_line
 from fsdp_opt.train.build import check_flags, setup
 from fsdp_opt.train.chain import claim, next_in_session
@@ -59,6 +60,12 @@ def run(config: Config) -> None:
 
 def train_session(s: Session) -> None:
     """The session's range, then (--session_ranges) those after it while they fit; the export; the last writes."""
+    if s.env.is_main:  # one record per step: an earlier run's records of the steps this session trains move aside
+        for name, count in set_aside(s.out_dir, s.state.global_step).items():
+            print0(
+                f"{name}: {count} record(s) of the steps after global step {s.state.global_step}, from an earlier run "
+                f"of the steps this session trains, moved to {name.removesuffix('.jsonl') + REPLACED}"
+            )
     stop = StopControl(s.config.checkpoint.time_limit_seconds)
     s.clock_started = stop.started
     try:

@@ -1,0 +1,72 @@
+"""A range trained already: its epoch-end checkpoint found in --output_dir or in the Hub repo, with what it trained
+with, so that a session asked to train it again says it is done (or that its settings changed) before it takes the
+chain's lease or builds anything."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fsdp_opt.checkpoint.names import STEP_KEY, list_checkpoints, parse_name
+from fsdp_opt.checkpoint.read import read_checkpoint
+from fsdp_opt.checkpoint.weightsfile import checkpoint_of
+from fsdp_opt.data.pin import PIN_KEY
+from fsdp_opt.hub.store import HubStore
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A range's epoch-end checkpoint: where, its global step, and what it trained with (the flags, the global batch,
+    the data pin; None where a repo's index written by an older version does not say)."""
+
+    name: str
+    where: str  # "--output_dir DIR" or "the Hub repo ID"
+    global_step: int | None
+    config: dict[str, Any] | None
+    global_batch: int | None
+    pin: dict[str, Any] | None
+
+
+def find_finished(
+    match: Callable[[dict[str, Any]], bool], out_dir: Path, repo_id: str | None, retries: int = 1
+) -> Finished | None:
+    """The first epoch-end checkpoint whose parsed name (names.parse_name) `match` accepts: in output_dir (its flags
+    read from the file, mapped, not loaded), then in the repo (a full checkpoint, a weights file that outlived it, or
+    an entry of the index, which holds its flags). A repo that cannot be read raises."""
+
+    def finished(name: str) -> bool:
+        parsed = parse_name(name)
+        return parsed is not None and parsed["step"] is None and match(parsed)
+
+    for path in list_checkpoints(out_dir):
+        if finished(path.name):
+            payload = read_checkpoint(path)
+            step = payload.get(STEP_KEY)
+            return Finished(
+                path.name,
+                f"--output_dir {out_dir}",
+                None if step is None else int(step),
+                payload.get("config"),
+                payload.get("global_batch"),
+                payload.get(PIN_KEY),
+            )
+    if not repo_id:
+        return None
+    store = HubStore(repo_id, retries=retries)
+    files = store.files()
+    index = store.read_index(files)["checkpoints"]
+    names = [*index, *store.checkpoints(files), *(checkpoint_of(w) for w in store.weights(files))]
+    name = next((n for n in names if finished(n)), None)
+    if name is None:
+        return None
+    entry = index.get(name, {})
+    return Finished(
+        name,
+        f"the Hub repo {repo_id}",
+        entry.get("global_step"),
+        entry.get("config"),
+        entry.get("global_batch"),
+        entry.get(PIN_KEY),
+    )
