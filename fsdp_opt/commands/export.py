@@ -17,7 +17,7 @@ from pathlib import Path
 
 from fsdp_opt.base import CheckpointError, ConfigError
 from fsdp_opt.checkpoint.export import export_checkpoint, to_single_file
-from fsdp_opt.config.choices import DTYPES
+from fsdp_opt.model.parallelize import DTYPES
 
 
 def main(argv: list[str] | None = None) -> int:

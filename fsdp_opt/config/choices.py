@@ -3,11 +3,8 @@ trainer, the planner and the commands all import them."""
 
 from __future__ import annotations
 
-import torch
-
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
 PRECISIONS = ("auto", "fp16", "bf16", "fp32")
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 LR_SCHEDULES = ("constant", "linear", "cosine")
 DEVICES = ("auto", "cuda", "cpu")
 STATE_DICT_TYPES = ("full", "sharded")

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from fsdp_opt.config.choices import DTYPES, shard_count
+from fsdp_opt.config.choices import shard_count
 from fsdp_opt.config.layout import LoraConfig
 from fsdp_opt.config.specs import spec
 from fsdp_opt.data.packing import document_mask, segment_positions
@@ -45,7 +45,7 @@ from fsdp_opt.engine.loss import HeadLoss, forward_loss_sum
 from fsdp_opt.engine.microbatches import run_micro_batches
 from fsdp_opt.engine.optim import build_optimizer, create_state
 from fsdp_opt.model.adapters import Adapters
-from fsdp_opt.model.parallelize import shard_model
+from fsdp_opt.model.parallelize import DTYPES, shard_model
 from fsdp_opt.model.shapes import model_config
 from fsdp_opt.model.sources import build_meta_model
 from fsdp_opt.runtime.distributed import DistEnv

@@ -16,7 +16,7 @@ from fsdp_opt.checkpoint.drift import CHANGES_KEY
 from fsdp_opt.checkpoint.read import check_compatible
 from fsdp_opt.checkpoint.resume import Resume
 from fsdp_opt.checkpoint.save import BackgroundWriter
-from fsdp_opt.config.choices import AUTO, DTYPES, shard_count
+from fsdp_opt.config.choices import AUTO, shard_count
 from fsdp_opt.config.parse import Config
 from fsdp_opt.data.pin import packed_as, pinned_revision, with_range
 from fsdp_opt.data.prompts import check_groups, generation_slices
@@ -29,7 +29,14 @@ from fsdp_opt.engine.step import TrainState, first_batch_loss
 from fsdp_opt.hub.lease import Lease
 from fsdp_opt.hub.store import read_resume
 from fsdp_opt.model.adapters import KEY, Adapters, check_resume
-from fsdp_opt.model.parallelize import fp32_products_on_cpu, initialize, resolve_precision, shard_model, tie_and_check
+from fsdp_opt.model.parallelize import (
+    DTYPES,
+    fp32_products_on_cpu,
+    initialize,
+    resolve_precision,
+    shard_model,
+    tie_and_check,
+)
 from fsdp_opt.model.shapes import count_params, flops_per_token
 from fsdp_opt.model.sources import ModelSource, build_meta_model, model_tag, resolve_model
 from fsdp_opt.planner.layout import Layout, choose_layout
@@ -38,9 +45,9 @@ from fsdp_opt.runtime.distributed import (
     all_ranks_ok,
     broadcast_object,
     cap_gpu_memory,
+    peak_flops,
     print0,
 )
-from fsdp_opt.runtime.gpus import peak_flops
 from fsdp_opt.runtime.hostmem import release_host_memory
 from fsdp_opt.runtime.torchao_gate import check_for_nf4
 from fsdp_opt.tracking.metrics import MetricsWriter

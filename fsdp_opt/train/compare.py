@@ -17,7 +17,7 @@ from fsdp_opt.base import ConfigError
 from fsdp_opt.checkpoint.atomic import atomic_save_text
 from fsdp_opt.checkpoint.loading import load_into
 from fsdp_opt.checkpoint.read import check_compatible, read_checkpoint
-from fsdp_opt.config.choices import DTYPES, shard_count
+from fsdp_opt.config.choices import shard_count
 from fsdp_opt.config.layout import LoraConfig
 from fsdp_opt.config.method import MethodConfig
 from fsdp_opt.config.parse import Config
@@ -33,7 +33,7 @@ from fsdp_opt.engine.evaluation import generate
 from fsdp_opt.hub.store import find_resume
 from fsdp_opt.model.adapters import Adapters, check_resume
 from fsdp_opt.model.families import mask_pattern
-from fsdp_opt.model.parallelize import initialize, resolve_precision, shard_model, tie_and_check
+from fsdp_opt.model.parallelize import DTYPES, initialize, resolve_precision, shard_model, tie_and_check
 from fsdp_opt.model.sources import build_meta_model, load_model_config, load_tokenizer, resolve_model
 from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, broadcast_object, print0, rank0_first
 from fsdp_opt.train.inputs import data_spec

@@ -22,14 +22,14 @@ from typing import Any
 import torch
 
 from fsdp_opt.base import ConfigError
-from fsdp_opt.config.choices import DTYPES, shard_count
+from fsdp_opt.config.choices import shard_count
 from fsdp_opt.config.parse import Config
 from fsdp_opt.config.specs import spec
 from fsdp_opt.engine.logprobs import Reference, Units, head_logps
 from fsdp_opt.engine.loss import HeadLoss
 from fsdp_opt.model.adapters import adapters_off
 from fsdp_opt.model.nf4 import load_quantized, quantize_base, store_base
-from fsdp_opt.model.parallelize import fp32_products_on_cpu, initialize, shard_model, tie_and_check
+from fsdp_opt.model.parallelize import DTYPES, fp32_products_on_cpu, initialize, shard_model, tie_and_check
 from fsdp_opt.model.sources import build_meta_model, load_model_config, load_tokenizer, resolve_model, without_dropout
 from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, broadcast_object, print0, rank0_first
 from fsdp_opt.runtime.hostmem import release_host_memory
