@@ -92,7 +92,7 @@ def test_one_gpu_or_two_for_full_fine_tuning_and_lora_at_1_3b_and_6_7b():
     # full save's gathered copy (12 bytes per parameter, 15.8 GB) that is over Kaggle's 31 GB.
     assert 16 * 1_315_758_080 > 14.5 * GIB
     one, two = full13["by_gpu_count"]
-    assert not one["fits"] and "--cpu_offload" in one["why"] and "of 31.0 GB" in one["why"]
+    assert not one["fits"] and "--cpu_offload" in one["why"] and "of 28.87 GiB" in one["why"]
     assert two["fits"] and two == {k: full13["recommended"][k] for k in KEYS} | {"fits": True}
     assert full13["gpu_count_line"].startswith("2 GPUs: ") and "one GPU does not fit" in full13["gpu_count_line"]
     # LoRA at 1.3b fits one T4 and two: the line says how much faster two are, from the two predictions.
