@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from fsdp_opt.base import ConfigError
+from fsdp_opt.config.choices import BUILTIN_REWARDS
 from fsdp_opt.config.flags import flag
 from fsdp_opt.config.specs import DEFAULT_METHOD, LOSS_TYPES, METHOD_SPECS, METHODS, MethodSpec, method_flags, spec
 
@@ -124,9 +125,9 @@ class MethodConfig:
     )
     reward: str | None = flag(
         None,
-        "--method grpo: the reward functions, comma-separated (or the flag repeated): a built-in (accuracy, format, "
-        "length), path/to/file.py:function or module:function, called as TRL calls them: f(prompts=, completions=, "
-        "completion_ids=, **columns), one float (or None) per completion.",
+        f"--method grpo: the reward functions, comma-separated (or the flag repeated): a built-in "
+        f"({', '.join(BUILTIN_REWARDS)}), path/to/file.py:function or module:function, called as TRL calls them: "
+        "f(prompts=, completions=, completion_ids=, **columns), one float (or None) per completion.",
         action="append",
     )
     reward_weights: str | None = flag(
@@ -191,8 +192,8 @@ class MethodConfig:
             )
         if t.group and not self.reward:
             raise ConfigError(
-                "--reward: --method grpo needs at least one reward function (a built-in: accuracy, "
-                "format, length; or path/to/file.py:function)"
+                "--reward: --method grpo needs at least one reward function (a built-in: "
+                f"{', '.join(BUILTIN_REWARDS)}; or path/to/file.py:function)"
             )
 
     def _own_flags(self, t: MethodSpec) -> None:
