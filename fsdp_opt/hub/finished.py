@@ -29,20 +29,21 @@ class Finished:
     pin: dict[str, Any] | None
 
 
-def find_finished(
-    match: Callable[[dict[str, Any]], bool], out_dir: Path, repo_id: str | None, retries: int = 1
-) -> Finished | None:
-    """The first epoch-end checkpoint whose parsed name (names.parse_name) `match` accepts: in output_dir (its flags
-    read from the file, mapped, not loaded), then in the repo (a full checkpoint, a weights file that outlived it, or
-    an entry of the index, which holds its flags). A repo that cannot be read raises."""
-
+def _finished(match: Callable[[dict[str, Any]], bool]) -> Callable[[str], bool]:
     def finished(name: str) -> bool:
         parsed = parse_name(name)
         return parsed is not None and parsed["step"] is None and match(parsed)
 
+    return finished
+
+
+def finished_here(match: Callable[[dict[str, Any]], bool], out_dir: Path) -> Finished | None:
+    """The first epoch-end checkpoint of output_dir whose parsed name (names.parse_name) `match` accepts, its flags
+    read from the file (mapped, not loaded); one that cannot be read raises (CheckpointError, naming it)."""
+    finished = _finished(match)
     for path in list_checkpoints(out_dir):
         if finished(path.name):
-            payload = read_checkpoint(path)
+            payload = read_checkpoint(path, "--output_dir")
             step = payload.get(STEP_KEY)
             return Finished(
                 path.name,
@@ -52,8 +53,13 @@ def find_finished(
                 payload.get("global_batch"),
                 payload.get(PIN_KEY),
             )
-    if not repo_id:
-        return None
+    return None
+
+
+def finished_in_repo(match: Callable[[dict[str, Any]], bool], repo_id: str, retries: int = 1) -> Finished | None:
+    """The same in the Hub repo: a full checkpoint, a weights file that outlived it, or an entry of the index, which
+    holds its flags. A repo that cannot be read raises."""
+    finished = _finished(match)
     store = HubStore(repo_id, retries=retries)
     files = store.files()
     index = store.read_index(files)["checkpoints"]

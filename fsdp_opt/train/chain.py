@@ -23,7 +23,7 @@ from fsdp_opt.data.pin import packed_as, pinned_revision, with_range
 from fsdp_opt.data.resolve import DataSource
 from fsdp_opt.data.sources import mixture_definition, open_source
 from fsdp_opt.engine.step import TrainState
-from fsdp_opt.hub.finished import Finished, find_finished
+from fsdp_opt.hub.finished import Finished, finished_here, finished_in_repo
 from fsdp_opt.hub.lease import TRIES as LEASE_TRIES
 from fsdp_opt.hub.lease import FileLease, HubLease, Lease, Outcome, hold_seconds, new_holder
 from fsdp_opt.hub.retry import describe
@@ -126,13 +126,19 @@ def already_trained(config: Config, env: DistEnv) -> bool:
             )
 
         try:
-            found = find_finished(ours, out_dir, hc.hf_repo)
-        except Exception as exc:  # noqa: BLE001 - network, auth: the repo is not asked, and the session trains
-            print0(
-                f"warning: cannot read the Hub repo {hc.hf_repo} ({describe(exc)}): whether it holds rows "
-                f"[{dc.start_idx}, {dc.end_idx or 'end'}) trained already is not known"
-            )
-            found = find_finished(ours, out_dir, None)
+            found = finished_here(ours, out_dir)
+        except CheckpointError as exc:
+            if cc.overwrite:  # trained again anyway: an unreadable checkpoint of the range is replaced
+                return None
+            raise CheckpointError(f"{exc}; it is this range's: --overwrite trains the range again") from None
+        if found is None and hc.hf_repo:
+            try:
+                found = finished_in_repo(ours, hc.hf_repo)
+            except Exception as exc:  # noqa: BLE001 - network, auth: the repo is not asked, and the session trains
+                print0(
+                    f"warning: cannot read the Hub repo {hc.hf_repo} ({describe(exc)}): whether it holds rows "
+                    f"[{dc.start_idx}, {dc.end_idx or 'end'}) trained already is not known"
+                )
         if found is None or (dc.end_idx is None and parse_name(found.name)["end"] != dataset_rows(config, found.pin)):
             return None
         return finished_line(config, env, found, epoch)
