@@ -11,7 +11,7 @@ from typing import Any
 
 from fsdp_opt.checkpoint.names import STEP_KEY, list_checkpoints, parse_name
 from fsdp_opt.checkpoint.read import read_checkpoint
-from fsdp_opt.checkpoint.weightsfile import checkpoint_of
+from fsdp_opt.checkpoint.weightsfile import checkpoint_of, weights_name
 from fsdp_opt.data.pin import PIN_KEY
 from fsdp_opt.hub.store import HubStore
 
@@ -76,3 +76,19 @@ def finished_in_repo(match: Callable[[dict[str, Any]], bool], repo_id: str, retr
         entry.get("global_batch"),
         entry.get(PIN_KEY),
     )
+
+
+def resume_found(name: str, out_dir: Path, repo_id: str | None, retries: int = 1) -> bool:
+    """Whether --resume_file NAME is where the run will look for it (a path, output_dir, the repo's checkpoints or
+    their weights files), without reading or downloading it: a range found trained is done only for a session whose
+    flags hold, and a name found nowhere is that flag's own error, in its place."""
+    if Path(name).expanduser().exists() or (out_dir / name).exists():
+        return True
+    if not repo_id:
+        return False
+    store = HubStore(repo_id, retries=retries)
+    try:
+        files = store.files()
+    except Exception:  # noqa: BLE001 - the repo cannot be read now: where the run reads the name, it says so
+        return True
+    return name in store.checkpoints(files) or weights_name(name) in store.weights(files)

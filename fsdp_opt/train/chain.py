@@ -23,7 +23,7 @@ from fsdp_opt.data.pin import packed_as, pinned_revision, with_range
 from fsdp_opt.data.resolve import DataSource
 from fsdp_opt.data.sources import mixture_definition, open_source
 from fsdp_opt.engine.step import TrainState
-from fsdp_opt.hub.finished import Finished, finished_here, finished_in_repo
+from fsdp_opt.hub.finished import Finished, finished_here, finished_in_repo, resume_found
 from fsdp_opt.hub.lease import TRIES as LEASE_TRIES
 from fsdp_opt.hub.lease import FileLease, HubLease, Lease, Outcome, hold_seconds, new_holder
 from fsdp_opt.hub.retry import describe
@@ -141,6 +141,8 @@ def already_trained(config: Config, env: DistEnv) -> bool:
                 )
         if found is None or (dc.end_idx is None and parse_name(found.name)["end"] != dataset_rows(config, found.pin)):
             return None
+        if cc.resume_file not in (None, "latest") and not resume_found(cc.resume_file, out_dir, hc.hf_repo):
+            return None  # a --resume_file found nowhere: that flag's own line, where the run reads it
         return finished_line(config, env, found, epoch)
 
     line = broadcast_object(all_ranks_ok(lambda: decide() if env.is_main else None))
