@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fsdp_opt.runtime.distributed import end_process  # noqa: E402 - after the repository is on the path
+from fsdp_opt.runtime.exits import end_process  # noqa: E402 - after the repository is on the path
 
 WAYS = ("gathered", "layer_by_layer")
 

@@ -20,7 +20,7 @@ def run_hf_trainer(args: argparse.Namespace, env, out_dir: str) -> dict:
     from fsdp_opt.model.shapes import Shape, flops_per_token, model_config
     from fsdp_opt.model.sources import load_model_config, load_tokenizer, resolve_model
     from fsdp_opt.planner.inputs import Inputs, state_bytes
-    from fsdp_opt.runtime.gpus import peak_memory_bytes
+    from fsdp_opt.runtime.distributed import peak_memory_bytes
 
     source = resolve_model(args.model)
     config, tokenizer = load_model_config(source), load_tokenizer(source)

@@ -30,7 +30,8 @@ from fsdp_opt.engine.step import train_step  # noqa: E402
 from fsdp_opt.model.shapes import Shape, model_config  # noqa: E402
 from fsdp_opt.planner.inputs import Inputs  # noqa: E402
 from fsdp_opt.planner.steptime import Rates, step_time  # noqa: E402
-from fsdp_opt.runtime.distributed import end_process, init_distributed, teardown  # noqa: E402
+from fsdp_opt.runtime.distributed import init_distributed, teardown  # noqa: E402
+from fsdp_opt.runtime.exits import end_process  # noqa: E402
 from fsdp_opt.train.build import setup  # noqa: E402
 
 # name: (micro-batch, accumulation, strategy, reduce every micro-batch)

@@ -49,7 +49,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fsdp_opt.runtime.distributed import end_process  # noqa: E402 - after the repository is on the path
+from fsdp_opt.runtime.exits import end_process  # noqa: E402 - after the repository is on the path
 
 THROUGHPUT = (
     "packed",
@@ -185,7 +185,7 @@ def run_engine(args: argparse.Namespace, name: str, env, out_dir: str) -> dict:
     from fsdp_opt.model.shapes import Shape, model_config
     from fsdp_opt.planner.inputs import Inputs
     from fsdp_opt.planner.memory import memory
-    from fsdp_opt.runtime.gpus import peak_memory_bytes
+    from fsdp_opt.runtime.distributed import peak_memory_bytes
     from fsdp_opt.train.build import setup
 
     strategy = name if args.memory_only else "FULL_SHARD"
@@ -294,8 +294,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from fsdp_opt.runtime.distributed import init_distributed, teardown
-    from fsdp_opt.runtime.gpus import peak_flops
+    from fsdp_opt.runtime.distributed import init_distributed, peak_flops, teardown
 
     env = init_distributed("auto")
     try:

@@ -351,9 +351,13 @@ def det_model(tmp_path_factory) -> Path:
 
 
 def assert_clean_failure(proc: subprocess.CompletedProcess, *needles: str) -> str:
-    """Non-zero exit, the project's one error line naming the problem, and no Python traceback from a worker."""
+    """Non-zero exit, the project's one error line naming the problem, and no Python traceback from a worker. Under
+    torchrun the line comes once more, after torchrun's report: the last line (runtime/exits.after_the_launcher)."""
     assert proc.returncode != 0, proc.stdout + proc.stderr
     lines = [l for l in proc.stderr.splitlines() if l.startswith("error: ")]
+    if "torch.distributed.run" in " ".join(proc.args):
+        assert len(lines) == 2 and lines[0] == lines[1] == proc.stderr.strip().splitlines()[-1], proc.stderr
+        lines = lines[:1]
     assert len(lines) == 1, proc.stderr
     for needle in needles:
         assert needle in lines[0], lines[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -26,6 +27,7 @@ from fsdp_opt.model.parallelize import check_no_shared_params, find_block_classe
 from fsdp_opt.model.shapes import flops_per_token
 from fsdp_opt.model.sources import model_tag, resolve_model
 from fsdp_opt.runtime.distributed import DistEnv
+from fsdp_opt.tracking.metrics import set_aside
 
 # ------------------------------------------------------------------ flags
 
@@ -472,3 +474,24 @@ def test_resume_command_names_the_launch_that_ran():
     )
     wheel = resume_command("new.pt", argv, "/site/fsdp_opt/__main__.py")
     assert wheel == "python -m fsdp_opt --end_idx 40 --resume_file new.pt"
+
+
+def test_the_step_logs_keep_one_record_per_step(tmp_path):
+    """A session starting at global step 2 (a resume after a kill at step 4, or --overwrite from 0): the later records
+    move to the .replaced.jsonl beside each log, appended; a line that is not a record stays where it was."""
+
+    def write(name: str, steps: list[int]) -> None:
+        (tmp_path / name).write_text("".join(json.dumps({"step": s, "loss": s / 10}) + "\n" for s in steps))
+
+    write("metrics.jsonl", [1, 2, 3, 4])
+    write("eval.jsonl", [2, 4])
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write("not a record\n")
+    assert set_aside(tmp_path, 2) == {"metrics.jsonl": 2, "eval.jsonl": 1}
+    kept = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in kept[:-1]] == [1, 2] and kept[-1] == "not a record"
+    assert [json.loads(line)["step"] for line in (tmp_path / "eval.jsonl").read_text().splitlines()] == [2]
+    write("metrics.jsonl", [1, 2, 3])
+    assert set_aside(tmp_path, 0) == {"metrics.jsonl": 3, "eval.jsonl": 1} and set_aside(tmp_path, 0) == {}
+    moved = [json.loads(line)["step"] for line in (tmp_path / "metrics.replaced.jsonl").read_text().splitlines()]
+    assert moved == [3, 4, 1, 2, 3]

@@ -55,6 +55,16 @@ def next_range(
     return None if after is None else NextRange(*after, newest, False)
 
 
+def last_epoch(resume: str | None, start: int, end: int | None, initial_epoch: int, epochs: int) -> int:
+    """The 1-based epoch in the name of the last checkpoint a session of [start, end) saves: --num_epochs after the
+    epoch it starts in, which is the resumed checkpoint's own when that checkpoint is of this range (a `-step-` one:
+    the epoch it stopped in; a finished one: the epoch after it), else --initial_epoch."""
+    parsed = parse_name(resume) if resume else None
+    if parsed and parsed["start"] == start and end in (None, parsed["end"]):
+        return parsed["epoch"] - (1 if parsed["step"] is not None else 0) + epochs
+    return initial_epoch + epochs
+
+
 @dataclass
 class ChainStatus:
     """Where a chain stands at one checkpoint. Positions are rows of the dataset: inside a range, the share of its

@@ -58,6 +58,7 @@ NOT_COMPARED = {
     "num_epochs",
     "take_over",
     "allow_changes",
+    "overwrite",
     "output_dir",
     "device",
     "batch_size",
@@ -89,6 +90,36 @@ NOT_COMPARED = {
     "lora_targets",
     "base_bits",
 }
+
+
+# Flags that change how a session runs, never what a range trains: a finished range run again with another of these
+# is still done (trained_with_other_settings).
+SESSION_ONLY = {
+    "range_size",
+    "session_ranges",
+    "eval_rows",
+    "eval_split",
+    "save_every_steps",
+    "time_limit",
+    "keep_last",
+    "disk_budget",
+    "state_dict_type",
+    "save_optimizer",
+    "export_hf",
+    "export_dtype",
+    "export_merge",
+    "hf_repo",
+    "hub_public",
+    "hub_retries",
+    "hub_wait",
+    "hub_keep_full",
+    "wandb_project",
+    "wandb_mode",
+    "wandb_new_run",
+}
+# What a range trains that the drift leaves to its own check (the LoRA identity: model/adapters.check_resume), asked
+# again of a finished range
+LORA_FLAGS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "base_bits")
 
 
 # A local model folder or data file is often found at another path on the next machine: the same name counts as the
@@ -151,11 +182,44 @@ def refuse_if_breaking(changes: list[dict[str, Any]], allow: bool, checkpoint: s
     """One line naming every exactness-breaking change, unless --allow_changes."""
     breaking = [c for c in changes if c["breaks"]]
     if breaking and not allow:
-        listed = "; ".join(f"--{c['flag']} {_shown(c['from'])} -> {_shown(c['to'])} ({c['breaks']})" for c in breaking)
+        named = "; ".join(f"{listed([c])} ({c['breaks']})" for c in breaking)
         raise ConfigError(
-            f"--resume_file {checkpoint}: {listed}. Use the checkpoint's value, or --allow_changes "
+            f"--resume_file {checkpoint}: {named}. Use the checkpoint's value, or --allow_changes "
             "to go on anyway (the chain is then no longer one exact run)"
         )
+
+
+def compared_flags(config: Config, saved: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the checkpoint's flags, this session's) as compare() takes them: the session's are its method's own only
+    (another method's mean nothing to this run; --method itself is compared)."""
+    return saved, config.flat()
+
+
+def trained_with_other_settings(
+    config: Config, saved: dict[str, Any], saved_batch: int | None, batch: int | None
+) -> list[dict[str, Any]]:
+    """A finished range's flags (`saved`, and its global batch) against a session that would train it again: every
+    change to what the range trains (the drift's, the LoRA identity's, the global batch's), none of how a session
+    runs (SESSION_ONLY) or of the same file found at another path."""
+    saved, now = compared_flags(config, saved)
+    lora = [
+        {"flag": name, "from": saved[name], "to": now[name], "breaks": "other adapters train"}
+        for name in LORA_FLAGS
+        if name in saved and name in now and str(saved[name]) != str(now[name])
+    ]
+    batch_changed = batch is not None and saved_batch is not None and batch != saved_batch
+    moved = {"flag": "global_batch", "from": saved_batch, "to": batch, "breaks": "other steps train"}
+    changes = [
+        c
+        for c in compare(saved, now)
+        if c["flag"] not in SESSION_ONLY and not (c["flag"] in SAME_BY_NAME and _name(c["from"]) == _name(c["to"]))
+    ]
+    return changes + lora + ([moved] if batch_changed else [])
+
+
+def listed(changes: list[dict[str, Any]]) -> str:
+    """`--lr 0.003 -> 0.001, --seed 1 -> 2`: the changes as one line names them."""
+    return ", ".join(f"--{c['flag']} {_shown(c['from'])} -> {_shown(c['to'])}" for c in changes)
 
 
 def settings_drift(config: Config, payload: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -165,8 +229,7 @@ def settings_drift(config: Config, payload: dict[str, Any] | None) -> list[dict[
         return []
     # A LoRA checkpoint's base is checked by its fingerprint (model.adapters.check_resume), a stronger test than a name
     saved = {k: v for k, v in (payload.get("config") or {}).items() if not (k == "model" and payload.get(KEY))}
-    # the flags hold this run's method's own flags only: another method's mean nothing to it (--method is compared)
-    changes = compare(saved, config.flat())
+    changes = compare(*compared_flags(config, saved))
     for change in changes:
         print0(line(change))
     refuse_if_breaking(changes, config.checkpoint.allow_changes, Path(payload["_path"]).name)

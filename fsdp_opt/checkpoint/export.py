@@ -15,10 +15,10 @@ from fsdp_opt.checkpoint.atomic import save_or_explain
 from fsdp_opt.checkpoint.loading import load_full_payload, load_model_only
 from fsdp_opt.checkpoint.names import MODEL_KEY
 from fsdp_opt.checkpoint.weightsfile import write_weights
-from fsdp_opt.config.choices import DTYPES
 from fsdp_opt.config.methods import SEQUENCE_SCORE
 from fsdp_opt.model.adapters import merged_state, whole_state, write_adapter
 from fsdp_opt.model.loader import meta_model, set_head
+from fsdp_opt.model.parallelize import DTYPES
 from fsdp_opt.model.sources import load_model_config, load_tokenizer, resolve_model
 
 

@@ -11,7 +11,8 @@ import json
 from pathlib import Path
 
 from fsdp_opt.planner.calibrate import measure
-from fsdp_opt.runtime.distributed import end_process, init_distributed, teardown
+from fsdp_opt.runtime.distributed import init_distributed, teardown
+from fsdp_opt.runtime.exits import end_process
 
 
 def main(argv: list[str] | None = None) -> int:

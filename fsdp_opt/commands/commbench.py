@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fsdp_opt.runtime.distributed import end_process, init_distributed, teardown
+from fsdp_opt.runtime.distributed import init_distributed, teardown
+from fsdp_opt.runtime.exits import end_process
 
 
 def main(argv: list[str] | None = None) -> int:

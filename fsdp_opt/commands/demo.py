@@ -222,8 +222,9 @@ def grpo_start(out: Path, nproc: int) -> list[str] | None:
     trained = sorted(chat.glob("*-epoch-2.pt"))
     if not trained:
         print(
-            f"demo: --grpo starts from the chat demo's model; {chat}/ has none, so the chat demo trains first (about a "
-            "minute on 2 CPU cores), then GRPO (under a minute, with its evaluation before and after)",
+            f"demo: --grpo starts from the chat demo's model; {chat}/ has none, so the chat demo trains first, then GRPO "
+            "with its evaluation before and after: about 70 s in all on 2 idle CPU cores (39 s with the chat demo's "
+            "checkpoint there), minutes on busy ones (7 min 18 s at a load average of 11 on 2 cores)",
             flush=True,
         )
         if main(["--chat", "--nproc", str(nproc), "--output_dir", str(chat)]) != 0:

@@ -20,12 +20,8 @@ from fsdp_opt.config.choices import DATA_FORMATS, STRATEGIES, TRAIN_ON
 from fsdp_opt.config.flags import OneLineParser
 from fsdp_opt.config.method import method_field
 from fsdp_opt.config.parse import add_flag
-from fsdp_opt.runtime.distributed import (
-    end_process,
-    fail,
-    init_distributed,
-    teardown,
-)
+from fsdp_opt.runtime.distributed import init_distributed, teardown
+from fsdp_opt.runtime.exits import end_process, fail
 from fsdp_opt.runtime.hostmem import configure_allocator
 from fsdp_opt.train.compare import DEFAULT_EVAL_ROWS, compare
 

@@ -22,8 +22,8 @@ from pathlib import Path
 from fsdp_opt.base import CheckpointError, ConfigError
 from fsdp_opt.checkpoint.export import to_single_file
 from fsdp_opt.checkpoint.gguf import GGUF_TYPES
-from fsdp_opt.config.choices import DTYPES
 from fsdp_opt.hub.release import Release, run_release
+from fsdp_opt.model.parallelize import DTYPES
 
 
 def build_parser() -> argparse.ArgumentParser:

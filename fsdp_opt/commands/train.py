@@ -11,7 +11,7 @@ import sys
 
 from fsdp_opt.base import EXIT_NOT_PUSHED, ConfigError, NotPushedError
 from fsdp_opt.config.parse import build_parser, parse_args
-from fsdp_opt.runtime.distributed import LAUNCHED, end_process, fail
+from fsdp_opt.runtime.exits import LAUNCHED, end_process, fail
 from fsdp_opt.runtime.launch import launch, split_flag, under_a_launcher, workers
 
 DESCRIPTION = "Fine-tune a Hugging Face causal LM with PyTorch FSDP2 on a slice [start_idx, end_idx) of a dataset."

@@ -177,6 +177,11 @@ def check_chain_flags(config: Config) -> None:
         if dc.session_ranges != 1:
             raise ConfigError(f"--session_ranges {dc.session_ranges}: only with --start_idx auto")
         return
+    if config.checkpoint.overwrite:
+        raise ConfigError(
+            "--overwrite: not with --start_idx auto (it trains the range after the chain's newest checkpoint, never "
+            "one the chain has); to train a range again, name it: --start_idx S --end_idx E --overwrite"
+        )
     if config.checkpoint.resume_file not in (None, "latest"):
         raise ConfigError(
             f"--resume_file {config.checkpoint.resume_file}: not with --start_idx auto (it resumes "

@@ -22,6 +22,12 @@ class CheckpointConfig:
         "Resume even when a flag that keeps the chain one exact run changed since the checkpoint (the model, dataset, "
         "row format, max_length, packing, seed, or the global batch inside a range). Every change is printed anyway.",
     )
+    overwrite: bool = flag(
+        False,
+        "Train the range again when --output_dir (or --hf_repo) holds its last checkpoint already: it is replaced, "
+        "and the step logs' records of the steps trained again move to metrics.replaced.jsonl (without it, such a "
+        "session says the range is done and exits 0, or stops if its settings changed).",
+    )
     time_limit: str | None = flag(
         None, "Wall-clock budget such as 11h30m: save and exit 0 before it runs out, printing the resume command."
     )

@@ -46,8 +46,9 @@ from torch import nn
 from fsdp_opt.data.blocks import GenerationSlot, StepBatch
 from fsdp_opt.engine.groups import GroupSettings
 from fsdp_opt.engine.logprobs import head_logps
+from fsdp_opt.engine.loss import completion_positions
 from fsdp_opt.engine.microbatches import MicroLoss, StepLoss
-from fsdp_opt.engine.rollout import Generation, Sampler, Slice, completion_positions, pack_members, sample_generation
+from fsdp_opt.engine.rollout import Generation, Sampler, Slice, pack_members, sample_generation
 from fsdp_opt.runtime.distributed import print0
 
 CLIPS = ("low", "high", "region")  # the clip's shares the metrics log (TRL's clip_ratio/*_mean)

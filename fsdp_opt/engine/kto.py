@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_opt.data.unpaired import Scored, Unpaired, held_out_micro_batches, scored_pairs
+from fsdp_opt.data.sequences import held_out_micro_batches
+from fsdp_opt.data.unpaired import Scored, Unpaired, scored_pairs
 from fsdp_opt.engine.logprobs import head_logps, micro_logps, scored_logps, sequence_logps
 from fsdp_opt.engine.loss import HeadLoss
 from fsdp_opt.engine.microbatches import MicroLoss, StepLoss

@@ -193,3 +193,19 @@ class TokenLoss(StepLoss):
         # NOTE: the output stays referenced through backward, as the memory plan and its simulation count it
         out, total = forward_loss_sum(model, self.head, self.blocks.batch(micro, self.device))
         return MicroLoss(total, None, out)
+
+
+def member_sums(per_token: torch.Tensor, labels: torch.Tensor, slot: torch.Tensor, members: int) -> torch.Tensor:
+    """[members] a per-position value summed over each member's completion tokens (the positions that predict
+    them)."""
+    on, owner = completion_positions(labels, slot)
+    index = torch.where(on, owner, members).reshape(-1)
+    values = torch.where(on, per_token, torch.zeros_like(per_token)).reshape(-1)
+    return torch.zeros(members + 1, dtype=values.dtype, device=values.device).index_add(0, index, values)[:members]
+
+
+def completion_positions(labels: torch.Tensor, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[batch, length] where a completion token is predicted (the loss's positions), and the member whose token it
+    is (-1: none): the log-probability at t is of the token at t + 1."""
+    owner = F.pad(slot[:, 1:], (0, 1), value=-1)
+    return (next_token_targets(labels) != IGNORE_INDEX) & (owner >= 0), owner

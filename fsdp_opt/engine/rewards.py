@@ -106,6 +106,8 @@ BUILTINS: dict[str, Callable[..., list]] = {
     "length": length,
     "choice": choice,
 }
+# config/choices.py BUILTIN_REWARDS names them for the flag's help and errors (tests/engine/test_rewards.py holds the
+# two alike, and grpo.md's table)
 # the built-ins that read whether a completion ended (a keyword TRL's functions do not get)
 READS_ENDED = (length, choice)
 

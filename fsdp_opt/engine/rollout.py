@@ -22,31 +22,19 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from fsdp_opt.data.blocks import IGNORE_INDEX
 from fsdp_opt.data.prompts import Prompts
 from fsdp_opt.engine.decoding import Decoder
 from fsdp_opt.engine.generation import Decoding, Generated, Sampling, completion_keys, gathered, generate
-from fsdp_opt.engine.groups import (
-    GroupSettings,
-    advantages,
-    leave_one_out,
-    nan_stats,
-    reduce_max,
-    reduce_sum,
-    std_of,
-    weighted_rewards,
-)
+from fsdp_opt.engine.groups import nan_stats, reduce_max, reduce_sum, std_of
 from fsdp_opt.engine.logprobs import head_logps
-from fsdp_opt.engine.loss import HeadLoss, next_token_targets
-from fsdp_opt.engine.rewards import score
-from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok
+from fsdp_opt.engine.loss import HeadLoss, member_sums
+from fsdp_opt.engine.scoring import Completions, Scored, Scoring, mean_rewards, rewards, scores
+from fsdp_opt.runtime.distributed import DistEnv
 
 
 @dataclass
@@ -154,15 +142,6 @@ def pack_members(sl: Slice, members: list[int], prompts: Prompts, device: torch.
 
 
 @dataclass
-class Scoring:
-    """How a generation's completions are scored (GRPO, RLOO): the settings, and the reference's token log-probabilities
-    of a packed micro-batch (None without one)."""
-
-    settings: GroupSettings
-    reference_logps: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None = None
-
-
-@dataclass
 class Sampler:
     """What a generation is sampled with: the decoding, the prompts and the tokenizer, the decoder (a static KV cache;
     None: transformers' generate), the model's output layer at the targets, the completions per prompt, whether a
@@ -205,7 +184,7 @@ def sample_generation(run, step, sampler: Sampler) -> Generation:  # noqa: ANN00
     for part in parts:
         bounds.append(bounds[-1] + len(part) * sampler.generations)
     pieces = [made.piece(run, sampler, lo, hi, slot.count > 1) for lo, hi in zip(bounds, bounds[1:])]
-    scored = scores(run, sampler, made, pieces)
+    scored = scored_of(run, sampler, made, pieces)
     slices = [_slice(run, sampler, made, scored, piece, at_step + 1 + j, sampling) for j, piece in enumerate(pieces)]
     return Generation(
         epoch=step.epoch,
@@ -252,6 +231,11 @@ class Made:
             self.sequences.append(list(prompts.ids[p]) + list(ids))
             self.targets.append([False] * len(prompts.ids[p]) + [carries] * len(ids))
 
+    def completions(self) -> Completions:
+        """What the reward functions read of these completions."""
+        g = self.generated
+        return Completions([p for p, _ in self.requests], self.texts, g.ids, self.rows, g.ended, self.places)
+
     def piece(self, run, sampler: Sampler, lo: int, hi: int, trained_again: bool) -> Piece:  # noqa: ANN001
         """Completions [lo, hi) as one slice's micro-batches, and what the loss keeps of each (every rank)."""
         prompts, env = sampler.prompts, run.env
@@ -280,63 +264,12 @@ class Made:
         return piece
 
 
-def member_sums(per_token: torch.Tensor, labels: torch.Tensor, slot: torch.Tensor, members: int) -> torch.Tensor:
-    """[members] a per-position value summed over each member's completion tokens (the positions that predict
-    them)."""
-    on, owner = completion_positions(labels, slot)
-    index = torch.where(on, owner, members).reshape(-1)
-    values = torch.where(on, per_token, torch.zeros_like(per_token)).reshape(-1)
-    return torch.zeros(members + 1, dtype=values.dtype, device=values.device).index_add(0, index, values)[:members]
-
-
-def completion_positions(labels: torch.Tensor, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[batch, length] where a completion token is predicted (the loss's positions), and the member whose token it
-    is (-1: none): the log-probability at t is of the token at t + 1."""
-    owner = F.pad(slot[:, 1:], (0, 1), value=-1)
-    return (next_token_targets(labels) != IGNORE_INDEX) & (owner >= 0), owner
-
-
-@dataclass
-class Scored:
-    """The generation's scores on this rank, in request order (NaN: no reward)."""
-
-    per_func: torch.Tensor  # [n, functions]
-    reward: torch.Tensor  # [n] the weighted sum of the functions' (what the records and the metrics show)
-    advantages: torch.Tensor  # [n] from the reward, less the KL where it is in the reward (RLOO)
-    zero: torch.Tensor  # [n] bool: its group's rewards are all the same
-
-
-def scores(run, sampler: Sampler, made: Made, pieces: list[Piece]) -> Scored | None:  # noqa: ANN001
-    """The rewards of every completion of the generation and their advantages (None: the completions are not
-    scored). Every rank calls it (the statistics span the ranks)."""
-    scoring = sampler.scoring
-    if scoring is None:
+def scored_of(run, sampler: Sampler, made: Made, pieces: list[Piece]) -> Scored | None:  # noqa: ANN001
+    """The generation's scores (None: its completions are not scored); every rank calls it."""
+    if sampler.scoring is None:
         return None
-    cfg, env, prompts, g = scoring.settings, run.env, sampler.prompts, made.generated
-    n = len(made.requests)
-    completions = [[{"role": "assistant", "content": t}] for t in made.texts] if prompts.conversational else made.texts
-    asked = [prompts.rows[p]["prompt"] for p, _ in made.requests]
-    columns = prompts.column_lists([p for p, _ in made.requests]) if n else {}
-    per_func = all_ranks_ok(
-        lambda: score(cfg.rewards, asked, completions, g.ids, columns, made.rows, g.ended, made.places)
-    )
-    per_func = torch.tensor(per_func, dtype=torch.float32).view(n, len(cfg.rewards))
-    raw = weighted_rewards(per_func, cfg.weights)
-    reward = raw
-    if cfg.kl_in_reward and pieces:
-        reward = raw - cfg.beta * torch.cat([piece.log_ratio for piece in pieces]).float()
-    generation_stats = reduce_sum(nan_stats(reward), env)  # the generation's rewards on all ranks
-    if not n:
-        adv, zero = torch.zeros(0), torch.zeros(0, dtype=torch.bool)
-    elif cfg.baseline == "leave_one_out":
-        adv, zero = leave_one_out(reward, cfg.generations), advantages(reward, cfg.generations, "none")[1]
-    else:
-        batch_std = std_of(generation_stats) if cfg.scale_rewards == "batch" else None
-        adv, zero = advantages(reward, cfg.generations, cfg.scale_rewards, batch_std)
-    if cfg.normalize:  # over the generation's scored advantages, all ranks
-        stats = reduce_sum(nan_stats(adv), env)
-        adv = (adv - float(stats[1] / max(1.0, float(stats[0])))) / (std_of(stats) + 1e-4)
-    return Scored(per_func, raw, torch.nan_to_num(adv, nan=0.0), zero)
+    log_ratio = torch.cat([piece.log_ratio for piece in pieces]) if pieces else torch.zeros(0)
+    return scores(sampler.scoring.settings, sampler.prompts, made.completions(), log_ratio, run.env)
 
 
 def _slice(
@@ -446,22 +379,14 @@ def held_out(model, prompts: Prompts, sampler: Sampler, env: DistEnv) -> Made:  
 def held_out_rewards(model, sampler: Sampler, env: DistEnv) -> dict[str, Any]:  # noqa: ANN001
     """One greedy completion of each held-out prompt (`sampler.prompts`), scored: the mean reward in total and per
     function, over ranks, and this rank's completions (`samples`)."""
-    cfg, prompts = sampler.scoring.settings, sampler.prompts
+    settings, prompts = sampler.scoring.settings, sampler.prompts
     made = held_out(model, prompts, sampler, env)
-    g, mine = made.generated, [p for p, _ in made.requests]
-    completions = [[{"role": "assistant", "content": t}] for t in made.texts] if prompts.conversational else made.texts
-    asked = [prompts.rows[p]["prompt"] for p in mine]
-    columns = prompts.column_lists(mine)
-    per_func = all_ranks_ok(lambda: score(cfg.rewards, asked, completions, g.ids, columns, made.rows, g.ended))
-    per_func = torch.tensor(per_func, dtype=torch.float32).view(len(mine), len(cfg.rewards))
-    reward = weighted_rewards(per_func, cfg.weights)
-    funcs = range(len(cfg.rewards))
-    stats = reduce_sum(torch.cat([nan_stats(reward)[:2], *(nan_stats(per_func[:, j])[:2] for j in funcs)]), env)
-    out: dict[str, Any] = {"reward": float(stats[1] / max(1.0, float(stats[0]))), "prompts": len(prompts)}
-    for j, r in enumerate(cfg.rewards):
-        out[f"reward_{r.label}"] = float(stats[2 + 2 * j + 1] / max(1.0, float(stats[2 + 2 * j])))
+    done = made.completions()
+    done.places = None  # one greedy completion a prompt: no group
+    per_func, reward = rewards(settings, prompts, done)
+    out: dict[str, Any] = {**mean_rewards(settings, per_func, reward, env), "prompts": len(prompts)}
     out["samples"] = [
         {"row": r, "completion": t, "completion_ids": list(i), "reward": None if math.isnan(float(v)) else float(v)}
-        for r, t, i, v in zip(made.rows, made.texts, g.ids, reward.tolist())
+        for r, t, i, v in zip(made.rows, made.texts, done.ids, reward.tolist())
     ]
     return out

@@ -26,8 +26,7 @@ from fsdp_opt.data.blocks import IGNORE_INDEX, StepBatch, StepPlan
 from fsdp_opt.engine.loss import HeadLoss, forward_loss_sum, next_token_targets
 from fsdp_opt.engine.microbatches import StepLoss, run_micro_batches
 from fsdp_opt.engine.optim import LossScaler, LRSchedule, global_grad_norm, unscale_and_clip_
-from fsdp_opt.runtime.distributed import DistEnv, print0
-from fsdp_opt.runtime.gpus import peak_memory_bytes
+from fsdp_opt.runtime.distributed import DistEnv, peak_memory_bytes, print0
 
 
 class StepRun(Protocol):

@@ -22,10 +22,10 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, PretrainedConfig, PreTrainedModel
 
-from fsdp_opt.config.choices import DTYPES, shard_count
+from fsdp_opt.config.choices import shard_count
 from fsdp_opt.config.methods import SEQUENCE_SCORE
 from fsdp_opt.model.nf4 import load_quantized, quantize_base, store_base
-from fsdp_opt.model.parallelize import fp32_products_on_cpu, shard_model, tie_and_check
+from fsdp_opt.model.parallelize import DTYPES, fp32_products_on_cpu, shard_model, tie_and_check
 from fsdp_opt.model.sources import ModelSource, fetch_error
 from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok
 

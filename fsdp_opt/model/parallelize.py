@@ -20,9 +20,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fsdp_opt.base import ConfigError, ModelError
-from fsdp_opt.config.choices import DTYPES, shard_count
+from fsdp_opt.config.choices import shard_count
 from fsdp_opt.model.families import block_class_names
 from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok
+
+# The torch dtype of each --precision (and --export_dtype): config/choices.py names them without importing torch.
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:

@@ -1,17 +1,25 @@
 """`python -m fsdp_opt.plan`'s flags: the trainer's that decide memory and time (the model, the layout, LoRA, the
-method's phases), the machine's (GPUs, memory, rates, disk) and what to show (a simulation, the catalogue, JSON)."""
+method's phases), the machine's (GPUs, memory, rates, disk) and what to show (a simulation, the catalogue, JSON).
+
+Built from the config's dataclasses and figures alone, which import nothing heavy: `plan --help` (and a flag typed
+wrong) answers before torch or transformers is imported."""
 
 from __future__ import annotations
 
 import argparse
 
-from fsdp_opt.config.choices import PACKING_MODES, T4_MEMORY
+from fsdp_opt.config.choices import (
+    KAGGLE_DISK,
+    KAGGLE_HOST_MEMORY,
+    PACKING_MODES,
+    T4_HBM_GBPS,
+    T4_LINK_GBPS,
+    T4_MEMORY,
+    T4_TFLOPS,
+)
 from fsdp_opt.config.flags import OneLineParser, parse_batch, parse_bool
 from fsdp_opt.config.method import method_field
 from fsdp_opt.config.parse import KEEP, add_flag
-from fsdp_opt.model.catalog import SHAPES
-from fsdp_opt.model.sources import LLAMA_8B, OPT_FAMILY
-from fsdp_opt.planner.steptime import Rates
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,13 +27,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default="facebook/opt-1.3b",
-        help=f"one of {', '.join(OPT_FAMILY)}, {LLAMA_8B}, the catalogue's ({', '.join(SHAPES)}, and their "
-        "-Instruct/-it variants), tiny-opt, or a local model folder",
+        help="a Hub id whose shape the plan knows offline (the OPT family from facebook/opt-125m to opt-6.7b, "
+        "meta-llama/Llama-3.1-8B, and the catalogue's popular models with their -Instruct/-it variants: --catalog "
+        "lists them), tiny-opt, or a local model folder",
     )
     p.add_argument("--gpus", type=int, default=2, help="GPUs in all (ranks)")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument(
-        "--gpu_memory", default=T4_MEMORY, help=f"memory of one GPU as torch reads it (Kaggle's T4: {T4_MEMORY})"
+        "--gpu_memory",
+        default=None,
+        help=f"memory of one GPU as torch reads it (default: Kaggle's T4, {T4_MEMORY}; another figure plans another "
+        "machine, whose host RAM is then this one's unless --host_memory says)",
     )
     p.add_argument(
         "--batch_size",
@@ -87,8 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
         (
             "method",
             "sft",
-            "the trainer's --method: dpo and kto add their reference pass (memory, time) to the plan; grpo and "
-            "distill their generation phase (the model gathered once, and layer by layer beside it), distill its "
+            "the trainer's --method: dpo and kto add their reference pass (memory, time) to the plan; grpo, rloo "
+            "and distill their generation phase (the model gathered once, and layer by layer beside it), distill its "
             "teacher beside the model",
         ),
         ("num_generations", KEEP, "--method grpo: completions per prompt (G)"),
@@ -96,15 +108,16 @@ def build_parser() -> argparse.ArgumentParser:
         (
             "teacher_model",
             KEEP,
-            "--method distill: the trainer's --teacher_model (default: the model itself); the plan keeps it beside "
-            "the model and runs its forward on each step's completions",
+            "--method distill: the trainer's --teacher_model, which it needs as the trainer does; the plan keeps it "
+            "beside the model and runs its forward on each step's completions",
         ),
         ("teacher_bits", KEEP, "--method distill: the trainer's --teacher_bits (4: its blocks' linear weights in NF4)"),
         (
             "beta",
             KEEP,
-            "--method grpo: the KL weight; above 0 a reference model's forward (a model of its own for full "
-            "fine-tuning or with --ref_model, kept beside the policy)",
+            "--method grpo: the KL weight (default 0); above 0 a reference model's forward (a model of its own for "
+            "full fine-tuning or with --ref_model, kept beside the policy); the other methods' --beta changes nothing "
+            "the plan counts",
         ),
         (
             "decoding",
@@ -122,7 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     ):
         add_flag(p, method_field(name), default=default, help=help_text)
-    p.add_argument("--disk", default="20GB", help="disk for checkpoints (Kaggle's /kaggle/working: 20GB)")
+    p.add_argument(
+        "--disk", default=KAGGLE_DISK, help=f"disk for checkpoints (Kaggle's /kaggle/working: {KAGGLE_DISK})"
+    )
     p.add_argument(
         "--data_on_disk",
         default="0",
@@ -138,7 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dataset_config", default=None, help="the trainer's --dataset_config")
     p.add_argument("--dataset_split", default="train", help="the trainer's --dataset_split")
-    p.add_argument("--host_memory", default=None, help="RAM of one machine (default: this machine's; Kaggle: 31GB)")
+    p.add_argument(
+        "--host_memory",
+        default=None,
+        help=f"RAM of one machine (default: Kaggle's, {KAGGLE_HOST_MEMORY}, while the GPUs are the default T4s; "
+        "this machine's with --gpu_memory, --cpu, --calibrate or --rates)",
+    )
     p.add_argument(
         "--state_dict_type", default="full", choices=["full", "sharded"], help="the trainer's --state_dict_type"
     )
@@ -153,12 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--cpu", action="store_true", help="plan for CPU processes (no CUDA context)")
 
-    rates = Rates()  # 2×T4's
-    p.add_argument("--tflops", type=float, default=rates.tflops, help="sustained TFLOPS per GPU (T4 fp16: 24)")
+    # 2xT4's, as planner.steptime.Rates() has them
+    p.add_argument("--tflops", type=float, default=T4_TFLOPS, help="sustained TFLOPS per GPU (T4 fp16: 24)")
     p.add_argument(
-        "--link_gbps", type=float, default=rates.link_gbps, help="GB/s between GPUs (2 T4s on PCIe 3 through NCCL: 3.2)"
+        "--link_gbps", type=float, default=T4_LINK_GBPS, help="GB/s between GPUs (2 T4s on PCIe 3 through NCCL: 3.2)"
     )
-    p.add_argument("--hbm_gbps", type=float, default=rates.hbm_gbps, help="GB/s of GPU memory (T4: 320)")
+    p.add_argument("--hbm_gbps", type=float, default=T4_HBM_GBPS, help="GB/s of GPU memory (T4: 320)")
     p.add_argument(
         "--calibrate",
         action="store_true",

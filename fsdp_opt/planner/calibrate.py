@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_opt.base import ConfigError
-from fsdp_opt.config.choices import DTYPES
+from fsdp_opt.model.parallelize import DTYPES
 from fsdp_opt.runtime.distributed import DistEnv
 
 # The update of one fp32 parameter under AdamW reads and writes about this many bytes: parameter, gradient and two

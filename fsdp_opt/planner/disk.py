@@ -115,5 +115,5 @@ def disk_line(d: dict[str, Any], keep_last: int, disk: int) -> str:
     )
     return (
         f"disk: {gib(d['peak_bytes'])} at the peak of a save ({d['kept_while_saving']} older checkpoint(s) "
-        f"kept while one is written, --keep_last {keep_last}{data}), of {disk / 1e9:,.0f} GB: {verdict}"
+        f"kept while one is written, --keep_last {keep_last}{data}), of {gib(disk)}: {verdict}"
     )

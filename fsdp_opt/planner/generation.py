@@ -213,6 +213,12 @@ def grpo_plan(
         "decoding": decoding,
         "steps_per_generation": steps_per_generation * iterations,
         "beside": beside_name,
+        # NO_SHARD (or one GPU) keeps the whole model on every GPU: neither path gathers it, so their times agree
+        "whole_on_each_gpu": None
+        if shard_factor(strategy, inputs) > 1
+        else "one GPU holds the whole model"
+        if inputs.gpus == 1
+        else f"under {strategy} every GPU holds the whole model",
     }
     c = 4 if inputs.precision == "fp32" else 2
     for name, gathered in (("gathered", True), ("layer_by_layer", False)):
@@ -309,7 +315,12 @@ def grpo_lines(g: dict[str, Any], gpu_memory: int, method: str = "grpo") -> list
         f"{g['graphs']['decode_s']:.2f} s ({g['graphs']['tokens_per_second']:,.0f} tokens/s, estimated: not measured "
         f"on a GPU yet); a step {g['eager_step_s']:.2f} s against {g['graphs_step_s']:.2f} s",
         f"{method} generation layer by layer: {gib(b['peak_bytes'])} per GPU ({'fits' if b['fits'] else 'does NOT fit'}), "
-        f"{b['seconds']:.2f} s ({b['tokens_per_second']:,.0f} tokens/s per GPU)",
+        f"{b['seconds']:.2f} s ({b['tokens_per_second']:,.0f} tokens/s per GPU)"
+        + (
+            f"; the same time as gathered once: {g['whole_on_each_gpu']}, so neither gathers it"
+            if g.get("whole_on_each_gpu")
+            else ""
+        ),
         f"{method} step ({g['strategy']}, --decoding {g['decoding']}): generation on {uses}, {beside} "
         f"{g['reference_s']:.2f} s, "
         + (f"old log-probabilities {g['old_logps_s']:.2f} s, " if shared > 1 else "")

@@ -138,7 +138,7 @@ def host_memory(
     }
 
 
-def render_host(host: dict[str, Any], host_memory_bytes: int) -> list[str]:
+def render_host(host: dict[str, Any], host_memory_bytes: int, source: str = "--host_memory") -> list[str]:
     """The host-RAM table of the plan's text output."""
     labels = {
         "start": "start (rank 0 holds the model to broadcast)",
@@ -166,6 +166,6 @@ def render_host(host: dict[str, Any], host_memory_bytes: int) -> list[str]:
     lines += [
         "",
         f"machine peak: {gib(host['peak_fresh']['machine'])} fresh, {gib(host['peak_resumed']['machine'])} resumed, "
-        f"of {gib(host_memory_bytes)} (--host_memory): {verdict}",
+        f"of {gib(host_memory_bytes)} ({source}): {verdict}",
     ]
     return lines

@@ -25,6 +25,7 @@ from fsdp_opt.planner.memory import activation_bytes, largest_micro_batch, memor
 from fsdp_opt.planner.search import (
     KEYS,
     Space,
+    applied,
     by_gpu_count,
     change_line,
     cheapest_change,
@@ -42,6 +43,7 @@ def make_plan(
     disk: int,
     host_memory: int,
     keep_last: int,
+    host_from: str = "--host_memory",
     save_optimizer: bool,
     sharded: bool = False,
     offload: bool = False,
@@ -53,7 +55,8 @@ def make_plan(
     data_bytes: int = 0,
 ) -> dict[str, Any]:
     """`samples`: sequences per optimizer step to search for (default: what the inputs imply); `space`: what the
-    search may vary (default: everything, the fp16 reduce only with fp16 compute)."""
+    search may vary (default: everything, the fp16 reduce only with fp16 compute); `host_from`: where the host RAM's
+    figure comes from, as the plan names it."""
 
     shape = Shape.of(model_config(model))
     strategies: dict[str, Any] = {}
@@ -125,45 +128,69 @@ def make_plan(
             host_memory,
             save_optimizer,
             saved,
-        ),
+        )
+        | {"host_from": host_from},
     }
     if REFERENCE_PASS in inputs.method.spec.phases:  # a pass of the reference before training, keyed by the method
         strategy = next(s for s in ("FULL_SHARD", "HYBRID_SHARD", "SHARD_GRAD_OP", "NO_SHARD") if s in strategies)
         own = bool(inputs.lora_rank) and not inputs.ref_model
         plan[inputs.method_name] = reference_pass(shape, strategy, inputs, rates, own)
         plan[inputs.method_name]["strategy"] = strategy
-    if (
-        GENERATION in inputs.method.spec.phases
-    ):  # GRPO: the generation phase beside the training step, keyed by the method
+    whole = None  # a method's whole steps: the recommendation's and the flags', compared by them
+    if GENERATION in inputs.method.spec.phases:  # the generation phase beside the training step, keyed by the method
         # the flags given where they fit (what the command runs), else the recommended layout
         strategy = given["strategy"] if given else recommended["sharding_strategy"] if recommended else "FULL_SHARD"
         training_s = given["step_s"] if given else recommended["predicted_step_time_s"] if recommended else None
-        t = inputs.method.spec
-        # the model kept beside the trained one: the teacher (of its own shape), or GRPO's reference at --beta > 0 (a
-        # model of its own for full fine-tuning or with --ref_model; else the base with the adapters off)
-        own_reference = t.teacher or (inputs.beta > 0 and (not inputs.lora_rank or inputs.ref_model))
-        plan[inputs.method_name] = grpo_plan(
-            shape,
-            strategy,
-            inputs,
-            samples,
-            inputs.generations if t.group else 1,
-            inputs.completion_length,
-            t.teacher or inputs.beta > 0,
-            own_reference,
-            training_s,
-            rates,
-            inputs.decoding,
-            inputs.generation_slices,
-            inputs.iterations,
-            beside=Shape.of(model_config(inputs.teacher)) if t.teacher and inputs.teacher else shape,
-            beside_name="teacher" if t.teacher else "reference",
-            beside_bits=inputs.teacher_bits if t.teacher else 16,
-        )
-    plan["recommended_line"] = recommended_line(
-        recommended, given if samples == inputs.batch_size * inputs.accum_steps * inputs.gpus else None, samples
-    )
+        plan[inputs.method_name] = generating(shape, inputs, samples, rates, strategy, training_s)
+        if recommended:
+            mine = generating(
+                shape,
+                applied(inputs, recommended),
+                samples,
+                rates,
+                recommended["sharding_strategy"],
+                recommended["predicted_step_time_s"],
+            )
+            t = inputs.method.spec
+            added = "generation" + (", teacher" if t.teacher else ", reference" if inputs.beta > 0 else "")
+            whole = (mine["step_s"], plan[inputs.method_name]["step_s"] if given else None, added)
+    elif REFERENCE_PASS in inputs.method.spec.phases and recommended:
+        # the pass before training, its share of a step: the same for any layout of the step (its own strategy)
+        share = plan[inputs.method_name]["seconds_per_1000_pairs"] * samples / 1000
+        training = given["step_s"] + share if given else None
+        whole = (recommended["predicted_step_time_s"] + share, training, "the reference pass's share")
+    if samples != inputs.batch_size * inputs.accum_steps * inputs.gpus:  # --global_batch: the flags' step is not it
+        given, whole = None, whole and (whole[0], None, whole[2])
+    plan["recommended_line"] = recommended_line(recommended, given, samples, whole)
     return plan
+
+
+def generating(
+    shape: Shape, inputs: Inputs, samples: int, rates: Any, strategy: str, training_s: float | None
+) -> dict[str, Any]:
+    """A step that generates (GRPO's, distillation's) in one layout: the generation phase, the forward of the model
+    kept beside (the teacher, of its own shape; GRPO's reference at --beta > 0: a model of its own for full
+    fine-tuning or with --ref_model, else the base with the adapters off) and the training step (`training_s`)."""
+    t = inputs.method.spec
+    own_reference = t.teacher or (inputs.beta > 0 and (not inputs.lora_rank or inputs.ref_model))
+    return grpo_plan(
+        shape,
+        strategy,
+        inputs,
+        samples,
+        inputs.generations if t.group else 1,
+        inputs.completion_length,
+        t.teacher or inputs.beta > 0,
+        own_reference,
+        training_s,
+        rates,
+        inputs.decoding,
+        inputs.generation_slices,
+        inputs.iterations,
+        beside=Shape.of(model_config(inputs.teacher)) if t.teacher and inputs.teacher else shape,
+        beside_name="teacher" if t.teacher else "reference",
+        beside_bits=inputs.teacher_bits if t.teacher else 16,
+    )
 
 
 def host_ram(
@@ -228,11 +255,11 @@ def render(plan: dict[str, Any]) -> str:
         + (f" (merged into the base: {gib(c['merged_export_fp16'])})" if plan.get("lora") else ""),
         disk_line(d, i["keep_last"], i["disk"]),
         f"Hub repo after {plan['hub']['slices']} slices with --hub_keep_full {plan['hub']['keep_full']}: "
-        f"{plan['hub']['total'] / 1e9:,.1f} GB ({plan['hub']['full_checkpoints'] / 1e9:,.1f} GB of full checkpoints, "
-        f"{plan['hub']['weights_files'] / 1e9:,.1f} GB of weights files; {plan['hub']['with_export'] / 1e9:,.1f} GB with "
-        "an exported model)",
+        f"{gib(plan['hub']['total'])} ({gib(plan['hub']['full_checkpoints'])} of full checkpoints, "
+        f"{gib(plan['hub']['weights_files'])} of weights files; {gib(plan['hub']['with_export'])} with an exported "
+        "model)",
         "",
     ]
 
-    lines += render_host(r, r["host_memory"])
+    lines += render_host(r, r["host_memory"], r.get("host_from", "--host_memory"))
     return "\n".join(lines)

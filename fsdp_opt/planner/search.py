@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from fsdp_opt.base import gib
 from fsdp_opt.model.shapes import Shape
 from fsdp_opt.planner.host import host_memory as host_phases
 from fsdp_opt.planner.inputs import Inputs
@@ -158,8 +159,8 @@ def _search(
             return best, ""
     if least_host is not None:
         return None, (
-            f"it fits the GPU only with --cpu_offload, and then host RAM peaks at {least_host / 1e9:.1f} GB "
-            f"(a full save included) of {host_memory / 1e9:.1f} GB"
+            f"it fits the GPU only with --cpu_offload, and then host RAM peaks at {gib(least_host)} "
+            f"(a full save included) of {gib(host_memory)}"
         )
     if inputs.lora_rank and inputs.base_bits == 16:
         return None, "nothing fits the GPU's memory (a 4-bit base, --base_bits 4, is smaller)"
@@ -255,17 +256,47 @@ def describe(c: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def recommended_line(recommended: dict[str, Any] | None, given: dict[str, Any] | None, samples: int) -> str:
-    """The plan's one line: the recommendation against the flags given."""
+def applied(inputs: Inputs, c: dict[str, Any]) -> Inputs:
+    """The inputs with a searched configuration's choices in place."""
+    return replace(
+        inputs,
+        batch_size=c["batch_size"],
+        accum_steps=c["accum_steps"],
+        reduce_every_microbatch=c["reduce_every_microbatch"],
+        reduce_dtype=c["reduce_dtype"],
+        loss_chunk_tokens=c["loss_chunk_tokens"],
+        activation_checkpointing=c["activation_checkpointing"],
+        cpu_offload=c["cpu_offload"],
+    )
+
+
+def recommended_line(
+    recommended: dict[str, Any] | None,
+    given: dict[str, Any] | None,
+    samples: int,
+    whole: tuple[float, float | None, str] | None = None,
+) -> str:
+    """The plan's one line: the recommendation against the flags given. `whole`: a method's whole steps, (the
+    recommendation's, the flags' (None: they do not fit), what they add to training: "generation, teacher"), which
+    the two are compared by: training is only part of such a step."""
     if recommended is None:
         return f"recommended: nothing fits {samples} sequences per step"
-    line = f"recommended: {describe(recommended)}: {recommended['predicted_step_time_s']:.2f} s per step of {samples}"
-    if given is None:
+    training = recommended["predicted_step_time_s"]
+    if whole is None:
+        mine, theirs = training, given["step_s"] if given else None
+        line = f"recommended: {describe(recommended)}: {mine:.2f} s per step of {samples}"
+    else:
+        mine, theirs, what = whole
+        line = (
+            f"recommended: {describe(recommended)}: {mine:.2f} s per step of {samples} ({what} included; training "
+            f"{training:.2f} s of it)"
+        )
+    if theirs is None:
         return line + "; the flags given do not fit"
-    ratio = given["step_s"] / recommended["predicted_step_time_s"]
+    ratio = theirs / mine
     if ratio < 1.005:
-        return line + f", the same as the flags given ({given['step_s']:.2f} s)"
-    return line + f", {ratio:.2f}x faster than the flags given ({given['step_s']:.2f} s)"
+        return line + f", the same as the flags given ({theirs:.2f} s)"
+    return line + f", {ratio:.2f}x faster than the flags given ({theirs:.2f} s)"
 
 
 def gpu_count_line(rows: list[dict[str, Any]]) -> str:

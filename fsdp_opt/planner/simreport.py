@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fsdp_opt.base import GIB, MIB
+from fsdp_opt.base import GIB
 from fsdp_opt.planner.memory import peak_bytes
 from fsdp_opt.planner.simulate import GROUPS
 
@@ -31,8 +31,8 @@ def compare(simulated: dict[str, Any], planned: dict[str, int]) -> dict[str, Any
 
 
 def render(strategy: str, rows: dict[str, Any], simulated: dict[str, Any]) -> list[str]:
-    small = simulated["peak_total"] < GIB
-    gib, unit = (MIB, "MiB") if small else (GIB, "GiB")
+    unit, digits = "GiB", 4 if simulated["peak_total"] < GIB else 2  # one unit; a small model's figures in more digits
+    gib = GIB
     lines = [
         f"simulated ({'fake tensors' if simulated['fake'] else 'real tensors'}, rank 0 of {simulated['world_size']}, "
         f"{simulated['micro_batches']} micro-batch(es) of the step), {strategy}:",
@@ -43,11 +43,11 @@ def render(strategy: str, rows: dict[str, Any], simulated: dict[str, Any]) -> li
         ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}"
         name = "**peak (plan: its total less runtime)**" if group == "total" else group
         lines.append(
-            f"| {name} | {row['simulated'] / gib:,.2f} {unit} | {row['planned'] / gib:,.2f} {unit} | {ratio} |"
+            f"| {name} | {row['simulated'] / gib:,.{digits}f} {unit} | {row['planned'] / gib:,.{digits}f} {unit} | {ratio} |"
         )
 
     def labels(snap: dict[str, int]) -> str:
-        return ", ".join(f"{k} {v / gib:.2f}" for k, v in snap.items() if v >= gib / 100)
+        return ", ".join(f"{k} {v / gib:.{digits}f}" for k, v in snap.items() if v >= simulated["peak_total"] / 100)
 
     lines.append(f"at the simulated peak ({unit}, optimizer state aside): {labels(simulated['at_peak'])}")
     for group, row in rows.items():

@@ -33,10 +33,11 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from fsdp_opt.config.choices import DTYPES, shard_count
+from fsdp_opt.config.choices import shard_count
 from fsdp_opt.config.layout import LoraConfig
 from fsdp_opt.data.packing import document_mask, segment_positions
 from fsdp_opt.data.pairs import Pairs
+from fsdp_opt.data.sequences import Packing
 from fsdp_opt.engine.dpo import dpo_terms
 from fsdp_opt.engine.generation import gathered
 from fsdp_opt.engine.logprobs import micro_logps
@@ -45,7 +46,7 @@ from fsdp_opt.engine.microbatches import run_micro_batches
 from fsdp_opt.engine.optim import build_optimizer, create_state
 from fsdp_opt.model.adapters import Adapters
 from fsdp_opt.model.loader import meta_model
-from fsdp_opt.model.parallelize import shard_model
+from fsdp_opt.model.parallelize import DTYPES, shard_model
 from fsdp_opt.model.shapes import model_config
 from fsdp_opt.runtime.distributed import DistEnv
 
@@ -264,15 +265,8 @@ class DpoMicroBatch:
         draw = random.Random(0)
         ids = [[draw.randrange(vocab_size) for _ in range(n)] for _ in range(2 * inputs.batch_size)]
         targets = [[k >= n // 2 for k in range(n)] for _ in ids]
-        self.pairs = Pairs(
-            ids,
-            targets,
-            list(range(inputs.batch_size)),
-            0,
-            inputs.max_length,
-            inputs.packing,
-            inputs.attn_implementation or "sdpa",
-        )
+        laid = Packing(0, inputs.max_length, inputs.packing, inputs.attn_implementation or "sdpa")
+        self.pairs = Pairs(ids, targets, list(range(inputs.batch_size)), laid)
         self.members = list(range(inputs.batch_size))
         self.built = self.pairs.micro(self.members, device)
 

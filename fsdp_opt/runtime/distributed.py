@@ -7,11 +7,8 @@ CPU tensors (and all object collectives), chosen automatically.
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -22,6 +19,9 @@ import torch.distributed as dist
 
 from fsdp_opt import base
 from fsdp_opt.base import ConfigError, parse_size
+from fsdp_opt.runtime.exits import env_rank
+from fsdp_opt.runtime.gpus import PEAK_FLOPS
+from fsdp_opt.runtime.hostmem import peak_rss_bytes
 
 T = TypeVar("T")
 
@@ -41,11 +41,6 @@ class DistEnv:
     @property
     def num_nodes(self) -> int:
         return max(1, self.world_size // max(1, self.local_world_size))
-
-
-def env_rank() -> int:
-    """This process's rank from the launcher's environment (0 when not launched by torchrun)."""
-    return int(os.environ.get("RANK", "0"))
 
 
 def choose_device(preference: str = "auto") -> torch.device:
@@ -108,79 +103,6 @@ def init_distributed(device_preference: str = "auto", timeout_minutes: float = 3
 def teardown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def end_process(main: Callable[[], int | None]) -> None:
-    """Run a command's `main` and end the process with its exit code, skipping the interpreter's teardown.
-
-    `main` returns once its work is done: files written, W&B closed, uploads finished. What the teardown would
-    add is the destruction of gloo's worker threads, which can happen out of order and abort (SIGABRT) a rank
-    that has finished; torchrun then kills the other ranks, e.g. rank 0 while it waits for its last push. A user
-    error (`fail`, argparse) ends the same way, with its own code. Running out of GPU memory is one line (the run does
-    not fit: that is the user's choice of sizes, not a bug), exit 1; so is a package this Python lacks (a lent GPU
-    image without datasets ended in a traceback). An unexpected exception keeps its traceback.
-    """
-    try:
-        code = main()
-    except torch.OutOfMemoryError as exc:
-        say_error(oom_line(str(exc)))
-        code = 1
-    except ModuleNotFoundError as exc:
-        if not exc.name or exc.name.split(".")[0] == "fsdp_opt":
-            raise  # the package itself incomplete: a bug, with its traceback
-        say_error(
-            f"error: rank {env_rank()}: the package {exc.name.split('.')[0]!r} is not installed in this Python "
-            f"({sys.executable}): pip install -r requirements.txt installs what fsdp-opt needs"
-        )
-        code = 1
-    except SystemExit as exc:
-        if exc.code is None or isinstance(exc.code, int):
-            code = exc.code
-        else:  # sys.exit("message"): Python prints the message and exits with 1
-            say(str(exc.code))
-            code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code or 0)
-
-
-def oom_line(message: str) -> str:
-    """The one line for a rank that ran out of GPU memory: what torch says of the device (without its advice on the
-    allocator), and what makes a run fit."""
-    said = message.split(" Of the allocated memory")[0].split(" If reserved")[0].strip().rstrip(";.")
-    return (
-        f"error: rank {env_rank()}: out of GPU memory ({said[:300]}). The run does not fit its GPUs: "
-        "--batch_size auto picks a layout that fits (python -m fsdp_opt.plan with the same flags shows the peak), "
-        "or train LoRA adapters (--lora_rank 16), on more GPUs, or with --cpu_offload"
-    )
-
-
-def say(line: str) -> None:
-    """One line on stderr in one write: under PYTHONUNBUFFERED, print() writes the text and its newline apart, and
-    two ranks' lines could interleave."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
-
-
-# Set by `python -m fsdp_opt --nproc_per_node N` (fsdp_opt/runtime/launch.py) for the workers it starts: it prints a worker's
-# error line itself, last.
-LAUNCHED = "FSDP_OPT_LAUNCHED"
-
-
-def say_error(line: str) -> None:
-    """A worker's error line: on stderr, and into torch elastic's error file where its launcher gave one (torchrun's
-    report then shows it as the root cause; this package's launcher prints it last, instead of the worker)."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    recorded = False
-    if path:
-        try:
-            with open(path, "w") as f:
-                json.dump({"message": line, "timestamp": int(time.time())}, f)
-            recorded = True
-        except OSError:
-            pass
-    if not (recorded and os.environ.get(LAUNCHED) == "1"):
-        say(line)
 
 
 def print0(*args: Any, sep: str = " ", end: str = "\n", file: Any = None) -> None:
@@ -267,36 +189,6 @@ def _error_class(name: str) -> type[ConfigError]:
     return cls if isinstance(cls, type) and issubclass(cls, ConfigError) else ConfigError
 
 
-# How long a rank other than 0 waits, on a user error, for rank 0 to print it and exit.
-PRINT_WAIT_S = 30.0
-
-
-def fail(message: str, code: int = 2) -> None:
-    """Print a user error once (rank 0) as one line and exit without a traceback.
-
-    NOTE: torchrun stops every rank as soon as one of them exits with an error. Every rank meets the same user error
-    (the flags are parsed on each, and errors found later are agreed by all_ranks_ok), and a rank other than 0 that
-    exited first would take rank 0 down before it printed the line: the user would see only torchrun's report. So
-    the other ranks wait for rank 0 to print and exit (torchrun then stops them). One still running after
-    PRINT_WAIT_S prints the line itself: rank 0 did not meet the error."""
-    rank = env_rank()
-    if rank == 0:
-        say_error(f"error: {message}")
-    else:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        time.sleep(PRINT_WAIT_S)
-        say_error(f"error: (rank {rank}) {message}")
-    teardown_quietly()
-    sys.exit(code)
-
-
-def teardown_quietly() -> None:
-    try:
-        teardown()
-    except Exception:  # noqa: BLE001 - exiting on a user error; the group may already be broken
-        pass
-
-
 def cap_gpu_memory(config: Any, env: DistEnv) -> tuple[int, str] | None:
     """On CUDA: (usable bytes, name) of this GPU, capped by --max_gpu_memory (the allocator is held to it)."""
     if env.device.type != "cuda":
@@ -309,3 +201,19 @@ def cap_gpu_memory(config: Any, env: DistEnv) -> tuple[int, str] | None:
         torch.cuda.set_per_process_memory_fraction(cap_bytes / total, env.device)
         total = cap_bytes
     return total, torch.cuda.get_device_name(env.device)
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, value in PEAK_FLOPS.items():
+        if key in name:
+            return value
+    return None
+
+
+def peak_memory_bytes(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return peak_rss_bytes() or None

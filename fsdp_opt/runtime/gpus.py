@@ -15,10 +15,6 @@ import subprocess
 import sys
 from typing import Any
 
-import torch
-
-from fsdp_opt.runtime.hostmem import peak_rss_bytes
-
 
 def has_bf16(capability: str) -> bool:
     return int(str(capability).split(".")[0]) >= 8
@@ -130,19 +126,3 @@ MEMORY_GBPS = {
     "V100": 900.0,
     "T4": 320.0,
 }
-
-
-def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    for key, value in PEAK_FLOPS.items():
-        if key in name:
-            return value
-    return None
-
-
-def peak_memory_bytes(device: torch.device) -> int | None:
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return peak_rss_bytes() or None

@@ -14,7 +14,8 @@ import threading
 import time
 from typing import Any
 
-from fsdp_opt.runtime.distributed import LAUNCHED, max_over_ranks
+from fsdp_opt.runtime.distributed import max_over_ranks
+from fsdp_opt.runtime.exits import LAUNCHED
 
 REASONS = ("", "received SIGTERM", "received SIGINT", "time limit", "a checkpoint write failed")
 

@@ -1,5 +1,6 @@
 """metrics.jsonl, the run's step log and a contract: its fields are `METRICS_FIELDS`, one line per optimizer step,
-appended across sessions (a resumed run logs again from where it stopped)."""
+appended across sessions (a resumed run logs again from where it stopped), one record per step: the records of steps
+a session trains again (after a kill past its last checkpoint, or with --overwrite) move aside first (set_aside)."""
 
 from __future__ import annotations
 
@@ -31,10 +32,13 @@ METRICS_FIELDS = (
 )
 # A method's own fields follow these (its spec's `fields`: config/methods/).
 COMPLETIONS_FILE = "completions.jsonl"  # --method grpo: one line per completion: step, row, prompt, completion, ...
+# The logs keyed by global step, and where set_aside moves the records of steps trained again: metrics.replaced.jsonl
+STEP_LOGS = (METRICS_FILE, EVAL_FILE, COMPLETIONS_FILE)
+REPLACED = ".replaced.jsonl"
 
 
 class MetricsWriter:
-    """Appends to output_dir/metrics.jsonl (rank 0 only); never truncates."""
+    """Appends to output_dir/metrics.jsonl (rank 0 only)."""
 
     def __init__(self, output_dir: str | os.PathLike, enabled: bool):
         self.path = Path(output_dir) / METRICS_FILE
@@ -59,3 +63,34 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     if not p.exists():
         return []
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+def set_aside(output_dir: str | os.PathLike, step: int) -> dict[str, int]:
+    """Before a session logs its first step: the records of steps after `step`, where it starts, are of an earlier
+    run of the steps it trains now (one killed after its last checkpoint, or a range trained again with
+    --overwrite). They move from each step log to its `.replaced.jsonl` beside it (appended: nothing is lost), so
+    each log keeps one record per step of the chain. Returns {log file: records moved} (rank 0)."""
+    moved = {}
+    for name in STEP_LOGS:
+        path = Path(output_dir) / name
+        if not path.exists():
+            continue
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        later = [line for line in lines if _step(line) > step]
+        if not later:
+            continue
+        with path.with_name(path.name.removesuffix(".jsonl") + REPLACED).open("a") as f:
+            f.write("".join(line + "\n" for line in later))
+        kept = path.with_name(path.name + ".tmp")
+        kept.write_text("".join(line + "\n" for line in lines if _step(line) <= step))
+        os.replace(kept, path)
+        moved[name] = len(later)
+    return moved
+
+
+def _step(line: str) -> int:
+    """A record's global step; -1 for a line that is not a record (kept where it is)."""
+    try:
+        return int(json.loads(line).get("step", -1))
+    except (ValueError, AttributeError, TypeError):
+        return -1

@@ -19,7 +19,7 @@ from fsdp_opt.checkpoint.drift import CHANGES_KEY
 from fsdp_opt.checkpoint.read import check_compatible
 from fsdp_opt.checkpoint.resume import Resume, position, slice_key
 from fsdp_opt.checkpoint.save import BackgroundWriter
-from fsdp_opt.config.choices import AUTO, DTYPES
+from fsdp_opt.config.choices import AUTO
 from fsdp_opt.config.layout import LoraConfig
 from fsdp_opt.config.methods import TEACHER, MethodSpec
 from fsdp_opt.config.parse import Config
@@ -35,12 +35,11 @@ from fsdp_opt.hub.lease import Lease
 from fsdp_opt.hub.store import read_resume
 from fsdp_opt.model.adapters import KEY, Adapters, check_resume
 from fsdp_opt.model.loader import Build, Loaded, head_layers, load_model, meta_model
-from fsdp_opt.model.parallelize import resolve_precision, tie_and_check
+from fsdp_opt.model.parallelize import DTYPES, resolve_precision, tie_and_check
 from fsdp_opt.model.shapes import count_params, flops_per_token
 from fsdp_opt.model.sources import ModelSource, load_model_config, model_tag, resolve_model
 from fsdp_opt.planner.layout import Layout, choose_layout
-from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, broadcast_object, cap_gpu_memory, print0
-from fsdp_opt.runtime.gpus import peak_flops
+from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, broadcast_object, cap_gpu_memory, peak_flops, print0
 from fsdp_opt.runtime.hostmem import release_host_memory
 from fsdp_opt.runtime.torchao_gate import check_for_nf4
 from fsdp_opt.tracking.metrics import MetricsWriter

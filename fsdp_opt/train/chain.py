@@ -13,17 +13,22 @@ import dataclasses
 import statistics
 from pathlib import Path
 
-from fsdp_opt.base import CheckpointError
-from fsdp_opt.checkpoint.chain import ChainStatus, NextRange, next_range
+from fsdp_opt.base import CheckpointError, ConfigError
+from fsdp_opt.checkpoint.chain import ChainStatus, NextRange, last_epoch, next_range
+from fsdp_opt.checkpoint.drift import listed, trained_with_other_settings
+from fsdp_opt.checkpoint.names import parse_name
 from fsdp_opt.config.choices import AUTO
 from fsdp_opt.config.parse import Config
 from fsdp_opt.data.pin import packed_as, pinned_revision, with_range
 from fsdp_opt.data.resolve import DataSource
 from fsdp_opt.data.sources import mixture_definition, open_source
 from fsdp_opt.engine.step import TrainState
+from fsdp_opt.hub.finished import Finished, finished_here, finished_in_repo, resume_found
 from fsdp_opt.hub.lease import TRIES as LEASE_TRIES
 from fsdp_opt.hub.lease import FileLease, HubLease, Lease, Outcome, hold_seconds, new_holder
+from fsdp_opt.hub.retry import describe
 from fsdp_opt.hub.store import HubStore, newest_checkpoint, newest_pin
+from fsdp_opt.model.sources import model_tag
 from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, broadcast_object, print0
 from fsdp_opt.runtime.stopping import StopControl
 from fsdp_opt.train.components import Setup, for_range
@@ -62,13 +67,8 @@ def first_range(config: Config, env: DistEnv) -> Config | None:
                 "reached); its newest checkpoint decides the range, so none is guessed"
             )
         newest = newest_checkpoint(Path(cc.output_dir), hc.hf_repo, hc.hub_retries, "--start_idx auto", strict=True)
-        # The split's length: from the chain's record of it where it has one (no card, no footers read), else from
-        # the split's metadata; a split stored as parquet is not downloaded for it.
         pin = newest_pin(newest, hc.hf_repo, hc.hub_retries) if newest else None
-        # a mixture redefined since: refused now, before the lease or the data's own lines
-        refuse_changed_mixture(dc.dataset, pin, mixture_definition(DataSource.of(dc)))
-        src = DataSource.of(dc, dc.dataset_revision or pinned_revision(pin, DataSource.of(dc)))
-        rows = len(open_source(src, pin))
+        rows = dataset_rows(config, pin)
         return next_range(newest[0] if newest else None, rows, dc.range_size, config.train.num_epochs), rows, newest
 
     nxt, rows, newest = broadcast_object(all_ranks_ok(lambda: decide() if env.is_main else None))
@@ -89,12 +89,108 @@ def first_range(config: Config, env: DistEnv) -> Config | None:
     return range_config(config, nxt)
 
 
+def dataset_rows(config: Config, pin: dict | None) -> int:
+    """The split's length: from the chain's record of it where it has one (no card, no footers read), else from the
+    split's metadata; a split stored as parquet is not downloaded for it. A mixture redefined since the chain's
+    record is refused here, before the lease or the data's own lines."""
+    dc = config.data
+    refuse_changed_mixture(dc.dataset, pin, mixture_definition(DataSource.of(dc)))
+    src = DataSource.of(dc, dc.dataset_revision or pinned_revision(pin, DataSource.of(dc)))
+    return len(open_source(src, pin))
+
+
+def already_trained(config: Config, env: DistEnv) -> bool:
+    """An explicit range whose last checkpoint (its name: this range, the epoch the session would end in) is in
+    --output_dir or the Hub repo already, as it is when "Save & Run All" runs a finished session's cell again: True
+    after one line saying so (nothing is trained or written); refused in one line naming the flags when it trained
+    with other settings; with --overwrite, a line, and False: it trains again. Rank 0 looks, before the chain's
+    lease is taken and anything is built; every rank gets the answer."""
+    dc, cc, hc = config.data, config.checkpoint, config.hub
+    if dc.start_idx == AUTO:  # an auto chain trains the range after its newest checkpoint, never one it has
+        return False
+
+    def decide() -> str | None:
+        out_dir = Path(cc.output_dir)
+        resume = cc.resume_file
+        if resume == "latest":
+            newest = newest_checkpoint(out_dir, hc.hf_repo, 1)
+            resume = newest[0] if newest else None
+        epoch = last_epoch(
+            resume and Path(resume).name, dc.start_idx, dc.end_idx, config.train.initial_epoch, config.train.num_epochs
+        )
+        tag = model_tag(config.model.model)
+
+        def ours(parsed: dict) -> bool:
+            return (
+                (parsed["tag"], parsed["start"]) == (tag, dc.start_idx)
+                and parsed["epoch"] >= epoch
+                and (dc.end_idx in (None, parsed["end"]))
+            )
+
+        try:
+            found = finished_here(ours, out_dir)
+        except CheckpointError as exc:
+            if cc.overwrite:  # trained again anyway: an unreadable checkpoint of the range is replaced
+                return None
+            raise CheckpointError(f"{exc}; it is this range's: --overwrite trains the range again") from None
+        if found is None and hc.hf_repo:
+            try:
+                found = finished_in_repo(ours, hc.hf_repo)
+            except Exception as exc:  # noqa: BLE001 - network, auth: the repo is not asked, and the session trains
+                print0(
+                    f"warning: cannot read the Hub repo {hc.hf_repo} ({describe(exc)}): whether it holds rows "
+                    f"[{dc.start_idx}, {dc.end_idx or 'end'}) trained already is not known"
+                )
+        if found is None or (dc.end_idx is None and parse_name(found.name)["end"] != dataset_rows(config, found.pin)):
+            return None
+        if cc.resume_file not in (None, "latest") and not resume_found(cc.resume_file, out_dir, hc.hf_repo):
+            return None  # a --resume_file found nowhere: that flag's own line, where the run reads it
+        return finished_line(config, env, found, epoch)
+
+    line = broadcast_object(all_ranks_ok(lambda: decide() if env.is_main else None))
+    if line is not None:
+        print0(line)
+    return line is not None and not cc.overwrite
+
+
+def finished_line(config: Config, env: DistEnv, found: Finished, epoch: int) -> str:
+    """The line for a range found trained (already_trained); a ConfigError when its settings differ."""
+    tc, start = config.train, config.data.start_idx
+    end = parse_name(found.name)["end"]
+    batch = tc.global_batch if tc.batch_size == AUTO else tc.samples_per_step(env.world_size)
+    changes = (
+        [] if found.config is None else trained_with_other_settings(config, found.config, found.global_batch, batch)
+    )
+    what = f"rows [{start}, {end}), epoch {epoch}, are trained already"
+    step = "" if found.global_step is None else f", global step {found.global_step}"
+    where = f"({found.name}{step}, in {found.where})"
+    following = f"--start_idx {end} --end_idx {end + (end - start)} --resume_file {found.name}"
+    if config.checkpoint.overwrite:
+        return (
+            f"overwrite: {what} {where}: training them again; the checkpoint is replaced, and the step logs' records "
+            "of the steps trained again move to metrics.replaced.jsonl"
+        )
+    if changes:
+        raise ConfigError(
+            f"{listed(changes)}: {what}, with the setting{'s' if len(changes) > 1 else ''} before the arrow {where}. To train them "
+            "with these settings, give a new --output_dir (a new chain) or --overwrite (this range again, its "
+            f"checkpoint replaced); to go on with the chain, train the next range: {following}"
+        )
+    unknown = " (the repo's index does not record their settings: not compared)" if found.config is None else ""
+    return (
+        f"chain: done: {what} with these settings {where}{unknown}. Nothing to train; --overwrite trains them "
+        f"again, and the chain goes on with {following}"
+    )
+
+
 def claim(config: Config, env: DistEnv) -> tuple[Config | None, Lease | None]:
     """This session's range (first_range) and the chain's lease, decided against one state of the repo: the lease is
     committed on the head the range was read at, so a commit that landed in between (another session's lease, the
     last checkpoint of one that just ended) sends the session back to decide again. (None, None) when the chain is
     done or another session holds the lease: nothing to train, said in one line. The lease is rank 0's."""
     hc = config.hub
+    if already_trained(config, env):
+        return None, None
 
     def make() -> Lease | None:
         hold = hold_seconds(config.checkpoint.time_limit_seconds, hc.hub_wait_seconds)

@@ -17,7 +17,6 @@ from fsdp_opt.base import ConfigError
 from fsdp_opt.checkpoint.atomic import atomic_save_text
 from fsdp_opt.checkpoint.loading import load_into
 from fsdp_opt.checkpoint.read import check_compatible, read_checkpoint
-from fsdp_opt.config.choices import DTYPES
 from fsdp_opt.config.layout import LoraConfig
 from fsdp_opt.config.method import MethodConfig
 from fsdp_opt.config.methods import DEFAULT_METHOD
@@ -34,7 +33,7 @@ from fsdp_opt.hub.store import find_resume
 from fsdp_opt.model.adapters import Adapters, check_resume
 from fsdp_opt.model.families import mask_pattern
 from fsdp_opt.model.loader import Build, load_model, set_head
-from fsdp_opt.model.parallelize import resolve_precision
+from fsdp_opt.model.parallelize import DTYPES, resolve_precision
 from fsdp_opt.model.sources import ModelSource, load_model_config, load_tokenizer, resolve_model
 from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, broadcast_object, print0, rank0_first
 from fsdp_opt.train.components import Setup, check, for_evaluation

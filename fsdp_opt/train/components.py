@@ -23,8 +23,9 @@ import torch
 
 from fsdp_opt.base import ConfigError
 from fsdp_opt.checkpoint.drift import line as drift_line
+from fsdp_opt.config.choices import BUILTIN_REWARDS
 from fsdp_opt.config.methods import GENERATOR, REFERENCE_BESIDE, REFERENCE_PASS, REWARDS, TEACHER, MethodSpec
-from fsdp_opt.config.methods.base import BUILTIN_REWARDS, Flags
+from fsdp_opt.config.methods.base import Flags
 from fsdp_opt.data.sequences import held_out_micro_batches
 from fsdp_opt.data.tokens import end_rules
 from fsdp_opt.engine.decoding import Decoder
@@ -126,7 +127,7 @@ def check(spec: MethodSpec, settings: Flags, env: DistEnv) -> Components:
     components = Components(spec, settings)
     if REWARDS in spec.needs and not settings.reward and not settings.reward_model:
         raise ConfigError(
-            f"--reward: --method {spec.name} needs at least one reward function (a built-in: {BUILTIN_REWARDS}; or "
+            f"--reward: --method {spec.name} needs at least one reward function (a built-in: {', '.join(BUILTIN_REWARDS)}; or "
             "path/to/file.py:function) or a --reward_model"
         )
     if REWARDS in spec.needs:

@@ -68,20 +68,24 @@ def read_inputs(
     )
     if mc.attn_implementation == "auto" and model_config._attn_implementation != "sdpa":
         print0(f"attention: {model_config._attn_implementation} ({model_config.model_type} has no SDPA path)")
-    # the built-in model and random: shapes read text with the built-in tokenizer, which adds no BOS by design
-    bos = bos_note(model_config, tokenizer) if source.kind in ("local", "hub") else None
-    for line in (untested_note(model_config), bos):
-        if line:
-            print0(line)
+    untested = untested_note(model_config)
+    if untested:
+        print0(untested)
     bf16_pretrained = trained_in_bf16(model_config)
     without_dropout_where(method.spec, model_config)
     set_head(model_config, method.spec.head, tokenizer.pad_token_id)
     positions = max_positions(model_config)
     if positions is not None and dc.max_length > positions:
         raise ConfigError(f"--max_length {dc.max_length}: {mc.model} has only {positions} positions")
-    return Inputs(
-        model_config, tokenizer, read_slice(config, tokenizer, model_config, method, revision, pin), bf16_pretrained
-    )
+    data = read_slice(config, tokenizer, model_config, method, revision, pin)
+    # The BOS note is about text rows, which the tokenizer's own special tokens begin: rows a chat template renders
+    # (conversations, prompts: an exported chat model's too) begin as the template writes them. The built-in model and
+    # random: shapes read text with the built-in tokenizer, which adds no BOS by design.
+    if source.kind in ("local", "hub") and any(p.format == "text" for p in data.spec.parts or (data.spec,)):
+        bos = bos_note(model_config, tokenizer)
+        if bos:
+            print0(bos)
+    return Inputs(model_config, tokenizer, data, bf16_pretrained)
 
 
 def data_spec(dc: DataConfig, table: Table, method: Method) -> tuple[RowSpec, str]:

@@ -19,7 +19,7 @@ from fsdp_opt.planner.steptime import step_time_line
 from fsdp_opt.runtime.distributed import barrier, init_distributed, print0, teardown
 from fsdp_opt.runtime.hostmem import configure_allocator, freeze_imported
 from fsdp_opt.runtime.stopping import WRITE_FAILED, StopControl, resume_command
-from fsdp_opt.tracking.metrics import COMPLETIONS_FILE
+from fsdp_opt.tracking.metrics import COMPLETIONS_FILE, REPLACED, set_aside
 from fsdp_opt.tracking.progress import Progress, gpu_memory_line, host_peaks_line
 from fsdp_opt.train.build import check_flags, setup
 from fsdp_opt.train.chain import claim, next_in_session
@@ -64,6 +64,13 @@ def run(config: Config) -> None:
 def train_session(session: Session) -> Session:
     """The session's range, then (--session_ranges) those after it while they fit; the export; the last writes.
     Returns the session of the last range trained."""
+    step = session.state.global_step
+    if session.env.is_main:  # one record per step: an earlier run's records of the steps this session trains move aside
+        for name, count in set_aside(session.out_dir, step).items():
+            print0(
+                f"{name}: {count} record(s) of the steps after global step {step}, from an earlier run of the steps "
+                f"this session trains, moved to {name.removesuffix('.jsonl') + REPLACED}"
+            )
     stop = StopControl(session.config.checkpoint.time_limit_seconds)
     session.position.clock_started = stop.started
     try:

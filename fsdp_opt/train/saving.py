@@ -125,6 +125,9 @@ def save(session: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
         "sharded": sharded,
         "eval_loss": evaluation.get("loss") if evaluation else None,
         "eval_reward": evaluation.get("reward") if evaluation else None,  # --method grpo's held-out reward
+        # what the range trained with: a session asked to train it again compares (train/chain.already_trained)
+        "config": extra["config"],
+        "global_batch": session.plan.global_batch,
         CHAIN_KEY: extra[CHAIN_KEY],
         CHANGES_KEY: session.settings_changes,
         PIN_KEY: session.data_pin,

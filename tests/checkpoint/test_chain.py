@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from fsdp_opt.base import CheckpointError
-from fsdp_opt.checkpoint.chain import ChainStatus, NextRange, next_range
+from fsdp_opt.checkpoint.chain import ChainStatus, NextRange, last_epoch, next_range
 from fsdp_opt.runtime.stopping import resume_command
 from fsdp_opt.train.chain import range_fits
 
@@ -50,6 +50,21 @@ def test_next_range_data_shorter_than_a_range_and_bad_names():
     assert next_range("m_0-30-epoch-1.pt", 30, 100, 3) == NextRange(0, 30, 1, "m_0-30-epoch-1.pt", False)
     with pytest.raises(CheckpointError, match="no range in its name"):
         next_range("final.pt", 30, 100, 1)
+
+
+@pytest.mark.parametrize(
+    "resume,end,initial,epochs,want",
+    [
+        (None, 16, 0, 1, 1),  # a fresh range: its first epoch
+        (None, 16, 1, 2, 3),  # --initial_epoch 1 --num_epochs 2: epochs 2 and 3
+        ("m_0-8-epoch-1.pt", 16, 0, 1, 1),  # resumed from another range: that range's epochs count nothing here
+        ("m_0-16-epoch-1.pt", 16, 0, 1, 2),  # resumed from this range's finished epoch 1: epoch 2 next
+        ("m_0-16-epoch-2-step-7.pt", 16, 0, 1, 2),  # resumed inside epoch 2: it finishes epoch 2
+        ("m_0-16-epoch-2-step-7.pt", None, 0, 2, 3),  # --end_idx left to the data: the start decides
+    ],
+)
+def test_the_last_epoch_a_session_saves(resume, end, initial, epochs, want):
+    assert last_epoch(resume, 0, end, initial, epochs) == want
 
 
 def test_status_counts_rows_left_and_sessions():

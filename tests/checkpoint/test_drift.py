@@ -6,7 +6,16 @@ from __future__ import annotations
 import pytest
 
 from fsdp_opt.base import ConfigError
-from fsdp_opt.checkpoint.drift import BREAKING, CHANGES_KEY, compare, global_batch_change, line, refuse_if_breaking
+from fsdp_opt.checkpoint.drift import (
+    BREAKING,
+    CHANGES_KEY,
+    compare,
+    global_batch_change,
+    line,
+    listed,
+    refuse_if_breaking,
+    trained_with_other_settings,
+)
 from fsdp_opt.config.parse import parse_args
 from fsdp_opt.hub.card import render_card
 
@@ -98,6 +107,25 @@ def test_the_global_batch_counts_only_inside_a_range():
     assert global_batch_change(64, 64, mid_range=True) is None
     moved = global_batch_change(64, 32, mid_range=True)
     assert moved["flag"] == "global_batch" and "position" in moved["breaks"]
+
+
+def test_a_finished_range_asked_again_compares_what_it_trains_with():
+    """What a range trains: the drift's flags, the LoRA identity and the global batch; not how a session runs."""
+    base = ["--model", "tiny-opt", "--dataset", "python-docs", "--lr", "3e-4", "--max_length", "512"]
+
+    def again(*argv: str, saved_batch: int = 8, batch: int | None = 8) -> list[str]:
+        return [
+            c["flag"] for c in trained_with_other_settings(parse_args(base + list(argv)), SAVED, saved_batch, batch)
+        ]
+
+    assert again("--time_limit", "11h", "--eval_rows", "20", "--keep_last", "1", "--hf_repo", "me/x") == []
+    assert again("--batch_size", "8", "--accum_steps", "2", "--overwrite") == []
+    assert again("--lr", "1e-4", "--seed", "3") == ["seed", "lr"]
+    assert again("--lora_rank", "16") == ["lora_rank"]
+    assert again(saved_batch=8, batch=16) == ["global_batch"] and again(batch=None) == []
+    assert listed(trained_with_other_settings(parse_args(base + ["--lr", "1e-4"]), SAVED, None, None)) == (
+        "--lr 0.0003 -> 0.0001"
+    )
 
 
 def test_breaking_changes_are_refused_in_one_line_unless_allowed():

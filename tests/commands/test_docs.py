@@ -45,7 +45,8 @@ def test_every_command_block_of_the_readme_and_docs_runs_or_says_why_not(tmp_pat
     says why it cannot (a GPU, the network, a Kaggle cell) or names the test that runs it."""
     blocks = command_blocks(ROOT)
     run = [b for b in blocks if b.marker is None]
-    assert {b.page for b in run} >= {"docs/planner.md", "docs/launching.md", "docs/lora.md", "docs/kaggle.md"}
+    pages = {"docs/planner.md", "docs/launching.md", "docs/lora.md", "docs/kaggle.md", "docs/distill.md", "docs/kto.md"}
+    assert {b.page for b in run} >= pages
     assert all(
         b.marker.startswith(("not run here: needs", "not run here: a Kaggle", "run by tests/"))
         for b in blocks
@@ -55,6 +56,7 @@ def test_every_command_block_of_the_readme_and_docs_runs_or_says_why_not(tmp_pat
     assert run_blocks(ROOT, blocks, timeout=600, env=env) == []
     shutil.rmtree(ROOT / "outputs" / "cpu", ignore_errors=True)  # what the CPU launch example wrote
     shutil.rmtree(ROOT / "outputs" / "distill-example", ignore_errors=True)  # docs/distill.md's CPU example
+    shutil.rmtree(ROOT / "outputs" / "kto-example", ignore_errors=True)  # docs/kto.md's
 
 
 def test_the_docs_check_fails_on_a_block_that_fails_or_names_no_test(tmp_path):

@@ -1,8 +1,8 @@
 """`python -m fsdp_opt --nproc_per_node N`, the README's command: the training command starting its own workers
 (torch's elastic launch, as torchrun does) and ending as the tool ends. A bad reward function, a mixture changed
 mid-chain and a missing dataset: the last line on the screen (stdout and stderr as one) is the tool's one line, the
-exit code is 2, and the output folder holds nothing new. Under torchrun the same failure is followed by torchrun's
-own report; a clean run and its resume command are the same as torchrun's."""
+exit code is 2, and the output folder holds nothing new. Under torchrun the same failure, and a flag typed wrong,
+end with torchrun's own report and then the tool's line, last; a clean run and its resume command are the same as torchrun's."""
 
 from __future__ import annotations
 
@@ -116,14 +116,17 @@ def test_a_user_error_is_the_last_line_on_the_screen(tmp_path):
         if name == "mixture":  # refused before the chain's lease and the data's own lines
             assert not [line for line in lines if line.startswith(("chain:", "data:"))], lines
     assert chain_before == files_under(tmp_path / "chain")
-    # torchrun, on the same missing dataset: its own report comes after the tool's line
-    theirs = screen(
-        cases["dataset"][0],
-        tmp_path,
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "fsdp_opt"],
-    )
-    assert theirs.returncode != 0 and cases["dataset"][2] in theirs.stdout
-    assert not theirs.stdout.strip().splitlines()[-1].startswith("error: --dataset"), theirs.stdout[-2000:]
+    # torchrun itself (its own script), on the same missing dataset and on a flag typed wrong: its report (a
+    # traceback, ChildFailedError, the "Root Cause" table naming the worker's line), exit 1, then the tool's line, last
+    torchrun = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node=2"]
+    for args, needle in (
+        ([*torchrun, "-m", "fsdp_opt", *cases["dataset"][0]], cases["dataset"][2]),
+        ([*torchrun, str(ROOT / "fsdp_finetune.py"), "--batch_size", "many"], "error: argument --batch_size: "),
+    ):
+        theirs = screen(args, tmp_path, [])
+        lines = theirs.stdout.strip().splitlines()
+        assert theirs.returncode == 1 and "ChildFailedError" in theirs.stdout, theirs.stdout[-3000:]
+        assert lines[-1].startswith(needle) and f"traceback : {lines[-1]}" in theirs.stdout, lines[-12:]
 
 
 def test_a_clean_run_and_a_stopped_ones_resume_command(tmp_path):

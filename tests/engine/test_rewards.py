@@ -11,7 +11,9 @@ import pytest
 from conftest import ROOT
 
 from fsdp_opt.base import ConfigError
-from fsdp_opt.engine.rewards import load, load_all, score
+from fsdp_opt.config.choices import BUILTIN_REWARDS
+from fsdp_opt.config.parse import build_parser
+from fsdp_opt.engine.rewards import BUILTINS, load, load_all, score
 
 MATH = [  # (completion, solution)
     (r"The sum is \boxed{5}.", "5"),
@@ -128,3 +130,13 @@ def test_a_rule_is_pinned_by_its_syntax_not_its_layout(tmp_path):
     rules.write_text("def mine(completions, **kw):\n    return [min(1.0, len(c) / 10) for c in completions]\n")
     assert load(f"{rules}:mine").same_rule(legacy)  # the pin a checkpoint of an earlier version holds
     assert load("length").source.startswith("ast:")
+
+
+def test_the_built_ins_are_listed_alike_in_the_help_flags_md_and_grpo_md():
+    """The --reward help (and so docs/flags.md, written from it) and grpo.md's table name every built-in."""
+    assert tuple(BUILTINS) == BUILTIN_REWARDS
+    (reward,) = [a for a in build_parser()._actions if a.dest == "reward"]
+    assert f"a built-in ({', '.join(BUILTIN_REWARDS)})" in reward.help
+    assert f"a built-in ({', '.join(BUILTIN_REWARDS)})" in (ROOT / "docs" / "flags.md").read_text()
+    table = [line for line in (ROOT / "docs" / "grpo.md").read_text().splitlines() if line.startswith("| `")]
+    assert [line.split("`")[1] for line in table if line.split("`")[1] in BUILTINS] == list(BUILTIN_REWARDS)

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import subprocess
+import sys
+import time
 
 import pytest
-from conftest import make_local_model, plan_cli
+from conftest import ROOT, make_local_model, plan_cli
 
 from fsdp_opt.base import GIB, parse_size
 from fsdp_opt.model.shapes import Shape, model_config
@@ -284,3 +288,55 @@ def test_the_graph_path_replaces_the_hosts_launches_and_a_shared_generation_cost
         "graph_pool" in shared["gathered"]["components"] and "graph_pool" not in shared["layer_by_layer"]["components"]
     )
     assert shared["graphs_step_s"] < shared["eager_step_s"]
+
+
+def test_help_answers_before_torch_is_imported():
+    """`plan --help` in under a second (a fresh Python: the package and the parser, nothing heavy); the training
+    command's --help the same way (its flags come from the config, which imports no torch)."""
+    for args, seconds in ((["-m", "fsdp_opt.plan", "--help"], 1.0), (["-m", "fsdp_opt", "train", "--help"], None)):
+        started = time.perf_counter()
+        proc = subprocess.run(
+            [sys.executable, "-X", "importtime", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
+        )
+        took = time.perf_counter() - started
+        assert proc.returncode == 0 and "--model" in proc.stdout, proc.stderr[-2000:]
+        imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines()}
+        assert not imported & {"torch", "transformers", "numpy"}, args
+        assert seconds is None or took < seconds, (args, took)
+
+
+def test_one_unit_kaggles_host_ram_whole_steps_and_the_trainers_method_check():
+    distill = [
+        "--model",
+        "facebook/opt-350m",
+        "--method",
+        "distill",
+        "--teacher_model",
+        "facebook/opt-1.3b",
+        "--batch_size",
+        "4",
+        "--accum_steps",
+        "4",
+        "--max_completion_length",
+        "128",
+    ]
+    plan = json.loads(plan_cli([*distill, "--json"]).stdout)
+    text = plan_cli(distill).stdout
+    # every size in GiB: no GB or MB figure anywhere
+    assert "GiB" in text and not re.search(r"\d GB\b|\d MB\b|\d MiB\b", text), text
+    # the T4s' machine: Kaggle's 31 GB of host RAM, not this machine's
+    assert plan["host_ram"]["host_memory"] == 31 * 10**9 and "(Kaggle's 31GB, the T4s' machine)" in text
+    # the recommendation against the flags by whole steps: generation and teacher included, not training alone
+    g = plan["distill"]
+    assert g["training_s"] < g["step_s"] and f"than the flags given ({g['step_s']:.2f} s)" in plan["recommended_line"]
+    assert "(generation, teacher included; training" in plan["recommended_line"]
+    # NO_SHARD: the layer-by-layer row equals gathered-once, and says why
+    assert g["strategy"] == "NO_SHARD" and g["layer_by_layer"]["seconds"] == g["gathered"]["seconds"]
+    assert "the same time as gathered once: under NO_SHARD every GPU holds the whole model" in text
+    # the trainer's own refusals (config.method.MethodConfig), in one line
+    kto = plan_cli(["--method", "kto", "--teacher_model", "facebook/opt-1.3b"])
+    assert kto.returncode == 2 and kto.stderr.strip() == "error: --teacher_model: only with --method distill"
+    alone = plan_cli(["--method", "distill"])
+    assert alone.returncode == 2 and alone.stderr.strip().startswith(
+        "error: --teacher_model: --method distill needs the teacher"
+    )

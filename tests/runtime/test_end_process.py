@@ -45,7 +45,7 @@ def test_exit_code_and_output_survive(tmp_path, body):
     script.write_text(
         textwrap.dedent(f"""
         import sys
-        from fsdp_opt.runtime.distributed import end_process, fail
+        from fsdp_opt.runtime.exits import end_process, fail
 
         def main():
             {body}
@@ -63,7 +63,7 @@ def test_an_unexpected_error_keeps_its_traceback(tmp_path, raised):
     """A bug, and a module of the package itself missing (an incomplete install of it, not a package to add)."""
     script = tmp_path / "command.py"
     script.write_text(
-        f"from fsdp_opt.runtime.distributed import end_process\ndef main():\n    raise {raised}\nend_process(main)\n"
+        f"from fsdp_opt.runtime.exits import end_process\ndef main():\n    raise {raised}\nend_process(main)\n"
     )
     proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1

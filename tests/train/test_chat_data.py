@@ -351,6 +351,8 @@ def test_the_chat_demo_answers_in_the_template_and_the_grpo_demo_learns_its_rewa
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "demo: checkpoints and metrics.jsonl are in outputs/demo-grpo/" in proc.stdout
     assert "demo-chat" in proc.stdout and "python-docs-chat" not in proc.stdout  # from the model trained above
+    # the exported chat model on prompts its template renders: no note on the BOS of text rows
+    assert "saw a BOS" not in proc.stdout, proc.stdout[-3000:]
     base, tuned = json.loads((grpo / "rewards.json").read_text())["models"]
     assert base["prompts"] == tuned["prompts"] == 32
     assert base["reward"] < 0.3 and tuned["reward"] > 0.8, (base, tuned)

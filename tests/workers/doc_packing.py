@@ -21,7 +21,8 @@ from fsdp_opt.data.formats import select_texts
 from fsdp_opt.data.sources import load_rows
 from fsdp_opt.engine.loss import HeadLoss, TokenLoss
 from fsdp_opt.engine.step import accumulate
-from fsdp_opt.runtime.distributed import end_process, init_distributed, teardown
+from fsdp_opt.runtime.distributed import init_distributed, teardown
+from fsdp_opt.runtime.exits import end_process
 from fsdp_opt.train.build import setup
 
 

@@ -19,7 +19,8 @@ import fsdp_opt.engine.rollout as rollout
 from fsdp_opt.config.parse import parse_args
 from fsdp_opt.engine.generation import Generated
 from fsdp_opt.engine.step import accumulate, train_step
-from fsdp_opt.runtime.distributed import end_process, init_distributed, teardown
+from fsdp_opt.runtime.distributed import init_distributed, teardown
+from fsdp_opt.runtime.exits import end_process
 from fsdp_opt.train.build import setup
 
 

@@ -14,7 +14,8 @@ from fsdp_opt.checkpoint.names import MODEL_KEY
 from fsdp_opt.checkpoint.save import save_checkpoint
 from fsdp_opt.config.parse import parse_args
 from fsdp_opt.engine.step import train_step
-from fsdp_opt.runtime.distributed import end_process, init_distributed, teardown
+from fsdp_opt.runtime.distributed import init_distributed, teardown
+from fsdp_opt.runtime.exits import end_process
 from fsdp_opt.train.build import setup
 
 

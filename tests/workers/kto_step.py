@@ -13,7 +13,8 @@ import torch
 
 from fsdp_opt.config.parse import parse_args
 from fsdp_opt.engine.step import accumulate
-from fsdp_opt.runtime.distributed import end_process, init_distributed, teardown
+from fsdp_opt.runtime.distributed import init_distributed, teardown
+from fsdp_opt.runtime.exits import end_process
 from fsdp_opt.train.build import setup
 
 

@@ -12,7 +12,8 @@ from torch import nn
 
 from fsdp_opt.engine.optim import global_grad_norm
 from fsdp_opt.model.parallelize import apply_fsdp, build_mesh, mixed_precision_policy
-from fsdp_opt.runtime.distributed import end_process, init_distributed, teardown
+from fsdp_opt.runtime.distributed import init_distributed, teardown
+from fsdp_opt.runtime.exits import end_process
 
 
 class Two(nn.Module):

@@ -10,7 +10,8 @@ import sys
 from fsdp_opt.config.parse import parse_args
 from fsdp_opt.engine.step import train_step
 from fsdp_opt.model.parallelize import local_state_bytes
-from fsdp_opt.runtime.distributed import end_process, init_distributed, teardown
+from fsdp_opt.runtime.distributed import init_distributed, teardown
+from fsdp_opt.runtime.exits import end_process
 from fsdp_opt.train.build import setup
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from fsdp_opt.base import ConfigError
+from fsdp_opt.config.choices import BUILTIN_REWARDS
 from fsdp_opt.config.flags import flag
 
 LOSS = "another loss trains"  # a method flag's drift class: changed mid-chain, it breaks the chain's exactness
@@ -123,9 +124,6 @@ class SamplingFlags(Flags):
             raise ConfigError(f"--top_k {self.top_k}: must be 0 (off) or more")
 
 
-BUILTIN_REWARDS = "accuracy, choice, format, length"  # engine/rewards.py BUILTINS, as the help lists them
-
-
 @dataclass
 class GroupFlags(ReferenceFlags, SamplingFlags):
     """A method that samples a group of completions of each prompt, scores them with reward functions and pushes each
@@ -149,7 +147,7 @@ class GroupFlags(ReferenceFlags, SamplingFlags):
     )
     reward: str | None = method_flag(
         None,
-        f"The reward functions, comma-separated (or the flag repeated): a built-in ({BUILTIN_REWARDS}), "
+        f"The reward functions, comma-separated (or the flag repeated): a built-in ({', '.join(BUILTIN_REWARDS)}), "
         "path/to/file.py:function or module:function, called as TRL calls them: f(prompts=, completions=, "
         "completion_ids=, **columns), one float (or None) per completion.",
         action="append",

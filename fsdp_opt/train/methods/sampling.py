@@ -11,7 +11,8 @@ from typing import Any
 from fsdp_opt.data.prompts import PromptPlan, Prompts, generation_slices, prompts_from_rows
 from fsdp_opt.engine.groups import GroupSettings
 from fsdp_opt.engine.grpo import GroupLoss
-from fsdp_opt.engine.rollout import Sampler, Scoring, held_out_rewards
+from fsdp_opt.engine.rollout import Sampler, held_out_rewards
+from fsdp_opt.engine.scoring import Scoring
 from fsdp_opt.runtime.distributed import DistEnv
 from fsdp_opt.train.methods.base import Method, PlanInput, RunParts, SequenceInput
 
