@@ -167,6 +167,11 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
 
     found = all_ranks_ok(lambda: _find(args) if env.is_main else None)
     entries, trained, trained_slice = broadcast_object(found)
+    # the method's settings as the first checkpoint trained with them (its reward functions, ...), --method and its
+    # flags given here aside (another method than the checkpoint's: its own defaults)
+    name = args.method or trained.get("method") or DEFAULT_METHOD
+    given = {k: getattr(args, k, None) for k in ("beta", "reward", "ref_model")}
+    MethodConfig.from_flags(name, given)  # a flag given here that the method does not take: the trainer's one line
     model_name = args.model or trained.get("model") or ModelConfig.model
     dataset = args.dataset or trained.get("dataset") or DataConfig.dataset
     max_length = args.max_length or trained.get("max_length") or DataConfig.max_length
@@ -181,10 +186,6 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
     if start is None and dc.eval_split is None:
         raise ConfigError("--start_idx: needed when no checkpoint says which rows it was trained on (or --eval_split)")
     pin = trained.get(PIN_KEY) if dataset == trained.get("dataset") else None
-    # the method's settings as the first checkpoint trained with them (its reward functions, ...), --method and its
-    # flags given here aside (another method than the checkpoint's: its own defaults)
-    name = args.method or trained.get("method") or DEFAULT_METHOD
-    given = {k: getattr(args, k, None) for k in ("beta", "reward", "ref_model")}
     values = {**(trained if name == trained.get("method") else {}), **{k: v for k, v in given.items() if v is not None}}
     method = method_for(
         MethodConfig.from_flags(name, {k: v for k, v in values.items() if k != "ref_model"}, strict=False)

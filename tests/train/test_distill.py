@@ -257,7 +257,7 @@ def test_bad_distill_input_is_one_line(tmp_path, files):
     other_vocab = base[: i + 1] + [str(wide)] + base[i + 2 :]
     assert_clean_failure(run_cli(other_vocab, tmp_path), f"--teacher_model {wide}: its vocabulary has 4200 entries")
     assert_clean_failure(run_cli(base + ["--beta", "1.5"], tmp_path), "--beta 1.5: must be in [0, 1]")
-    assert_clean_failure(run_cli(base + ["--reward", "length"], tmp_path), "--reward: only with --method grpo")
+    assert_clean_failure(run_cli(base + ["--reward", "length"], tmp_path), "--reward: only with --method grpo or rloo")
     sft = [a for a in base if a not in ("distill",)]
     sft[sft.index("--method") + 1 : sft.index("--method") + 1] = ["sft"]
     assert_clean_failure(run_cli(sft, tmp_path), "--teacher_model: only with --method distill")

@@ -138,6 +138,9 @@ def test_evaluate_bad_input(tmp_path):
     assert_clean_failure(proc, "--start_idx", "needed")
     proc = evaluate(tmp_path, ["--eval_rows", "0"])
     assert_clean_failure(proc, "--eval_rows 0")
+    # a flag of another method than the one scored: the trainer's line, not a flag dropped unseen
+    proc = evaluate(tmp_path, ["--checkpoints", "--model", "tiny-opt", "--method", "sft", "--beta", "0.2"])
+    assert_clean_failure(proc, "--beta: only with --method")
 
 
 def test_lora_checkpoint_evaluates_as_peft_on_its_base(tmp_path, det_model):
