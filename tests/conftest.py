@@ -350,6 +350,25 @@ def det_model(tmp_path_factory) -> Path:
     return make_local_model(tmp_path_factory.mktemp("det_model") / "tiny-det", dropout=0.0)
 
 
+def as_flags(**values: object) -> list[str]:
+    """Flags from keywords, in their order: as_flags(method="rloo", batch_size=8) is ["--method", "rloo",
+    "--batch_size", "8"]."""
+    return [item for name, value in values.items() for item in (f"--{name}", str(value))]
+
+
+def assert_same_step(ours: dict, loss: float, grads: dict, tol: float = 1e-5, floor: float = 1e-4) -> None:
+    """One step of ours (a worker's report: its loss and each weight's gradient) against the reference library's on
+    the same inputs: the loss and every gradient within `tol`, the same weights trained, and gradients that are not
+    all zero (the largest above `floor`)."""
+    import torch
+
+    assert abs(ours["loss"] - loss) <= tol, (ours["loss"], loss)
+    assert set(ours["grads"]) == set(grads)
+    diffs = {n: (torch.tensor(ours["grads"][n]) - g).abs().max().item() for n, g in grads.items()}
+    assert max(diffs.values()) <= tol, sorted(diffs.items(), key=lambda kv: -kv[1])[:4]
+    assert max(g.abs().max().item() for g in grads.values()) > floor  # the gradients are not all zero
+
+
 def assert_clean_failure(proc: subprocess.CompletedProcess, *needles: str) -> str:
     """Non-zero exit, the project's one error line naming the problem, and no Python traceback from a worker. Under
     torchrun the line comes once more, after torchrun's report: the last line (runtime/exits.after_the_launcher)."""

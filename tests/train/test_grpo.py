@@ -14,7 +14,9 @@ import pytest
 import torch
 from conftest import (
     ROOT,
+    as_flags,
     assert_clean_failure,
+    assert_same_step,
     hub_sessions,
     launch,
     make_chat_llama,
@@ -98,6 +100,70 @@ def setup_files(tmp_path_factory) -> dict[str, Path]:
     return {"policy": policy, "ref": ref, "data": data, "rewards": root / "rewards.py", "given": given, "root": root}
 
 
+def group_flags(f: dict, tmp_path: Path, method: str, *extra: str, rewards: tuple = ("overlap", "short")) -> list[str]:
+    """A group method's flags on the module's prompts (`setup_files`): the reward functions of rewards.py given
+    (overlap at 1.0 and short at 0.5 by default), G completions of up to LENGTH tokens, 2 micro-batches of 8, fp32."""
+    weights = ["--reward_weights", "1.0,0.5"] if rewards == ("overlap", "short") else []
+    return [
+        *as_flags(model=f["policy"], dataset=f["data"], method=method),
+        *as_flags(reward=",".join(f"{f['rewards']}:{r}" for r in rewards)),
+        *weights,
+        *as_flags(num_generations=G, max_completion_length=LENGTH, max_length=64, batch_size=8, accum_steps=2),
+        *as_flags(precision="fp32", output_dir=tmp_path / "out", wandb_mode="disabled", seed=7),
+        *extra,
+    ]
+
+
+def trl_models(files: dict, report: dict, sampled_always: bool = False):  # noqa: ANN201
+    """The tokenizer, the model TRL trains (a second pass's: the weights that pass started from, REPORT.pt) and the
+    model the completions were sampled from (None where a first pass needs none apart)."""
+    tok = AutoTokenizer.from_pretrained(files["policy"])
+    model = AutoModelForCausalLM.from_pretrained(files["policy"], dtype=torch.float32)
+    sampled = None
+    if sampled_always or report["iteration"] > 1:
+        sampled = AutoModelForCausalLM.from_pretrained(files["policy"], dtype=torch.float32).eval()
+    if report["iteration"] > 1:
+        model.load_state_dict(torch.load(report["weights"], weights_only=True))
+    return tok, model, sampled
+
+
+def given_completions(files: dict, tok, mask_truncated: bool = False) -> dict:  # noqa: ANN001
+    """The injected completions as TRL's trainers take them, in (row, place) order: the (row, place) keys, the
+    trainer's inputs (prompt and completion ids and masks, a never-ended completion masked as TRL masks it where
+    asked) and the whole sequences with their mask and completion width, for per-token log-probabilities."""
+    given = json.loads(files["given"].read_text())
+    keys = [(r, g) for r in range(PROMPTS) for g in range(G)]
+    prompt_ids = torch.tensor([tok(rows()[r]["prompt"])["input_ids"] for r, _ in keys])  # ours: with the BOS
+    comp = [given["completions"][f"{r}:{g}"] for r, g in keys]
+    width = max(map(len, comp))
+    completion_ids = torch.tensor([c + [tok.pad_token_id] * (width - len(c)) for c in comp])
+    completion_mask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in comp])
+    if mask_truncated:
+        truncated = torch.tensor([not given["ended"][f"{r}:{g}"] for r, g in keys])
+        completion_mask = completion_mask * (~truncated).unsqueeze(1).int()
+    inputs = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": torch.ones_like(prompt_ids),
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+    }
+    ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    mask = torch.cat([torch.ones_like(prompt_ids), completion_mask], dim=1)
+    return {"keys": keys, "inputs": inputs, "ids": ids, "mask": mask, "width": width}
+
+
+def per_token_logps(trainer, other, given: dict) -> torch.Tensor:  # noqa: ANN001
+    """TRL's per-token log-probabilities of the given completions under another model (a path, or a model), prepared
+    as TRL prepares its reference model."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    if not isinstance(other, torch.nn.Module):
+        other = AutoModelForCausalLM.from_pretrained(other, dtype=torch.float32).eval()
+    add_fused_lm_head(other, temperature=1.0)
+    with torch.no_grad():
+        return trainer._get_per_token_logps_and_entropies(other, given["ids"], given["mask"], given["width"])[0]
+
+
 def trl_advantages(records: list[dict], scale: str) -> torch.Tensor:
     """The advantages by TRL 1.16's rule (sum_then_normalize, NaN-aware: an unscorable completion's is 0), from the
     rewards our run recorded, in (row, place) order."""
@@ -140,15 +206,8 @@ def trl_step(
     of ours (each rank's, with TRL's accumulation over them) and averages over the ranks, as DDP would."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
-    from trl.trainer.utils import add_fused_lm_head
 
-    tok = AutoTokenizer.from_pretrained(files["policy"])
-    model = AutoModelForCausalLM.from_pretrained(files["policy"], dtype=torch.float32)
-    sampled = None
-    if report["iteration"] > 1:
-        sampled = AutoModelForCausalLM.from_pretrained(files["policy"], dtype=torch.float32).eval()
-        model.load_state_dict(torch.load(report["weights"], weights_only=True))
-    given = json.loads(files["given"].read_text())
+    tok, model, sampled = trl_models(files, report)
     n = PROMPTS * G
     args = GRPOConfig(
         output_dir=str(files["root"] / "trl"),
@@ -175,35 +234,17 @@ def trl_step(
         train_dataset=Dataset.from_list(rows()),
         processing_class=tok,
     )
-    keys = [(r, g) for r in range(PROMPTS) for g in range(G)]
-    prompt_ids = torch.tensor([tok(rows()[r]["prompt"])["input_ids"] for r, _ in keys])  # ours: with the BOS
-    comp = [given["completions"][f"{r}:{g}"] for r, g in keys]
-    truncated = torch.tensor([not given["ended"][f"{r}:{g}"] for r, g in keys])
-    advantages = trl_advantages(report["records"], scale)
-    width = max(map(len, comp))
-    completion_ids = torch.tensor([c + [tok.pad_token_id] * (width - len(c)) for c in comp])
-    completion_mask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in comp])
-    if mask_truncated:  # as TRL masks a completion that never ended
-        completion_mask = completion_mask * (~truncated).unsqueeze(1).int()
-    ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    mask = torch.cat([torch.ones_like(prompt_ids), completion_mask], dim=1)
+    given = given_completions(files, tok, mask_truncated)
+    keys, advantages = given["keys"], trl_advantages(report["records"], scale)
     extra = {}
     for key, other in (("ref_per_token_logps", files["ref"] if beta else None), ("old_per_token_logps", sampled)):
-        if other is None:
-            continue
-        if not isinstance(other, torch.nn.Module):
-            other = AutoModelForCausalLM.from_pretrained(other, dtype=torch.float32).eval()
-        add_fused_lm_head(other, temperature=1.0)  # as TRL prepares its own reference model
-        with torch.no_grad():
-            extra[key] = trainer._get_per_token_logps_and_entropies(other, ids, mask, width)[0]
+        if other is not None:
+            extra[key] = per_token_logps(trainer, other, given)
     model.train()
     everything = {
-        "prompt_ids": prompt_ids,
-        "prompt_mask": torch.ones_like(prompt_ids),
-        "completion_ids": completion_ids,
-        "completion_mask": completion_mask,
+        **given["inputs"],
         "advantages": advantages,
-        "num_items_in_batch": completion_mask.sum(),
+        "num_items_in_batch": given["inputs"]["completion_mask"].sum(),
         **extra,
     }
     if loss_type != "bnpo":
@@ -291,37 +332,7 @@ GRPO_CASES = {  # (flags beyond the common ones, TRL's settings): loss types, re
 def test_a_step_is_trls_loss_and_gradient_on_the_same_completions(tmp_path, setup_files, case):
     f = setup_files
     extra, trl_settings = GRPO_CASES[case]
-    flags = [
-        "--model",
-        str(f["policy"]),
-        "--dataset",
-        str(f["data"]),
-        "--method",
-        "grpo",
-        "--reward",
-        f"{f['rewards']}:overlap,{f['rewards']}:short",
-        "--reward_weights",
-        "1.0,0.5",
-        "--num_generations",
-        str(G),
-        "--max_completion_length",
-        str(LENGTH),
-        "--max_length",
-        "64",
-        "--batch_size",
-        "8",
-        "--accum_steps",
-        "2",
-        "--precision",
-        "fp32",
-        "--output_dir",
-        str(tmp_path / "out"),
-        "--wandb_mode",
-        "disabled",
-        "--seed",
-        "7",
-        *extra,
-    ]
+    flags = group_flags(f, tmp_path, "grpo", *extra)
     if "--beta" in extra:
         flags += ["--ref_model", str(f["ref"])]
     out = tmp_path / "report.json"
@@ -342,12 +353,7 @@ def test_a_step_is_trls_loss_and_gradient_on_the_same_completions(tmp_path, setu
         print(f"{case}: clipped low {low:g}, high {high:g}, of {count:g}")
         assert 0 < region < count  # the clip binds on some tokens (completions), not all
     print(f"{case}: ours {ours['loss']:.8f}, TRL {loss:.8f}")
-    assert abs(ours["loss"] - loss) <= 1e-5, (ours["loss"], loss)
-    assert set(ours["grads"]) == set(grads)
-    diffs = {n: (torch.tensor(ours["grads"][n]) - g).abs().max().item() for n, g in grads.items()}
-    worst = max(diffs.values())
-    assert worst <= 1e-5, sorted(diffs.items(), key=lambda kv: -kv[1])[:4]
-    assert max(g.abs().max().item() for g in grads.values()) > 1e-3  # the gradients are not all zero
+    assert_same_step(ours, loss, grads, floor=1e-3)
 
 
 def test_the_kl_terms_factor_rho_shows_where_every_advantage_is_zero(tmp_path, setup_files):
@@ -355,38 +361,7 @@ def test_the_kl_terms_factor_rho_shows_where_every_advantage_is_zero(tmp_path, s
     its gradient is grad logp: the step's gradients equal TRL's with use_bias_correction_kl=True (set, not its
     default), within a relative 1e-5, and not TRL's with it False (k3 alone)."""
     f = setup_files
-    flags = [
-        "--model",
-        str(f["policy"]),
-        "--dataset",
-        str(f["data"]),
-        "--method",
-        "grpo",
-        "--reward",
-        f"{f['rewards']}:same",
-        "--num_generations",
-        str(G),
-        "--max_completion_length",
-        str(LENGTH),
-        "--max_length",
-        "64",
-        "--batch_size",
-        "8",
-        "--accum_steps",
-        "2",
-        "--precision",
-        "fp32",
-        "--output_dir",
-        str(tmp_path / "out"),
-        "--wandb_mode",
-        "disabled",
-        "--seed",
-        "7",
-        "--beta",
-        "1.0",
-        "--ref_model",
-        str(f["ref"]),
-    ]
+    flags = group_flags(f, tmp_path, "grpo", "--beta", "1.0", "--ref_model", str(f["ref"]), rewards=("same",))
     out = tmp_path / "report.json"
     proc = launch([WORKER], [str(out), str(f["given"]), *flags], tmp_path, nproc=2)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -11,9 +11,8 @@ import math
 
 import pytest
 import torch
-from conftest import ROOT, assert_clean_failure, launch, read_jsonl, run_cli
-from test_grpo import LENGTH, PROMPTS, G, rows, setup_files  # noqa: F401 - the module's fixture, shared
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from conftest import ROOT, assert_clean_failure, assert_same_step, launch, read_jsonl, run_cli
+from test_grpo import LENGTH, PROMPTS, G, given_completions, group_flags, per_token_logps, rows, setup_files, trl_models  # noqa: F401 - the module's fixture, shared
 
 WORKER = str(ROOT / "tests" / "workers" / "grpo_step.py")
 
@@ -39,14 +38,8 @@ def trl_rloo_step(files, report: dict, *, beta: float, normalize: bool = False, 
     reference's, summed over each completion."""
     from datasets import Dataset
     from trl import RLOOConfig, RLOOTrainer
-    from trl.trainer.utils import add_fused_lm_head
 
-    tok = AutoTokenizer.from_pretrained(files["policy"])
-    model = AutoModelForCausalLM.from_pretrained(files["policy"], dtype=torch.float32)
-    sampled = AutoModelForCausalLM.from_pretrained(files["policy"], dtype=torch.float32).eval()
-    if report["iteration"] > 1:
-        model.load_state_dict(torch.load(report["weights"], weights_only=True))
-    given = json.loads(files["given"].read_text())
+    tok, model, sampled = trl_models(files, report, sampled_always=True)
     n = PROMPTS * G
     args = RLOOConfig(
         output_dir=str(files["root"] / "trl-rloo"),
@@ -68,75 +61,20 @@ def trl_rloo_step(files, report: dict, *, beta: float, normalize: bool = False, 
         train_dataset=Dataset.from_list(rows()),
         processing_class=tok,
     )
-    keys = [(r, g) for r in range(PROMPTS) for g in range(G)]
-    prompt_ids = torch.tensor([tok(rows()[r]["prompt"])["input_ids"] for r, _ in keys])
-    comp = [given["completions"][f"{r}:{g}"] for r, g in keys]
-    width = max(map(len, comp))
-    completion_ids = torch.tensor([c + [tok.pad_token_id] * (width - len(c)) for c in comp])
-    completion_mask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in comp])
-    ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    mask = torch.cat([torch.ones_like(prompt_ids), completion_mask], dim=1)
-
-    def per_token(other) -> torch.Tensor:  # noqa: ANN001
-        if not isinstance(other, torch.nn.Module):
-            other = AutoModelForCausalLM.from_pretrained(other, dtype=torch.float32).eval()
-        add_fused_lm_head(other, temperature=1.0)  # as TRL prepares its own
-        with torch.no_grad():
-            return trainer._get_per_token_logps_and_entropies(other, ids, mask, width)[0]
-
-    old = per_token(sampled)
+    given = given_completions(files, tok)
+    keys, completion_mask = given["keys"], given["inputs"]["completion_mask"]
+    old = per_token_logps(trainer, sampled, given)
     by_key = {(r["row"], r["place"]): r for r in report["records"]}
     rewards = torch.tensor([math.nan if by_key[k]["reward"] is None else by_key[k]["reward"] for k in keys])
     if beta:
-        rewards = rewards - beta * ((old - per_token(files["ref"])) * completion_mask).sum(-1)
+        rewards = rewards - beta * ((old - per_token_logps(trainer, files["ref"], given)) * completion_mask).sum(-1)
     advantages = leave_one_out(rewards, normalize)
     model.train()
-    inputs = {
-        "prompt_ids": prompt_ids,
-        "prompt_mask": torch.ones_like(prompt_ids),
-        "completion_ids": completion_ids,
-        "completion_mask": completion_mask,
-        "advantages": advantages,
-        "old_logps": (old * completion_mask).sum(1),
-    }
+    inputs = {**given["inputs"], "advantages": advantages, "old_logps": (old * completion_mask).sum(1)}
     trainer.current_gradient_accumulation_steps = 1
     loss = trainer._compute_loss(model, inputs)
     loss.backward()
     return loss.item(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}, advantages
-
-
-def flags_of(f, tmp_path, *extra: str) -> list[str]:  # noqa: ANN001
-    return [
-        "--model",
-        str(f["policy"]),
-        "--dataset",
-        str(f["data"]),
-        "--method",
-        "rloo",
-        "--reward",
-        f"{f['rewards']}:overlap,{f['rewards']}:short",
-        "--reward_weights",
-        "1.0,0.5",
-        "--num_generations",
-        str(G),
-        "--max_completion_length",
-        str(LENGTH),
-        "--max_length",
-        "64",
-        "--batch_size",
-        "8",
-        "--accum_steps",
-        "2",
-        "--precision",
-        "fp32",
-        "--output_dir",
-        str(tmp_path / "out"),
-        "--wandb_mode",
-        "disabled",
-        "--seed",
-        "7",
-        *extra,
-    ]
 
 
 RLOO_CASES = {  # (flags beyond the common ones, TRL's settings)
@@ -157,7 +95,7 @@ RLOO_CASES = {  # (flags beyond the common ones, TRL's settings)
 def test_a_step_is_trls_rloo_loss_and_gradient_on_the_same_completions(tmp_path, setup_files, case):  # noqa: F811
     f = setup_files
     extra, trl_settings = RLOO_CASES[case]
-    flags = flags_of(f, tmp_path, *extra)
+    flags = group_flags(f, tmp_path, "rloo", *extra)
     if trl_settings["beta"]:
         flags += ["--ref_model", str(f["ref"])]
     out = tmp_path / "report.json"
@@ -176,11 +114,7 @@ def test_a_step_is_trls_rloo_loss_and_gradient_on_the_same_completions(tmp_path,
         print(f"{case}: clipped low {low:g}, high {high:g}, of {count:g} completions")
         assert 0 < region < count  # the clip binds on some completions, not all
     print(f"{case}: ours {ours['loss']:.8f}, TRL {loss:.8f}")
-    assert abs(ours["loss"] - loss) <= 1e-5, (ours["loss"], loss)
-    assert set(ours["grads"]) == set(grads)
-    diffs = {n: (torch.tensor(ours["grads"][n]) - g).abs().max().item() for n, g in grads.items()}
-    assert max(diffs.values()) <= 1e-5, sorted(diffs.items(), key=lambda kv: -kv[1])[:4]
-    assert max(g.abs().max().item() for g in grads.values()) > 1e-3  # the gradients are not all zero
+    assert_same_step(ours, loss, grads, floor=1e-3)
 
 
 def test_a_short_rloo_run_resumes_bit_for_bit_and_refuses_a_flag_of_another_method(tmp_path, setup_files):  # noqa: F811
@@ -188,8 +122,8 @@ def test_a_short_rloo_run_resumes_bit_for_bit_and_refuses_a_flag_of_another_meth
     equal the straight run's, completions.jsonl too; metrics hold RLOO's fields with the raw rewards; a GRPO flag is
     refused in one line."""
     f = setup_files
-    flags = flags_of(
-        f, tmp_path, "--beta", "0.05", "--ref_model", str(f["ref"]), "--batch_size", "4", "--accum_steps", "1"
+    flags = group_flags(
+        f, tmp_path, "rloo", "--beta", "0.05", "--ref_model", str(f["ref"]), "--batch_size", "4", "--accum_steps", "1"
     )
     flags = [x for x in flags if x not in ("--output_dir", str(tmp_path / "out"))]
     straight = run_cli(flags + ["--output_dir", str(tmp_path / "a"), "--save_every_steps", "2"], tmp_path, nproc=2)

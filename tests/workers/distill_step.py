@@ -7,28 +7,19 @@ Arguments: the report path, the flags."""
 
 from __future__ import annotations
 
-import json
 import sys
 
-import torch
+from one_step import every_rank, one_step, report, set_up
 
-from fsdp_opt.config.parse import parse_args
-from fsdp_opt.engine.step import accumulate
-from fsdp_opt.runtime.distributed import init_distributed, teardown
+from fsdp_opt.runtime.distributed import teardown
 from fsdp_opt.runtime.exits import end_process
-from fsdp_opt.train.build import setup
 
 
 def main() -> None:
     out_path, flags = sys.argv[1], sys.argv[2:]
-    env = init_distributed("cpu")
-    s = setup(parse_args(flags), env)
+    env, s = set_up(flags)
     step = next(iter(s.plan.steps(0)))
-    s.optimizer.zero_grad(set_to_none=True)
-    s.loss.prepare(s, step)
-    _, sums = accumulate(s, step, 1.0)
-    torch.distributed.all_reduce(sums)
-    grads = {n: p.grad.full_tensor().tolist() for n, p in s.model.named_parameters() if p.grad is not None}
+    sums, grads = one_step(s, step)
     c = s.loss.current
     mine = [
         [
@@ -40,14 +31,10 @@ def main() -> None:
         ]
         for members in c.micro
     ]
-    micro = [None] * env.world_size
-    torch.distributed.all_gather_object(micro, mine)
+    micro = every_rank(env, mine)
     record = s.loss.record(dict(zip(s.loss.names, sums.tolist())), step, 1.0)
-    if env.rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(
-                {"loss": float(sums[0]) / s.loss.denominator(step), "record": record, "grads": grads, "micro": micro}, f
-            )
+    loss = float(sums[0]) / s.loss.denominator(step)
+    report(env, out_path, loss=loss, record=record, grads=grads, micro=micro)
     teardown()
 
 

@@ -12,23 +12,19 @@ from __future__ import annotations
 import json
 import sys
 
-import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from one_step import every_rank, one_step, report, save_weights, set_up
 
 import fsdp_opt.engine.rollout as rollout
-from fsdp_opt.config.parse import parse_args
 from fsdp_opt.engine.generation import Generated
-from fsdp_opt.engine.step import accumulate, train_step
-from fsdp_opt.runtime.distributed import init_distributed, teardown
+from fsdp_opt.engine.step import train_step
+from fsdp_opt.runtime.distributed import teardown
 from fsdp_opt.runtime.exits import end_process
-from fsdp_opt.train.build import setup
 
 
 def main() -> None:
     out_path, given_path, flags = sys.argv[1], sys.argv[2], sys.argv[3:]
     given = json.loads(open(given_path).read())
-    env = init_distributed("cpu")
-    s = setup(parse_args(flags), env)
+    env, s = set_up(flags)
     steps = iter(s.plan.steps(0))
     step = next(steps)
     prompts = s.blocks
@@ -43,36 +39,25 @@ def main() -> None:
     rollout.generate = injected
     if s.config.method.settings.num_iterations > 1:  # the first pass trains; the report is of the second
         train_step(s, step)
-        weights = get_model_state_dict(s.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if env.rank == 0:
-            torch.save(weights, out_path + ".pt")
+        save_weights(s, env, out_path + ".pt")
         step = next(steps)
-    s.optimizer.zero_grad(set_to_none=True)
-    s.loss.prepare(s, step)
-    _, sums = accumulate(s, step, 1.0)
-    torch.distributed.all_reduce(sums)
-    grads = {n: p.grad.full_tensor().tolist() for n, p in s.model.named_parameters() if p.grad is not None}
-    records, micro = [None] * env.world_size, [None] * env.world_size
-    torch.distributed.all_gather_object(records, s.loss.current.records)
+    sums, grads = one_step(s, step)
     c = s.loss.current
-    mine = [[[c.records[i]["row"], c.records[i]["place"]] for i in members] for members in c.micro]
-    torch.distributed.all_gather_object(micro, mine)
-    if env.rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(
-                {
-                    "loss": float(sums[0]),
-                    "kl": float(sums[1]),
-                    "clips": sums[2:].tolist(),
-                    "grads": grads,
-                    "tokens": s.loss.current.totals["tokens"],
-                    "iteration": step.generation.iteration + 1,
-                    "records": [r for part in records for r in part],
-                    "micro_batches": len(s.loss.current.micro),
-                    "micro": micro,
-                },
-                f,
-            )
+    records = every_rank(env, c.records)
+    micro = every_rank(env, [[[c.records[i]["row"], c.records[i]["place"]] for i in members] for members in c.micro])
+    report(
+        env,
+        out_path,
+        loss=float(sums[0]),
+        kl=float(sums[1]),
+        clips=sums[2:].tolist(),
+        grads=grads,
+        tokens=c.totals["tokens"],
+        iteration=step.generation.iteration + 1,
+        records=[r for part in records for r in part],
+        micro_batches=len(c.micro),
+        micro=micro,
+    )
     teardown()
 
 

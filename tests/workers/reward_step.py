@@ -7,40 +7,34 @@ Arguments: the report path, the flags."""
 
 from __future__ import annotations
 
-import json
 import sys
 
-import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from one_step import every_rank, one_step, report, save_weights, set_up
 
-from fsdp_opt.config.parse import parse_args
-from fsdp_opt.engine.step import accumulate
-from fsdp_opt.runtime.distributed import end_process, init_distributed, teardown
-from fsdp_opt.train.build import setup
+from fsdp_opt.runtime.distributed import teardown
+from fsdp_opt.runtime.exits import end_process
 
 
 def main() -> None:
     out_path, flags = sys.argv[1], sys.argv[2:]
-    env = init_distributed("cpu")
-    s = setup(parse_args(flags), env)
-    weights = get_model_state_dict(s.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if env.rank == 0:
-        torch.save(weights, out_path + ".pt")
+    env, s = set_up(flags)
+    save_weights(s, env, out_path + ".pt")
     step = next(iter(s.plan.steps(0)))
-    s.optimizer.zero_grad(set_to_none=True)
-    s.loss.prepare(s, step)
-    _, sums = accumulate(s, step, 1.0)
-    torch.distributed.all_reduce(sums)
-    grads = {n: p.grad.full_tensor().tolist() for n, p in s.model.named_parameters() if p.grad is not None}
-    mine = [[int(s.blocks.index[i]) for i in m] for m in step.micro_batches]
-    micro = [None] * env.world_size
-    torch.distributed.all_gather_object(micro, mine)
+    sums, grads = one_step(s, step)
+    micro = every_rank(env, [[int(s.blocks.index[i]) for i in m] for m in step.micro_batches])
     record = s.loss.record(dict(zip(s.loss.names, sums.tolist())), step, 1.0)
     sequences = [s.blocks.ids[k] for k in range(len(s.blocks.ids))]
-    if env.rank == 0:
-        with open(out_path, "w") as f:
-            report = {"loss": float(sums[0]) / s.loss.denominator(step), "record": record, "grads": grads}
-            json.dump({**report, "micro": micro, "index": s.blocks.index.tolist(), "sequences": sequences}, f)
+    loss = float(sums[0]) / s.loss.denominator(step)
+    report(
+        env,
+        out_path,
+        loss=loss,
+        record=record,
+        grads=grads,
+        micro=micro,
+        index=s.blocks.index.tolist(),
+        sequences=sequences,
+    )
     teardown()
 
 
