@@ -608,36 +608,68 @@ def make_chat_llama(dest: Path, seed: int = 0, template: str | None = LLAMA_STYL
 
 
 SPM_STYLES = {
-    # Llama 2's, Mistral's and Phi-3's: LlamaTokenizer (transformers 5 gives it Metaspace, ▁ put before the text)
-    "llama": (["<unk>", "<s>", "</s>"], "<s>"),
-    # Gemma's: GemmaTokenizer (spaces become ▁, none put before the text)
-    "gemma": (["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"], "<bos>"),
+    # Llama 2's and Mistral's: transformers 5 builds LlamaTokenizer with Metaspace, ▁ put before a text's start only
+    "llama": ["<unk>", "<s>", "</s>"],
+    # Phi-3's tokenizer.json, which transformers 5 keeps for Phi-3: a normalizer puts ▁ before every piece of text
+    "phi3": ["<unk>", "<s>", "</s>"],
+    # Gemma's: GemmaTokenizer, spaces become ▁ and none is put before the text
+    "gemma": ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"],
+}
+# The chat tokens each style adds after its pieces. Phi-3's take the whitespace after them (rstrip), as </s> does,
+# but <|endoftext|> (its padding); Gemma's take none.
+SPM_CHAT_TOKENS = {
+    "llama": [],
+    "phi3": ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"],
+    "gemma": ["<start_of_turn>", "<end_of_turn>"],
 }
 
 
 def make_spm_tokenizer(style: str, bos: bool = True, pieces: int = 1000):
-    """A SentencePiece-style tokenizer as the released Llama 2, Mistral, Phi-3 (`llama`) and Gemma (`gemma`) ones
-    are laid out, small and offline: BPE over characters with byte fallback, its control tokens first, then the 256
-    byte tokens <0x00>..<0xFF>, then pieces and merges learned here (the `tokenizers` trainer) from the Python docs'
-    paragraphs, split at spaces as SentencePiece splits; built through transformers' own class for the family
-    (LlamaTokenizer, GemmaTokenizer), which sets the normalizer, pre-tokenizer and decoder it runs with."""
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
-    from transformers import GemmaTokenizer, LlamaTokenizer
+    """A SentencePiece-style tokenizer laid out as the released Llama 2 and Mistral (`llama`), Phi-3 (`phi3`) and
+    Gemma (`gemma`) ones are, small and offline: BPE over characters with byte fallback, its control tokens first,
+    then the 256 byte tokens <0x00>..<0xFF>, then pieces and merges learned here (the `tokenizers` trainer) from the
+    Python docs' paragraphs, split at spaces as SentencePiece splits, then the style's chat tokens. Built through
+    transformers' own class for the family (LlamaTokenizer, GemmaTokenizer), which sets the normalizer, pre-tokenizer
+    and decoder it runs with; Phi-3's pipeline is its tokenizer.json's."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import GemmaTokenizer, LlamaTokenizer, PreTrainedTokenizerFast
 
     from fsdp_opt.data.builtins import python_docs_texts
 
-    specials, bos_token = SPM_STYLES[style]
+    space = "\u2581"
     learner = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
-    learner.normalizer = normalizers.Replace(" ", "\u2581")
-    learner.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
+    learner.normalizer = normalizers.Replace(" ", space)
+    learner.pre_tokenizer = pre_tokenizers.Metaspace(replacement=space, prepend_scheme="always", split=True)
     learner.train_from_iterator(python_docs_texts()[:400], trainers.BpeTrainer(vocab_size=pieces, show_progress=False))
     spec = json.loads(learner.to_str())["model"]
     learned = sorted(spec["vocab"], key=spec["vocab"].get)
-    vocab = {t: i for i, t in enumerate(specials + [f"<0x{b:02X}>" for b in range(256)] + learned)}
+    vocab = {t: i for i, t in enumerate(SPM_STYLES[style] + [f"<0x{b:02X}>" for b in range(256)] + learned)}
     merges = [tuple(m) for m in spec["merges"]]
-    if style == "llama":
-        return LlamaTokenizer(vocab=vocab, merges=merges, add_bos_token=bos)
-    return GemmaTokenizer(vocab=vocab, merges=merges, add_bos_token=bos)
+    chat = SPM_CHAT_TOKENS[style]
+    if style != "phi3":
+        family = LlamaTokenizer if style == "llama" else GemmaTokenizer
+        tokenizer = family(vocab=vocab, merges=merges, add_bos_token=bos)
+        tokenizer.add_special_tokens({"additional_special_tokens": chat})
+        return tokenizer
+    raw = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    raw.normalizer = normalizers.Sequence([normalizers.Prepend(space), normalizers.Replace(" ", space)])
+    raw.decoder = decoders.Sequence(
+        [decoders.Replace(space, " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    if bos:
+        raw.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+        )
+    strip = {t: AddedToken(t, rstrip=t != "<|endoftext|>", special=True, normalized=False) for t in chat + ["</s>"]}
+    raw.add_special_tokens(list(strip.values()))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=raw,
+        bos_token="<s>",
+        eos_token=strip["</s>"],
+        unk_token="<unk>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=chat,
+    )
 
 
 def make_family_model(

@@ -30,7 +30,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from fsdp_opt.base import CheckpointError, ConfigError, size_text
 from fsdp_opt.checkpoint.atomic import atomic_path
 from fsdp_opt.checkpoint.gguf_arch import Tensor, architecture, plan_tensors, refusal, write_hparams
-from fsdp_opt.checkpoint.gguf_vocab import write_vocab
+from fsdp_opt.checkpoint.gguf_vocab import PHI3_NAMES, write_vocab
 from fsdp_opt.checkpoint.modelfile import write_modelfile
 from fsdp_opt.runtime.hostmem import rss_bytes, total_memory_bytes
 
@@ -182,13 +182,11 @@ def write_gguf(
     source = SafetensorsFolder(folder)
     with atomic_path(gguf_plan.path) as tmp:
         writer = gguf.GGUFWriter(str(tmp), architecture(config))
-        name = gguf_plan.path.stem.rsplit("-", 1)[0]
-        if architecture(config) != "llama" or "mistral" not in name.lower():
-            # NOTE: transformers' GGUF loader reads a `llama` file named "...mistral..." as Mistral, which it then fails
-            # to load: such a file goes without a name (llama.cpp needs none)
-            writer.add_name(name)
         write_hparams(writer, config)
         extra = write_vocab(writer, tokenizer, config)
+        name = model_name(gguf_plan.path, architecture(config), extra["phi3_stripping"])
+        if name:
+            writer.add_name(name)
         writer.add_file_type(_file_type(gguf_plan.qtype))
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         kinds = [ggml_type(gguf_plan.qtype, t) for t in gguf_plan.tensors]
@@ -213,6 +211,19 @@ def write_gguf(
         writer.close()
     log(f"wrote {gguf_plan.path.name} ({size_text(gguf_plan.path.stat().st_size)})")
     return gguf_plan.path, extra
+
+
+def model_name(path: Path, arch: str, phi3_stripping: bool) -> str | None:
+    """general.name, from the file's name, as the readers read it: llama.cpp makes special tokens strip whitespace by
+    it (a "phi3"/"phi-3" name: as Phi-3's do, gguf_vocab.PHI3_NAMES), so it says Phi-3 exactly when the tokenizer
+    strips so; transformers' GGUF loader reads a `llama` file named "...mistral..." as Mistral, which it then fails to
+    load. None: no name (llama.cpp needs none)."""
+    name = path.stem.rsplit("-", 1)[0]
+    if arch == "llama" and "mistral" in name.lower():
+        name = ""
+    if any(p in name.lower() for p in PHI3_NAMES) != phi3_stripping:
+        name = f"{name} (phi-3 tokenizer)".strip() if phi3_stripping else ""
+    return name or None
 
 
 def _file_type(qtype: str) -> int:
@@ -245,9 +256,11 @@ def write_ggufs(
     """Each planned GGUF (its path moved into `folder`) and its Modelfile (`Modelfile`, or `Modelfile.<type>` when
     there are several)."""
     written = []
-    for p in plans:
+    for i, p in enumerate(plans):
         p = GgufPlan(p.qtype, folder / p.path.name, p.tensors, p.file_bytes, p.ram_bytes)
         path, extra = write_gguf(folder, config, tokenizer, p, log)
+        for note in extra["notes"] if i == 0 else []:
+            log(note)
         name = "Modelfile" if len(plans) == 1 else f"Modelfile.{p.qtype}"
         written += [path, write_modelfile(path, tokenizer, extra["add_bos"], name)]
     return written

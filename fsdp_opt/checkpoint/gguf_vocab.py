@@ -119,8 +119,59 @@ def space_prefix(spec: dict[str, Any]) -> bool:
     return '"Prepend"' in text or ('"Metaspace"' in text and '"prepend_scheme": "never"' not in text)
 
 
+def space_prefix_note(spec: dict[str, Any]) -> str | None:
+    """The line that says where llama.cpp tokenizes this tokenizer's text differently (None: nowhere known). llama.cpp
+    puts ▁ before every stretch of text, at the start and after each special token, whether or not it begins with a
+    space (as SentencePiece and a Prepend normalizer do); a Metaspace pre-tokenizer puts none before a text that
+    begins with a space, and with prepend_scheme `first` none after a special token either. No GGUF key changes it."""
+    pre = spec.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    meta = next((s for s in steps if s.get("type") == "Metaspace"), None)
+    if meta is None:
+        return None
+    scheme = meta.get("prepend_scheme") or ("always" if meta.get("add_prefix_space", True) else "never")
+    where = {
+        "first": "after a special token or before a text that begins with a space",
+        "always": "before a text that begins with a space",
+    }.get(scheme)
+    if where is None:
+        return None
+    return (
+        f"gguf: note: llama.cpp puts \u2581 before every stretch of text; this tokenizer (Metaspace, prepend_scheme "
+        f"{scheme}) puts none {where}, so such text tokenizes differently in llama.cpp than in transformers"
+    )
+
+
+# llama.cpp makes its special tokens strip whitespace by the model's name alone (general.name): with "phi3" or
+# "phi-3" in it, every special token strips the whitespace after it, but these three, as Phi-3's tokenizer.json has
+# it; it fails to load such a file without these tokens and </s>. No other name strips anything.
+PHI3_NAMES = ("phi3", "phi-3")
+PHI3_UNSTRIPPED = ("<unk>", "<s>", "<|endoftext|>")
+
+
+def stripping(spec: dict[str, Any], tokens: list[str]) -> tuple[bool, str | None]:
+    """(whether llama.cpp strips as this tokenizer does only under a Phi-3 name, the note for tokens whose stripping
+    llama.cpp cannot give: None when it can)."""
+    added = {a["content"]: a for a in spec.get("added_tokens", [])}
+    stripped = {t for t, a in added.items() if a.get("rstrip") or a.get("lstrip")}
+    if not stripped:
+        return False, None
+    phi3 = (
+        set(PHI3_UNSTRIPPED + ("</s>",)) <= set(tokens)
+        and not any(a.get("lstrip") for a in added.values())
+        and all(bool(a.get("rstrip")) == (t not in PHI3_UNSTRIPPED) for t, a in added.items())
+    )
+    if phi3:
+        return True, None
+    return False, (
+        f"gguf: note: {', '.join(sorted(stripped))} take the whitespace beside them in transformers (lstrip/rstrip); "
+        "llama.cpp does not (it strips only as Phi-3's tokenizer does), so text there tokenizes differently"
+    )
+
+
 def write_vocab(writer: Any, tokenizer: PreTrainedTokenizerBase, config: PretrainedConfig) -> dict[str, Any]:
-    """The tokenizer's keys; returns what the Modelfile needs (add_bos)."""
+    """The tokenizer's keys; returns what the Modelfile needs (add_bos), whether the file's name must say Phi-3 for
+    llama.cpp to strip whitespace as the tokenizer does (`phi3_stripping`), and notes for the log."""
     spec = backend(tokenizer)
     model = kind(spec)
     tokens, types, scores = token_table(tokenizer, spec, config.vocab_size)
@@ -148,4 +199,6 @@ def write_vocab(writer: Any, tokenizer: PreTrainedTokenizerBase, config: Pretrai
     writer.add_add_eos_token(eos)
     if isinstance(tokenizer.chat_template, str):
         writer.add_chat_template(tokenizer.chat_template)
-    return {"add_bos": bos}
+    phi3, strip_note = stripping(spec, tokens)
+    notes = [n for n in (space_prefix_note(spec) if model == "llama" else None, strip_note) if n]
+    return {"add_bos": bos, "phi3_stripping": phi3, "notes": notes}

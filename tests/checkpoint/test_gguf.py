@@ -34,10 +34,10 @@ from fsdp_opt.model.loader import meta_model as build_meta_model
 pytest.importorskip("gguf")
 
 
-def export(folder: Path, types: list[str]) -> list[Path]:
+def export(folder: Path, types: list[str], log=lambda line: None) -> list[Path]:  # noqa: ANN001
     config = AutoConfig.from_pretrained(folder)
     plans = plan_exports(config, SafetensorsFolder(folder).shapes(), types, folder)
-    return write_ggufs(folder, config, AutoTokenizer.from_pretrained(folder), plans, log=lambda line: None)
+    return write_ggufs(folder, config, AutoTokenizer.from_pretrained(folder), plans, log=log)
 
 
 @pytest.mark.parametrize("model_type", sorted(GGUF_FAMILIES))
@@ -106,22 +106,27 @@ SPM_TEXTS = [
 
 
 @pytest.mark.parametrize(
-    "model_type,style", [("llama", "llama"), ("phi3", "llama"), ("gemma2", "gemma"), ("gemma3_text", "gemma")]
+    "model_type,style", [("llama", "llama"), ("phi3", "phi3"), ("gemma2", "gemma"), ("gemma3_text", "gemma")]
 )
 def test_transformers_reads_back_a_sentencepiece_vocabulary(tmp_path, model_type, style):
     """A SentencePiece-style tokenizer (byte fallback, as Llama 2's, Mistral's, Phi-3's and Gemma's are) read back by
     transformers' GGUF loader from the file alone: every token at its id, the special ids, and the same ids for each
     text. For llama's architecture the loader rebuilds the merges from the scores written (a piece made by an earlier
-    merge scores higher), so equal ids test the scores; Gemma's are rebuilt from the tokens' order. Its Phi-3
-    tokenizer puts a ▁ before the text after a special token (llama.cpp's rule), which transformers' own Phi-3
-    tokenizer does not: that text is compared up to the special token."""
+    merge scores higher), so equal ids test the scores; Gemma's are rebuilt from the tokens' order. A GGUF has no field
+    for a token that takes the whitespace after it (Phi-3's </s>: llama.cpp reads that off the model's name, which
+    scripts/gguf_llama_cpp.py checks), so for Phi-3 the text has none there. The log's note says where llama.cpp
+    tokenizes differently (transformers' Llama tokenizer puts no ▁ after a special token) and is silent elsewhere."""
     from gguf import GGUFReader
 
     extra = {"head_dim": 16, "query_pre_attn_scalar": 16} if style == "gemma" else {}
     folder = make_family_model(
         tmp_path / model_type, model_type, bos=True, tokenizer=make_spm_tokenizer(style), **extra
     )
-    export(folder, ["q8_0"])
+    log = []
+    export(folder, ["q8_0"], log.append)
+    assert [line.split(" (")[0] for line in log if "note" in line] == (
+        ["gguf: note: llama.cpp puts \u2581 before every stretch of text; this tokenizer"] if style == "llama" else []
+    )
     alone = tmp_path / "gguf-alone"  # the file without the folder's tokenizer files beside it
     alone.mkdir()
     (folder / f"{model_type}-q8_0.gguf").rename(alone / f"{model_type}-q8_0.gguf")
@@ -132,17 +137,33 @@ def test_transformers_reads_back_a_sentencepiece_vocabulary(tmp_path, model_type
     for name in ("bos", "eos", "unk", "pad"):
         assert getattr(got, f"{name}_token_id") == getattr(want, f"{name}_token_id"), name
     for text in SPM_TEXTS:
-        if model_type == "phi3":
-            text = text.split("</s>")[0]
+        text = text.replace("</s> ", "</s>") if style == "phi3" else text
         assert got(text)["input_ids"] == want(text)["input_ids"], (text, got.tokenize(text), want.tokenize(text))
 
     fields = GGUFReader(str(alone / f"{model_type}-q8_0.gguf")).fields
     assert fields["tokenizer.ggml.model"].contents() == "llama"
-    assert fields["tokenizer.ggml.add_space_prefix"].contents() is (style == "llama")
-    types = fields["tokenizer.ggml.token_type"].contents()
-    specials = len(want.all_special_tokens)
-    assert types[:specials] == [3] * specials and types[specials : specials + 256] == [6] * 256  # control, byte
-    assert set(types[specials + 256 : len(vocab)]) == {1} and set(types[len(vocab) :]) == {5}  # normal, unused
+    assert fields["tokenizer.ggml.add_space_prefix"].contents() is (style != "gemma")
+    kinds = {3: set(want.all_special_tokens), 6: {f"<0x{b:02X}>" for b in range(256)}}  # control, byte
+    by_id = {i: t for t, i in vocab.items()}
+    for i, kind in enumerate(fields["tokenizer.ggml.token_type"].contents()):
+        token = by_id.get(i)
+        assert kind == (5 if token is None else next((k for k, ts in kinds.items() if token in ts), 1)), (i, token)
+
+
+def test_the_name_says_phi3_exactly_where_the_tokens_strip_as_phi3s(tmp_path):
+    """llama.cpp makes special tokens take the whitespace after them by the model's name ("phi3"/"phi-3"), and fails
+    to load such a file whose vocabulary lacks <|endoftext|>: a Phi-3 model whose tokenizer strips nothing, in a
+    folder named phi3, gets no name; one whose tokenizer strips as Phi-3's does, in a folder named otherwise, gets
+    a name that says Phi-3."""
+    from gguf import GGUFReader
+
+    plain = make_family_model(tmp_path / "phi3", "phi3", bos=True)
+    stripping = make_family_model(tmp_path / "exported", "phi3", bos=True, tokenizer=make_spm_tokenizer("phi3"))
+    for folder in (plain, stripping):
+        export(folder, ["f16"])
+    assert "general.name" not in GGUFReader(str(plain / "phi3-f16.gguf")).fields
+    name = GGUFReader(str(stripping / "exported-f16.gguf")).fields["general.name"].contents()
+    assert name == "exported (phi-3 tokenizer)"
 
 
 def test_a_model_llama_cpp_does_not_run_gets_one_line(tmp_path):
