@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from fsdp_opt.config.method import union_flags
 from fsdp_opt.config.parse import build_parser
 
 FLAGS_PAGE = Path("docs") / "flags.md"
@@ -36,6 +37,11 @@ def _default(action: argparse.Action) -> str:
     if isinstance(action, argparse._VersionAction):
         return ""
     value = action.default
+    if value is argparse.SUPPRESS:  # a method's flag: the run's method's default (its help gives each method's)
+        defaults = {repr(f.default) for _, f in union_flags()[action.dest]}
+        if len(defaults) > 1:
+            return "per method"
+        value = next(f.default for _, f in union_flags()[action.dest])
     if value is None:
         return "none"
     if isinstance(value, bool):

@@ -99,14 +99,22 @@ def method_field(name: str) -> dataclasses.Field:
 
 def union_help(taken: list[tuple[str, dataclasses.Field]]) -> str:
     """Each method's meaning of a flag, with its default: one sentence for the methods that share both."""
-    by_text: dict[tuple[str, str], list[str]] = {}
+    by_text: dict[tuple[str, Any], list[str]] = {}
     for method, f in taken:
-        default = "" if f.default is None else f" (default {f.default!r})"
-        by_text.setdefault((f.metadata["help"], default), []).append(method)
+        by_text.setdefault((f.metadata["help"], f.default), []).append(method)
+    several = len({default for _, default in by_text}) > 1  # then each method's sentence says its default
     return " ".join(
-        f"--method {in_words(methods, 'and')}: {text[0].lower()}{text[1:]}{default}"
+        f"--method {in_words(methods, 'and')}: {text[0].lower()}{text[1:]}"
+        if not several
+        else f"--method {in_words(methods, 'and')}: {text[0].lower()}{text[1:].rstrip('.')}{with_default(default)}."
         for (text, default), methods in by_text.items()
     )
+
+
+def with_default(value: Any) -> str:  # noqa: ANN401
+    """' (default: X).' for a sentence that differs by method in its default alone."""
+    shown = "none" if value is None else str(value).lower() if isinstance(value, bool) else value
+    return f" (default: {shown})"
 
 
 def add_method_flags(parser: argparse.ArgumentParser | Any, add_flag) -> None:  # noqa: ANN001
