@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 
 from fsdp_opt.base import ConfigError
+from fsdp_opt.config.benchmarks import add_lm_eval_flags
 from fsdp_opt.config.choices import DATA_FORMATS, STRATEGIES, TRAIN_ON
 from fsdp_opt.config.flags import OneLineParser
 from fsdp_opt.config.method import MethodConfig
 from fsdp_opt.config.parse import add_flag, config_field
+from fsdp_opt.engine.decoding import PATHS
 from fsdp_opt.runtime.distributed import (
     end_process,
     fail,
@@ -28,6 +30,7 @@ from fsdp_opt.runtime.distributed import (
 )
 from fsdp_opt.runtime.hostmem import configure_allocator
 from fsdp_opt.train.compare import DEFAULT_EVAL_ROWS, compare
+from fsdp_opt.train.scores import benchmark
 
 # ---------------------------------------------------------------- python -m fsdp_opt.evaluate
 
@@ -136,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output_dir", default="outputs", help="where checkpoint names are looked up")
     p.add_argument("--hf_repo", default=None, help="Hub repo searched for checkpoints not found locally")
     p.add_argument("--json", default=None, help="write the report here too")
+    p.add_argument(
+        "--decoding",
+        default="static",
+        choices=PATHS,
+        help="--tasks' generate_until requests: a static KV cache, each step a CUDA graph's replay with graphs (GPU)",
+    )
+    add_lm_eval_flags(p)
     return p
 
 
@@ -158,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     env = init_distributed(args.device)
     configure_allocator(cpu_device=env.device.type == "cpu")
     try:
-        compare(args, env)
+        benchmark(args, env) if args.tasks else compare(args, env)
     except ConfigError as exc:
         fail(str(exc))
     finally:

@@ -1,0 +1,242 @@
+"""Benchmark scores through lm-evaluation-harness: its tasks (names, groups, tags, or task YAML files), read before
+anything is built, and a model scored on them on every rank (engine/lmeval.py ModelLM), with lm-eval's own flags,
+results, samples and W&B names.
+
+- `load_tasks`: each task resolved and its data read now (the datasets' cache then holds it); an unknown task, data
+  that cannot be read, or a task that runs generated code without `--confirm_run_unsafe_code` is one line naming the
+  task and the reason.
+- `score`: lm-eval's `simple_evaluate` on the tasks read, the model gathered once for all of it (or on its shards),
+  every rank its share of the documents; the results on rank 0 (None elsewhere).
+- `metric_table` / `wandb_values`: the results as lm-eval keys them (`{task: {"acc,none": .., "acc_stderr,none": ..}}`)
+  and as its W&B logger names them (`task/acc`, `task/acc_stderr`: ",none" dropped).
+- `write_output`: lm-eval's results JSON and, with log_samples, its samples files, as its command writes them under
+  --output_path (a folder a model).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from fsdp_opt.base import ConfigError, DataError
+from fsdp_opt.engine.decoding import Decoder
+from fsdp_opt.engine.generation import gathered
+from fsdp_opt.engine.lmeval import ModelLM
+from fsdp_opt.runtime.distributed import DistEnv
+
+# lm-eval's own defaults (its command's): the seeds of its few-shot sampling and of the stderr bootstrap
+SEEDS = {"random_seed": 0, "numpy_random_seed": 1234, "torch_random_seed": 1234, "fewshot_random_seed": 1234}
+BOOTSTRAP_ITERS = 100_000
+# result keys that are not metrics
+NOT_METRICS = {"alias", "name", "sample_len", "samples", " "}
+
+
+@dataclass
+class TaskSettings:
+    """lm-eval's flags, with lm-eval's meanings; `flag` is how the command names --tasks (the trainer: --eval_tasks)."""
+
+    tasks: list[str]
+    include_path: str | None = None
+    num_fewshot: int | None = None
+    limit: float | None = None
+    apply_chat_template: bool | str = False
+    fewshot_as_multiturn: bool = False
+    gen_kwargs: str | None = None
+    confirm_run_unsafe_code: bool = False
+    log_samples: bool = False
+    bootstrap_iters: int = BOOTSTRAP_ITERS
+    flag: str = "--tasks"
+
+    def __post_init__(self) -> None:
+        if not self.tasks:
+            raise ConfigError(f"{self.flag}: name at least one lm-eval task (or a task YAML file)")
+        if self.num_fewshot is not None and self.num_fewshot < 0:
+            raise ConfigError(f"{self.prefix}num_fewshot {self.num_fewshot}: must be 0 or more")
+        if self.limit is not None and not self.limit > 0:
+            raise ConfigError(
+                f"{self.prefix}limit {self.limit}: must be more than 0 (below 1: a fraction of each task)"
+            )
+        if self.fewshot_as_multiturn and not self.apply_chat_template:
+            raise ConfigError(f"{self.prefix}fewshot_as_multiturn: needs {self.prefix}apply_chat_template")
+
+    @property
+    def prefix(self) -> str:
+        """The flags' prefix: `--` (evaluate) or `--eval_` (the trainer)."""
+        return self.flag[: -len("tasks")]
+
+
+@dataclass
+class Tasks:
+    """The tasks read: lm-eval's task manager and the tasks and groups each name built (their data in memory)."""
+
+    settings: TaskSettings
+    manager: Any  # lm_eval.tasks.TaskManager
+    built: list[Any] = field(default_factory=list)  # lm-eval Task and Group objects, as named
+    names: list[str] = field(default_factory=list)  # every leaf task
+
+    def describe(self) -> str:
+        return ", ".join(self.names)
+
+
+def quiet_lm_eval() -> None:
+    """lm-eval's INFO lines (a line per task and request type) off: its warnings stay."""
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)
+
+
+def new_manager(settings: TaskSettings, defaults: bool | None = None) -> Any:
+    """lm-eval's TaskManager over its own tasks and --include_path. Indexing lm-eval's some 15,000 task files takes
+    about 10 s of a core: when every task named is a YAML file (`defaults` None), it indexes only those."""
+    from lm_eval.tasks import TaskManager
+
+    quiet_lm_eval()
+    if defaults is None:
+        defaults = not all(spec.endswith((".yaml", ".yml")) and Path(spec).is_file() for spec in settings.tasks)
+    try:
+        return TaskManager(include_path=settings.include_path, include_defaults=defaults)
+    except Exception as exc:  # noqa: BLE001 - a folder of task YAMLs lm-eval cannot index
+        raise ConfigError(f"{settings.prefix}include_path {settings.include_path}: {_first_line(exc)}") from None
+
+
+def load_tasks(settings: TaskSettings, manager: Any = None) -> Tasks:
+    """Every task of --tasks resolved and its data read (a download fills the datasets' cache). One line naming the
+    task and the reason when one does not exist, its data cannot be read, or it runs generated code unconfirmed."""
+    flag = settings.flag
+    manager = manager or new_manager(settings)
+    tasks = Tasks(settings, manager)
+    for name in settings.tasks:
+        try:
+            loaded = manager.load([name])
+        except KeyError:
+            raise ConfigError(
+                f"{flag} {name}: no such lm-eval task, group or tag, nor a task YAML file"
+                + ("" if settings.include_path else f" (a folder of your own: {settings.prefix}include_path)")
+            ) from None
+        except Exception as exc:  # noqa: BLE001 - the dataset's loader: no network, no such file or config, ...
+            raise DataError(f"{flag} {name}: its data could not be read ({_first_line(exc)})") from None
+        for task_name, task in loaded["tasks"].items():
+            if getattr(task, "UNSAFE_CODE", False) and not settings.confirm_run_unsafe_code:
+                raise ConfigError(
+                    f"{flag} {name}: task {task_name} runs the code the model generates; give "
+                    f"{settings.prefix}confirm_run_unsafe_code to run it"
+                )
+        children = {child for kids in loaded["group_map"].values() for child in kids}
+        tops = [g for n, g in loaded["groups"].items() if n not in children]
+        tasks.built += tops or [t for n, t in loaded["tasks"].items() if n not in children]
+        tasks.names += [n for n in loaded["tasks"] if n not in tasks.names]
+    return tasks
+
+
+def _first_line(exc: BaseException) -> str:
+    text = (str(exc).strip().splitlines() or [""])[0][:300]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def score(
+    model: nn.Module,
+    tokenizer,
+    env: DistEnv,
+    tasks: Tasks,
+    *,
+    batch_size: int,
+    name: str,
+    gather: bool = True,
+    decoder: Decoder | None = None,
+    seed: int = 0,
+    tracker: Any = None,
+) -> dict[str, Any] | None:  # noqa: ANN001
+    """Every rank: the model scored on the tasks (lm-eval's simple_evaluate), gathered once for all of it where
+    `gather` (LoRA merged as for generation), else on its shards. lm-eval's results on rank 0, None on the others."""
+    from lm_eval import simple_evaluate
+
+    settings = tasks.settings
+    quiet_lm_eval()
+    with gathered(model, gather):
+        lm = ModelLM(model, tokenizer, env, batch_size=batch_size, gather=gather, decoder=decoder, seed=seed)
+        results = simple_evaluate(
+            model=lm,
+            model_args=f"pretrained={name}",  # the name lm-eval's results and their folder carry
+            tasks=list(tasks.built),
+            task_manager=tasks.manager,
+            num_fewshot=settings.num_fewshot,
+            limit=settings.limit,
+            apply_chat_template=settings.apply_chat_template,
+            fewshot_as_multiturn=settings.fewshot_as_multiturn,
+            gen_kwargs=settings.gen_kwargs,
+            log_samples=settings.log_samples,
+            bootstrap_iters=settings.bootstrap_iters,
+            confirm_run_unsafe_code=settings.confirm_run_unsafe_code,
+            evaluation_tracker=tracker,
+            **SEEDS,
+        )
+    return results if env.is_main else None
+
+
+def metric_table(results: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Each task's metrics and their stderrs as lm-eval keys them ("acc,none", "acc_stderr,none"), numbers only."""
+    out: dict[str, dict[str, float]] = {}
+    for task, values in (results.get("results") or {}).items():
+        kept = {k: float(v) for k, v in values.items() if k not in NOT_METRICS and _number(v)}
+        if kept:
+            out[task] = kept
+    return out
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(float(value))
+
+
+def wandb_values(table: dict[str, dict[str, float]]) -> dict[str, float]:
+    """The W&B keys lm-eval's WandbLogger logs the results under: `task/metric` with ",none" dropped."""
+    from lm_eval.loggers.utils import remove_none_pattern
+
+    return {
+        f"{task}/{remove_none_pattern(key)[0]}": value
+        for task, values in table.items()
+        for key, value in values.items()
+    }
+
+
+def columns(tables: list[dict[str, dict[str, float]]]) -> list[tuple[str, str]]:
+    """(task, metric key) of every metric in the tables (not the stderrs), in order: a report's columns."""
+    seen: dict[tuple[str, str], None] = {}
+    for table in tables:
+        for task, values in table.items():
+            for key in values:
+                metric, _, kind = key.partition(",")
+                if not metric.endswith("_stderr"):
+                    seen[(task, key)] = None
+    return list(seen)
+
+
+def stderr_key(key: str) -> str:
+    """The stderr's key of a metric's: "acc,none" -> "acc_stderr,none"."""
+    metric, _, kind = key.partition(",")
+    return f"{metric}_stderr,{kind}"
+
+
+def new_tracker(output_path: str | None) -> Any:
+    """lm-eval's EvaluationTracker for --output_path (None: nothing written)."""
+    if not output_path:
+        return None
+    from lm_eval.loggers import EvaluationTracker
+
+    return EvaluationTracker(output_path=output_path)
+
+
+def write_output(tracker: Any, results: dict[str, Any], log_samples: bool) -> list[str]:
+    """Rank 0: lm-eval's results JSON (and each task's samples) under --output_path, as its command writes them.
+    Returns what was written."""
+    results = dict(results)
+    samples = results.pop("samples", None)
+    tracker.save_results_aggregated(results=results, samples=samples if log_samples else None)
+    if log_samples and samples:
+        for task_name in results.get("configs", {}):
+            if task_name in samples:
+                tracker.save_results_samples(task_name=task_name, samples=samples[task_name])
+    folder = tracker.output_path
+    return [str(folder)] if folder else []
