@@ -145,6 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=PATHS,
         help="--tasks' generate_until requests: a static KV cache, each step a CUDA graph's replay with graphs (GPU)",
     )
+    p.add_argument(
+        "--gather_model",
+        default="auto",
+        choices=["auto", "true", "false"],
+        help="--tasks: score on the model gathered whole once (true), or on its shards, each block gathered in every "
+        "forward (false; slower); auto: gathered where it fits the GPU beside a batch's forward and KV cache",
+    )
     add_lm_eval_flags(p)
     return p
 

@@ -102,8 +102,11 @@ def benchmark(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
     if template and args.apply_chat_template:
         tokenizer.chat_template = template  # the template the run trained with
     seed = args.seed if args.seed is not None else int(trained.get("seed", 42))
-    gather = all_ranks_ok(
-        lambda: gathered_scoring_fits(model_config, env, precision, args.batch_size, args.sharding_strategy)
+    gather = args.gather_model == "true" or (
+        args.gather_model == "auto"
+        and all_ranks_ok(
+            lambda: gathered_scoring_fits(model_config, env, precision, args.batch_size, args.sharding_strategy)
+        )
     )
     candidates = ([] if args.no_base else [{"name": f"base ({model_name})", "kind": "base"}]) + entries
     print0(

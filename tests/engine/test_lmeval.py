@@ -1,0 +1,201 @@
+"""lm-eval's interface over the project's model (engine/lmeval.py, `fsdp-opt evaluate --tasks`): on an exported
+checkpoint of a small model, in fp32, on 2 ranks (FSDP2 over gloo, 2 processes), with 7 documents a task (2 does not
+divide them), every metric and every sample equal to lm-eval's own HFLM on the same folder in one process: a
+multiple-choice task, a generate_until task and a loglikelihood_rolling (perplexity) task, from task YAMLs over local
+files (the ones docs/ ships), and lm-eval's own arc_easy read from a copy of its dataset on the loopback Hub."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import ROOT, assert_clean_failure, built_once, hub_env, launch, run_cli
+from hubdata import PARAGRAPHS, card, repo_files
+from hubserver import HubServer
+
+TASK_YAMLS = ("pydocs_choice", "pydocs_complete", "pydocs_perplexity")
+LIMIT = "7"  # documents of each task: 4 on rank 0, 3 on rank 1
+TOLERANCE = 1e-5  # a log-likelihood's, relative to its size (at least 1): fp32 sums over a batch laid out otherwise
+
+
+def local_tasks(folder: Path) -> list[str]:
+    """docs/tasks' YAMLs with their data files named by absolute path (lm-eval reads a relative one from the cwd)."""
+    out = []
+    for name in TASK_YAMLS:
+        text = (ROOT / "docs" / "tasks" / f"{name}.yaml").read_text()
+        (folder / f"{name}.yaml").write_text(text.replace("docs/tasks/", f"{ROOT}/docs/tasks/"))
+        out.append(str(folder / f"{name}.yaml"))
+    return out
+
+
+def arc_rows(split: str, n: int) -> list[dict]:
+    """ARC's columns (id, question, choices {text, label}, answerKey), the questions made from Python's docs."""
+    rows = []
+    for i in range(n):
+        words = [PARAGRAPHS[(5 * i + k * 11) % len(PARAGRAPHS)].split(" ") for k in range(4)]
+        rows.append(
+            {
+                "id": f"{split}-{i}",
+                "question": f"Which words follow '{' '.join(words[0][:6])}'?",
+                "choices": {"text": [" ".join(w[6:9]) for w in words], "label": ["A", "B", "C", "D"]},
+                "answerKey": "ABCD"[i % 4],
+            }
+        )
+    return rows
+
+
+def arc_repo(root: Path) -> dict:
+    """allenai/ai2_arc as the Hub lays it: a folder of parquet files a config, a card naming them."""
+    configs = {}
+    for config in ("ARC-Easy", "ARC-Challenge"):
+        (root / config).mkdir(parents=True)
+        for split, n in (("train", 6), ("validation", 4), ("test", 9)):
+            pq.write_table(pa.Table.from_pylist(arc_rows(split, n)), root / config / f"{split}-00000-of-00001.parquet")
+        configs[config] = {s: f"{config}/{s}-*" for s in ("train", "validation", "test")}
+    (root / "README.md").write_text(card(configs))
+    return repo_files(root)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, det_model) -> Path:
+    """A 2-rank training run of a small OPT, exported in fp32 (`--export_hf`): a Hugging Face folder."""
+
+    def build(folder: Path) -> None:
+        proc = run_cli(
+            [
+                *("--model", str(det_model), "--dataset", "python-docs", "--start_idx", "0", "--end_idx", "40"),
+                *("--max_length", "64", "--batch_size", "2", "--lr", "3e-3", "--precision", "fp32"),
+                *("--output_dir", "out", "--export_hf", "out/export", "--export_dtype", "fp32"),
+            ],
+            folder,
+            nproc=2,
+        )
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+    return built_once(tmp_path_factory, "lmeval-export", build) / "out" / "export"
+
+
+def read_output(folder: Path) -> tuple[dict, dict[str, list[dict]]]:
+    """lm-eval's results JSON and samples (by task, in document order) under one model's --output_path folder."""
+    (results,) = folder.glob("results_*.json")
+    samples = {}
+    for path in folder.glob("samples_*.jsonl"):
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        samples[path.name.split("_")[1] if "pydocs" not in path.name else "_".join(path.name.split("_")[1:3])] = sorted(
+            rows, key=lambda r: r["doc_id"]
+        )
+    return json.loads(results.read_text()), samples
+
+
+def close(a: float, b: float) -> bool:
+    return abs(a - b) <= TOLERANCE * max(1.0, abs(b))
+
+
+def assert_same(mine: Path, reference: Path, tasks: list[str]) -> dict[str, int]:
+    """Every metric of every task, and each sample's responses: log-likelihoods within TOLERANCE with their is-greedy
+    flags, generated strings equal. Returns the samples compared a task."""
+    ours, our_samples = read_output(mine)
+    theirs, their_samples = read_output(reference)
+    compared = {}
+    for task in tasks:
+        a, b = ours["results"][task], theirs["results"][task]
+        metrics = [k for k, v in b.items() if "," in k and isinstance(v, (int, float))]
+        assert metrics, b
+        for key in metrics:
+            assert math.isclose(a[key], b[key], rel_tol=1e-6, abs_tol=1e-9), (task, key, a[key], b[key])
+        kind = theirs["configs"][task]["output_type"]
+        samples_a = {s["doc_id"]: s for s in our_samples[task]}
+        samples_b = {s["doc_id"]: s for s in their_samples[task]}
+        assert sorted(samples_a) == sorted(samples_b) == list(range(int(LIMIT))), task
+        for doc, theirs_doc in samples_b.items():
+            for resp_a, resp_b in zip(samples_a[doc]["resps"], theirs_doc["resps"], strict=True):
+                # a request lm-eval repeated to even out the ranks' counts holds a response each time it ran
+                assert resp_a == [resp_a[0]] * len(resp_a), (task, doc, resp_a)
+                x, (y,) = resp_a[0], resp_b
+                if kind == "generate_until":  # the text itself
+                    assert x == y, (task, doc, x, y)
+                elif kind == "loglikelihood_rolling":  # the document's log-likelihood
+                    assert close(float(x), float(y)), (task, doc, x, y)
+                else:  # (log-probability, is greedy)
+                    assert close(float(x[0]), float(y[0])) and x[1] == y[1], (task, doc, x, y)
+        compared[task] = len(samples_b)
+    return compared
+
+
+def evaluate(args: list[str], cwd: Path, env=None, nproc: int = 2):  # noqa: ANN001
+    return launch(["-m", "fsdp_opt.evaluate"], args, cwd, nproc, timeout=600, env=env)
+
+
+def reference(exported: Path, out: Path, tasks: str, cwd: Path, env=None):  # noqa: ANN001
+    proc = launch(
+        [str(ROOT / "tests" / "workers" / "hflm_reference.py")],
+        [str(exported), str(out), tasks, LIMIT, "3"],
+        cwd,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_two_ranks_score_what_lm_evals_hflm_scores_on_the_exported_folder(tmp_path, exported):
+    tasks = ",".join(local_tasks(tmp_path))
+    args = ["--checkpoints", str(exported), "--no_base", "--tasks", tasks, "--limit", LIMIT, "--batch_size", "3"]
+    args += ["--log_samples", "--output_path", "ours", "--precision", "fp32", "--json", "report.json"]
+    proc = evaluate(args, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "on the model gathered once" in proc.stdout
+    reference(exported, tmp_path / "theirs", tasks, tmp_path)
+    compared = assert_same(tmp_path / "ours" / "export", tmp_path / "theirs" / "reference", list(TASK_YAMLS))
+    assert compared == dict.fromkeys(TASK_YAMLS, int(LIMIT))
+    report = json.loads((tmp_path / "report.json").read_text())
+    (row,) = report["models"]
+    results, _ = read_output(tmp_path / "ours" / "export")
+    assert row["benchmarks"]["pydocs_choice"]["acc,none"] == results["results"]["pydocs_choice"]["acc,none"]
+    assert "acc_stderr,none" in row["benchmarks"]["pydocs_choice"]
+    assert "| export | " in proc.stdout  # the report's row
+
+
+def test_arc_easy_from_the_loopback_hub_on_the_shards_equals_hflm(tmp_path, exported):
+    """lm-eval's own arc_easy (its task file, its dataset's layout) on the model's shards (each forward a collective,
+    the ranks in lockstep)."""
+    with HubServer() as server:
+        server.commit_dataset("allenai/ai2_arc", arc_repo(tmp_path / "arc"))
+        env = hub_env(tmp_path, server, "ours")
+        args = ["--checkpoints", str(exported), "--no_base", "--tasks", "arc_easy", "--limit", LIMIT]
+        args += ["--gather_model", "false"]
+        args += ["--batch_size", "3", "--log_samples", "--output_path", "ours", "--precision", "fp32"]
+        proc = evaluate(args, tmp_path, env=env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "on the shards" in proc.stdout
+        reference(exported, tmp_path / "theirs", "arc_easy", tmp_path, env=hub_env(tmp_path, server, "theirs"))
+        assert server.count("dataset-resolve") > 0
+    assert assert_same(tmp_path / "ours" / "export", tmp_path / "theirs" / "reference", ["arc_easy"]) == {
+        "arc_easy": int(LIMIT)
+    }
+
+
+def unsafe_task(folder: Path) -> str:
+    text = (ROOT / "docs" / "tasks" / "pydocs_complete.yaml").read_text()
+    text = text.replace("task: pydocs_complete", "task: runs_code\nunsafe_code: true")
+    (folder / "runs_code.yaml").write_text(text.replace("docs/tasks/", f"{ROOT}/docs/tasks/"))
+    return str(folder / "runs_code.yaml")
+
+
+def test_unknown_unreadable_and_unsafe_tasks_stop_before_training_in_one_line(tmp_path):
+    train = ["--model", "tiny-opt", "--dataset", "python-docs", "--end_idx", "16", "--max_length", "32"]
+    train += ["--output_dir", "out", "--hf_repo", "user/never"]  # a lease would be taken at the Hub (dead here)
+    missing = tmp_path / "missing.yaml"
+    missing.write_text((ROOT / "docs/tasks/pydocs_choice.yaml").read_text().replace("docs/tasks/", "/nowhere/"))
+    cases = [
+        (["--eval_tasks", "no_such_task"], 0, ("--eval_tasks no_such_task", "no such lm-eval task")),
+        (["--eval_tasks", str(missing)], 2, ("--eval_tasks", "missing.yaml", "its data could not be read")),
+        (["--eval_tasks", unsafe_task(tmp_path)], 0, ("runs_code", "--eval_confirm_run_unsafe_code")),
+    ]
+    for flags, nproc, needles in cases:
+        proc = run_cli(train + flags, tmp_path, nproc=nproc)
+        assert_clean_failure(proc, *needles)
+        assert not (tmp_path / "out").exists()  # nothing trained, nothing written
