@@ -26,7 +26,6 @@ from torch import nn
 from fsdp_opt.base import ConfigError, DataError
 from fsdp_opt.engine.decoding import Decoder
 from fsdp_opt.engine.generation import gathered
-from fsdp_opt.engine.lmeval import ModelLM
 from fsdp_opt.runtime.distributed import DistEnv
 
 # lm-eval's own defaults (its command's): the seeds of its few-shot sampling and of the stderr bootstrap
@@ -91,7 +90,12 @@ def quiet_lm_eval() -> None:
 def new_manager(settings: TaskSettings, defaults: bool | None = None) -> Any:
     """lm-eval's TaskManager over its own tasks and --include_path. Indexing lm-eval's some 15,000 task files takes
     about 10 s of a core: when every task named is a YAML file (`defaults` None), it indexes only those."""
-    from lm_eval.tasks import TaskManager
+    try:
+        from lm_eval.tasks import TaskManager
+    except ImportError:
+        raise ConfigError(
+            f"{settings.flag}: lm-evaluation-harness is not installed (pip install 'fsdp-opt[eval]')"
+        ) from None
 
     quiet_lm_eval()
     if defaults is None:
@@ -153,6 +157,8 @@ def score(
     `gather` (LoRA merged as for generation), else on its shards. lm-eval's results on rank 0, None on the others."""
     from lm_eval import simple_evaluate
 
+    from fsdp_opt.engine.lmeval import ModelLM  # lm-eval's interface: the [eval] extra, imported when scoring
+
     settings = tasks.settings
     quiet_lm_eval()
     with gathered(model, gather):
@@ -201,24 +207,6 @@ def wandb_values(table: dict[str, dict[str, float]]) -> dict[str, float]:
     }
 
 
-def columns(tables: list[dict[str, dict[str, float]]]) -> list[tuple[str, str]]:
-    """(task, metric key) of every metric in the tables (not the stderrs), in order: a report's columns."""
-    seen: dict[tuple[str, str], None] = {}
-    for table in tables:
-        for task, values in table.items():
-            for key in values:
-                metric, _, kind = key.partition(",")
-                if not metric.endswith("_stderr"):
-                    seen[(task, key)] = None
-    return list(seen)
-
-
-def stderr_key(key: str) -> str:
-    """The stderr's key of a metric's: "acc,none" -> "acc_stderr,none"."""
-    metric, _, kind = key.partition(",")
-    return f"{metric}_stderr,{kind}"
-
-
 def new_tracker(output_path: str | None) -> Any:
     """lm-eval's EvaluationTracker for --output_path (None: nothing written)."""
     if not output_path:
@@ -240,3 +228,29 @@ def write_output(tracker: Any, results: dict[str, Any], log_samples: bool) -> li
                 tracker.save_results_samples(task_name=task_name, samples=samples[task_name])
     folder = tracker.output_path
     return [str(folder)] if folder else []
+
+
+def request_counts(tasks: Tasks, tokenizer, max_length: int) -> dict[str, Any]:  # noqa: ANN001
+    """What one scoring asks of the model (all ranks), for the plan: requests, the tokens of the loglikelihood ones,
+    the generate_until ones and their max_gen_toks, the longest request's tokens. Counted from the requests lm-eval
+    builds (few-shot examples included), before the model exists."""
+    from lm_eval.evaluator_utils import get_sample_size
+
+    settings = tasks.settings
+    counts = {"requests": 0, "tokens": 0, "generations": 0, "max_gen_toks": 0, "longest": 1}
+    for task in tasks.manager.load(list(tasks.built))["tasks"].values():
+        if settings.num_fewshot is not None and task.get_config("num_fewshot") != 0:
+            task.set_config(key="num_fewshot", value=settings.num_fewshot)
+        task.build_all_requests(limit=get_sample_size(task, settings.limit), rank=0, world_size=1)
+        for instance in task.instances:
+            counts["requests"] += 1
+            text = "".join(a for a in instance.args if isinstance(a, str))
+            length = min(max_length, len(tokenizer(text)["input_ids"]))
+            counts["longest"] = max(counts["longest"], length)
+            if instance.request_type == "generate_until":
+                wanted = instance.args[1] or {}
+                counts["generations"] += 1
+                counts["max_gen_toks"] = max(counts["max_gen_toks"], int(wanted.get("max_gen_toks", 256)))
+            else:
+                counts["tokens"] += length
+    return counts

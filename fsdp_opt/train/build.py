@@ -46,6 +46,7 @@ from fsdp_opt.runtime.torchao_gate import check_for_nf4
 from fsdp_opt.tracking.metrics import MetricsWriter
 from fsdp_opt.tracking.wandb_run import WandbRun
 from fsdp_opt.train.chain import start_status
+from fsdp_opt.train.chain_scores import read_run_tasks, start_scores
 from fsdp_opt.train.inputs import Loaded, check_pin, read_inputs, refuse_changed_mixture_now
 from fsdp_opt.train.methods import Method, method_for
 from fsdp_opt.train.publish import start_uploader
@@ -61,6 +62,7 @@ class Checked:
     source: ModelSource
     precision: str  # --precision, with auto decided for this device
     accum_steps: int | None  # --accum_steps, or what --global_batch implies for this many ranks (None: auto decides)
+    tasks: Any = None  # --eval_tasks, read (engine/benchmarks.py Tasks)
 
 
 @dataclass
@@ -121,6 +123,7 @@ def setup(config: Config, env: DistEnv, checked: Checked | None = None, lease: L
     built = build_model(config, env, checked, inputs, resume.payload, method, layout)
     session = make_session(config, env, checked, inputs, built, method)
     method.after_model(session)
+    session.benchmarks = start_scores(session, checked.tasks, resume.payload)  # before handover drops the payload
     session.lease = lease
     session.data_revision = revision
     if env.is_main:
@@ -181,7 +184,8 @@ def check_flags(config: Config, env: DistEnv) -> Checked:
     if config.method.spec.generates:  # a step's completions: whole groups of --num_generations
         check_groups(config.train.samples_per_step(env.world_size), config.method.completions_per_prompt)
         generation_slices(config.method.steps_per_generation, None if auto else config.train.accum_for(env.world_size))
-    return Checked(source, precision, None if auto else config.train.accum_for(env.world_size))
+    tasks = read_run_tasks(config, env)  # --eval_tasks: resolved and read before the lease and the model
+    return Checked(source, precision, None if auto else config.train.accum_for(env.world_size), tasks)
 
 
 def build_model(

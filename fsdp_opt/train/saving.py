@@ -23,6 +23,8 @@ from fsdp_opt.hub.lease import FileLease
 from fsdp_opt.runtime.distributed import broadcast_object, max_over_ranks, print0
 from fsdp_opt.runtime.hostmem import release_host_memory
 from fsdp_opt.tracking.metrics import EVAL_FILE
+from fsdp_opt.tracking.scoretable import BENCHMARKS_KEY
+from fsdp_opt.train.chain_scores import kept, score_at_save, scoring_seconds
 from fsdp_opt.train.disk import make_room, prune
 from fsdp_opt.train.session import Session
 
@@ -32,7 +34,7 @@ def save_estimate(s: Session) -> float:
     estimate = 1.5 * s.last_save_seconds if s.last_save_seconds else 12 * s.n_params / 100e6 + 5.0
     if s.uploader is not None:  # the final checkpoint must reach the Hub too
         estimate += 1.5 * s.uploader.last_seconds()
-    return estimate
+    return estimate + scoring_seconds(s)  # --eval_tasks
 
 
 def run_eval(s: Session) -> dict[str, float]:
@@ -60,6 +62,7 @@ def save(s: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
     dc, cc = s.config.data, s.config.checkpoint
     s.method.at_save(s)
     evaluation = run_eval(s) if evaluate and s.eval_blocks is not None else None
+    scores = score_at_save(s) if evaluate else None  # --eval_tasks (rank 0's)
     sharded = cc.state_dict_type == "sharded"
     if epoch_end:
         name = checkpoint_name(s.tag, dc.start_idx, s.end_idx, s.state.epoch, sharded=sharded)
@@ -88,6 +91,7 @@ def save(s: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
         CHAIN_KEY: s.chain_record(),
         CHANGES_KEY: s.settings_changes,
         PIN_KEY: s.data_pin,
+        BENCHMARKS_KEY: kept(s, scores),
         **({s.method.state_key: s.method.state()} if s.method.state_key else {}),
         "fsdp_opt_version": VERSION,
     }
@@ -104,6 +108,7 @@ def save(s: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
         CHAIN_KEY: extra[CHAIN_KEY],
         CHANGES_KEY: s.settings_changes,
         PIN_KEY: s.data_pin,
+        **({BENCHMARKS_KEY: scores} if scores else {}),  # --eval_tasks: lm-eval's result keys (the card's table)
     }
     kind = "epoch" if epoch_end else "step"
     started = time.perf_counter()

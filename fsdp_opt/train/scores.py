@@ -20,13 +20,11 @@ from fsdp_opt.config.training import ModelConfig
 from fsdp_opt.engine.benchmarks import (
     Tasks,
     TaskSettings,
-    columns,
     load_tasks,
     metric_table,
     new_manager,
     new_tracker,
     score,
-    stderr_key,
     write_output,
 )
 from fsdp_opt.engine.decoding import Decoder
@@ -34,6 +32,7 @@ from fsdp_opt.model.parallelize import resolve_precision, shard_model, tie_and_c
 from fsdp_opt.model.sources import build_meta_model, load_model_config, load_tokenizer, resolve_model
 from fsdp_opt.planner.benchmarks import gathered_scoring_fits
 from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, broadcast_object, print0, rank0_first
+from fsdp_opt.tracking.scoretable import markdown_rows, row_line
 from fsdp_opt.train.compare import _adapters, _fill, _find, _read_checked
 
 
@@ -160,36 +159,12 @@ def benchmark(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
     return report
 
 
-def row_line(table: dict[str, dict[str, float]]) -> str:
-    """A model's scores in one line."""
-    return ", ".join(f"{task} {key} {table[task][key]:.4f}" for task, key in columns([table])) or "no metric"
-
-
-def cell(values: dict[str, float], key: str) -> str:
-    """A metric with its stderr, as lm-eval's own table shows them."""
-    if key not in values:
-        return "-"
-    spread = values.get(stderr_key(key))
-    return f"{values[key]:.4f}" + (f" ± {spread:.4f}" if spread is not None else "")
-
-
 def benchmarks_markdown(report: dict[str, Any]) -> str:
     """One row a model (base, then each checkpoint), a column a task metric with its stderr."""
-    tables = [m["benchmarks"] for m in report["models"]]
-    heads = columns(tables)
-    lines = [
+    title = (
         f"lm-eval scores ({', '.join(report['tasks'])}"
         + (f", --limit {report['limit']:g}" if report.get("limit") else "")
         + (f", {report['num_fewshot']}-shot" if report.get("num_fewshot") is not None else "")
-        + "):",
-        "",
-        "| model | " + " | ".join(f"{task} {key.replace(',none', '')}" for task, key in heads) + " |",
-        "| --- |" + " --- |" * len(heads),
-    ]
-    for model in report["models"]:
-        lines.append(
-            f"| {model['name']} | "
-            + " | ".join(cell(model["benchmarks"].get(task, {}), key) for task, key in heads)
-            + " |"
-        )
-    return "\n".join(lines)
+        + "):"
+    )
+    return "\n".join([title, "", *markdown_rows([(m["name"], m["benchmarks"]) for m in report["models"]])])

@@ -79,6 +79,7 @@ class Session:
     lease: Lease | None = None  # the chain's lease (rank 0): renewed by pushes, or with each save on a shared disk
     method: Any = None  # the run's method object (train/methods): what it computes, logs, keeps, evaluates
     loss: StepLoss | None = None  # the method's step (engine/step.py): set once the model is built
+    benchmarks: Any = None  # --eval_tasks: the scoring at each save (train/chain_scores.py ChainScores)
 
     @property
     def chat_template(self) -> str | None:

@@ -85,9 +85,7 @@ def read_output(folder: Path) -> tuple[dict, dict[str, list[dict]]]:
     samples = {}
     for path in folder.glob("samples_*.jsonl"):
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        samples[path.name.split("_")[1] if "pydocs" not in path.name else "_".join(path.name.split("_")[1:3])] = sorted(
-            rows, key=lambda r: r["doc_id"]
-        )
+        samples[path.name[len("samples_") :].rsplit("_", 1)[0]] = sorted(rows, key=lambda r: r["doc_id"])
     return json.loads(results.read_text()), samples
 
 
