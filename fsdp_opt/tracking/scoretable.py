@@ -41,10 +41,10 @@ def cell(values: dict[str, float], key: str) -> str:
     return f"{values[key]:.4f}" + (f" ± {spread:.4f}" if spread is not None else "")
 
 
-def markdown_rows(named: list[tuple[str, Table]]) -> list[str]:
+def markdown_rows(named: list[tuple[str, Table]], first: str = "model") -> list[str]:
     """A Markdown table: one row a (name, scores), a column a task metric with its stderr."""
     heads = columns([table for _, table in named])
-    lines = ["| | " + " | ".join(heading(t, k) for t, k in heads) + " |", "| --- |" + " --- |" * len(heads)]
+    lines = [f"| {first} | " + " | ".join(heading(t, k) for t, k in heads) + " |", "| --- |" + " --- |" * len(heads)]
     for name, table in named:
         lines.append(f"| {name} | " + " | ".join(cell(table.get(t, {}), k) for t, k in heads) + " |")
     return lines

@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import ROOT, assert_clean_failure, built_once, hub_env, launch, run_cli
+from conftest import HF_TOK, ROOT, assert_clean_failure, built_once, hub_env, launch, read_jsonl, run_cli, wandb_records
 from hubdata import PARAGRAPHS, card, repo_files
 from hubserver import HubServer
 
@@ -197,3 +197,64 @@ def test_unknown_unreadable_and_unsafe_tasks_stop_before_training_in_one_line(tm
         proc = run_cli(train + flags, tmp_path, nproc=nproc)
         assert_clean_failure(proc, *needles)
         assert not (tmp_path / "out").exists()  # nothing trained, nothing written
+
+
+def test_two_chained_sessions_score_each_save_in_wandb_eval_jsonl_and_the_card_as_evaluate_does(tmp_path):
+    """--eval_tasks along a chain of two sessions (2 ranks, the loopback Hub, W&B offline for real): the scores of
+    every save in W&B's history at its step beside eval/loss (one run across the sessions), in eval.jsonl, in the
+    checkpoint's index entry and on the card; each equal to `evaluate --tasks` on the same checkpoint afterwards."""
+    tasks = ",".join(local_tasks(tmp_path)[0::2])  # a multiple-choice task and a perplexity one
+    common = [*("--model", "tiny-opt", "--dataset", "python-docs", "--max_length", "64", "--batch_size", "2"), "--lr"]
+    common += ["3e-3", "--save_every_steps", "3", "--keep_last", "0", "--eval_rows", "8", "--eval_tasks", tasks]
+    common += ["--eval_limit", LIMIT, "--hf_repo", "me/scored", "--hub_keep_full", "0"]
+    sessions = [
+        ["--start_idx", "0", "--end_idx", "16"],
+        ["--start_idx", "16", "--end_idx", "32", "--resume_file", "latest"],
+    ]
+    with HubServer(token=HF_TOK) as server:
+        for flags in sessions:
+            proc = run_cli(
+                common + flags + ["--output_dir", "out"], tmp_path, nproc=2, env=hub_env(tmp_path, server, "s")
+            )
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+            assert "lm-eval at each save:" in proc.stdout and "predicted" in proc.stdout  # the plan's line
+        index = json.loads(server.files("me/scored")["fsdp_opt_index.json"])
+        card = server.files("me/scored")["README.md"].decode()
+    scored = [r for r in read_jsonl(tmp_path / "out" / "eval.jsonl") if "benchmarks" in r]
+    held = {r["step"]: r for r in read_jsonl(tmp_path / "out" / "eval.jsonl") if "loss" in r}
+    names = sorted(index["checkpoints"], key=lambda n: index["checkpoints"][n]["global_step"])
+    steps = [index["checkpoints"][n]["global_step"] for n in names]
+    assert [r["step"] for r in scored] == steps and len(steps) >= 4  # every save scored once, both sessions
+    # W&B: one run across the sessions, each save's scores at its step beside the held-out loss
+    runs = sorted((tmp_path / "out" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and len({r.name.rsplit("-", 1)[-1] for r in runs}) == 1
+    history = {}
+    for run in runs:
+        for r in wandb_records(run):
+            if r["type"] == "history":
+                history.setdefault(r["history"]["step"]["num"], {}).update(r["history"]["item"])
+    # the reference: `evaluate --tasks` on the same checkpoints, afterwards, on 2 ranks
+    args = ["--checkpoints", *names, "--output_dir", "out", "--no_base", "--tasks", tasks, "--limit", LIMIT]
+    proc = evaluate(args + ["--batch_size", "2", "--json", "after.json"], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    after = {m["name"]: m["benchmarks"] for m in json.loads((tmp_path / "after.json").read_text())["models"]}
+    checked = 0
+    for name, record in zip(names, scored):
+        step, expected = index["checkpoints"][name]["global_step"], after[name]
+        assert history[step]["eval/loss"] == pytest.approx(held[step]["loss"], rel=1e-12)
+        for table in (record["benchmarks"], index["checkpoints"][name]["benchmarks"]):
+            assert table.keys() == expected.keys()
+            for task, values in expected.items():
+                assert values.keys() == table[task].keys()
+                for key, value in values.items():
+                    assert table[task][key] == pytest.approx(value, rel=1e-5, abs=1e-9), (name, task, key)
+                    wandb_key = f"{task}/{key.replace(',none', '')}"
+                    assert history[step][wandb_key] == pytest.approx(value, rel=1e-5, abs=1e-9), wandb_key
+                    checked += 1
+    assert checked >= 2 * 4 * len(names)
+    # the card: a row a range, each with its newest checkpoint's scores
+    rows = card.split("## Benchmarks (lm-evaluation-harness)")[1].split("\n## ")[0]
+    last = {index["checkpoints"][n]["end_idx"]: index["checkpoints"][n]["benchmarks"] for n in names}
+    for end, start in ((16, 0), (32, 16)):
+        acc = last[end]["pydocs_choice"]["acc,none"]
+        assert f"| [{start}, {end}) | {acc:.4f} ± " in rows, rows
