@@ -26,6 +26,7 @@ from torch import nn
 from fsdp_opt.base import ConfigError, DataError
 from fsdp_opt.engine.decoding import Decoder
 from fsdp_opt.engine.generation import gathered
+from fsdp_opt.engine.lmeval import ModelLM
 from fsdp_opt.runtime.distributed import DistEnv
 
 # lm-eval's own defaults (its command's): the seeds of its few-shot sampling and of the stderr bootstrap
@@ -156,8 +157,6 @@ def score(
     """Every rank: the model scored on the tasks (lm-eval's simple_evaluate), gathered once for all of it where
     `gather` (LoRA merged as for generation), else on its shards. lm-eval's results on rank 0, None on the others."""
     from lm_eval import simple_evaluate
-
-    from fsdp_opt.engine.lmeval import ModelLM  # lm-eval's interface: the [eval] extra, imported when scoring
 
     settings = tasks.settings
     quiet_lm_eval()

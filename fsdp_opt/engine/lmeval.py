@@ -29,22 +29,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from lm_eval.api.model import TemplateLM
-from lm_eval.models.utils import (
-    Collator,
-    handle_stop_sequences,
-    has_bos_prefix,
-    normalize_gen_kwargs,
-    postprocess_generated_text,
-    resolve_max_length,
-)
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from torch import nn
 
 from fsdp_opt.engine.decoding import Decoder
 from fsdp_opt.engine.generation import Sampling, completion_keys, processors
 from fsdp_opt.engine.loss import HeadLoss, head_forward
 from fsdp_opt.runtime.distributed import DistEnv
+
+try:  # the [eval] extra; without it engine/benchmarks.py refuses --tasks in one line before this class is used
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.models.utils import (
+        Collator,
+        handle_stop_sequences,
+        has_bos_prefix,
+        normalize_gen_kwargs,
+        postprocess_generated_text,
+        resolve_max_length,
+    )
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+except ImportError:  # pragma: no cover - the trainer runs without lm-eval
+    TemplateLM = object
 
 MAX_GEN_TOKS = 256  # lm-eval's default for a task that names none (HFLM's)
 
