@@ -17,6 +17,9 @@ from conftest import HF_TOK, ROOT, assert_clean_failure, built_once, hub_env, la
 from hubdata import PARAGRAPHS, card, repo_files
 from hubserver import HubServer
 
+from fsdp_opt.commands.notebook import plot_benchmarks
+from fsdp_opt.tracking.scoretable import series
+
 TASK_YAMLS = ("pydocs_choice", "pydocs_complete", "pydocs_perplexity")
 LIMIT = "7"  # documents of each task: 4 on rank 0, 3 on rank 1
 TOLERANCE = 1e-5  # a log-likelihood's, relative to its size (at least 1): fp32 sums over a batch laid out otherwise
@@ -258,3 +261,8 @@ def test_two_chained_sessions_score_each_save_in_wandb_eval_jsonl_and_the_card_a
     for end, start in ((16, 0), (32, 16)):
         acc = last[end]["pydocs_choice"]["acc,none"]
         assert f"| [{start}, {end}) | {acc:.4f} ± " in rows, rows
+    # notebooks/02_evaluate: each metric against the range
+    assert plot_benchmarks(tmp_path / "out", tmp_path / "b.png") is not None
+    assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    points = series(scored)[("pydocs_choice", "acc,none")]
+    assert {x for x, _ in points} == {16, 32} and len(points) == len(steps)
