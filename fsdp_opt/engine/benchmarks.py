@@ -231,8 +231,9 @@ def write_output(tracker: Any, results: dict[str, Any], log_samples: bool) -> li
 
 def request_counts(tasks: Tasks, tokenizer, max_length: int) -> dict[str, Any]:  # noqa: ANN001
     """What one scoring asks of the model (all ranks), for the plan: requests, the tokens of the loglikelihood ones,
-    the generate_until ones and their max_gen_toks, the longest request's tokens. Counted from the requests lm-eval
-    builds (few-shot examples included), before the model exists."""
+    the generate_until ones and their max_gen_toks, the longest request's tokens (at most `max_length`, the model's
+    context). Counted from the requests lm-eval builds (few-shot examples included), before the model exists; without
+    a tokenizer (the plan of a Hub model, offline), a token is counted as 4 characters."""
     from lm_eval.evaluator_utils import get_sample_size
 
     settings = tasks.settings
@@ -244,7 +245,8 @@ def request_counts(tasks: Tasks, tokenizer, max_length: int) -> dict[str, Any]: 
         for instance in task.instances:
             counts["requests"] += 1
             text = "".join(a for a in instance.args if isinstance(a, str))
-            length = min(max_length, len(tokenizer(text)["input_ids"]))
+            tokens = len(tokenizer(text)["input_ids"]) if tokenizer is not None else len(text) // 4 + 1
+            length = min(max_length, tokens)
             counts["longest"] = max(counts["longest"], length)
             if instance.request_type == "generate_until":
                 wanted = instance.args[1] or {}

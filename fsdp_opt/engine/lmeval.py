@@ -183,18 +183,20 @@ class ModelLM(TemplateLM):
         inputs = [(context + continuation)[-(self.max_length + 1) :][:-1] for _, context, continuation in batch]
         width = max(len(i) for i in inputs)
         ids = torch.full((len(inputs), width), self.tokenizer.pad_token_id or 0, dtype=torch.long)
-        mask = torch.zeros((len(inputs), width), dtype=torch.long)
         for row, tokens in enumerate(inputs):
             ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            mask[row, : len(tokens)] = 1
-        device = self.env.device
-        out = self._forward({"input_ids": ids.to(device), "attention_mask": mask.to(device)})
-        scores = []
-        for row, ((_, _, continuation), tokens) in enumerate(zip(batch, inputs)):
-            at = out[row, len(tokens) - len(continuation) : len(tokens)]
-            logits = at @ self.head.head.weight.t() if self.head is not None else at
-            scores.append(F.log_softmax(logits.float(), dim=-1).unsqueeze(0))
-        return scores
+        # right padding after each row's tokens changes none of theirs (causal): no mask, as HFLM runs it
+        out = self._forward({"input_ids": ids.to(self.env.device)})
+        rows = torch.cat(
+            [
+                torch.arange(len(tokens) - len(continuation), len(tokens)) + row * width
+                for row, ((_, _, continuation), tokens) in enumerate(zip(batch, inputs))
+            ]
+        ).to(out.device)
+        picked = out.reshape(-1, out.shape[-1]).index_select(0, rows)  # the positions that predict a continuation
+        logits = F.linear(picked, self.head.head.weight) if self.head is not None else picked
+        logps = F.log_softmax(logits.float(), dim=-1)
+        return [part.unsqueeze(0) for part in logps.split([len(r[2]) for r in batch])]
 
     def _forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The model's final hidden states (with `head`) or logits."""
@@ -310,4 +312,4 @@ class ModelLM(TemplateLM):
             return
         filler = torch.full((1, 1), self.prefix_token_id, dtype=torch.long, device=self.env.device)
         while self.forwards < self._target:
-            self._forward({"input_ids": filler, "attention_mask": torch.ones_like(filler)})
+            self._forward({"input_ids": filler})

@@ -4,7 +4,9 @@ method's phases), the machine's (GPUs, memory, rates, disk) and what to show (a 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
+from fsdp_opt.config.benchmarks import BenchmarkConfig
 from fsdp_opt.config.choices import PACKING_MODES, T4_MEMORY
 from fsdp_opt.config.flags import OneLineParser, parse_batch, parse_bool
 from fsdp_opt.config.method import MethodConfig
@@ -185,4 +187,6 @@ def build_parser() -> argparse.ArgumentParser:
         "LoRA r16 on a 4-bit base) at the flags' GPUs, memory, precision, length and sequences per step",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    for field in dataclasses.fields(BenchmarkConfig):  # the trainer's --eval_tasks: its scoring at each save
+        add_flag(p, field)
     return p

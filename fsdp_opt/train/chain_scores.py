@@ -16,14 +16,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from fsdp_opt.base import ConfigError
+from fsdp_opt.config.benchmarks import BenchmarkConfig
 from fsdp_opt.config.parse import Config
-from fsdp_opt.engine.benchmarks import Tasks, TaskSettings, metric_table, request_counts, score, wandb_values
+from fsdp_opt.engine.benchmarks import (
+    Tasks,
+    TaskSettings,
+    load_tasks,
+    metric_table,
+    request_counts,
+    score,
+    wandb_values,
+)
 from fsdp_opt.model.shapes import Shape
+from fsdp_opt.model.sources import load_model_config, load_tokenizer, max_positions, resolve_model
 from fsdp_opt.planner.benchmarks import scoring_line, scoring_plan
 from fsdp_opt.planner.inputs import Inputs
 from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, broadcast_object, print0
@@ -31,6 +43,8 @@ from fsdp_opt.tracking.metrics import EVAL_FILE
 from fsdp_opt.tracking.scoretable import BENCHMARKS_KEY, Table, row_line
 from fsdp_opt.train.scores import read_tasks
 from fsdp_opt.train.session import Session
+
+MAX_CONTEXT = 2048  # lm-eval's default context for a model whose config names none
 
 
 @dataclass
@@ -69,7 +83,8 @@ def start_scores(s: Session, tasks: Tasks | None, payload: dict[str, Any] | None
     """Every rank, at setup: the scoring's plan (one line), and what the resumed checkpoint was scored at."""
     if tasks is None:
         return None
-    counts = all_ranks_ok(lambda: request_counts(tasks, s.tokenizer, s.config.data.max_length))
+    context = max_positions(s.model_config) or MAX_CONTEXT
+    counts = all_ranks_ok(lambda: request_counts(tasks, s.tokenizer, context))
     inputs = Inputs(
         gpus=s.env.world_size,
         nodes=s.env.num_nodes,
@@ -138,3 +153,19 @@ def scoring_seconds(s: Session) -> float:
     if chain is None:
         return 0.0
     return 1.5 * (chain.seconds or chain.plan["time"]["seconds"])
+
+
+def planned_scoring(flags: Any, inputs: Inputs, rates: Any) -> dict[str, Any]:
+    """`fsdp-opt plan --eval_tasks ...`: the tasks read, their requests counted (with the model's tokenizer where it
+    can be had offline), and the scoring's memory and time at each save (FULL_SHARD, gathered)."""
+    bc = BenchmarkConfig(**{f.name: getattr(flags, f.name) for f in dataclasses.fields(BenchmarkConfig)})
+    tasks = load_tasks(run_settings(Config(benchmark=bc)))
+    source = resolve_model(flags.model)
+    config = load_model_config(source)
+    try:
+        tokenizer = load_tokenizer(source)
+    except ConfigError:  # a Hub model's tokenizer, offline: counted by characters
+        tokenizer = None
+    counts = request_counts(tasks, tokenizer, max_positions(config) or MAX_CONTEXT)
+    plan = scoring_plan(Shape.of(config), "FULL_SHARD", inputs, counts, inputs.batch_size, rates)
+    return {**plan, "tasks": tasks.names}
