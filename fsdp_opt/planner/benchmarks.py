@@ -88,7 +88,7 @@ def scoring_line(plan: dict[str, Any]) -> str:
     return (
         f"lm-eval at each save: {counts['requests']:,} requests ({counts['tokens']:,} tokens scored, "
         f"{counts['generations']:,} generations of up to {counts['max_gen_toks']} tokens), predicted "
-        f"{time['seconds']:.1f} s, peak {gib(plan['peak_bytes'])} per GPU beside the training state "
+        f"{time['seconds']:.1f} s, peak {gib(plan['peak_bytes'])} per GPU with the training state it keeps "
         f"(on {'the model gathered once' if plan['gathered'] else 'the shards'})"
     )
 

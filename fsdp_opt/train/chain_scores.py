@@ -34,8 +34,8 @@ from fsdp_opt.engine.benchmarks import (
     score,
     wandb_values,
 )
-from fsdp_opt.model.shapes import Shape
-from fsdp_opt.model.sources import load_model_config, load_tokenizer, max_positions, resolve_model
+from fsdp_opt.model.shapes import Shape, model_config
+from fsdp_opt.model.sources import load_tokenizer, max_positions, resolve_model
 from fsdp_opt.planner.benchmarks import scoring_line, scoring_plan
 from fsdp_opt.planner.inputs import Inputs
 from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, broadcast_object, print0
@@ -160,10 +160,9 @@ def planned_scoring(flags: Any, inputs: Inputs, rates: Any) -> dict[str, Any]:
     can be had offline), and the scoring's memory and time at each save (FULL_SHARD, gathered)."""
     bc = BenchmarkConfig(**{f.name: getattr(flags, f.name) for f in dataclasses.fields(BenchmarkConfig)})
     tasks = load_tasks(run_settings(Config(benchmark=bc)))
-    source = resolve_model(flags.model)
-    config = load_model_config(source)
+    config = model_config(flags.model)  # the planner's: offline for the shapes it knows
     try:
-        tokenizer = load_tokenizer(source)
+        tokenizer = load_tokenizer(resolve_model(flags.model))
     except ConfigError:  # a Hub model's tokenizer, offline: counted by characters
         tokenizer = None
     counts = request_counts(tasks, tokenizer, max_positions(config) or MAX_CONTEXT)

@@ -266,3 +266,31 @@ def test_two_chained_sessions_score_each_save_in_wandb_eval_jsonl_and_the_card_a
     assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     points = series(scored)[("pydocs_choice", "acc,none")]
     assert {x for x, _ in points} == {16, 32} and len(points) == len(steps)
+
+
+def test_the_plan_counts_the_scorings_memory_and_time(tmp_path, capsys):
+    """planner/benchmarks.py: the scoring at a save holds the training state, the gathered model, a batch's forward
+    and KV cache at the longest request (less on the shards); its time grows with the tokens and the generations.
+    `fsdp-opt plan --eval_tasks` counts the requests lm-eval builds from the tasks and prints the line."""
+    from fsdp_opt.commands.plan import main as plan
+    from fsdp_opt.model.shapes import Shape, model_config
+    from fsdp_opt.planner.benchmarks import scoring_plan
+    from fsdp_opt.planner.inputs import Inputs
+
+    shape, inputs = Shape.of(model_config("facebook/opt-1.3b")), Inputs()
+    counts = {"requests": 300, "tokens": 5000, "generations": 0, "max_gen_toks": 0, "longest": 100}
+    gathered = scoring_plan(shape, "FULL_SHARD", inputs, counts, 8)
+    shards = scoring_plan(shape, "FULL_SHARD", inputs, counts, 8, gathered=False)
+    more = scoring_plan(shape, "FULL_SHARD", inputs, {**counts, "generations": 60, "max_gen_toks": 32}, 8)
+    memory = gathered["memory"]
+    assert memory["gathered_weights"] == 2 * shape.params and memory["training_state"] == 12 * -(-shape.params // 2)
+    assert gathered["peak_bytes"] == sum(memory.values()) > shards["peak_bytes"]
+    assert more["time"]["seconds"] > gathered["time"]["seconds"] > 0 and more["time"]["decode_s"] > 0
+    twice = scoring_plan(shape, "FULL_SHARD", inputs, {**counts, "tokens": 10000}, 8)
+    assert twice["time"]["forward_s"] == pytest.approx(2 * gathered["time"]["forward_s"])
+    tasks = ",".join(local_tasks(tmp_path)[:2])
+    assert plan(["--model", "tiny-opt", "--cpu", "--eval_tasks", tasks, "--eval_limit", LIMIT, "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)["lm_eval"]
+    # 7 documents of 4 choices, and 7 generations of up to 12 tokens (docs/tasks/pydocs_complete.yaml)
+    assert planned["counts"]["requests"] == 7 * 4 + 7 and planned["counts"]["generations"] == 7
+    assert planned["counts"]["max_gen_toks"] == 12 and planned["tasks"] == ["pydocs_choice", "pydocs_complete"]
