@@ -131,13 +131,10 @@ def evaluate(args: list[str], cwd: Path, env=None, nproc: int = 2):  # noqa: ANN
     return launch(["-m", "fsdp_opt.evaluate"], args, cwd, nproc, timeout=600, env=env)
 
 
-def reference(exported: Path, out: Path, tasks: str, cwd: Path, env=None):  # noqa: ANN001
-    proc = launch(
-        [str(ROOT / "tests" / "workers" / "hflm_reference.py")],
-        [str(exported), str(out), tasks, LIMIT, "3"],
-        cwd,
-        env=env,
-    )
+def reference(exported: Path, out: Path, tasks: str, cwd: Path, env=None, adapter: Path | None = None):  # noqa: ANN001
+    """lm-eval's HFLM on the folder (with peft's adapters from `adapter`), one process: lm-eval's output under out."""
+    args = [str(exported), str(out), tasks, LIMIT, "3"] + ([str(adapter)] if adapter else [])
+    proc = launch([str(ROOT / "tests" / "workers" / "hflm_reference.py")], args, cwd, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc
 
@@ -294,3 +291,27 @@ def test_the_plan_counts_the_scorings_memory_and_time(tmp_path, capsys):
     # 7 documents of 4 choices, and 7 generations of up to 12 tokens (docs/tasks/pydocs_complete.yaml)
     assert planned["counts"]["requests"] == 7 * 4 + 7 and planned["counts"]["generations"] == 7
     assert planned["counts"]["max_gen_toks"] == 12 and planned["tasks"] == ["pydocs_choice", "pydocs_complete"]
+
+
+def test_a_lora_checkpoint_scores_as_hflm_with_its_peft_adapters(tmp_path, det_model):
+    """A LoRA checkpoint (2 ranks, its adapters merged into the gathered copies of the base for the scoring, as GRPO's
+    generation merges them) scores what HFLM scores with peft's adapters on the same base (`peft=`, the exported
+    adapter folder): the multiple-choice and generate_until tasks, every metric and sample."""
+    train = run_cli(
+        [
+            *("--model", str(det_model), "--dataset", "python-docs", "--start_idx", "0", "--end_idx", "24"),
+            *("--max_length", "64", "--batch_size", "2", "--lr", "1e-2", "--precision", "fp32", "--lora_rank", "4"),
+            *("--output_dir", "out", "--export_hf", "out/adapter", "--export_dtype", "fp32"),
+        ],
+        tmp_path,
+        nproc=2,
+    )
+    assert train.returncode == 0, train.stdout[-2000:] + train.stderr[-3000:]
+    tasks = ",".join(local_tasks(tmp_path)[:2])
+    args = ["--checkpoints", "latest", "--output_dir", "out", "--no_base", "--tasks", tasks, "--limit", LIMIT]
+    proc = evaluate(args + ["--batch_size", "3", "--log_samples", "--output_path", "ours"], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    reference(det_model, tmp_path / "theirs", tasks, tmp_path, adapter=tmp_path / "out" / "adapter")
+    (ours,) = (tmp_path / "ours").iterdir()
+    compared = assert_same(ours, tmp_path / "theirs" / "reference", list(TASK_YAMLS[:2]))
+    assert compared == dict.fromkeys(TASK_YAMLS[:2], int(LIMIT))
