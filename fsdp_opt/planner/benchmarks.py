@@ -36,7 +36,7 @@ def scoring_memory(
     return generation_memory(shape, strategy, at, batch_size, gathered=gathered)
 
 
-def scoring_time(
+def scoring_plan(
     shape: Shape,
     strategy: str,
     inputs: Inputs,
@@ -44,10 +44,11 @@ def scoring_time(
     batch_size: int,
     rates: Rates | None = None,
     gathered: bool = True,
-) -> dict[str, float]:
-    """Seconds of one scoring on every rank at once: the loglikelihood tokens' forwards, the generation batches'
-    decoding, the gather."""
+) -> dict[str, Any]:
+    """The scoring's memory (by component, and its peak per GPU) and time, from the tasks' request counts. Its time is
+    every rank's at once: the loglikelihood tokens' forwards, the generation batches' decoding, the gather."""
     rates = rates or Rates()
+    memory = scoring_memory(shape, strategy, inputs, batch_size, counts["longest"], gathered)
     ranks = max(1, inputs.gpus)
     forward = counts["tokens"] / ranks * 2.0 * shape.flop_params / (rates.tflops * 1e12)
     decode = 0.0
@@ -59,24 +60,10 @@ def scoring_time(
     f = shard_factor(strategy, inputs)
     c = 4 if inputs.precision == "fp32" else 2
     gather = (f - 1) / f * c * shape.params / (rates.link_gbps * 1e9) if f > 1 else 0.0
-    return {"forward_s": forward, "decode_s": decode, "gather_s": gather, "seconds": forward + decode + gather}
-
-
-def scoring_plan(
-    shape: Shape,
-    strategy: str,
-    inputs: Inputs,
-    counts: dict[str, Any],
-    batch_size: int,
-    rates: Rates | None = None,
-    gathered: bool = True,
-) -> dict[str, Any]:
-    """The scoring's memory (by component, and its peak per GPU) and time, from the tasks' request counts."""
-    memory = scoring_memory(shape, strategy, inputs, batch_size, counts["longest"], gathered)
     return {
         "memory": memory,
         "peak_bytes": sum(memory.values()),
-        "time": scoring_time(shape, strategy, inputs, counts, batch_size, rates, gathered),
+        "time": {"forward_s": forward, "decode_s": decode, "gather_s": gather, "seconds": forward + decode + gather},
         "counts": counts,
         "gathered": gathered,
     }

@@ -17,22 +17,13 @@ from conftest import HF_TOK, ROOT, assert_clean_failure, built_once, hub_env, la
 from hubdata import PARAGRAPHS, card, repo_files
 from hubserver import HubServer
 
+from benchmarks.lmeval import TASKS as TASK_YAMLS
+from benchmarks.lmeval import task_files
 from fsdp_opt.commands.notebook import plot_benchmarks
 from fsdp_opt.tracking.scoretable import series
 
-TASK_YAMLS = ("pydocs_choice", "pydocs_complete", "pydocs_perplexity")
 LIMIT = "7"  # documents of each task: 4 on rank 0, 3 on rank 1
 TOLERANCE = 1e-5  # a log-likelihood's, relative to its size (at least 1): fp32 sums over a batch laid out otherwise
-
-
-def local_tasks(folder: Path) -> list[str]:
-    """docs/tasks' YAMLs with their data files named by absolute path (lm-eval reads a relative one from the cwd)."""
-    out = []
-    for name in TASK_YAMLS:
-        text = (ROOT / "docs" / "tasks" / f"{name}.yaml").read_text()
-        (folder / f"{name}.yaml").write_text(text.replace("docs/tasks/", f"{ROOT}/docs/tasks/"))
-        out.append(str(folder / f"{name}.yaml"))
-    return out
 
 
 def arc_rows(split: str, n: int) -> list[dict]:
@@ -140,7 +131,7 @@ def reference(exported: Path, out: Path, tasks: str, cwd: Path, env=None, adapte
 
 
 def test_two_ranks_score_what_lm_evals_hflm_scores_on_the_exported_folder(tmp_path, exported):
-    tasks = ",".join(local_tasks(tmp_path))
+    tasks = ",".join(task_files(tmp_path))
     args = ["--checkpoints", str(exported), "--no_base", "--tasks", tasks, "--limit", LIMIT, "--batch_size", "3"]
     args += ["--log_samples", "--output_path", "ours", "--precision", "fp32", "--json", "report.json"]
     proc = evaluate(args, tmp_path)
@@ -203,7 +194,7 @@ def test_two_chained_sessions_score_each_save_in_wandb_eval_jsonl_and_the_card_a
     """--eval_tasks along a chain of two sessions (2 ranks, the loopback Hub, W&B offline for real): the scores of
     every save in W&B's history at its step beside eval/loss (one run across the sessions), in eval.jsonl, in the
     checkpoint's index entry and on the card; each equal to `evaluate --tasks` on the same checkpoint afterwards."""
-    tasks = ",".join(local_tasks(tmp_path)[0::2])  # a multiple-choice task and a perplexity one
+    tasks = ",".join(task_files(tmp_path)[0::2])  # a multiple-choice task and a perplexity one
     common = [*("--model", "tiny-opt", "--dataset", "python-docs", "--max_length", "64", "--batch_size", "2"), "--lr"]
     common += ["3e-3", "--save_every_steps", "3", "--keep_last", "0", "--eval_rows", "8", "--eval_tasks", tasks]
     common += ["--eval_limit", LIMIT, "--hf_repo", "me/scored", "--hub_keep_full", "0"]
@@ -285,7 +276,7 @@ def test_the_plan_counts_the_scorings_memory_and_time(tmp_path, capsys):
     assert more["time"]["seconds"] > gathered["time"]["seconds"] > 0 and more["time"]["decode_s"] > 0
     twice = scoring_plan(shape, "FULL_SHARD", inputs, {**counts, "tokens": 10000}, 8)
     assert twice["time"]["forward_s"] == pytest.approx(2 * gathered["time"]["forward_s"])
-    tasks = ",".join(local_tasks(tmp_path)[:2])
+    tasks = ",".join(task_files(tmp_path)[:2])
     assert plan(["--model", "tiny-opt", "--cpu", "--eval_tasks", tasks, "--eval_limit", LIMIT, "--json"]) == 0
     planned = json.loads(capsys.readouterr().out)["lm_eval"]
     # 7 documents of 4 choices, and 7 generations of up to 12 tokens (docs/tasks/pydocs_complete.yaml)
@@ -307,7 +298,7 @@ def test_a_lora_checkpoint_scores_as_hflm_with_its_peft_adapters(tmp_path, det_m
         nproc=2,
     )
     assert train.returncode == 0, train.stdout[-2000:] + train.stderr[-3000:]
-    tasks = ",".join(local_tasks(tmp_path)[:2])
+    tasks = ",".join(task_files(tmp_path)[:2])
     args = ["--checkpoints", "latest", "--output_dir", "out", "--no_base", "--tasks", tasks, "--limit", LIMIT]
     proc = evaluate(args + ["--batch_size", "3", "--log_samples", "--output_path", "ours"], tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
