@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -160,7 +162,7 @@ def score(
 
     settings = tasks.settings
     quiet_lm_eval()
-    with gathered(model, gather):
+    with gathered(model, gather), random_state_kept():
         lm = ModelLM(model, tokenizer, env, batch_size=batch_size, gather=gather, decoder=decoder, seed=seed)
         results = simple_evaluate(
             model=lm,
@@ -179,6 +181,27 @@ def score(
             **SEEDS,
         )
     return results if env.is_main else None
+
+
+@contextmanager
+def random_state_kept() -> Iterator[None]:
+    """Python's, numpy's and torch's random states as they were before lm-eval seeds them (its few-shot sampling): a
+    run's dropout stream, seeded per rank, goes on after a scoring as it would have without one."""
+    import random
+
+    import numpy as np
+    import torch
+
+    states = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 def metric_table(results: dict[str, Any]) -> dict[str, dict[str, float]]:

@@ -36,7 +36,7 @@ from fsdp_opt.engine.benchmarks import (
 )
 from fsdp_opt.model.shapes import Shape, model_config
 from fsdp_opt.model.sources import load_tokenizer, max_positions, resolve_model
-from fsdp_opt.planner.benchmarks import scoring_line, scoring_plan
+from fsdp_opt.planner.benchmarks import gathered_scoring_fits, scoring_line, scoring_plan
 from fsdp_opt.planner.inputs import Inputs
 from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, broadcast_object, print0
 from fsdp_opt.tracking.metrics import EVAL_FILE
@@ -94,7 +94,12 @@ def start_scores(s: Session, tasks: Tasks | None, payload: dict[str, Any] | None
         base_bits=s.config.lora.base_bits,
         cuda=s.env.device.type == "cuda",
     )
-    plan = scoring_plan(Shape.of(s.model_config), s.layout.strategy, inputs, counts, s.layout.batch_size)
+    gather = all_ranks_ok(
+        lambda: gathered_scoring_fits(s.model_config, s.env, s.precision, s.layout.batch_size, s.layout.strategy)
+    )
+    plan = scoring_plan(
+        Shape.of(s.model_config), s.layout.strategy, inputs, counts, s.layout.batch_size, gathered=gather
+    )
     print0(scoring_line(plan) + f": {tasks.describe()}")
     saved = broadcast_object((payload or {}).get(BENCHMARKS_KEY) if s.env.is_main else None)
     scored = {int(saved["step"]): saved["scores"]} if saved else {}
@@ -119,6 +124,7 @@ def score_at_save(s: Session) -> Table | None:
         chain.tasks,
         batch_size=s.layout.batch_size,
         name=f"step-{step}",
+        gather=chain.plan["gathered"],
         seed=s.config.train.seed,
     )
     chain.seconds = time.perf_counter() - started

@@ -211,6 +211,14 @@ def test_two_chained_sessions_score_each_save_in_wandb_eval_jsonl_and_the_card_a
             assert "lm-eval at each save:" in proc.stdout and "predicted" in proc.stdout  # the plan's line
         index = json.loads(server.files("me/scored")["fsdp_opt_index.json"])
         card = server.files("me/scored")["README.md"].decode()
+    # the scoring leaves training as it was: dropout's random stream (seeded per rank) goes on as without it
+    plain = common[: common.index("--eval_tasks")] + ["--output_dir", "plain", *sessions[0]]
+    proc = run_cli(plain, tmp_path, nproc=2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    alone = read_jsonl(tmp_path / "plain" / "metrics.jsonl")
+    assert [r["loss"] for r in alone] == [r["loss"] for r in read_jsonl(tmp_path / "out" / "metrics.jsonl")][
+        : len(alone)
+    ]
     scored = [r for r in read_jsonl(tmp_path / "out" / "eval.jsonl") if "benchmarks" in r]
     held = {r["step"]: r for r in read_jsonl(tmp_path / "out" / "eval.jsonl") if "loss" in r}
     names = sorted(index["checkpoints"], key=lambda n: index["checkpoints"][n]["global_step"])
