@@ -14,8 +14,11 @@ another, each at `--threads` threads per process and the same `--batch_size` per
 
 Each reports the seconds its model calls took (loglikelihood, loglikelihood_rolling, generate_until: the slowest
 rank's), the requests they answered (all ranks), requests/s, and the ratio to HFLM's; and whether the scores are
-HFLM's (every metric within 1e-4, relative). The machine and its load (the 1-minute load average before and after)
-go in the report.
+HFLM's (every metric within 1e-4, relative). The three runs take turns, `--repeat` rounds, and each figure is the
+median round's. A loaded machine slows every process by what the others take of its cores: beside the wall clock,
+each run reports the CPU seconds its calls took (the slowest rank's; one thread a process), whose ratio is what a
+quiet machine's clock would show when the ranks wait for nothing (no collective runs while they score). The machine
+and its load (the 1-minute load average before and after) go in the report.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch_size", type=int, default=8, help="requests a forward, per process (both sides)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (both sides)")
     p.add_argument("--ranks", default="1,2", help="rank counts of the project's runs")
+    p.add_argument("--repeat", type=int, default=1, help="rounds of the runs, taking turns (the median is reported)")
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--folder", default=None, help=argparse.SUPPRESS)
@@ -65,14 +69,15 @@ def task_files(folder: Path) -> list[str]:
 
 def timed(cls) -> dict[str, float]:  # noqa: ANN001
     """The class's model calls timed (seconds and requests by call), in place."""
-    spent = {"seconds": 0.0, "requests": 0}
+    spent = {"seconds": 0.0, "cpu_seconds": 0.0, "requests": 0}
     for name in CALLS:
         inner = getattr(cls, name)
 
         def call(self, requests, *args, _inner=inner, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             out = _inner(self, requests, *args, **kwargs)
             spent["seconds"] += time.perf_counter() - started
+            spent["cpu_seconds"] += time.process_time() - cpu
             spent["requests"] += len(requests)
             return out
 
@@ -97,7 +102,7 @@ def worker(args: argparse.Namespace) -> int:
         spent = timed(HFLM)
         lm = HFLM(pretrained=str(folder), device="cpu", batch_size=args.batch_size, dtype="float32")
         results = simple_evaluate(model=lm, tasks=tasks, task_manager=TaskManager(), limit=args.limit)
-        ranks, slowest = 1, spent["seconds"]
+        ranks, slowest, cpu = 1, spent["seconds"], spent["cpu_seconds"]
         requests = spent["requests"]
     else:
         import torch.distributed as dist
@@ -115,19 +120,19 @@ def worker(args: argparse.Namespace) -> int:
         entry = {"name": "export", "kind": "hf", "path": str(folder)}
         model = load_candidate(entry, source, load_model_config(source), "fp32", env, "FULL_SHARD", 0)
         results = score(model, load_tokenizer(source), env, loaded, batch_size=args.batch_size, name="export")
-        totals = torch.tensor([spent["seconds"], float(spent["requests"])], dtype=torch.float64)
+        most = torch.tensor([spent["seconds"], spent["cpu_seconds"]], dtype=torch.float64)
+        count = torch.tensor([float(spent["requests"])], dtype=torch.float64)
         if env.world_size > 1:
-            most = totals[:1].clone()
             dist.all_reduce(most, op=dist.ReduceOp.MAX)
-            dist.all_reduce(totals)
-            totals[0] = most[0]
-        ranks, slowest, requests = env.world_size, float(totals[0]), int(totals[1])
+            dist.all_reduce(count)
+        ranks, slowest, cpu, requests = env.world_size, float(most[0]), float(most[1]), int(count[0])
         teardown()
         if env.rank:
             return 0
         results = {"results": {t: dict(v) for t, v in metric_table(results).items()}}
     scores = {t: {k: v for k, v in vals.items() if isinstance(v, float)} for t, vals in results["results"].items()}
-    record = {"way": args.worker, "ranks": ranks, "seconds": slowest, "requests": requests, "scores": scores}
+    record = {"way": args.worker, "ranks": ranks, "seconds": slowest, "cpu_seconds": cpu, "requests": requests}
+    record["scores"] = scores
     Path(args.out).write_text(json.dumps(record))
     return 0
 
@@ -154,9 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     common = ["--folder", str(folder), "--limit", str(args.limit), "--batch_size", str(args.batch_size)]
     common += ["--threads", str(args.threads)]
     load_before = os.getloadavg()[0]
-    rows = []
-    for way, ranks in [("hflm", 1)] + [("ours", int(n)) for n in args.ranks.split(",")]:
-        out = tmp / f"{way}-{ranks}.json"
+    runs = [("hflm", 1)] + [("ours", int(n)) for n in args.ranks.split(",")]
+    rounds: dict[tuple[str, int], list[dict]] = {run: [] for run in runs}
+    for turn, (way, ranks) in [(t, run) for t in range(args.repeat) for run in runs]:
+        out = tmp / f"{way}-{ranks}-{turn}.json"
         launch = [sys.executable] if way == "hflm" else [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         launch += [] if way == "hflm" else [f"--nproc_per_node={ranks}"]
         cmd = [*launch, str(Path(__file__).resolve()), "--worker", way, "--out", str(out), *common]
@@ -164,17 +170,21 @@ def main(argv: list[str] | None = None) -> int:
         if proc.returncode != 0:
             print(proc.stdout[-2000:] + proc.stderr[-4000:], file=sys.stderr)
             return 1
-        rows.append(json.loads(out.read_text()))
+        rounds[(way, ranks)].append(json.loads(out.read_text()))
+    rows = [sorted(done, key=lambda r: r["seconds"])[len(done) // 2] for done in rounds.values()]  # the median round
     base = rows[0]
-    for row in rows:
+    for row, done in zip(rows, rounds.values()):
+        row["rounds_seconds"] = [round(r["seconds"], 2) for r in done]
         row["requests_per_second"] = row["requests"] / row["seconds"]
         row["ratio"] = row["requests_per_second"] / (base["requests"] / base["seconds"])
-        row["same_scores"] = same(row["scores"], base["scores"])
+        row["ratio_cpu"] = (base["cpu_seconds"] / base["requests"]) / (row["cpu_seconds"] / row["requests"])
+        row["same_scores"] = all(same(r["scores"], base["scores"]) for r in done)
     report = {
         "model": args.model,
         "limit": args.limit,
         "batch_size": args.batch_size,
         "threads_per_process": args.threads,
+        "repeat": args.repeat,
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "runs": rows,
@@ -191,14 +201,16 @@ def markdown(report: dict) -> str:
         f"{report['batch_size']}, {report['threads_per_process']} thread(s) per process, {report['machine']}, load "
         f"average {report['load_average'][0]} before, {report['load_average'][1]} after:",
         "",
-        "| run | ranks | requests | seconds | requests/s | against HFLM | scores as HFLM's |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| run | ranks | requests | seconds (rounds) | requests/s | against HFLM | CPU s (slowest rank) | against HFLM, "
+        "by CPU time | scores as HFLM's |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in report["runs"]:
         name = "lm-eval HFLM" if r["way"] == "hflm" else "fsdp-opt ModelLM"
         lines.append(
-            f"| {name} | {r['ranks']} | {r['requests']} | {r['seconds']:.2f} | {r['requests_per_second']:.1f} | "
-            f"{r['ratio']:.2f}x | {'yes' if r['same_scores'] else 'NO'} |"
+            f"| {name} | {r['ranks']} | {r['requests']} | {r['seconds']:.2f} ({', '.join(map(str, r['rounds_seconds']))})"
+            f" | {r['requests_per_second']:.2f} | {r['ratio']:.2f}x | {r['cpu_seconds']:.2f} | {r['ratio_cpu']:.2f}x | "
+            f"{'yes' if r['same_scores'] else 'NO'} |"
         )
     return "\n".join(lines)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 
 from fsdp_opt.base import ConfigError
-from fsdp_opt.config.benchmarks import add_lm_eval_flags
+from fsdp_opt.config.benchmarks import add_lm_eval_flags, check_lm_eval_flags
 from fsdp_opt.config.choices import DATA_FORMATS, STRATEGIES, TRAIN_ON
 from fsdp_opt.config.flags import OneLineParser
 from fsdp_opt.config.method import MethodConfig
@@ -162,6 +162,7 @@ def _checked(args: argparse.Namespace) -> argparse.Namespace:
             raise ConfigError(f"--{flag} {getattr(args, flag)}: must be at least 1")
     if args.num_prompts < 0:
         raise ConfigError(f"--num_prompts {args.num_prompts}: must be 0 (no generation) or more")
+    check_lm_eval_flags(args)
     if args.no_base and not args.checkpoints:
         raise ConfigError("--no_base: with no --checkpoints there is nothing to evaluate")
     return args

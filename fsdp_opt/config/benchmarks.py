@@ -36,6 +36,15 @@ LM_EVAL_FLAGS: dict[str, tuple[dict, str]] = {
 }
 
 
+def check_lm_eval_flags(args: argparse.Namespace) -> None:
+    """lm-eval's flags of `evaluate` mean nothing without --tasks: one line, not a silent no-op."""
+    if args.tasks:
+        return
+    given = [name for name in LM_EVAL_FLAGS if getattr(args, name) not in (None, False)]
+    if given:
+        raise ConfigError(f"--{given[0]}: only with --tasks (lm-eval's tasks to score the models on)")
+
+
 def add_lm_eval_flags(parser: argparse.ArgumentParser) -> None:
     """lm-eval's flags, with its names and meanings (`fsdp-opt evaluate`)."""
     group = parser.add_argument_group("lm-eval (with --tasks: benchmark scores instead of the held-out loss)")

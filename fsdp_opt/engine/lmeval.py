@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from fsdp_opt.base import ConfigError
 from fsdp_opt.engine.decoding import Decoder
 from fsdp_opt.engine.generation import Sampling, completion_keys, processors
 from fsdp_opt.engine.loss import HeadLoss, head_forward
@@ -71,7 +72,6 @@ class ModelLM(TemplateLM):
         decoder: Decoder | None = None,
         seed: int = 0,
         max_length: int | None = None,
-        name: str = "model",
     ) -> None:  # noqa: ANN001
         super().__init__()
         self.model, self.tokenizer, self.env = model, tokenizer, env
@@ -80,10 +80,10 @@ class ModelLM(TemplateLM):
         self.gather = gather
         self.decoder = decoder or Decoder()
         self.seed = seed
-        self.name = name
         self._max_length = max_length or resolve_max_length(model.config, tokenizer)
         self.head = HeadLoss.for_run(model, 0)  # the output layer at the continuation only, where it is a projection
         self.forwards = 0  # this call's forwards so far (the shards' lockstep counts them)
+        self._target = 0  # the forwards every rank runs in this call (on the shards)
 
     # ------------------------------------------------------------ lm-eval's collectives
 
@@ -253,7 +253,10 @@ class ModelLM(TemplateLM):
     def _generate(self, batch: list[tuple], settings: dict[str, Any], until: list[str]) -> list[str]:
         new_tokens = int(settings["max_gen_toks"])
         if new_tokens >= self.max_length:
-            raise ValueError(f"max_gen_toks {new_tokens}: must be below the model's {self.max_length} tokens")
+            raise ConfigError(
+                f"max_gen_toks {new_tokens} (a task's generation_kwargs, or --gen_kwargs): must be below the model's "
+                f"{self.max_length} tokens of context"
+            )
         prompts = [self.tok_encode(context, left_truncate_len=self.max_length - new_tokens) for _, context, _ in batch]
         eos = [self.eot_token_id]
         if settings.get("do_sample") and settings.get("temperature", 0.0) > 0:

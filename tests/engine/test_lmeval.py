@@ -188,6 +188,10 @@ def test_unknown_unreadable_and_unsafe_tasks_stop_before_training_in_one_line(tm
         proc = run_cli(train + flags, tmp_path, nproc=nproc)
         assert_clean_failure(proc, *needles)
         assert not (tmp_path / "out").exists()  # nothing trained, nothing written
+    # evaluate: lm-eval's flags without --tasks; a task that does not exist, on 2 ranks (no rank left waiting)
+    assert_clean_failure(evaluate(["--limit", "3"], tmp_path, nproc=0), "--limit", "only with --tasks")
+    proc = evaluate(["--model", "tiny-opt", "--checkpoints", "--tasks", "no_such_task"], tmp_path)
+    assert_clean_failure(proc, "--tasks no_such_task", "no such lm-eval task")
 
 
 def test_two_chained_sessions_score_each_save_in_wandb_eval_jsonl_and_the_card_as_evaluate_does(tmp_path):
@@ -314,3 +318,22 @@ def test_a_lora_checkpoint_scores_as_hflm_with_its_peft_adapters(tmp_path, det_m
     (ours,) = (tmp_path / "ours").iterdir()
     compared = assert_same(ours, tmp_path / "theirs" / "reference", list(TASK_YAMLS[:2]))
     assert compared == dict.fromkeys(TASK_YAMLS[:2], int(LIMIT))
+
+
+def test_the_benchmark_sets_requests_per_second_beside_hflms(tmp_path):
+    """benchmarks/lmeval.py in one run: HFLM, this interface on one rank and on two, the same batch and threads, the
+    same scores; its report's rows (the figures themselves are docs/evaluation.md's, measured apart)."""
+    out = tmp_path / "bench.json"
+    proc = launch(
+        [str(ROOT / "benchmarks" / "lmeval.py")],
+        ["--model", "tiny-opt", "--limit", "3", "--batch_size", "4", "--json", str(out)],
+        tmp_path,
+        real=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [(r["way"], r["ranks"]) for r in report["runs"]] == [("hflm", 1), ("ours", 1), ("ours", 2)]
+    assert all(r["same_scores"] and r["requests"] == 3 * (4 + 1 + 1) for r in report["runs"])
+    assert report["threads_per_process"] == 1 and report["batch_size"] == 4
+    assert "| fsdp-opt ModelLM | 2 | 18 |" in proc.stdout
