@@ -13,7 +13,8 @@ another, each at `--threads` threads per process and the same `--batch_size` per
   ours x2   the same on two ranks (torchrun, gloo): each rank its share of the documents.
 
 Each reports the seconds its model calls took (loglikelihood, loglikelihood_rolling, generate_until: the slowest
-rank's), the requests they answered (all ranks), requests/s, and the ratio to HFLM's; and whether the scores are
+rank's), the requests they answered (all ranks: lm-eval repeats a rank's last ones to even out the ranks' counts),
+the documents' requests a second (HFLM's count over the seconds), and the ratio to HFLM's; and whether the scores are
 HFLM's (every metric within 1e-4, relative). The three runs take turns, `--repeat` rounds, and each figure is the
 median round's. A loaded machine slows every process by what the others take of its cores: beside the wall clock,
 each run reports the CPU seconds its calls took (the slowest rank's; one thread a process), whose ratio is what a
@@ -175,9 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     base = rows[0]
     for row, done in zip(rows, rounds.values()):
         row["rounds_seconds"] = [round(r["seconds"], 2) for r in done]
-        row["requests_per_second"] = row["requests"] / row["seconds"]
-        row["ratio"] = row["requests_per_second"] / (base["requests"] / base["seconds"])
-        row["ratio_cpu"] = (base["cpu_seconds"] / base["requests"]) / (row["cpu_seconds"] / row["requests"])
+        # the documents' requests (HFLM's count): the copies lm-eval adds to even out the ranks are this side's cost
+        row["requests_per_second"] = base["requests"] / row["seconds"]
+        row["ratio"] = base["seconds"] / row["seconds"]
+        row["ratio_cpu"] = base["cpu_seconds"] / row["cpu_seconds"]
         row["same_scores"] = all(same(r["scores"], base["scores"]) for r in done)
     report = {
         "model": args.model,
@@ -201,7 +203,7 @@ def markdown(report: dict) -> str:
         f"{report['batch_size']}, {report['threads_per_process']} thread(s) per process, {report['machine']}, load "
         f"average {report['load_average'][0]} before, {report['load_average'][1]} after:",
         "",
-        "| run | ranks | requests | seconds (rounds) | requests/s | against HFLM | CPU s (slowest rank) | against HFLM, "
+        "| run | ranks | requests answered | seconds (rounds) | requests/s | against HFLM | CPU s (slowest rank) | against HFLM, "
         "by CPU time | scores as HFLM's |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
