@@ -108,7 +108,7 @@ def worker(args: argparse.Namespace) -> int:
     else:
         import torch.distributed as dist
 
-        from fsdp_opt.engine.benchmarks import TaskSettings, metric_table, score
+        from fsdp_opt.engine.benchmarks import Scoring, TaskSettings, metric_table, score
         from fsdp_opt.engine.lmeval import ModelLM
         from fsdp_opt.model.sources import load_model_config, load_tokenizer, resolve_model
         from fsdp_opt.runtime.distributed import init_distributed, teardown
@@ -120,7 +120,7 @@ def worker(args: argparse.Namespace) -> int:
         source = resolve_model(str(folder))
         entry = {"name": "export", "kind": "hf", "path": str(folder)}
         model = load_candidate(entry, source, load_model_config(source), "fp32", env, "FULL_SHARD", 0)
-        results = score(model, load_tokenizer(source), env, loaded, batch_size=args.batch_size, name="export")
+        results = score(model, load_tokenizer(source), env, loaded, Scoring(args.batch_size), "export")
         most = torch.tensor([spent["seconds"], spent["cpu_seconds"]], dtype=torch.float64)
         count = torch.tensor([float(spent["requests"])], dtype=torch.float64)
         if env.world_size > 1:

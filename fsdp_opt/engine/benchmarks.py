@@ -34,6 +34,17 @@ from fsdp_opt.runtime.distributed import DistEnv
 # lm-eval's own defaults (its command's): the seeds of its few-shot sampling and of the stderr bootstrap
 SEEDS = {"random_seed": 0, "numpy_random_seed": 1234, "torch_random_seed": 1234, "fewshot_random_seed": 1234}
 BOOTSTRAP_ITERS = 100_000
+# TaskSettings' fields that are simple_evaluate's arguments of the same name
+SIMPLE_EVALUATE = (
+    "num_fewshot",
+    "limit",
+    "apply_chat_template",
+    "fewshot_as_multiturn",
+    "gen_kwargs",
+    "log_samples",
+    "bootstrap_iters",
+    "confirm_run_unsafe_code",
+)
 # result keys that are not metrics
 NOT_METRICS = {"alias", "name", "sample_len", "samples", " "}
 
@@ -143,41 +154,36 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def score(
-    model: nn.Module,
-    tokenizer,
-    env: DistEnv,
-    tasks: Tasks,
-    *,
-    batch_size: int,
-    name: str,
-    gather: bool = True,
-    decoder: Decoder | None = None,
-    seed: int = 0,
-    tracker: Any = None,
-) -> dict[str, Any] | None:  # noqa: ANN001
+@dataclass
+class Scoring:
+    """How a model is scored: requests a forward per rank, on the model gathered once (else on its shards), the
+    decoder of its generate_until requests, the seed of sampled ones."""
+
+    batch_size: int
+    gather: bool = True
+    decoder: Decoder | None = None
+    seed: int = 0
+
+
+def score(model: nn.Module, tokenizer, env: DistEnv, tasks: Tasks, how: Scoring, name: str, tracker: Any = None):  # noqa: ANN001, ANN201
     """Every rank: the model scored on the tasks (lm-eval's simple_evaluate), gathered once for all of it where
-    `gather` (LoRA merged as for generation), else on its shards. lm-eval's results on rank 0, None on the others."""
+    `how.gather` (LoRA merged as for generation), else on its shards. lm-eval's results on rank 0, None elsewhere;
+    `name` is the model's in lm-eval's results (and their folder under --output_path, through `tracker`)."""
     from lm_eval import simple_evaluate
 
-    settings = tasks.settings
     quiet_lm_eval()
-    with gathered(model, gather), random_state_kept():
-        lm = ModelLM(model, tokenizer, env, batch_size=batch_size, gather=gather, decoder=decoder, seed=seed)
+    with gathered(model, how.gather), random_state_kept():
+        lm = ModelLM(
+            model, tokenizer, env, batch_size=how.batch_size, gather=how.gather, decoder=how.decoder, seed=how.seed
+        )
+        arguments = {key: getattr(tasks.settings, key) for key in SIMPLE_EVALUATE}
         results = simple_evaluate(
             model=lm,
-            model_args=f"pretrained={name}",  # the name lm-eval's results and their folder carry
+            model_args=f"pretrained={name}",
             tasks=list(tasks.built),
             task_manager=tasks.manager,
-            num_fewshot=settings.num_fewshot,
-            limit=settings.limit,
-            apply_chat_template=settings.apply_chat_template,
-            fewshot_as_multiturn=settings.fewshot_as_multiturn,
-            gen_kwargs=settings.gen_kwargs,
-            log_samples=settings.log_samples,
-            bootstrap_iters=settings.bootstrap_iters,
-            confirm_run_unsafe_code=settings.confirm_run_unsafe_code,
             evaluation_tracker=tracker,
+            **arguments,
             **SEEDS,
         )
     return results if env.is_main else None

@@ -26,6 +26,7 @@ from fsdp_opt.base import ConfigError
 from fsdp_opt.config.benchmarks import BenchmarkConfig
 from fsdp_opt.config.parse import Config
 from fsdp_opt.engine.benchmarks import (
+    Scoring,
     Tasks,
     TaskSettings,
     load_tasks,
@@ -117,16 +118,8 @@ def score_at_save(s: Session) -> Table | None:
         print0(f"lm-eval at step {step}: scored already (the checkpoint this session resumed holds its scores)")
         return chain.scored.get(step)
     started = time.perf_counter()
-    results = score(
-        s.model,
-        s.tokenizer,
-        s.env,
-        chain.tasks,
-        batch_size=s.layout.batch_size,
-        name=f"step-{step}",
-        gather=chain.plan["gathered"],
-        seed=s.config.train.seed,
-    )
+    how = Scoring(s.layout.batch_size, gather=chain.plan["gathered"], seed=s.config.train.seed)
+    results = score(s.model, s.tokenizer, s.env, chain.tasks, how, f"step-{step}")
     chain.seconds = time.perf_counter() - started
     if not s.env.is_main:
         return None

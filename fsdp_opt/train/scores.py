@@ -18,6 +18,7 @@ from fsdp_opt.checkpoint.atomic import atomic_save_text
 from fsdp_opt.checkpoint.read import read_checkpoint
 from fsdp_opt.config.training import ModelConfig
 from fsdp_opt.engine.benchmarks import (
+    Scoring,
     Tasks,
     TaskSettings,
     load_tasks,
@@ -114,23 +115,13 @@ def benchmark(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
         + (f", --limit {settings.limit:g}" if settings.limit else "")
     )
     decoder = Decoder(graphs=args.decoding == "graphs" and env.device.type == "cuda")
+    how = Scoring(args.batch_size, gather, decoder, seed)
     rows = []
     for entry in candidates:
         model = load_candidate(entry, source, model_config, precision, env, args.sharding_strategy, seed)
         tracker = new_tracker(args.output_path) if env.is_main else None
         label = entry["name"].split(" (")[0]
-        results = score(
-            model,
-            tokenizer,
-            env,
-            tasks,
-            batch_size=args.batch_size,
-            name=label,
-            gather=gather,
-            decoder=decoder,
-            seed=seed,
-            tracker=tracker,
-        )
+        results = score(model, tokenizer, env, tasks, how, label, tracker)
         if env.is_main:
             table = metric_table(results)
             rows.append({"name": entry["name"], "kind": entry["kind"], "path": entry.get("path"), "benchmarks": table})
