@@ -73,7 +73,7 @@ if repo_dir is None:
 if install:
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", install], check=True)
 elif importlib.util.find_spec("fsdp_opt") is None:
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", repo_dir], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", f"{repo_dir}[eval]"], check=True)  # lm-eval too
 
 import fsdp_opt
 from fsdp_opt import notebook as nb

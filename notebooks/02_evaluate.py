@@ -63,7 +63,7 @@ if repo_dir is None:
         (str(p) for p in [here, *here.parents] if (p / "fsdp_finetune.py").exists()), "/kaggle/working/fsdp-opt"
     )
 if importlib.util.find_spec("fsdp_opt") is None:
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", repo_dir], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", f"{repo_dir}[eval]"], check=True)  # lm-eval too
 
 from IPython.display import Markdown, display
 
@@ -125,3 +125,12 @@ display(Markdown(answers_markdown(results_json)))
 
 # %%
 fig = nb.plot_loss_curve(output_dir, Path(output_dir) / "loss_curve.png")
+
+# %% [markdown]
+# ## 6. Benchmark scores along the chain
+#
+# With `--eval_tasks` (lm-eval's tasks, scored at every save: docs/evaluation.md), each metric against the rows
+# trained so far: a point a save, read from `eval.jsonl`. Saved as `benchmarks.png`.
+
+# %%
+fig = nb.plot_benchmarks(output_dir, Path(output_dir) / "benchmarks.png")

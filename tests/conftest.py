@@ -412,6 +412,7 @@ LONGEST_FIRST = (
     "test_hub.py::test_sessions_chain_through_the_hub",
     "test_auto_chain.py::test_end_of_data_and_of_passes_and_several_ranges_in_one_session",
     "test_evaluate.py::test_base_vs_checkpoints_match_reference",
+    "test_lmeval.py::test_two_chained_sessions_score_each_save_in_wandb_eval_jsonl_and_the_card_as_evaluate_does",
     "test_simulate.py::test_fake_step_measures_what_a_real_step_holds_and_the_plan_agrees",
 )
 
@@ -464,6 +465,7 @@ QUICK = (
     "tests/train/test_dpo.py::test_the_first_step_is_the_dpo_loss_of_the_pairs_alone_full_and_lora[strings]",
     "tests/train/test_chat_data.py::test_first_step_loss_is_the_mean_over_exactly_the_answer_tokens",
     "tests/train/test_evaluate.py::test_evaluate_bad_input",
+    "tests/engine/test_lmeval.py::test_two_ranks_score_what_lm_evals_hflm_scores_on_the_exported_folder",
     "tests/planner/test_steptime.py::test_collective_bytes",
     "tests/commands/test_cli.py::test_bad_input_fails_fast",
     "tests/commands/test_cli.py::test_the_error_line",

@@ -23,6 +23,7 @@ MAX_LINES = 400
 ALLOWED_LATE = {
     ("fsdp_opt.commands.train", "fsdp_opt.train.run"),
     ("fsdp_opt.commands.plan", "fsdp_opt.commands.planning"),
+    ("fsdp_opt.engine.benchmarks", "fsdp_opt.engine.lmeval"),  # the optional lm-eval, imported only to score
 }
 
 

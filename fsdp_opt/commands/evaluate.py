@@ -16,14 +16,17 @@ from __future__ import annotations
 import argparse
 
 from fsdp_opt.base import ConfigError
+from fsdp_opt.config.benchmarks import add_lm_eval_flags, check_lm_eval_flags
 from fsdp_opt.config.choices import DATA_FORMATS, STRATEGIES, TRAIN_ON
 from fsdp_opt.config.flags import OneLineParser
 from fsdp_opt.config.method import method_field
 from fsdp_opt.config.parse import add_flag
+from fsdp_opt.engine.decoding import PATHS
 from fsdp_opt.runtime.distributed import init_distributed, teardown
 from fsdp_opt.runtime.exits import end_process, fail
 from fsdp_opt.runtime.hostmem import configure_allocator
 from fsdp_opt.train.compare import DEFAULT_EVAL_ROWS, compare
+from fsdp_opt.train.scores import benchmark
 
 # ---------------------------------------------------------------- python -m fsdp_opt.evaluate
 
@@ -132,6 +135,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output_dir", default="outputs", help="where checkpoint names are looked up")
     p.add_argument("--hf_repo", default=None, help="Hub repo searched for checkpoints not found locally")
     p.add_argument("--json", default=None, help="write the report here too")
+    p.add_argument(
+        "--decoding",
+        default="static",
+        choices=PATHS,
+        help="--tasks' generate_until requests: a static KV cache, each step a CUDA graph's replay with graphs (GPU)",
+    )
+    p.add_argument(
+        "--gather_model",
+        default="auto",
+        choices=["auto", "true", "false"],
+        help="--tasks: score on the model gathered whole once (true), or on its shards, each block gathered in every "
+        "forward (false; slower); auto: gathered where it fits the GPU beside a batch's forward and KV cache",
+    )
+    add_lm_eval_flags(p)
     return p
 
 
@@ -141,6 +158,7 @@ def _checked(args: argparse.Namespace) -> argparse.Namespace:
             raise ConfigError(f"--{flag} {getattr(args, flag)}: must be at least 1")
     if args.num_prompts < 0:
         raise ConfigError(f"--num_prompts {args.num_prompts}: must be 0 (no generation) or more")
+    check_lm_eval_flags(args)
     if args.no_base and not args.checkpoints:
         raise ConfigError("--no_base: with no --checkpoints there is nothing to evaluate")
     return args
@@ -154,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     env = init_distributed(args.device)
     configure_allocator(cpu_device=env.device.type == "cpu")
     try:
-        compare(args, env)
+        benchmark(args, env) if args.tasks else compare(args, env)
     except ConfigError as exc:
         fail(str(exc))
     finally:

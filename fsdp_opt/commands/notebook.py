@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_opt.runtime.gpus import describe, from_a_child_process, from_nvidia_smi
-from fsdp_opt.tracking.metrics import read_metrics
+from fsdp_opt.tracking.metrics import EVAL_FILE, read_metrics
+from fsdp_opt.tracking.scoretable import heading, series
 
 SECRET_NAMES = ("HF_TOKEN", "WANDB_API_KEY")
 
@@ -180,6 +181,34 @@ def plot_loss_curve(path: str | os.PathLike, png: str | os.PathLike | None = Non
     ax.set_xlabel("global step")
     ax.set_ylabel("training loss (token mean)")
     ax.legend(loc="upper right")
+    fig.tight_layout()
+    if png is not None:
+        fig.savefig(png, dpi=120)
+    return fig
+
+
+def plot_benchmarks(output_dir: str | os.PathLike, png: str | os.PathLike | None = None):
+    """--eval_tasks' scores in eval.jsonl: each lm-eval metric against the end row of the range trained when it was
+    scored, a panel a metric (a point a save). None, with a line saying so, when the run scored none."""
+    import json
+
+    import matplotlib
+
+    if "ipykernel" not in sys.modules:
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(output_dir) / EVAL_FILE
+    lines = path.read_text().splitlines() if path.exists() else []
+    found = series([json.loads(line) for line in lines if line.strip()])
+    if not found:
+        print(f"no lm-eval scores in {path} (train with --eval_tasks)")
+        return None
+    fig, axes = plt.subplots(len(found), 1, figsize=(9, 2.6 * len(found)), squeeze=False)
+    for ax, ((task, key), points) in zip(axes[:, 0], found.items()):
+        ax.plot([x for x, _ in points], [y for _, y in points], marker="o", lw=1.2)
+        ax.set_ylabel(heading(task, key), fontsize=8)
+    axes[-1, 0].set_xlabel("rows trained (the range's end)")
     fig.tight_layout()
     if png is not None:
         fig.savefig(png, dpi=120)

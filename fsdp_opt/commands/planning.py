@@ -15,6 +15,7 @@ from fsdp_opt.config.training import TrainConfig
 from fsdp_opt.data.resolve import DataSource
 from fsdp_opt.data.sources import data_on_disk
 from fsdp_opt.model.shapes import Shape, model_config
+from fsdp_opt.planner.benchmarks import scoring_line
 from fsdp_opt.planner.calibrate import calibrate, read_rates
 from fsdp_opt.planner.catalog import catalog_rows, render_catalog
 from fsdp_opt.planner.generation import generation_memory
@@ -28,6 +29,7 @@ from fsdp_opt.planner.simulate import simulate_generation as sim_generation
 from fsdp_opt.planner.simulate import simulate_reference
 from fsdp_opt.planner.steptime import Rates
 from fsdp_opt.runtime.hostmem import total_memory_bytes
+from fsdp_opt.train.chain_scores import planned_scoring
 
 
 def host_memory_of(a: argparse.Namespace) -> tuple[int, str]:
@@ -160,6 +162,8 @@ def plan(a: argparse.Namespace) -> int:
         )
         if measured is not None:
             plan["calibration"] = measured
+        if a.eval_tasks:  # lm-eval's scoring at each save (train/chain_scores.py)
+            plan["lm_eval"] = planned_scoring(a, inputs, rates)
         simulate = [x.strip() for x in a.simulate.split(",")] if a.simulate else []
         for strategy in simulate:
             if strategy not in plan["strategies"]:
@@ -167,7 +171,7 @@ def plan(a: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    text = [] if a.json else [render(plan)]
+    text = [] if a.json else [render(plan)] + ([scoring_line(plan["lm_eval"])] if "lm_eval" in plan else [])
     if simulate:
         plan["simulated"] = {}
         for strategy in simulate:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fsdp_opt.base import VERSION, ConfigError
+from fsdp_opt.config.benchmarks import BenchmarkConfig
 from fsdp_opt.config.choices import AUTO
 from fsdp_opt.config.flags import OneLineParser, parse_bool
 from fsdp_opt.config.layout import LoraConfig, ParallelConfig
@@ -29,6 +30,7 @@ SECTIONS: dict[str, type] = {
     "checkpoint": CheckpointConfig,
     "hub": HubConfig,
     "wandb": WandbConfig,
+    "benchmark": BenchmarkConfig,
 }
 
 
@@ -43,6 +45,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     hub: HubConfig = field(default_factory=HubConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)
 
     def flat(self) -> dict[str, Any]:
         """Every flag and its value: what is printed and stored in checkpoints."""

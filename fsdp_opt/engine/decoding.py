@@ -104,9 +104,13 @@ class Decoder:
         device: torch.device,
         stop_ids: Sequence[int] = (),
         say: Callable[[str], None] = print,
+        done_when: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        on_forward: Callable[[], None] | None = None,
     ) -> list[list[int]]:
         """Each prompt's generated tokens (max_new_tokens of them, the pad after a row's end). `choose(input_ids,
-        logits)` picks each row's next token from the step's fp32 logits, given the tokens so far."""
+        logits)` picks each row's next token from the step's fp32 logits, given the tokens so far. `done_when(tokens)`
+        (lm-eval's stop strings): which rows have ended, given each row's generated tokens so far, asked where the
+        loop checks for its end. `on_forward` is called at each of the model's forwards (the prefill, each step)."""
         batch, prompt_len = len(prompts), max(len(p) for p in prompts)
         length = prompt_len + max_new_tokens
         seq = torch.full((batch, length), pad_id, dtype=torch.long, device=device)
@@ -134,6 +138,8 @@ class Decoder:
         logits = _step(
             model, takes, cache, seq[:, :prompt_len], positions, mask, torch.arange(prompt_len, device=device)
         )
+        counted = on_forward or (lambda: None)
+        counted()
         for t in range(max_new_tokens):
             here = prompt_len + t
             nxt = choose(seq[:, :here], logits.float())
@@ -143,8 +149,13 @@ class Decoder:
             if stop is not None and t + 1 >= len(stop):
                 done |= (seq[:, here + 1 - len(stop) : here + 1] == stop).all(dim=1)
             stats.steps = t + 1
-            if t + 1 == max_new_tokens or ((t + 1) % every == 0 and bool(done.all())):
+            if t + 1 == max_new_tokens:
                 break
+            if (t + 1) % every == 0:
+                if done_when is not None:
+                    done |= done_when(seq[:, prompt_len : here + 1])
+                if bool(done.all()):
+                    break
             step_positions = (here - pads).unsqueeze(1)
             if graph is not None:
                 graph.tokens.copy_(nxt.unsqueeze(1))
@@ -157,6 +168,7 @@ class Decoder:
                 logits = _step(
                     model, takes, cache, nxt.unsqueeze(1), step_positions, mask, torch.tensor([here], device=device)
                 )
+            counted()
         self.last = stats
         return seq[:, prompt_len:].tolist()
 

@@ -12,6 +12,7 @@ from typing import Any
 from fsdp_opt.base import VERSION
 from fsdp_opt.checkpoint.chain import CHAIN_KEY, ChainStatus
 from fsdp_opt.checkpoint.drift import CHANGES_KEY
+from fsdp_opt.tracking.scoretable import BENCHMARKS_KEY, markdown_rows
 
 # Flags that describe this machine or this session, not the training recipe.
 LOCAL_FLAGS = {
@@ -79,6 +80,8 @@ def slices(index: dict[str, Any]) -> list[dict[str, Any]]:
             row["eval_loss"] = e.get("eval_loss")
         if e.get("eval_reward") is not None:  # --method grpo: its held-out reward in the eval column
             row["eval_reward"] = e.get("eval_reward")
+        if e.get(BENCHMARKS_KEY):  # --eval_tasks: the range's newest scores
+            row[BENCHMARKS_KEY] = e[BENCHMARKS_KEY]
         row["date"] = e.get("date", "")
         row["latest"] = name
         # Where it is now: its full state, or (retired by --hub_keep_full) only its weights file.
@@ -130,6 +133,14 @@ def template_section(run: dict[str, Any]) -> list[str]:
     ]
 
 
+def benchmarks_section(rows: list[dict[str, Any]]) -> list[str]:
+    """--eval_tasks: lm-eval's scores of each range's newest checkpoint, a row a range, each metric with its stderr."""
+    scored = [(f"[{r['start']}, {r['end']})", r[BENCHMARKS_KEY]) for r in rows if r.get(BENCHMARKS_KEY)]
+    if not scored:
+        return []
+    return ["", "## Benchmarks (lm-evaluation-harness)", "", *markdown_rows(scored, "rows")]
+
+
 def render_card(repo_id: str, index: dict[str, Any]) -> str:
     run = index.get("run", {})
     base, dataset = run.get("base_model") or "unknown", run.get("dataset") or "unknown"
@@ -171,6 +182,7 @@ def render_card(repo_id: str, index: dict[str, Any]) -> str:
     out += [f"{range_cells(r)} {r['date']} | `{r['where']}` |" for r in rows]
     if not rows:
         out.append("| - | - | - | - | - | - | - |")
+    out += benchmarks_section(rows)
     storage = index.get("storage")
     if storage:
         out += [

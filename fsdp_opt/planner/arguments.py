@@ -7,7 +7,9 @@ wrong) answers before torch or transformers is imported."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
+from fsdp_opt.config.benchmarks import BenchmarkConfig
 from fsdp_opt.config.choices import (
     KAGGLE_DISK,
     KAGGLE_HOST_MEMORY,
@@ -205,4 +207,6 @@ def build_parser() -> argparse.ArgumentParser:
         "LoRA r16 on a 4-bit base) at the flags' GPUs, memory, precision, length and sequences per step",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    for field in dataclasses.fields(BenchmarkConfig):  # the trainer's --eval_tasks: its scoring at each save
+        add_flag(p, field)
     return p

@@ -128,6 +128,10 @@ class WandbRun:
     def log_eval(self, step: int, values: dict[str, float]) -> None:
         self._safely("log", lambda: self.run.log({f"eval/{k}": v for k, v in values.items()}, step=step))
 
+    def log_values(self, step: int, values: dict[str, float]) -> None:
+        """Values under their own names (lm-eval's scores: `arc_easy/acc`) at a step."""
+        self._safely("log", lambda: self.run.log(dict(values), step=step))
+
     def log_table(self, key: str, step: int, rows: list[dict[str, Any]]) -> None:
         """A table (a row per dict; the columns of the first), as W&B shows sample completions."""
         if not rows:

@@ -46,6 +46,7 @@ from fsdp_opt.tracking.metrics import MetricsWriter
 from fsdp_opt.tracking.wandb_run import WandbRun
 from fsdp_opt.train import components as parts_of
 from fsdp_opt.train.chain import start_status
+from fsdp_opt.train.chain_scores import read_run_tasks, start_scores
 from fsdp_opt.train.components import Components, Setup
 from fsdp_opt.train.inputs import Inputs, check_pin, read_inputs, refuse_changed_mixture_now
 from fsdp_opt.train.methods import Method, method_for
@@ -66,6 +67,7 @@ class Checked:
     accum_steps: int | None  # --accum_steps, or what --global_batch implies for this many ranks (None: auto decides)
     method: Method  # the run's method, with its settings
     components: Components  # what its flags name, had (its reward functions)
+    tasks: Any = None  # --eval_tasks, read (engine/benchmarks.py Tasks)
 
 
 def setup(config: Config, env: DistEnv, checked: Checked | None = None, lease: Lease | None = None) -> Session:
@@ -144,6 +146,10 @@ def setup(config: Config, env: DistEnv, checked: Checked | None = None, lease: L
     built, adapters, n_params, fpt = build_model(config, env, checked, inputs, resume.payload, method.spec, layout)
     head_loss = all_ranks_ok(lambda: HeadLoss.for_run(built.model, layout.loss_chunk_tokens))
     components = parts_of.after_model(components, built.model, head_loss, how, made)
+    # --eval_tasks: the scoring's plan, and the step the resumed checkpoint was scored at (before handover)
+    benchmarks = start_scores(
+        checked.tasks, resume.payload, inputs.model_config, inputs.tokenizer, env, checked.precision, layout, config
+    )
     parts = RunParts(
         env,
         inputs.model_config,
@@ -226,6 +232,7 @@ def setup(config: Config, env: DistEnv, checked: Checked | None = None, lease: L
         data_pin=data_pin,
         data_revision=revision,
         lease=lease,
+        benchmarks=benchmarks,
         ckpt_writer=BackgroundWriter() if uses_async_save(config, env.device.type) else None,
     )
     session = start_side_work(session, built, run_id, inputs.bf16_pretrained)
@@ -260,7 +267,10 @@ def check_flags(config: Config, env: DistEnv) -> Checked:
         generation_slices(
             getattr(settings, "steps_per_generation", None), None if auto else config.train.accum_for(env.world_size)
         )
-    return Checked(source, precision, None if auto else config.train.accum_for(env.world_size), method, components)
+    tasks = read_run_tasks(config, env)  # --eval_tasks: resolved and read before the lease and the model
+    return Checked(
+        source, precision, None if auto else config.train.accum_for(env.world_size), method, components, tasks
+    )
 
 
 def beside_config(config: Config, spec: MethodSpec, env: DistEnv) -> Any:  # noqa: ANN401

@@ -74,7 +74,7 @@ def _trained_from(entries: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[s
     return flags, payload.get("slice") or {}
 
 
-def _find(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+def find_models(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
     """Rank 0: each --checkpoints entry as a model folder or a checkpoint (fetched from the Hub if need be)."""
 
     entries = []
@@ -102,29 +102,34 @@ def _adapters(info: dict[str, Any] | None, precision: str, seed: int) -> Adapter
     return Adapters(settings, info["base"], DTYPES[precision], seed, tuple(info.get("whole", ())))
 
 
-def _candidate(
-    entry: dict[str, Any], source: ModelSource, model_config, head: str, precision: str, args, env: DistEnv
-) -> nn.Module:  # noqa: ANN001
+def load_candidate(
+    entry: dict[str, Any],
+    source: ModelSource,
+    model_config,  # noqa: ANN001
+    head: str,
+    precision: str,
+    strategy: str,
+    seed: int,
+    env: DistEnv,
+) -> nn.Module:
     """One model to score, built by the loader and filled: the base (its weights), a model folder (its own), a
     checkpoint (a full one: its state loaded into the shards; a LoRA one: the base from --model, checked against the
     base the adapters were trained on, then the adapters)."""
     if entry["kind"] != "ckpt":
         where = source if entry["kind"] == "base" else resolve_model(entry["path"])
-        return load_model(
-            Build(where, model_config, precision, args.sharding_strategy, args.seed, head=head), env
-        ).model
+        return load_model(Build(where, model_config, precision, strategy, seed, head=head), env).model
     path = Path(entry["path"])
     payload = all_ranks_ok(lambda: read_checkpoint(path, "--checkpoints") if env.is_main else None)
     # A LoRA checkpoint's base is built from its run's seed when the base is the built-in or a random: one.
     info, seed = broadcast_object(
-        (payload.get("lora"), int((payload.get("config") or {}).get("seed", args.seed))) if env.is_main else None
+        (payload.get("lora"), int((payload.get("config") or {}).get("seed", seed))) if env.is_main else None
     )
     adapters = _adapters(info, precision, seed)
     build = Build(
         source,
         model_config,
         precision,
-        args.sharding_strategy,
+        strategy,
         seed,
         head=head,
         adapters=adapters,
@@ -165,7 +170,7 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
     """Evaluate the base model and each checkpoint in turn (one in memory at a time) on the same rows."""
     import gc
 
-    found = all_ranks_ok(lambda: _find(args) if env.is_main else None)
+    found = all_ranks_ok(lambda: find_models(args) if env.is_main else None)
     entries, trained, trained_slice = broadcast_object(found)
     # the method's settings as the first checkpoint trained with them (its reward functions, ...), --method and its
     # flags given here aside (another method than the checkpoint's: its own defaults)
@@ -269,7 +274,9 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
 
     models, samples = [], [{"prompt": p, "answer": a, "outputs": {}} for p, _, a in asked]
     for entry in candidates:
-        model = _candidate(entry, source, model_config, method.spec.head, precision, args, env)
+        model = load_candidate(
+            entry, source, model_config, method.spec.head, precision, args.sharding_strategy, args.seed, env
+        )
         result = scorer.score(model)
         scored = result.pop("samples", None)  # completions the score was taken on (GRPO): those are shown
         if scored is not None and not args.prompts:

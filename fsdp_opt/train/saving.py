@@ -23,6 +23,8 @@ from fsdp_opt.hub.lease import FileLease
 from fsdp_opt.runtime.distributed import broadcast_object, max_over_ranks, print0
 from fsdp_opt.runtime.hostmem import release_host_memory
 from fsdp_opt.tracking.metrics import EVAL_FILE
+from fsdp_opt.tracking.scoretable import BENCHMARKS_KEY
+from fsdp_opt.train.chain_scores import kept, score_at_save, scoring_seconds
 from fsdp_opt.train.disk import make_room, prune
 from fsdp_opt.train.session import Session
 
@@ -33,7 +35,7 @@ def save_estimate(session: Session) -> float:
     estimate = 1.5 * p.last_save_seconds if p.last_save_seconds else 12 * session.n_params / 100e6 + 5.0
     if session.uploader is not None:  # the final checkpoint must reach the Hub too
         estimate += 1.5 * session.uploader.last_seconds()
-    return estimate
+    return estimate + scoring_seconds(session)  # --eval_tasks
 
 
 def run_eval(session: Session) -> dict[str, float]:
@@ -77,6 +79,7 @@ def save(session: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
     if session.env.is_main and session.loss.completions():  # W&B: a table of the last step's completions (the first 16)
         session.wandb.log_table("completions", session.state.global_step, session.loss.completions()[:16])
     evaluation = run_eval(session) if evaluate and session.scorer is not None else None
+    scores = score_at_save(session) if evaluate else None  # --eval_tasks (rank 0's)
     sharded = cc.state_dict_type == "sharded"
     if epoch_end:
         name = checkpoint_name(session.tag, dc.start_idx, session.end_idx, session.state.epoch, sharded=sharded)
@@ -113,6 +116,7 @@ def save(session: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
         CHANGES_KEY: session.settings_changes,
         PIN_KEY: session.data_pin,
         session.method.name: session.method_state(),
+        BENCHMARKS_KEY: kept(session, scores),
         "fsdp_opt_version": VERSION,
     }
     entry = {
@@ -131,6 +135,7 @@ def save(session: Session, *, epoch_end: bool, evaluate: bool = True) -> Path:
         CHAIN_KEY: extra[CHAIN_KEY],
         CHANGES_KEY: session.settings_changes,
         PIN_KEY: session.data_pin,
+        **({BENCHMARKS_KEY: scores} if scores else {}),  # --eval_tasks: lm-eval's result keys (the card's table)
     }
     kind = "epoch" if epoch_end else "step"
     started = time.perf_counter()

@@ -92,6 +92,7 @@ class Session:
     ckpt_writer: BackgroundWriter | None = None  # --async_save (rank 0 writes; None: saves written in place)
     skip_watch: SkipWatch = field(default_factory=SkipWatch)  # fp16: skipped-step rate, warnings, the storm stop
     prune_lock: threading.Lock = field(default_factory=threading.Lock)
+    benchmarks: Any = None  # --eval_tasks: the scoring at each save (train/chain_scores.py ChainScores)
 
     @property
     def state(self) -> TrainState:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fsdp_opt.config.methods.base import (
+    CAUSAL_LM,
     GENERATION,
     GENERATOR,
     LOSS,
@@ -44,6 +45,7 @@ def owners(flag: str) -> list[str]:
 
 
 __all__ = [
+    "CAUSAL_LM",
     "DEFAULT_METHOD",
     "GENERATION",
     "GENERATOR",
