@@ -9,7 +9,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-VERSION = "0.5.0"  # the package's version: pyproject.toml reads it; checkpoints and model cards record it; CHANGELOG.md
+VERSION = "0.6.0"  # the package's version: pyproject.toml reads it; checkpoints and model cards record it; CHANGELOG.md
 
 GIB = 2**30
 MIB = 2**20
