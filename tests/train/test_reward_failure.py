@@ -79,3 +79,23 @@ def test_a_failing_reward_keeps_the_last_step_and_the_fixed_one_resumes_there(tm
     changes = torch.load(final, weights_only=True)["settings_changes"]
     taken = [c for c in changes if c["flag"] == "reward"]  # (and --range_size, a choice the auto chain adds)
     assert len(taken) == 1 and taken[0]["step"] == 2 and taken[0]["breaks"] == "another loss trains"
+
+
+def test_a_reward_that_cannot_run_fails_on_the_first_generation_before_any_update(tmp_path):
+    """Every reward function is called on the first generation, before the first update: one that cannot run at all
+    ends the session there, in one line, with no checkpoint and no step recorded."""
+    policy = make_chat_llama(tmp_path / "policy", seed=0)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Say word {k}:", "target": f"w{k}"}) + "\n" for k in range(8)))
+    rule = tmp_path / "rule.py"
+    rule.write_text("def overlap(completions, **kwargs):\n    raise KeyError('no column named answer')\n")
+    flags = [
+        "--model", str(policy), "--dataset", str(data), "--method", "grpo", "--reward", f"{rule}:overlap",
+        "--num_generations", "2", "--max_completion_length", "4", "--max_length", "64", "--batch_size", "2",
+        "--precision", "fp32", "--output_dir", str(tmp_path / "out"), "--wandb_mode", "disabled",
+    ]  # fmt: skip
+    failed = run_cli(flags, tmp_path, 1)
+    assert_clean_failure(failed, "--reward ", "place 0 of its group", "no column named answer")
+    out = tmp_path / "out"
+    assert not list(out.glob("*.pt"))  # (a folder never made globs nothing)
+    assert not (out / "metrics.jsonl").exists() or read_jsonl(out / "metrics.jsonl") == []
