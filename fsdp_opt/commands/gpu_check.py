@@ -39,7 +39,7 @@ from fsdp_opt.config.choices import T4_MEMORY
 from fsdp_opt.model.shapes import Shape, model_config
 from fsdp_opt.planner.inputs import NCCL_BUFFER_BYTES, Inputs
 from fsdp_opt.planner.memory import memory, peak_bytes
-from fsdp_opt.planner.search import Space, change_line, cheapest_change
+from fsdp_opt.planner.search import Limits, Space, change_line, cheapest_change
 from fsdp_opt.planner.steptime import Rates, candidates
 from fsdp_opt.runtime.gpus import contexts_held, describe, from_a_child_process, from_nvidia_smi, precision_for
 
@@ -117,7 +117,7 @@ def fitted(model: str, nproc: int, a: argparse.Namespace, cuda: bool) -> tuple[I
         return given, [], None
     samples = a.batch_size * a.accum_steps * nproc
     # The layout of the trainer's own flags: FULL_SHARD, no offload (the check is of the GPU, not the host).
-    found = cheapest_change(shape, given, samples, Rates(), Space(strategies=("FULL_SHARD",), offload=False))
+    found = cheapest_change(shape, given, samples, Limits(space=Space(strategies=("FULL_SHARD",), offload=False)))
     if found is None:
         return given, [], change_line(True, given, None) + ": the check runs the flags given"
     inputs = replace(

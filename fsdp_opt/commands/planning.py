@@ -21,7 +21,7 @@ from fsdp_opt.planner.catalog import catalog_rows, render_catalog
 from fsdp_opt.planner.generation import generation_memory
 from fsdp_opt.planner.inputs import Inputs
 from fsdp_opt.planner.report import make_plan, render
-from fsdp_opt.planner.search import Space, applied, recommend, reduce_dtypes
+from fsdp_opt.planner.search import Limits, Space, applied, recommend, reduce_dtypes
 from fsdp_opt.planner.simreport import compare
 from fsdp_opt.planner.simreport import render as sim_render
 from fsdp_opt.planner.simulate import simulate as sim_simulate
@@ -133,7 +133,7 @@ def plan(a: argparse.Namespace) -> int:
             return 0
         if auto:
             shape = Shape.of(model_config(a.model))
-            best = recommend(shape, inputs, samples, rates, space, host, a.state_dict_type == "sharded")
+            best = recommend(shape, inputs, samples, Limits(rates, space, host, a.state_dict_type == "sharded"))
             if best is None:
                 raise ConfigError(
                     f"--batch_size auto: no configuration of {samples} sequences per step fits "

@@ -11,7 +11,7 @@ from fsdp_opt.base import gib
 from fsdp_opt.model.catalog import SHAPES
 from fsdp_opt.model.shapes import Shape, model_config
 from fsdp_opt.planner.inputs import Inputs
-from fsdp_opt.planner.search import SUGGESTED_RANK, Space, recommend
+from fsdp_opt.planner.search import SUGGESTED_RANK, Limits, Space, recommend
 from fsdp_opt.planner.steptime import Rates
 
 MODES = (
@@ -30,7 +30,7 @@ def catalog_rows(
         shape = Shape.of(model_config(name))
         row: dict[str, Any] = {"model": name, "params": shape.params, "modes": {}}
         for mode, change in MODES:
-            best = recommend(shape, replace(inputs, **change), samples, rates, space, host_memory)
+            best = recommend(shape, replace(inputs, **change), samples, Limits(rates, space, host_memory))
             row["modes"][mode] = (
                 None
                 if best is None

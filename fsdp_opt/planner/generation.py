@@ -181,37 +181,67 @@ def graph_pool_bytes(shape: Shape, requests: int, c: int) -> int:
     return prefill_bytes(shape, requests, 1, c) + requests * shape.vocab * c
 
 
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """A step that generates, as the plan and the run's prediction count it: the sequences of an optimizer step (all
+    GPUs), the completions sampled per prompt and their length, the steps one generation feeds and how often it is
+    trained on, and a model kept beside whose forward runs on the completions (GRPO's reference at --beta > 0,
+    distillation's teacher; of shape `beside`, default the model's)."""
+
+    samples: int
+    generations: int
+    completion_length: int
+    steps_per_generation: int = 1
+    iterations: int = 1
+    forward_beside: bool = False
+    beside: Shape | None = None
+
+    @property
+    def shared(self) -> int:
+        """The steps one generation's cost is shared among."""
+        return self.steps_per_generation * self.iterations
+
+    def requests(self, inputs: Inputs) -> int:
+        return requests_per_rank(self.samples * self.steps_per_generation, self.generations, inputs.gpus)
+
+
+def forwards(shape: Shape, strategy: str, inputs: Inputs, phase: Phase, rates: Rates) -> tuple[float, float]:
+    """A generation's forwards beside its sampling, in seconds: the model kept beside on its completions, and the
+    policy's own that keeps the old log-probabilities (a generation trained on more than once)."""
+    rows = phase.samples * phase.steps_per_generation
+    beside_s = (
+        forward_time(phase.beside or shape, strategy, inputs, rows, rates)["seconds"] if phase.forward_beside else 0.0
+    )
+    old_s = forward_time(shape, strategy, inputs, rows, rates)["seconds"] if phase.shared > 1 else 0.0
+    return beside_s, old_s
+
+
 def grpo_plan(
     shape: Shape,
     strategy: str,
     inputs: Inputs,
-    samples: int,
-    generations: int,
-    completion_length: int,
-    forward_beside: bool,
-    reference_model: bool,
+    phase: Phase,
     training_s: float | None,
     rates: Rates | None = None,
     decoding: str = "static",
-    steps_per_generation: int = 1,
-    iterations: int = 1,
-    beside: Shape | None = None,
+    reference_model: bool = False,
     beside_name: str = "reference",
     beside_bits: int = 16,
 ) -> dict[str, Any]:
     """The generation phase (gathered once, and layer by layer beside it; decoded unreplayed and as CUDA graphs), the
-    forward of the model kept beside (`forward_beside`: GRPO's reference at --beta > 0, distillation's teacher; of
-    shape `beside`, default the model's) and the step. A generation of `steps_per_generation` steps' prompts, trained
-    `iterations` times, costs each of its steps its share."""
-    requests = requests_per_rank(samples * steps_per_generation, generations, inputs.gpus)
+    forward of the model kept beside (`reference_model`: a model of its own in memory, `beside_bits` its weights'
+    bits) and the step (`training_s`, the training step's). A generation of several steps' prompts, trained more than
+    once, costs each of its steps its share."""
+    rates = rates or Rates()
+    requests = phase.requests(inputs)
     graphs = decoding == "graphs"
     out: dict[str, Any] = {
         "requests_per_rank": requests,
-        "generations": generations,
-        "completion_length": completion_length,
+        "generations": phase.generations,
+        "completion_length": phase.completion_length,
         "strategy": strategy,
         "decoding": decoding,
-        "steps_per_generation": steps_per_generation * iterations,
+        "steps_per_generation": phase.shared,
         "beside": beside_name,
         # NO_SHARD (or one GPU) keeps the whole model on every GPU: neither path gathers it, so their times agree
         "whole_on_each_gpu": None
@@ -221,28 +251,26 @@ def grpo_plan(
         else f"under {strategy} every GPU holds the whole model",
     }
     c = 4 if inputs.precision == "fp32" else 2
+    length = phase.completion_length
     for name, gathered in (("gathered", True), ("layer_by_layer", False)):
-        memory = generation_memory(shape, strategy, inputs, requests, gathered, reference_model, beside, beside_bits)
+        memory = generation_memory(
+            shape, strategy, inputs, requests, gathered, reference_model, phase.beside, beside_bits
+        )
         if graphs and gathered:
             memory["graph_pool"] = graph_pool_bytes(shape, requests, c)
         peak = sum(memory.values())
-        time = generation_time(shape, strategy, inputs, requests, completion_length, rates, gathered, graphs)
+        time = generation_time(shape, strategy, inputs, requests, length, rates, gathered, graphs)
         out[name] = {"components": memory, "peak_bytes": peak, "fits": peak <= inputs.gpu_memory, **time}
-    eager = generation_time(shape, strategy, inputs, requests, completion_length, rates, True, False)
-    replayed = generation_time(shape, strategy, inputs, requests, completion_length, rates, True, True)
+    eager = generation_time(shape, strategy, inputs, requests, length, rates, True, False)
+    replayed = generation_time(shape, strategy, inputs, requests, length, rates, True, True)
     out["eager"], out["graphs"] = eager, replayed
-    shared = steps_per_generation * iterations
-    reference_s = old_s = 0.0
-    if forward_beside:  # the reference's (teacher's) forward over the generation's completions (one rank's share)
-        reference_s = forward_time(beside or shape, strategy, inputs, samples * steps_per_generation, rates)["seconds"]
-    if shared > 1:  # the policy's own log-probabilities at sampling time
-        old_s = forward_time(shape, strategy, inputs, samples * steps_per_generation, rates)["seconds"]
+    reference_s, old_s = forwards(shape, strategy, inputs, phase, rates)
     generation = out["gathered"] if out["gathered"]["fits"] else out["layer_by_layer"]
     training = training_s or 0.0  # None: the training step fits no layout
-    per_step = lambda g: (g + reference_s + old_s) / shared + training  # noqa: E731
+    per_step = lambda g: (g + reference_s + old_s) / phase.shared + training  # noqa: E731
     out.update(
-        reference_s=reference_s / shared,
-        old_logps_s=old_s / shared,
+        reference_s=reference_s / phase.shared,
+        old_logps_s=old_s / phase.shared,
         training_s=training_s,
         uses="gathered" if out["gathered"]["fits"] else "layer_by_layer",
         step_s=per_step(generation["seconds"]),
@@ -254,43 +282,28 @@ def grpo_plan(
 
 
 def with_generation(
-    prediction: dict[str, Any],
-    shape: Shape,
-    strategy: str,
-    inputs: Inputs,
-    samples: int,
-    generations: int,
-    completion_length: int,
-    reference_forward: bool,
-    gathered: bool,
-    graphs: bool = False,
-    steps_per_generation: int = 1,
-    iterations: int = 1,
-    beside: Shape | None = None,
+    prediction: dict[str, Any], shape: Shape, strategy: str, inputs: Inputs, phase: Phase, gathered: bool, graphs: bool
 ) -> dict[str, Any]:
     """A run's step-time prediction (the training step's, planner/layout.py) with its share of the generation phase,
-    the reference's forward and the old log-probabilities' forward added, at the prediction's own rates: what a GRPO
-    step's measured time (the mean over a generation's steps) is held against."""
+    the forward of the model beside and the old log-probabilities' forward added, at the prediction's own rates: what
+    a step's measured time (the mean over a generation's steps) is held against."""
     rates = Rates(
         tflops=prediction["tflops"],
         link_gbps=prediction["link_gbps"],
         hbm_gbps=prediction.get("hbm_gbps", Rates().hbm_gbps),
     )
-    requests = requests_per_rank(samples * steps_per_generation, generations, inputs.gpus)
-    generation = generation_time(shape, strategy, inputs, requests, completion_length, rates, gathered, graphs)
-    rows = samples * steps_per_generation
-    reference_s = forward_time(beside or shape, strategy, inputs, rows, rates)["seconds"] if reference_forward else 0.0
-    shared = steps_per_generation * iterations
-    old_s = forward_time(shape, strategy, inputs, rows, rates)["seconds"] if shared > 1 else 0.0
-    share = (generation["seconds"] + reference_s + old_s) / shared
+    requests = phase.requests(inputs)
+    generation = generation_time(shape, strategy, inputs, requests, phase.completion_length, rates, gathered, graphs)
+    reference_s, old_s = forwards(shape, strategy, inputs, phase, rates)
+    share = (generation["seconds"] + reference_s + old_s) / phase.shared
     return {
         **prediction,
         "training_s": prediction["step_s"],
-        "generation_s": generation["seconds"] / shared,
-        "reference_s": reference_s / shared,
-        "old_logps_s": old_s / shared,
+        "generation_s": generation["seconds"] / phase.shared,
+        "reference_s": reference_s / phase.shared,
+        "old_logps_s": old_s / phase.shared,
         "step_s": prediction["step_s"] + share,
-        "shared_steps": shared,
+        "shared_steps": phase.shared,
     }
 
 

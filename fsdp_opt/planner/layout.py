@@ -14,9 +14,18 @@ from fsdp_opt.config.parse import Config
 from fsdp_opt.data.prompts import generation_slices
 from fsdp_opt.model.shapes import Shape
 from fsdp_opt.planner.calibrate import measure
-from fsdp_opt.planner.generation import gathered_fits, with_generation
+from fsdp_opt.planner.generation import Phase, gathered_fits, with_generation
 from fsdp_opt.planner.inputs import Inputs
-from fsdp_opt.planner.search import Space, change_line, cheapest_change, describe, recommend, reduce_dtypes
+from fsdp_opt.planner.search import (
+    Limits,
+    Space,
+    change_line,
+    cheapest_change,
+    chosen,
+    describe,
+    recommend,
+    reduce_dtypes,
+)
 from fsdp_opt.planner.steptime import Rates, candidates, rates_for
 from fsdp_opt.runtime.distributed import DistEnv, cap_gpu_memory, print0
 from fsdp_opt.runtime.hostmem import total_memory_bytes
@@ -53,6 +62,18 @@ class Layout:
             "reduce_dtype": self.reduce_dtype,
             "reduce_every_microbatch": str(self.reduce_each_microbatch).lower(),
         }
+
+
+@dataclass(frozen=True)
+class Run:
+    """What a layout is decided for: the run's flags, its ranks, its model's config, the compute precision, and this
+    GPU (usable memory in bytes, name; None without one)."""
+
+    config: Config
+    env: DistEnv
+    model_config: Any
+    precision: str
+    gpu: tuple[int, str] | None = None
 
 
 def run_inputs(
@@ -109,31 +130,25 @@ def choose_layout(
     (usable memory in bytes, name), from `distributed.cap_gpu_memory`; None without one. `accum_steps`: the flags'
     (None with --batch_size auto). The config is only read: what is decided comes back as the Layout. Every rank
     calls it (a CPU run with --batch_size auto measures its rates with all ranks)."""
-    layout = training_layout(config, env, model_config, precision, accum_steps, gpu)
+    run = Run(config, env, model_config, precision, gpu)
+    layout = training_layout(run, accum_steps)
     if not config.method.spec.generates:
         return layout
     global_batch = layout.batch_size * env.world_size * layout.accum_steps
-    gathered = gathered_generation_fits(config, env, model_config, precision, global_batch)
+    gathered = gathered_generation_fits(run, global_batch)
     settings = config.method.settings
     slices = generation_slices(getattr(settings, "steps_per_generation", None), layout.accum_steps)
     layout = dataclasses.replace(layout, gathered=gathered)
     graphs = settings.decoding == "graphs" and env.device.type == "cuda"
-    return with_generation_phase(
-        layout, config, env, model_config, precision, global_batch, gathered, graphs, slices, beside
-    )
+    return with_generation_phase(layout, run, global_batch, gathered, graphs, slices, beside)
 
 
-def training_layout(
-    config: Config,
-    env: DistEnv,
-    model_config: Any,
-    precision: str,
-    accum_steps: int | None,
-    gpu: tuple[int, str] | None = None,
-) -> Layout:
-    """The training step's layout: what the flags leave open of it."""
+def training_layout(run: Run, accum_steps: int | None) -> Layout:
+    """The training step's layout: what the flags leave open of it (`accum_steps`: the flags', None with
+    --batch_size auto)."""
+    config, env, model_config, precision, gpu = run.config, run.env, run.model_config, run.precision, run.gpu
     if config.train.batch_size == AUTO:
-        return searched_layout(config, env, model_config, precision, gpu)
+        return searched_layout(run)
     pc, tc = config.parallel, config.train
     choice = pc.reduce_every_microbatch
     fixed = dict(
@@ -160,7 +175,7 @@ def training_layout(
     ]
     if not options[0]["fits"]:  # nothing fits: the least memory, so the failure (if any) is the smallest
         options.sort(key=lambda c: c["peak_bytes"])
-        warn_unfit(config, env, shape, inputs, rates, precision, options[0])
+        warn_unfit(run, shape, inputs, rates, options[0])
     best = options[0]
     if pc.sharding_strategy == "AUTO":
         print0(
@@ -180,18 +195,17 @@ def training_layout(
     )
 
 
-def warn_unfit(
-    config: Config, env: DistEnv, shape: Shape, inputs: Inputs, rates: Rates, precision: str, least: dict[str, Any]
-) -> None:
+def warn_unfit(run: Run, shape: Shape, inputs: Inputs, rates: Rates, least: dict[str, Any]) -> None:
     """Before the model is built: the flags' run does not fit the memory plan on this GPU, and what does."""
+    config, env, precision = run.config, run.env, run.precision
     samples = config.train.samples_per_step(env.world_size)
     sharded = config.checkpoint.state_dict_type == "sharded"
-    search = (search_space(config, env, precision, True), total_memory_bytes(), sharded)
-    auto = recommend(shape, inputs, samples, rates, *search)
+    limits = Limits(rates, search_space(config, env, precision, True), total_memory_bytes(), sharded)
+    auto = recommend(shape, inputs, samples, limits)
     fix = (
         f"--batch_size auto fits it ({describe(auto)})"
         if auto is not None
-        else change_line(not inputs.lora_rank, inputs, cheapest_change(shape, inputs, samples, rates, *search))
+        else change_line(not inputs.lora_rank, inputs, cheapest_change(shape, inputs, samples, limits))
     )
     print0(
         f"warning: the memory plan's peak for these flags is {gib(least['peak_bytes'])} per GPU (the least of the "
@@ -220,10 +234,9 @@ def search_space(config: Config, env: DistEnv, precision: str, cuda: bool) -> Sp
     )
 
 
-def searched_layout(
-    config: Config, env: DistEnv, model_config: Any, precision: str, gpu: tuple[int, str] | None
-) -> Layout:
+def searched_layout(run: Run) -> Layout:
     """--batch_size auto: the fastest configuration that fits, at the run's sequences per step."""
+    config, env, model_config, precision, gpu = run.config, run.env, run.model_config, run.precision, run.gpu
     pc = config.parallel
     samples = config.train.samples_per_step(env.world_size)
     if samples % env.world_size:
@@ -240,15 +253,9 @@ def searched_layout(
         where = f"{gpu[1]}, {gib(gpu[0])} each, {rates.tflops:.0f} TFLOPS, link {rates.link_gbps:g} GB/s"
     inputs = run_inputs(config, env, precision, gpu, attention=getattr(model_config, "_attn_implementation", None))
     shape = Shape.of(model_config)
-    best = recommend(
-        shape,
-        inputs,
-        samples,
-        rates,
-        search_space(config, env, precision, gpu is not None),
-        None if gpu is None else total_memory_bytes(),
-        config.checkpoint.state_dict_type == "sharded",
-    )
+    space = search_space(config, env, precision, gpu is not None)
+    host = None if gpu is None else total_memory_bytes()
+    best = recommend(shape, inputs, samples, Limits(rates, space, host, config.checkpoint.state_dict_type == "sharded"))
     if best is None:
         raise ConfigError(
             f"--batch_size auto: no configuration of {samples} sequences per step fits "
@@ -270,65 +277,48 @@ def searched_layout(
             "link_gbps": rates.link_gbps,
             "hbm_gbps": rates.hbm_gbps,
         },
-        batch_size=best["batch_size"],
-        accum_steps=best["accum_steps"],
-        activation_checkpointing=best["activation_checkpointing"],
-        loss_chunk_tokens=best["loss_chunk_tokens"],
-        cpu_offload=best["cpu_offload"],
-        reduce_dtype=best["reduce_dtype"],
         searched=True,
+        **chosen(best),
     )
 
 
 def with_generation_phase(
-    layout: Layout,
-    config: Config,
-    env: DistEnv,
-    model_config: Any,
-    precision: str,
-    global_batch: int,
-    gathered: bool,
-    graphs: bool,
-    slices: int,
-    beside_config: Any = None,
+    layout: Layout, run: Run, global_batch: int, gathered: bool, graphs: bool, slices: int, beside_config: Any = None
 ) -> Layout:
     """The layout of a run that generates (GRPO, distillation) with its step prediction counting the generation, the
     forward of the model beside it (GRPO's reference, the teacher: of `beside_config`'s shape, default the model's) and
     the old log-probabilities' forward (planner/generation.py), as `plan` counts them."""
     if layout.prediction is None:
         return layout
+    config, env = run.config, run.env
     m, lc = config.method, config.lora
     inputs = Inputs(
         gpus=env.world_size,
         nodes=env.num_nodes,
         max_length=config.data.max_length,
-        precision=precision,
+        precision=run.precision,
         lora_rank=lc.lora_rank,
         lora_targets=lc.lora_targets,
         base_bits=lc.base_bits,
     )
-    prediction = with_generation(
-        layout.prediction,
-        Shape.of(model_config),
-        layout.strategy,
-        inputs,
+    phase = Phase(
         global_batch,
         m.completions_per_prompt,
         m.settings.max_completion_length,
-        m.uses_reference or m.spec.teacher,  # a model kept beside, its forward on the completions
-        gathered,
-        graphs=graphs,
-        steps_per_generation=slices,
-        iterations=getattr(m.settings, "num_iterations", 1),
+        slices,
+        getattr(m.settings, "num_iterations", 1),
+        forward_beside=m.uses_reference or m.spec.teacher,  # a model kept beside, its forward on the completions
         beside=Shape.of(beside_config) if beside_config is not None else None,
+    )
+    prediction = with_generation(
+        layout.prediction, Shape.of(run.model_config), layout.strategy, inputs, phase, gathered, graphs
     )
     return dataclasses.replace(layout, prediction=prediction)
 
 
-def gathered_generation_fits(
-    config: Config, env: DistEnv, model_config: Any, precision: str, global_batch: int
-) -> bool:
+def gathered_generation_fits(run: Run, global_batch: int) -> bool:
     """Whether this run's model gathered whole and its KV cache fit its GPU (or --max_gpu_memory) beside training."""
+    config, env, model_config, precision = run.config, run.env, run.model_config, run.precision
     if env.device.type != "cuda":
         return True
     gpu = cap_gpu_memory(config, env)

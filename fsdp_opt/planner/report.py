@@ -16,7 +16,7 @@ from fsdp_opt.config.methods import GENERATION, REFERENCE_PASS, spec
 from fsdp_opt.model.shapes import Shape, model_config
 from fsdp_opt.planner.disk import disk_and_hub, disk_line
 from fsdp_opt.planner.dpo import reference_line, reference_pass
-from fsdp_opt.planner.generation import grpo_lines, grpo_plan
+from fsdp_opt.planner.generation import Phase, grpo_lines, grpo_plan
 from fsdp_opt.planner.host import host_memory as host_phases
 from fsdp_opt.planner.host import render_host
 from fsdp_opt.planner.inputs import Inputs, state_bytes
@@ -24,6 +24,7 @@ from fsdp_opt.planner.lora import adapter_params, describe
 from fsdp_opt.planner.memory import activation_bytes, largest_micro_batch, memory, peak_bytes
 from fsdp_opt.planner.search import (
     KEYS,
+    Limits,
     Space,
     applied,
     by_gpu_count,
@@ -77,9 +78,10 @@ def make_plan(
     configurations = candidates(shape, inputs, list(strategies), rates)
     samples = samples or inputs.batch_size * inputs.accum_steps * inputs.gpus
     space = space or Space(strategies=tuple(strategies))
-    recommended = recommend(shape, inputs, samples, rates, space, host_memory, sharded)
-    change = None if recommended else cheapest_change(shape, inputs, samples, rates, space, host_memory, sharded)
-    gpu_counts = by_gpu_count(shape, inputs, samples, rates, space, host_memory, sharded)
+    limits = Limits(rates, space, host_memory, sharded)
+    recommended = recommend(shape, inputs, samples, limits)
+    change = None if recommended else cheapest_change(shape, inputs, samples, limits)
+    gpu_counts = by_gpu_count(shape, inputs, samples, limits)
     stored = disk_and_hub(
         shape,
         inputs,
@@ -172,22 +174,24 @@ def generating(
     kept beside (the teacher, of its own shape; GRPO's reference at --beta > 0: a model of its own for full
     fine-tuning or with --ref_model, else the base with the adapters off) and the training step (`training_s`)."""
     t = inputs.method.spec
-    own_reference = t.teacher or (inputs.beta > 0 and (not inputs.lora_rank or inputs.ref_model))
+    phase = Phase(
+        samples,
+        inputs.generations if t.group else 1,
+        inputs.completion_length,
+        inputs.generation_slices,
+        inputs.iterations,
+        forward_beside=t.teacher or inputs.beta > 0,
+        beside=Shape.of(model_config(inputs.teacher)) if t.teacher and inputs.teacher else shape,
+    )
     return grpo_plan(
         shape,
         strategy,
         inputs,
-        samples,
-        inputs.generations if t.group else 1,
-        inputs.completion_length,
-        t.teacher or inputs.beta > 0,
-        own_reference,
+        phase,
         training_s,
         rates,
         inputs.decoding,
-        inputs.generation_slices,
-        inputs.iterations,
-        beside=Shape.of(model_config(inputs.teacher)) if t.teacher and inputs.teacher else shape,
+        reference_model=t.teacher or (inputs.beta > 0 and (not inputs.lora_rank or inputs.ref_model)),
         beside_name="teacher" if t.teacher else "reference",
         beside_bits=inputs.teacher_bits if t.teacher else 16,
     )

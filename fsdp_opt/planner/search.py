@@ -10,7 +10,7 @@ model (`steptime.step_time`); the fastest one that fits wins, the smaller peak o
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fsdp_opt.base import gib
@@ -49,6 +49,17 @@ class Space:
     checkpointing: tuple[bool, ...] = (True, False)
     chunking: bool = True
     offload: bool = True  # tried where nothing fits without it (GPU runs only)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a configuration is held to besides the GPUs' memory: the rates it is timed at, what the search may vary,
+    one machine's host RAM (None: not checked) and whether saves are sharded (no gather to rank 0)."""
+
+    rates: Rates = field(default_factory=Rates)
+    space: Space = Space()
+    host_memory: int | None = None
+    sharded: bool = False
 
 
 def reduce_dtypes(choice: str, precision: str) -> tuple[str, ...]:
@@ -117,24 +128,15 @@ def describe_option(
     }
 
 
-def recommend(
-    shape: Shape,
-    inputs: Inputs,
-    samples: int,
-    rates: Rates | None = None,
-    space: Space = Space(),
-    host_memory: int | None = None,
-    sharded: bool = False,
-) -> dict[str, Any] | None:
+def recommend(shape: Shape, inputs: Inputs, samples: int, limits: Limits = Limits()) -> dict[str, Any] | None:
     """The fastest configuration of `samples` sequences per step on inputs.gpus GPUs that fits; None when none does
     (or when the GPUs do not divide `samples`)."""
-    return _search(shape, inputs, samples, rates or Rates(), space, host_memory, sharded)[0]
+    return _search(shape, inputs, samples, limits)[0]
 
 
-def _search(
-    shape: Shape, inputs: Inputs, samples: int, rates: Rates, space: Space, host_memory: int | None, sharded: bool
-) -> tuple[dict[str, Any] | None, str]:
+def _search(shape: Shape, inputs: Inputs, samples: int, limits: Limits) -> tuple[dict[str, Any] | None, str]:
     """The best configuration, or None and why."""
+    rates, space, host_memory, sharded = limits.rates, limits.space, limits.host_memory, limits.sharded
     if samples % inputs.gpus:
         return None, f"{samples} sequences do not split over {inputs.gpus} GPUs"
     least_host = None
@@ -170,15 +172,7 @@ def _search(
 SUGGESTED_RANK = 16  # the LoRA rank a suggestion names
 
 
-def cheapest_change(
-    shape: Shape,
-    inputs: Inputs,
-    samples: int,
-    rates: Rates | None = None,
-    space: Space = Space(),
-    host_memory: int | None = None,
-    sharded: bool = False,
-) -> dict[str, Any] | None:
+def cheapest_change(shape: Shape, inputs: Inputs, samples: int, limits: Limits = Limits()) -> dict[str, Any] | None:
     """When nothing fits: the first change that does, in order of what it gives up: LoRA (rank 16) instead of
     full fine-tuning, then a 4-bit base, then a shorter --max_length (halved, down to 128). Returns the fastest
     configuration with that change, with "change" (the flags), "max_length" and "inputs" (the plan's inputs with the
@@ -199,7 +193,7 @@ def cheapest_change(
         tries.append((flags + [f"--max_length {length}"], replace(small, max_length=length)))
         length //= 2
     for change, this in tries:
-        best = recommend(shape, this, samples, rates, space, host_memory, sharded)
+        best = recommend(shape, this, samples, limits)
         if best is not None:
             return {**best, "change": " ".join(change), "max_length": this.max_length, "inputs": this}
     return None
@@ -219,15 +213,7 @@ def change_line(full: bool, inputs: Inputs, found: dict[str, Any] | None) -> str
     return line + f"; {found['change']} fits, {found['predicted_step_time_s']:.2f} s per step ({describe(found)})"
 
 
-def by_gpu_count(
-    shape: Shape,
-    inputs: Inputs,
-    samples: int,
-    rates: Rates | None = None,
-    space: Space = Space(),
-    host_memory: int | None = None,
-    sharded: bool = False,
-) -> list[dict[str, Any]]:
+def by_gpu_count(shape: Shape, inputs: Inputs, samples: int, limits: Limits = Limits()) -> list[dict[str, Any]]:
     """The best configuration for 1, 2, ... inputs.gpus GPUs at the same sequences per step (on one node while the
     count fits in one: gpus per node = inputs.gpus / inputs.nodes)."""
     per_node = max(1, inputs.gpus // inputs.nodes)
@@ -237,7 +223,7 @@ def by_gpu_count(
         if g % nodes:
             continue
         this = replace(inputs, gpus=g, nodes=nodes)
-        best, why = _search(shape, this, samples, rates or Rates(), space, host_memory, sharded)
+        best, why = _search(shape, this, samples, limits)
         out.append(best if best is not None else {"gpus": g, "fits": False, "why": why})
     return out
 
@@ -256,18 +242,25 @@ def describe(c: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+# What a searched configuration decides of the flags (the inputs' and the run's Layout's names for them).
+CHOSEN = (
+    "batch_size",
+    "accum_steps",
+    "reduce_dtype",
+    "loss_chunk_tokens",
+    "activation_checkpointing",
+    "cpu_offload",
+)
+
+
+def chosen(c: dict[str, Any]) -> dict[str, Any]:
+    """A searched configuration's choices, but for its strategy and reduce mode."""
+    return {k: c[k] for k in CHOSEN}
+
+
 def applied(inputs: Inputs, c: dict[str, Any]) -> Inputs:
     """The inputs with a searched configuration's choices in place."""
-    return replace(
-        inputs,
-        batch_size=c["batch_size"],
-        accum_steps=c["accum_steps"],
-        reduce_every_microbatch=c["reduce_every_microbatch"],
-        reduce_dtype=c["reduce_dtype"],
-        loss_chunk_tokens=c["loss_chunk_tokens"],
-        activation_checkpointing=c["activation_checkpointing"],
-        cpu_offload=c["cpu_offload"],
-    )
+    return replace(inputs, reduce_every_microbatch=c["reduce_every_microbatch"], **chosen(c))
 
 
 def recommended_line(

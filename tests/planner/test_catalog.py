@@ -19,7 +19,7 @@ from fsdp_opt.model.catalog import SHAPES, catalog_config, catalog_id
 from fsdp_opt.model.shapes import Shape, model_config
 from fsdp_opt.model.sources import model_tag, resolve_model
 from fsdp_opt.planner.inputs import Inputs
-from fsdp_opt.planner.search import change_line, cheapest_change, recommend
+from fsdp_opt.planner.search import Limits, change_line, cheapest_change, recommend
 
 # Parameter counts as the models' safetensors hold them, tied embeddings counted once (Qwen3-1.7B's files store
 # its tied head a second time: 2,031,739,904 there). Gemma-3-4B: its text model (the published 4.3B adds the vision
@@ -74,26 +74,29 @@ def test_ids_variants_names_and_random_weights():
 def test_nothing_fits_names_the_cheapest_change_that_does():
     shape = Shape.of(model_config("Qwen/Qwen2.5-1.5B"))
     inputs = Inputs(**T4S)
-    assert recommend(shape, inputs, 128, host_memory=HOST) is None
-    found = cheapest_change(shape, inputs, 128, host_memory=HOST)
+    assert recommend(shape, inputs, 128, Limits(host_memory=HOST)) is None
+    found = cheapest_change(shape, inputs, 128, Limits(host_memory=HOST))
     assert found["change"] == "--lora_rank 16" and found["max_length"] == 512
     # the change, planned as given, fits with that configuration
-    again = recommend(shape, Inputs(**{**T4S, "lora_rank": 16}), 128, host_memory=HOST)
+    again = recommend(shape, Inputs(**{**T4S, "lora_rank": 16}), 128, Limits(host_memory=HOST))
     assert again["predicted_step_time_s"] == found["predicted_step_time_s"] and again["peak_bytes"] <= inputs.gpu_memory
     line = change_line(True, inputs, found)
     assert line.startswith("full fine-tuning does not fit 2 x 14.50 GiB; --lora_rank 16 fits, ")
     # a model too large for LoRA on a 16-bit base is told to take the 4-bit base
     big = Shape.of(model_config("Qwen/Qwen2.5-7B"))
-    assert cheapest_change(big, inputs, 128, host_memory=HOST)["change"] == "--lora_rank 16 --base_bits 4"
+    assert cheapest_change(big, inputs, 128, Limits(host_memory=HOST))["change"] == "--lora_rank 16 --base_bits 4"
     # and where even that does not fit at full length, a shorter one
     tight = Inputs(**{**T4S, "gpu_memory": 10 * 2**30})
     assert (
         recommend(
-            big, Inputs(**{**T4S, "gpu_memory": 10 * 2**30, "lora_rank": 16, "base_bits": 4}), 128, host_memory=HOST
+            big,
+            Inputs(**{**T4S, "gpu_memory": 10 * 2**30, "lora_rank": 16, "base_bits": 4}),
+            128,
+            Limits(host_memory=HOST),
         )
         is None
     )
-    shorter = cheapest_change(big, tight, 128, host_memory=HOST)
+    shorter = cheapest_change(big, tight, 128, Limits(host_memory=HOST))
     assert shorter["change"].startswith("--lora_rank 16 --base_bits 4 --max_length ") and shorter["max_length"] < 512
 
 
@@ -123,5 +126,5 @@ def test_the_plan_answers_offline_for_every_model_and_the_readme_table_is_its_ou
 def test_when_nothing_fits_even_the_changes_the_line_says_so():
     big = Shape.of(model_config("Qwen/Qwen2.5-7B"))
     small = Inputs(**{**T4S, "gpu_memory": 6 * 2**30})
-    assert cheapest_change(big, small, 128, host_memory=HOST) is None
+    assert cheapest_change(big, small, 128, Limits(host_memory=HOST)) is None
     assert change_line(True, small, None).endswith("nor does LoRA on a 4-bit base at 128 tokens")

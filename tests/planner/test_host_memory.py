@@ -114,6 +114,7 @@ def test_resume_releases_the_checkpoint_and_the_plan_predicts_each_phase(
         ("other", "save"): fresh[1]["save"],
     }
     table = {k: (plan[k[0]][k[1]], got, round(plan[k[0]][k[1]] / got - 1, 3)) for k, got in measured.items()}
-    assert all(abs(error) <= 0.10 for _, _, error in table.values()), table
+    off = {f"{who} {phase}": row for (who, phase), row in table.items() if abs(row[2]) > 0.10}
+    assert not off, f"phases off the plan by more than 10%: {off}; all: {table}"
     # The 10% above can see a leak: a checkpoint left in memory would add more than 20% to either rank's peak.
     assert 12 * shape.params > 0.2 * max(max(x["setup"], x["step"], x["save"]) for x in fresh)

@@ -22,6 +22,7 @@ from fsdp_opt.planner.generation import (
     HOST_S_PER_BLOCK,
     HOST_S_PER_NF4,
     SAMPLER_S,
+    Phase,
     generation_time,
     grpo_plan,
 )
@@ -266,21 +267,8 @@ def test_the_graph_path_replaces_the_hosts_launches_and_a_shared_generation_cost
         )
     )
     assert graphs == pytest.approx(by_hand, rel=1e-3) and graphs < eager
-    once = grpo_plan(shape, "FULL_SHARD", inputs, 16, 8, steps, 0.0, False, 1.0, decoding="graphs")
-    shared = grpo_plan(
-        shape,
-        "FULL_SHARD",
-        inputs,
-        16,
-        8,
-        steps,
-        0.0,
-        False,
-        1.0,
-        decoding="graphs",
-        steps_per_generation=2,
-        iterations=2,
-    )
+    once = grpo_plan(shape, "FULL_SHARD", inputs, Phase(16, 8, steps), 1.0, decoding="graphs")
+    shared = grpo_plan(shape, "FULL_SHARD", inputs, Phase(16, 8, steps, 2, 2), 1.0, decoding="graphs")
     assert shared["requests_per_rank"] == 2 * once["requests_per_rank"] and once["old_logps_s"] == 0
     generation = shared["gathered"]["seconds"]
     assert shared["step_s"] == pytest.approx(1.0 + generation / 4 + shared["old_logps_s"], rel=1e-9)

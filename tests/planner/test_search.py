@@ -15,7 +15,7 @@ from fsdp_opt.model.shapes import Shape, model_config
 from fsdp_opt.planner.inputs import Inputs
 from fsdp_opt.planner.memory import memory, peak_bytes
 from fsdp_opt.planner.report import make_plan
-from fsdp_opt.planner.search import KEYS, LOSS_CHUNK, Space, applied, divisors, recommend
+from fsdp_opt.planner.search import KEYS, LOSS_CHUNK, Limits, Space, applied, divisors, recommend
 from fsdp_opt.planner.steptime import Rates, step_time
 
 KAGGLE = Inputs(gpus=2, gpu_memory=int(14.5 * GIB), batch_size=4, max_length=512, accum_steps=16, precision="fp16")
@@ -50,7 +50,7 @@ def test_no_configuration_in_the_space_is_faster_and_fits():
     # Every combination enumerated here, apart from the search, through the two models it ranks by.
     shape = Shape.of(model_config("facebook/opt-1.3b"))
     rates = Rates()
-    best = recommend(shape, KAGGLE, 128, rates, Space(offload=False))
+    best = recommend(shape, KAGGLE, 128, Limits(rates, Space(offload=False)))
     fastest = None
     for b in [d for d in range(1, 65) if 64 % d == 0]:
         for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
