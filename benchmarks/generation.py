@@ -94,13 +94,13 @@ def worker(args: argparse.Namespace) -> int:
     from fsdp_opt.engine.generation import Sampling, completion_keys, gathered, generate
     from fsdp_opt.model.sources import load_tokenizer, resolve_model
     from fsdp_opt.runtime.distributed import barrier, init_distributed
-    from fsdp_opt.train.reference import load_frozen
+    from fsdp_opt.train.reference import Frozen, load_frozen
 
     counter = GatherCounter()
     env = init_distributed()
     precision = "fp16" if env.device.type == "cuda" else "fp32"
     tokenizer = load_tokenizer(resolve_model(args.model))
-    model = load_frozen(args.model, env, precision, tokenizer, policy=args.model, strategy="FULL_SHARD", seed=0)
+    model = load_frozen(Frozen(env, precision, "FULL_SHARD", tokenizer, args.model, seed=0), args.model, "--model")
     vocab = model.get_input_embeddings().num_embeddings
     g = torch.Generator().manual_seed(1234 + env.rank)  # each rank its own prompts, the same for both ways
     prompts = torch.randint(3, min(vocab, len(tokenizer)), (args.prompts, args.prompt_length), generator=g).tolist()

@@ -2,8 +2,8 @@
 
     fsdp-opt train ...      train a range of a dataset (the default: `fsdp-opt --start_idx 0 ...` trains)
     fsdp-opt plan ...       memory, host RAM, disk and step time before a run; --batch_size auto's choice
-    fsdp-opt evaluate ...   the base model and checkpoints on held-out rows
-    fsdp-opt export ...     a checkpoint as a Hugging Face model folder
+    fsdp-opt evaluate ...   the base model and checkpoints on held-out rows, or lm-eval's tasks (--tasks)
+    fsdp-opt export ...     a checkpoint as a model folder, a Hub model repo, GGUF
     fsdp-opt demo ...       the built-in demos on CPU
     fsdp-opt check ...      a new GPU machine: the plan against what it measures
 

@@ -43,9 +43,7 @@ class MethodConfig:
             raise ConfigError(f"--method {method}: one of {', '.join(METHODS)}")
         own = spec(method).own_flags()
         if strict:
-            for name in union_flags():
-                if name not in own and values.get(name) is not None:
-                    raise ConfigError(f"--{name}: only with --method {in_words(owners(name))}")
+            refuse_foreign(method, values)
         given = {k: v for k, v in values.items() if k in own and v is not None}
         return cls(method, spec(method).flags(**given))
 
@@ -64,6 +62,14 @@ class MethodConfig:
     @property
     def completions_per_prompt(self) -> int:
         return self.settings.completions_per_prompt
+
+
+def refuse_foreign(method: str, values: dict[str, Any]) -> None:
+    """A value given (not None) for a method flag that `method` does not take: one line naming the methods that do."""
+    own = spec(method).own_flags()
+    for name in union_flags():
+        if name not in own and values.get(name) is not None:
+            raise ConfigError(f"--{name}: only with --method {in_words(owners(name))}")
 
 
 def union_flags() -> dict[str, list[tuple[str, dataclasses.Field]]]:

@@ -18,7 +18,7 @@ from fsdp_opt.checkpoint.atomic import atomic_save_text
 from fsdp_opt.checkpoint.loading import load_into
 from fsdp_opt.checkpoint.read import check_compatible, read_checkpoint
 from fsdp_opt.config.layout import LoraConfig
-from fsdp_opt.config.method import MethodConfig
+from fsdp_opt.config.method import MethodConfig, refuse_foreign
 from fsdp_opt.config.methods import DEFAULT_METHOD
 from fsdp_opt.config.training import DataConfig, ModelConfig
 from fsdp_opt.data.formats import held_out_rows, held_out_split, select_rows
@@ -36,7 +36,7 @@ from fsdp_opt.model.loader import Build, load_model, set_head
 from fsdp_opt.model.parallelize import DTYPES, resolve_precision
 from fsdp_opt.model.sources import ModelSource, load_model_config, load_tokenizer, resolve_model
 from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, broadcast_object, print0, rank0_first
-from fsdp_opt.train.components import Setup, check, for_evaluation
+from fsdp_opt.train.components import Setup, for_evaluation
 from fsdp_opt.train.inputs import data_spec, without_dropout_where
 from fsdp_opt.train.methods import method_for
 from fsdp_opt.train.methods.base import RunParts, SequenceInput
@@ -176,7 +176,7 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
     # flags given here aside (another method than the checkpoint's: its own defaults)
     name = args.method or trained.get("method") or DEFAULT_METHOD
     given = {k: getattr(args, k, None) for k in ("beta", "reward", "ref_model")}
-    MethodConfig.from_flags(name, given)  # a flag given here that the method does not take: the trainer's one line
+    refuse_foreign(name, given)  # a flag given here that the method does not take: the trainer's one line
     model_name = args.model or trained.get("model") or ModelConfig.model
     dataset = args.dataset or trained.get("dataset") or DataConfig.dataset
     max_length = args.max_length or trained.get("max_length") or DataConfig.max_length
@@ -256,9 +256,7 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
         batch_size=args.batch_size,
     )
     how = Frozen(env, precision, args.sharding_strategy, tokenizer, model_name, seed=args.seed)
-    components = for_evaluation(
-        check(method.spec, method.settings, env), how, made, args.ref_model or trained.get("reference")
-    )
+    components = for_evaluation(method.spec, method.settings, how, made, args.ref_model or trained.get("reference"))
     scorer = method.scorer(RunParts(env, model_config, tokenizer, None, None, blocks, args.batch_size, components))
     asked = [generation_prompt(r, spec, tokenizer) for r in held_out.rows[: args.num_prompts]]
     if args.prompts:

@@ -261,16 +261,17 @@ def decoding(spec: MethodSpec, settings: Flags, made: Setup, env: DistEnv, seed:
     return Decoding(sampling=sampling, seed=seed, eos_ids=eos, stop=stop, gather=gather, decoding=chosen)
 
 
-def for_evaluation(components: Components, how: Frozen, made: Setup, reference: str | None) -> Components:
+def for_evaluation(spec: MethodSpec, settings: Flags, how: Frozen, made: Setup, reference: str | None) -> Components:
     """`python -m fsdp_opt.evaluate`: what the method's scorer reads besides the models it compares: the reference's
     log-probabilities of the held-out units (a LoRA run's adapters-off reference is its base), and how completions
-    are decoded (on the model gathered once)."""
-    spec, settings, env = components.spec, components.settings, how.env
+    are decoded (on the model gathered once). A method that keeps a teacher is refused first."""
+    env = how.env
     if TEACHER in spec.needs:
         raise ConfigError(
             f"--method {spec.name}: python -m fsdp_opt.evaluate does not load a teacher; training reports the held-out "
             "divergence from it at each save (--eval_rows)"
         )
+    components = check(spec, settings, env)
     if REFERENCE_PASS in spec.needs:
         name = reference or made.model_name
         name = made.model_name if name == ADAPTERS_OFF else name

@@ -18,12 +18,22 @@ def test_wheel_carries_the_package_and_its_command_runs_from_outside_the_repo(tm
     assert "fsdp_opt/__main__.py" in names and any(n.startswith("fsdp_opt/assets/tiny-opt/") for n in names)
     assert not any(n.startswith(("tests/", "notebooks/", "benchmarks/")) for n in names)
     env = {k: v for k, v in sandbox_env(tmp_path).items() if k != "PYTHONPATH"}
-    help_text = subprocess.run(
-        [str(wheel_venv / "bin" / "python"), "-m", "fsdp_opt", "--help"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    ).stdout
-    assert "--sharding_strategy" in help_text and "--link_gbps" in help_text
+
+    def run(*args: str) -> str:
+        done = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout
+
+    # the commands, then the training command's flags: by the module, and by the installed `fsdp-opt` script
+    commands = run(str(wheel_venv / "bin" / "python"), "-m", "fsdp_opt", "--help")
+    assert all(f"fsdp-opt {verb}" in commands for verb in ("train", "plan", "evaluate", "export", "demo", "check"))
+    assert (
+        "fsdp-opt = fsdp_opt.cli:entry"
+        in zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
+    )
+    (script,) = wheel_venv.parent.glob("venv/lib/python*/site-packages/bin/fsdp-opt")  # pip --target puts it there
+    for flags in (
+        run(str(wheel_venv / "bin" / "python"), "-m", "fsdp_opt", "train", "--help"),
+        run(str(wheel_venv / "bin" / "python"), str(script), "train", "--help"),
+    ):
+        assert "--sharding_strategy" in flags and "--link_gbps" in flags

@@ -157,6 +157,7 @@ def test_chain_of_four_slices_keeps_the_policy(tmp_path):
                 "branch",
                 "--resume_file",
                 finals[0],
+                "--overwrite",  # the repo has rows [20, 40) trained already: trained again on purpose
             ],
             tmp_path,
             env=hub_env(tmp_path, server, "branch"),
