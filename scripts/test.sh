@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
 # Quick start 2: install the test dependencies, then run the test suite (CPU, gloo, 2 processes).
-#   bash scripts/test.sh            the whole suite (what CI runs)
-#   bash scripts/test.sh --quick    the quick tier: unit tests and one end-to-end run per concern (about 5 minutes)
-#   bash scripts/test.sh ARGS       any pytest arguments (a folder, -k ...)
+#   bash scripts/test.sh            the gate (what CI runs): every test but the long tier's
+#   bash scripts/test.sh --all      everything, the long tier too (run it before a change lands)
+#   bash scripts/test.sh --quick    the quick tier: unit tests and one end-to-end run per concern
+#   bash scripts/test.sh [--all|--quick] ARGS   any pytest arguments besides (a folder, -k ...)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh "[test]"
-tier=()
-if [ "${1:-}" = "--quick" ]; then
-  shift
-  tier=(-m quick)
-fi
+tier=(-m "not long")
+case "${1:-}" in
+  --quick)
+    shift
+    tier=(-m quick)
+    ;;
+  --all)
+    shift
+    tier=()
+    ;;
+esac
 # Inductor's kernel cache is built for one CPU capability: a suite run under another (ATEN_CPU_CAPABILITY exported,
 # as .ci/run's second pass does) gets a cache of its own, or the kernels cached under the machine's own fail to build.
 if [ -n "${ATEN_CPU_CAPABILITY:-}" ] && [ -z "${TORCHINDUCTOR_CACHE_DIR:-}" ]; then

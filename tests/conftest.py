@@ -472,6 +472,76 @@ QUICK = (
 )
 
 
+# The long tier (`bash scripts/test.sh --all`, marker `long`): the runs of minutes and the second and third run of a
+# concern the gate already runs once. `bash scripts/test.sh` (CI, the README's test command) leaves them out, so it
+# fits its budget on a 2-core machine; run `--all` before a change lands (CONTRIBUTING.md). Matched as QUICK is.
+LONG = (
+    # the chat, GRPO and DPO demos (the gate runs the Quick start's), the notebooks and every command block of the docs
+    "tests/train/test_chat_data.py::test_the_chat_demo_answers_in_the_template_and_the_grpo_demo_learns_its_reward",
+    "tests/train/test_dpo.py::test_the_dpo_demo_learns_the_held_out_preferences",
+    "tests/commands/test_notebooks.py",
+    "tests/commands/test_docs.py::test_every_command_block",
+    "tests/test_kernels.py::test_the_learned_behaviour_holds_under_the_default_kernel[long]",
+    # the GPU check's whole run, the benchmarks' reports, the planner's simulations and calibration, host RAM
+    "tests/commands/test_gpu_check.py::test_gpu_check_trains_saves_resumes_and_reports",
+    "tests/commands/test_benchmark.py::test_session_benchmark",
+    "tests/commands/test_benchmark.py::test_throughput_report",
+    "tests/commands/test_benchmark.py::test_data_benchmark",
+    "tests/commands/test_benchmark.py::test_allocator_benchmark",
+    "tests/commands/test_benchmark.py::test_generation_benchmark",
+    "tests/commands/test_benchmark.py::test_memory_only_report",
+    "tests/planner/test_simulate.py",
+    "tests/planner/test_search.py::test_plan_calibrate",
+    "tests/planner/test_host_memory.py",
+    "tests/engine/test_lmeval.py::test_the_benchmark_sets_requests_per_second",
+    # faults, signals, leases, full disks and limits beyond the first of each kind
+    "tests/hub/test_faults.py::test_three_faults_of_each_passing_kind",
+    "tests/hub/test_faults.py::test_a_training_run_pushes_through_faults_at_every_call",
+    "tests/hub/test_hub.py::test_exit_wait_is_bounded",
+    "tests/hub/test_lease.py::test_a_killed_session_leaves_its_lease",
+    "tests/hub/test_lease.py::test_two_identical_auto_chain_commands",
+    "tests/hub/test_lease.py::test_two_sessions_in_the_same_instant",
+    "tests/checkpoint/test_checkpoint_safety.py::test_full_disk_stops_cleanly",
+    "tests/checkpoint/test_disk_room.py",
+    "tests/checkpoint/test_resume.py::test_time_limit_saves_before_the_budget",
+    "tests/checkpoint/test_resume.py::test_sigkill_after_mid_epoch_checkpoint",
+    "tests/checkpoint/test_resume.py::test_sigterm_saves_and_exits_cleanly",
+    "tests/commands/test_launch.py::test_a_user_error_is_the_last_line_on_the_screen",
+    "tests/commands/test_launch.py::test_a_clean_run_and_a_stopped_ones_resume_command",
+    "tests/commands/test_cli.py::test_unreachable_hub_ids",
+    "tests/runtime/test_torchao_gate.py::test_an_unsuitable_torchao",
+    # chains of three or four sessions through the Hub, per method and row format, beside the gate's one of each
+    "tests/train/test_auto_chain.py",
+    "tests/hub/test_retention.py::test_chain_of_four_slices_keeps_the_policy",
+    "tests/hub/test_hub.py::test_sharded_checkpoints_through_the_hub",
+    "tests/hub/test_model_repo.py::test_a_lora_chain_pushed_as_a_model_repo",
+    "tests/model/test_lora.py::test_lora_chain_of_three_slices_through_the_hub",
+    "tests/model/test_lora.py::test_lora_checkpoint_is_small_resumes_exactly_after_sigkill",
+    "tests/train/test_dpo.py::test_three_auto_sessions_through_the_hub",
+    "tests/train/test_grpo.py::test_three_auto_sessions_through_the_hub",
+    "tests/train/test_kto.py::test_lora_kto_through_the_hub",
+    "tests/train/test_distill.py::test_lora_distillation_through_the_hub",
+    "tests/train/test_distill.py::test_a_session_resumed_mid_range",
+    "tests/train/test_chat_data.py::test_a_chain_over_conversations",
+    "tests/data/test_mixture.py::test_a_range_far_into_a_mixture",
+    "tests/data/test_hub_ranges.py::test_runs_train_where_datasets_cannot_fingerprint",
+    "tests/data/test_hub_ranges.py::test_three_fresh_sessions_of_an_auto_chain",
+    "tests/engine/test_lmeval.py::test_two_chained_sessions_score_each_save",
+    # fp16 at real width and over thirty steps, a 4-bit base against peft, HYBRID_SHARD across two nodes
+    "tests/engine/test_fp16_reduce.py",
+    "tests/model/test_fp16_width.py::test_the_trainer_in_fp16_at_real_width",
+    "tests/commands/test_cli.py::test_fp16_with_loss_scaling",
+    "tests/model/test_lora.py::test_4bit_base_matches_peft",
+    "tests/engine/test_training_math.py::test_hybrid_shard_across_two_nodes",
+    # scores and exports beyond the gate's first of each: arc_easy from the Hub, LoRA's, bad tasks, a 7b-shaped GGUF
+    "tests/engine/test_lmeval.py::test_arc_easy_from_the_loopback_hub",
+    "tests/engine/test_lmeval.py::test_a_lora_checkpoint_scores_as_hflm",
+    "tests/engine/test_lmeval.py::test_unknown_unreadable_and_unsafe_tasks",
+    "tests/train/test_evaluate.py::test_base_vs_checkpoints_match_reference",
+    "tests/checkpoint/test_gguf.py::test_a_7b_shaped_export",
+)
+
+
 # What a training run learned (a loss drop, an accuracy, a format, an answer): these must hold under any CPU kernel.
 # The suite runs them a second time under ATEN_CPU_CAPABILITY=default (tests/test_kernels.py: `pytest -m learns` in a
 # session of its own); docs/testing.md has each margin.
@@ -502,6 +572,8 @@ def pytest_collection_modifyitems(config, items):  # noqa: ANN001
             item.add_marker(pytest.mark.quick)
         if item.nodeid.startswith(LEARNS):
             item.add_marker(pytest.mark.learns)
+        if item.nodeid.startswith(LONG):
+            item.add_marker(pytest.mark.long)
     items.sort(key=rank)  # stable: the rest keep their order
 
 

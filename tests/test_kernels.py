@@ -3,7 +3,8 @@ LEARNS: a loss drop, an accuracy, a format, an answer) run once more, in a pytes
 ATEN_CPU_CAPABILITY=default, the kernels every x86 CPU has (no vector units). The session's tests, its references
 computed in process included, all run under that kernel, with an inductor cache of its own (kernels compiled for
 another capability fail to build). It runs inside the suite, beside the other tests, so the suite's two workers stay
-busy: one session for both kernels, not a second one after the first."""
+busy: one session for both kernels, not a second one after the first. Split by tier: the gate's `learns` tests
+under the default kernel in the gate (`bash scripts/test.sh`), the long tier's in the long tier (`--all`)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,19 @@ import re
 import subprocess
 import sys
 
-from conftest import LEARNS, ROOT
+import pytest
+from conftest import LEARNS, LONG, ROOT
 
 KERNEL = "default"
 
 
-def test_the_learned_behaviour_holds_under_the_default_kernel(tmp_path, wheel_venv):
+def in_long(entry: str) -> bool:
+    return entry.startswith(LONG) or any(prefix.startswith(entry) for prefix in LONG)
+
+
+@pytest.mark.parametrize("tier", ["gate", "long"])
+def test_the_learned_behaviour_holds_under_the_default_kernel(tmp_path, wheel_venv, tier):
+    entries = [entry for entry in LEARNS if in_long(entry) == (tier == "long")]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     env.update(
         ATEN_CPU_CAPABILITY=KERNEL,
@@ -39,7 +47,7 @@ def test_the_learned_behaviour_holds_under_the_default_kernel(tmp_path, wheel_ve
             "-p",
             "no:cacheprovider",
             "-m",
-            "learns",
+            "learns and long" if tier == "long" else "learns and not long",
             "--basetemp",
             str(tmp_path / "base"),
         ],
@@ -52,7 +60,7 @@ def test_the_learned_behaviour_holds_under_the_default_kernel(tmp_path, wheel_ve
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     # every entry of LEARNS ran and passed (a renamed test or a typo matches nothing), and nothing was skipped
     passed = re.findall(r"^PASSED (\S+)", proc.stdout, flags=re.M)
-    assert all(any(p.startswith(entry) for p in passed) for entry in LEARNS), (LEARNS, passed)
+    assert entries and all(any(p.startswith(entry) for p in passed) for entry in entries), (entries, passed)
     assert not re.search(r"^(SKIPPED|XFAIL|XPASS)", proc.stdout, flags=re.M), proc.stdout[-3000:]
     # and they ran under the kernel set here: the session's process and the runs it forked
     assert f"kernels: session {KERNEL.upper()}, runs cpu capability: {KERNEL.upper()}" in proc.stdout, proc.stdout[

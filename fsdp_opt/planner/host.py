@@ -26,12 +26,15 @@ from fsdp_opt.planner.inputs import Inputs, shard_factor
 from fsdp_opt.planner.lora import adapter_params
 from fsdp_opt.planner.memory import memory, peak_bytes
 
-# A worker after setup, on CPU: Python, torch 2.13, transformers 5.23, datasets, the tokenizer, gloo.
-# Measured here: 0.41 GiB after imports and the process group, 0.44 GiB once setup is done.
-PROCESS_BYTES = int(0.45 * GIB)
-# The other ranks read no dataset (rank 0 reads the rows and hands them on): measured here, 64 MiB less each
-# (the built-in python-docs: datasets' import and its table).
-OTHER_PROCESS_BYTES = PROCESS_BYTES - 64 * 2**20
+# A worker on CPU before setup: Python, torch 2.13, transformers 5.23 and the process group. It varies with the
+# machine's libraries (0.40 GiB here, on two machines within 20 MB of each other).
+IMPORTS_BYTES = int(0.40 * GIB)
+# The same worker once setup is done, beside what the phases below count (the dataset, the tokenizer, the model's
+# code, the allocator's heap): measured per phase on two machines, 0.48-0.51 GiB on rank 0.
+PROCESS_BYTES = int(0.49 * GIB)
+# The other ranks read no dataset (rank 0 reads the rows and hands them on): 48 MiB less each (the built-in
+# python-docs: datasets' import and its table), 0.43-0.47 GiB measured.
+OTHER_PROCESS_BYTES = PROCESS_BYTES - 48 * 2**20
 
 # Added by the first CUDA use (kernel images, the driver's host side): about 1.2 GB, pytorch/pytorch#106511.
 CUDA_PROCESS_BYTES = int(1.2 * GIB)

@@ -1,5 +1,5 @@
 """Run by torchrun from the tests: a session in phases (setup, two steps, a save), reporting this rank's peak
-host RSS in each phase and the checkpoint files still mapped after setup. Arguments: the report path, how a full
+host RSS in each phase (and its RSS before setup) and the checkpoint files still mapped after setup. Arguments: the report path, how a full
 checkpoint is loaded ("slices": each rank reads its own, "broadcast": rank 0 reads and broadcasts), the trainer's
 flags."""
 
@@ -13,7 +13,7 @@ from fsdp_opt.config.parse import parse_args
 from fsdp_opt.engine.step import train_step
 from fsdp_opt.runtime.distributed import init_distributed, teardown
 from fsdp_opt.runtime.exits import end_process
-from fsdp_opt.runtime.hostmem import configure_allocator, mapped_files, peak_rss_bytes, reset_peak
+from fsdp_opt.runtime.hostmem import configure_allocator, mapped_files, peak_rss_bytes, reset_peak, rss_bytes
 from fsdp_opt.train.build import setup
 from fsdp_opt.train.saving import save
 
@@ -25,7 +25,8 @@ def main() -> None:
     env = init_distributed("cpu")
     configure_allocator(cpu_device=True)  # as train.run.run does for a CPU device
     config = parse_args(flags)
-    report: dict = {}
+    # the process before setup: Python, the imports and the process group, whose size varies with the machine
+    report: dict = {"process": rss_bytes()["rss"]}
     reset_peak()
     session = setup(config, env)
     report["setup"] = peak_rss_bytes()
