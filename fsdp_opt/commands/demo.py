@@ -22,6 +22,7 @@ import json
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from fsdp_opt.tracking.metrics import read_metrics
@@ -192,27 +193,40 @@ def chat_verdict(out: Path) -> tuple[str, bool] | None:
     )
 
 
-def dpo_verdict(out: Path) -> tuple[str, bool] | None:
-    report = ask(out, ["--eval_rows", str(DPO_PAIRS), "--num_prompts", "0"], "pairs.json")
-    if report is None:
+def before_and_after(
+    out: Path, flags: list[str], report: str, key: str, says: Callable[[dict, dict], str]
+) -> tuple[str, bool] | None:
+    """The base and the trained model scored by evaluate: what `says(base, tuned)` prints, and whether `key` rose."""
+    scored = ask(out, flags, report)
+    if scored is None:
         return None
-    base, tuned = report["models"]
-    return (
-        f"held-out accuracy {base['accuracy']:.0%} before training (the model is its own reference), "
-        f"{tuned['accuracy']:.0%} after; reward margin {tuned['margin']:.2f}",
-        tuned["accuracy"] > base["accuracy"],
+    base, tuned = scored["models"]
+    return says(base, tuned), tuned[key] > base[key]
+
+
+def dpo_verdict(out: Path) -> tuple[str, bool] | None:
+    return before_and_after(
+        out,
+        ["--eval_rows", str(DPO_PAIRS), "--num_prompts", "0"],
+        "pairs.json",
+        "accuracy",
+        lambda base, tuned: (
+            f"held-out accuracy {base['accuracy']:.0%} before training (the model is its own "
+            f"reference), {tuned['accuracy']:.0%} after; reward margin {tuned['margin']:.2f}"
+        ),
     )
 
 
 def grpo_verdict(out: Path) -> tuple[str, bool] | None:
-    report = ask(out, ["--eval_rows", "32", "--num_prompts", "4", "--max_new_tokens", "16"], "rewards.json")
-    if report is None:
-        return None
-    base, tuned = report["models"]
-    return (
-        f"mean reward of a greedy answer to each of {tuned['prompts']} held-out questions: {base['reward']:.2f} "
-        f"before training (the chat demo's model), {tuned['reward']:.2f} after",
-        tuned["reward"] > base["reward"],
+    return before_and_after(
+        out,
+        ["--eval_rows", "32", "--num_prompts", "4", "--max_new_tokens", "16"],
+        "rewards.json",
+        "reward",
+        lambda base, tuned: (
+            f"mean reward of a greedy answer to each of {tuned['prompts']} held-out questions: "
+            f"{base['reward']:.2f} before training (the chat demo's model), {tuned['reward']:.2f} after"
+        ),
     )
 
 
