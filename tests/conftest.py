@@ -533,12 +533,15 @@ LONG = (
     "tests/data/test_mixture_formats.py::test_a_dpo_mixture_of_explicit_and_implicit_pairs",
     "tests/train/test_data_pin.py::test_a_mixtures_hub_source_is_read_at_the_revision",
     "tests/data/test_hub_ranges.py::test_a_short_range_far_into_the_split",
-    # fp16 at real width and over thirty steps, a 4-bit base against peft, HYBRID_SHARD across two nodes
+    # fp16 at real width and over thirty steps, 4-bit bases against peft and TRL, HYBRID_SHARD across two nodes, NO_SHARD
+    # compiled
     "tests/engine/test_fp16_reduce.py",
     "tests/model/test_fp16_width.py::test_the_trainer_in_fp16_at_real_width",
     "tests/commands/test_cli.py::test_fp16_with_loss_scaling",
     "tests/model/test_lora.py::test_4bit_base_matches_peft",
     "tests/engine/test_training_math.py::test_hybrid_shard_across_two_nodes",
+    "tests/engine/test_training_math.py::test_sharded_run_matches_unsharded_reference[2-1-4-NO_SHARD",  # compiled
+    "tests/train/test_distill.py::test_a_4bit_teacher",
     # scores and exports beyond the gate's first of each: arc_easy from the Hub, LoRA's, bad tasks, a 7b-shaped GGUF
     "tests/engine/test_lmeval.py::test_arc_easy_from_the_loopback_hub",
     "tests/engine/test_lmeval.py::test_a_lora_checkpoint_scores_as_hflm",
@@ -572,6 +575,7 @@ LEARNS = (
 KERNEL_LONG = (
     "tests/commands/test_cli.py::test_demo_trains_and_loss_falls",
     "tests/train/test_model_families.py::test_trains_learns_and_resumes_exactly",
+    "tests/train/test_chat_data.py::test_lora_and_a_4bit_base_train_on_the_answers",
 )
 
 
