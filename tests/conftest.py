@@ -392,7 +392,8 @@ def assert_clean_failure(proc: subprocess.CompletedProcess, *needles: str) -> st
 # The longest tests (minutes each on 2 cores) start first, so parallel workers (pytest-xdist, scripts/test.sh) do
 # not end with one of them running alone.
 LONGEST_FIRST = (
-    "test_kernels.py::test_the_learned_behaviour_holds_under_the_default_kernel",
+    "test_kernels.py::test_the_learned_behaviour_holds_under_the_default_kernel[long]",
+    "test_kernels.py::test_the_learned_behaviour_holds_under_the_default_kernel[gate]",
     "test_chat_data.py::test_the_chat_demo_answers_in_the_template_and_the_grpo_demo_learns_its_reward",
     "test_notebooks.py::test_notebooks_run_end_to_end",
     "test_docs.py::test_every_command_block_of_the_readme_and_docs_runs_or_says_why_not",

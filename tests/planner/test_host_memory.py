@@ -124,5 +124,7 @@ def test_resume_releases_the_checkpoint_and_the_plan_predicts_each_phase(
     }
     off = {f"{who} {phase}": row for (who, phase), row in table.items() if abs(row[2]) > 0.10}
     assert not off, f"phases off the plan by more than 10%: {off}; all: {table}"
-    # The 10% above can see a leak: a checkpoint left in memory would add more than 20% to either rank's peak.
-    assert 12 * shape.params > 0.2 * max(max(x["setup"], x["step"], x["save"]) for x in fresh)
+    # The checks above can see a leak: a checkpoint kept after the resume would add its 12 bytes a parameter to the
+    # later phases, more than the 10% a resumed peak may exceed a fresh one by plus the 5% two runs differ by
+    # (about 20% of either rank's peak here: 194 MB against peaks of 0.95-0.98 GB).
+    assert 12 * shape.params > 0.15 * max(max(x["setup"], x["step"], x["save"]) for x in fresh)
