@@ -543,6 +543,15 @@ LONG = (
     "tests/engine/test_training_math.py::test_hybrid_shard_across_two_nodes",
     "tests/engine/test_training_math.py::test_sharded_run_matches_unsharded_reference[2-1-4-NO_SHARD",  # compiled
     "tests/train/test_distill.py::test_a_4bit_teacher",
+    # the families alike in what they test (Mistral runs as Llama, Gemma 3 as Gemma 2), fp16 at real width, the DPO
+    # first step's conversational rows, the batch search's run
+    "tests/train/test_model_families.py::test_trains_learns_and_resumes_exactly[gemma3_text]",
+    "tests/train/test_model_families.py::test_trains_learns_and_resumes_exactly[mistral]",
+    "tests/train/test_model_families.py::test_first_step_is_the_rows_alone_bos_included_and_lora_trains[gemma3_text]",
+    "tests/train/test_model_families.py::test_first_step_is_the_rows_alone_bos_included_and_lora_trains[mistral]",
+    "tests/model/test_fp16_width.py::test_fp16_stays_finite",
+    "tests/train/test_dpo.py::test_the_first_step_is_the_dpo_loss_of_the_pairs_alone_full_and_lora[conversational]",
+    "tests/train/test_batch_auto.py",
     # scores and exports beyond the gate's first of each: arc_easy from the Hub, LoRA's, bad tasks, a 7b-shaped GGUF
     "tests/engine/test_lmeval.py::test_arc_easy_from_the_loopback_hub",
     "tests/engine/test_lmeval.py::test_a_lora_checkpoint_scores_as_hflm",

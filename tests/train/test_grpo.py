@@ -25,6 +25,7 @@ from conftest import (
     run_cli_concurrently,
     saved_names,
 )
+from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 G = 4  # completions per prompt
@@ -112,6 +113,41 @@ def group_flags(f: dict, tmp_path: Path, method: str, *extra: str, rewards: tupl
         *as_flags(precision="fp32", output_dir=tmp_path / "out", wandb_mode="disabled", seed=7),
         *extra,
     ]
+
+
+def step_report(files: dict, tmp_path, flags: list[str]) -> dict:  # noqa: ANN001
+    """Our step on 2 ranks over the given completions (tests/workers/grpo_step.py): its report, and where the weights
+    it started from are (`weights`)."""
+    out = tmp_path / "report.json"
+    proc = launch([WORKER], [str(out), str(files["given"]), *flags], tmp_path, nproc=2)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    report["weights"] = str(out) + ".pt"
+    return report
+
+
+def trl_trainer(trainer_class, config_class, output_dir, report: dict, tok, model, **settings):  # noqa: ANN001, ANN201
+    """TRL's trainer of a one-process step over the whole group batch (PROMPTS x G completions of LENGTH tokens), on
+    the CPU in fp32 (TRL defaults to bf16 autocast), for a report's pass, with the method's own `settings`; the reward
+    function is never called (the completions and their rewards are given)."""
+    args = config_class(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=PROMPTS * G,
+        num_generations=G,
+        max_completion_length=LENGTH,
+        num_iterations=report["iteration"],
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        **settings,
+    )
+    return trainer_class(
+        model=model,
+        reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+        args=args,
+        train_dataset=Dataset.from_list(rows()),
+        processing_class=tok,
+    )
 
 
 def trl_models(files: dict, report: dict, sampled_always: bool = False):  # noqa: ANN201
@@ -204,35 +240,24 @@ def trl_step(
     (--num_iterations 2) is held against TRL's loss of the weights that pass started from (REPORT.pt), with the old
     log-probabilities of the model the completions were sampled from. --loss_type bnpo runs TRL once per micro-batch
     of ours (each rank's, with TRL's accumulation over them) and averages over the ranks, as DDP would."""
-    from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
     tok, model, sampled = trl_models(files, report)
-    n = PROMPTS * G
-    args = GRPOConfig(
-        output_dir=str(files["root"] / "trl"),
-        per_device_train_batch_size=n,
-        num_generations=G,
-        max_completion_length=LENGTH,
+    trainer = trl_trainer(
+        GRPOTrainer,
+        GRPOConfig,
+        files["root"] / "trl",
+        report,
+        tok,
+        model,
         beta=beta,
         loss_type=loss_type,
-        report_to=[],
-        use_cpu=True,
-        bf16=False,
-        num_iterations=report["iteration"],
         importance_sampling_level=level,
         delta=delta,
         epsilon=epsilon,
         use_bias_correction_kl=bias_kl,
         scale_rewards=scale,
         mask_truncated_completions=mask_truncated,
-    )  # TRL defaults to bf16 autocast
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-        args=args,
-        train_dataset=Dataset.from_list(rows()),
-        processing_class=tok,
     )
     given = given_completions(files, tok, mask_truncated)
     keys, advantages = given["keys"], trl_advantages(report["records"], scale)
@@ -335,11 +360,7 @@ def test_a_step_is_trls_loss_and_gradient_on_the_same_completions(tmp_path, setu
     flags = group_flags(f, tmp_path, "grpo", *extra)
     if "--beta" in extra:
         flags += ["--ref_model", str(f["ref"])]
-    out = tmp_path / "report.json"
-    proc = launch([WORKER], [str(out), str(f["given"]), *flags], tmp_path, nproc=2)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    ours = json.loads(out.read_text())
-    ours["weights"] = str(out) + ".pt"
+    ours = step_report(f, tmp_path, flags)
     if "pad" in extra:
         assert ours["micro_batches"] == 2  # 16 completions a rank, 8 rows a micro-batch
     loss, grads, advantages = trl_step(f, ours, **trl_settings)

@@ -6,15 +6,21 @@ a short run end to end, resumed bit for bit, and bad input in one line."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 import torch
-from conftest import ROOT, assert_clean_failure, assert_same_step, launch, read_jsonl, run_cli
-from test_grpo import LENGTH, PROMPTS, G, given_completions, group_flags, per_token_logps, rows, setup_files, trl_models  # noqa: F401 - the module's fixture, shared
-
-WORKER = str(ROOT / "tests" / "workers" / "grpo_step.py")
+from conftest import assert_clean_failure, assert_same_step, read_jsonl, run_cli
+from test_grpo import (
+    G,
+    given_completions,
+    group_flags,
+    per_token_logps,
+    setup_files,  # noqa: F401 - the module's fixture, shared
+    step_report,
+    trl_models,
+    trl_trainer,
+)
 
 
 def leave_one_out(rewards: torch.Tensor, normalize: bool) -> torch.Tensor:
@@ -36,30 +42,19 @@ def trl_rloo_step(files, report: dict, *, beta: float, normalize: bool = False, 
     parameter's gradient and the advantages. The old log-probabilities are the model the completions were sampled
     from (a second pass: the weights the first pass started from), the KL in the reward that model's to the
     reference's, summed over each completion."""
-    from datasets import Dataset
     from trl import RLOOConfig, RLOOTrainer
 
     tok, model, sampled = trl_models(files, report, sampled_always=True)
-    n = PROMPTS * G
-    args = RLOOConfig(
-        output_dir=str(files["root"] / "trl-rloo"),
-        per_device_train_batch_size=n,
-        num_generations=G,
-        max_completion_length=LENGTH,
+    trainer = trl_trainer(
+        RLOOTrainer,
+        RLOOConfig,
+        files["root"] / "trl-rloo",
+        report,
+        tok,
+        model,
         beta=beta,
         epsilon=epsilon,
         normalize_advantages=normalize,
-        num_iterations=report["iteration"],
-        report_to=[],
-        use_cpu=True,
-        bf16=False,
-    )
-    trainer = RLOOTrainer(
-        model=model,
-        reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-        args=args,
-        train_dataset=Dataset.from_list(rows()),
-        processing_class=tok,
     )
     given = given_completions(files, tok)
     keys, completion_mask = given["keys"], given["inputs"]["completion_mask"]
@@ -98,11 +93,7 @@ def test_a_step_is_trls_rloo_loss_and_gradient_on_the_same_completions(tmp_path,
     flags = group_flags(f, tmp_path, "rloo", *extra)
     if trl_settings["beta"]:
         flags += ["--ref_model", str(f["ref"])]
-    out = tmp_path / "report.json"
-    proc = launch([WORKER], [str(out), str(f["given"]), *flags], tmp_path, nproc=2)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    ours = json.loads(out.read_text())
-    ours["weights"] = str(out) + ".pt"
+    ours = step_report(f, tmp_path, flags)
     if "pad" in extra:
         assert ours["micro_batches"] == 2  # 16 completions a rank, 8 a micro-batch
     loss, grads, advantages = trl_rloo_step(f, ours, **trl_settings)
