@@ -239,14 +239,15 @@ def gguf_name(folder: Path, qtype: str) -> str:
 def plan_exports(
     config: PretrainedConfig, shapes: dict[str, tuple[int, ...]], qtypes: list[str], dest: Path
 ) -> list[GgufPlan]:
-    """The GGUFs asked for, planned; a model llama.cpp does not run is refused in one line naming the folder."""
+    """The GGUFs asked for, planned; a model llama.cpp does not run is refused in one line naming the folder (before
+    the gguf package is asked for: installing it would not help)."""
+    why = refusal(config, str(dest))
+    if why:
+        raise ConfigError(why)
     try:
         import gguf  # noqa: F401 - an extra: fsdp-opt[gguf]
     except ImportError:
         raise ConfigError("--gguf: the gguf package is not installed: pip install 'fsdp-opt[gguf]'") from None
-    why = refusal(config, str(dest))
-    if why:
-        raise ConfigError(why)
     return [plan(config, shapes, q, dest / gguf_name(dest, q)) for q in qtypes]
 
 

@@ -177,6 +177,16 @@ def test_a_model_llama_cpp_does_not_run_gets_one_line(tmp_path):
     assert not dest.exists() and not list(tmp_path.glob(".out*"))
 
 
+def test_without_the_gguf_package_opt_is_still_told_that_llama_cpp_does_not_run_it(monkeypatch):
+    """The demo's virtualenv has no gguf extra: installing it would not help an OPT model, so that line comes first;
+    a family llama.cpp runs is told to install the package."""
+    monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf raises ImportError, as where it is not installed
+    with pytest.raises(Exception, match="llama.cpp does not run opt models"):
+        plan_exports(AutoConfig.for_model("opt"), {}, ["q8_0"], Path("out"))
+    with pytest.raises(Exception, match=r"pip install 'fsdp-opt\[gguf\]'"):
+        plan_exports(catalog_config("Qwen/Qwen2.5-7B"), {}, ["q8_0"], Path("out"))
+
+
 def test_the_plan_says_what_a_7b_needs_and_refuses_what_does_not_fit():
     """Qwen2.5-7B's shapes: q8_0 alone fits Kaggle's 20 GB disk and 31 GB host, f16 and q8_0 together do not; the RAM
     is one block's, not the model's."""
