@@ -8,6 +8,7 @@ import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 VERSION = "0.6.0"  # the package's version: pyproject.toml reads it; checkpoints and model cards record it; CHANGELOG.md
 
@@ -107,3 +108,8 @@ def quiet_hub_logs() -> Iterator[None]:
 def in_words(items: list[str], last: str = "or") -> str:
     """'a', 'a or b', 'a, b or c'."""
     return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} {last} {items[-1]}"
+
+
+def picked(source: object, *names: str) -> dict[str, Any]:
+    """`source`'s attributes `names` by name: settings handed on under the names they already have."""
+    return {name: getattr(source, name) for name in names}

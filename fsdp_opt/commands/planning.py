@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from fsdp_opt.base import ConfigError, gib, parse_size
+from fsdp_opt.base import ConfigError, gib, parse_size, picked
 from fsdp_opt.config.choices import KAGGLE_HOST_MEMORY, STRATEGIES, T4_MEMORY
 from fsdp_opt.config.method import MethodConfig, union_flags
 from fsdp_opt.config.methods import GENERATION, REFERENCE_PASS, spec
@@ -30,6 +30,24 @@ from fsdp_opt.planner.simulate import simulate_reference
 from fsdp_opt.planner.steptime import Rates
 from fsdp_opt.runtime.hostmem import total_memory_bytes
 from fsdp_opt.train.chain_scores import planned_scoring
+
+# The plan's flags the planner's Inputs takes under the same names.
+SAME_NAMED = (
+    "gpus",
+    "nodes",
+    "max_length",
+    "precision",
+    "activation_checkpointing",
+    "attn_implementation",
+    "packing",
+    "reduce_every_microbatch",
+    "prefetch",
+    "loss_chunk_tokens",
+    "lora_rank",
+    "lora_targets",
+    "base_bits",
+    "cpu_offload",
+)
 
 
 def host_memory_of(a: argparse.Namespace) -> tuple[int, str]:
@@ -95,26 +113,13 @@ def plan(a: argparse.Namespace) -> int:
             raise ConfigError(f"--reduce_dtype fp16: only with --precision fp16 (this plan computes in {a.precision})")
         samples, accum = batch_of(a)
         inputs = Inputs(
-            gpus=a.gpus,
-            nodes=a.nodes,
+            **picked(a, *SAME_NAMED),
             gpu_memory=parse_size(a.gpu_memory or T4_MEMORY, "--gpu_memory"),
             batch_size=4 if auto else a.batch_size,
-            max_length=a.max_length,
             accum_steps=accum,
-            precision=a.precision,
-            activation_checkpointing=a.activation_checkpointing,
-            attn_implementation=a.attn_implementation,
-            packing=a.packing,
-            reduce_every_microbatch=a.reduce_every_microbatch,
-            prefetch=a.prefetch,
-            loss_chunk_tokens=a.loss_chunk_tokens,
             cuda=not a.cpu,
-            lora_rank=a.lora_rank,
-            lora_targets=a.lora_targets,
             lora_dropout=a.lora_dropout if a.lora_dropout is not None else 0.05 if method.spec.dropout else 0.0,
-            base_bits=a.base_bits,
             reduce_dtype="fp16" if a.reduce_dtype == "fp16" else "fp32",
-            cpu_offload=a.cpu_offload,
             method=method,
         )
         if a.lora_rank < 0:

@@ -348,32 +348,10 @@ def grpo_lines(g: dict[str, Any], gpu_memory: int, method: str = "grpo") -> list
     return lines
 
 
-def gathered_fits(
-    model_config,
-    device_type: str,
-    gpus: int,
-    nodes: int,
-    max_length: int,
-    generations: int,
-    global_batch: int,
-    precision: str,
-    gpu_memory: int,
-    lora_rank: int = 0,
-    base_bits: int = 16,
-) -> bool:  # noqa: ANN001
-    """Whether the model gathered whole and its KV cache fit the GPU beside the training state (CPU: always): the
-    plan's generation memory at this run's sizes against the GPU's memory (or --max_gpu_memory)."""
-    if device_type != "cuda":
-        return True
-    inputs = Inputs(
-        gpus=gpus,
-        nodes=nodes,
-        max_length=max_length,
-        cuda=True,
-        precision=precision,
-        gpu_memory=gpu_memory,
-        lora_rank=lora_rank,
-        base_bits=base_bits,
-    )
-    requests = requests_per_rank(global_batch, generations, gpus)
-    return sum(generation_memory(Shape.of(model_config), "FULL_SHARD", inputs, requests, True).values()) <= gpu_memory
+def gathered_fits(model_config, inputs: Inputs, generations: int, global_batch: int) -> bool:  # noqa: ANN001
+    """Whether the model gathered whole and its KV cache fit the GPU beside the training state: the plan's generation
+    memory at this run's sizes (`inputs`: its ranks, length, precision, LoRA and GPU memory, or --max_gpu_memory)
+    against the GPU's memory."""
+    requests = requests_per_rank(global_batch, generations, inputs.gpus)
+    memory = generation_memory(Shape.of(model_config), "FULL_SHARD", inputs, requests, True)
+    return sum(memory.values()) <= inputs.gpu_memory

@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from fsdp_opt.base import ConfigError, gib
+from fsdp_opt.base import ConfigError, gib, picked
 from fsdp_opt.config.choices import AUTO, STRATEGIES
 from fsdp_opt.config.parse import Config
 from fsdp_opt.data.prompts import generation_slices
@@ -152,12 +152,9 @@ def training_layout(run: Run, accum_steps: int | None) -> Layout:
     pc, tc = config.parallel, config.train
     choice = pc.reduce_every_microbatch
     fixed = dict(
-        batch_size=tc.batch_size,
+        **picked(tc, "batch_size", "loss_chunk_tokens"),
+        **picked(pc, "activation_checkpointing", "cpu_offload", "reduce_dtype"),
         accum_steps=accum_steps,
-        activation_checkpointing=pc.activation_checkpointing,
-        loss_chunk_tokens=tc.loss_chunk_tokens,
-        cpu_offload=pc.cpu_offload,
-        reduce_dtype=pc.reduce_dtype,
     )
     if gpu is None:
         return Layout(
@@ -322,16 +319,13 @@ def gathered_generation_fits(run: Run, global_batch: int) -> bool:
     if env.device.type != "cuda":
         return True
     gpu = cap_gpu_memory(config, env)
-    return gathered_fits(
-        model_config,
-        env.device.type,
-        env.world_size,
-        env.num_nodes,
-        config.data.max_length,
-        config.method.completions_per_prompt,
-        global_batch,
-        precision,
-        gpu[0],
-        config.lora.lora_rank,
-        config.lora.base_bits,
+    sizes = Inputs(
+        gpus=env.world_size,
+        nodes=env.num_nodes,
+        max_length=config.data.max_length,
+        cuda=True,
+        precision=precision,
+        gpu_memory=gpu[0],
+        **picked(config.lora, "lora_rank", "base_bits"),
     )
+    return gathered_fits(model_config, sizes, config.method.completions_per_prompt, global_batch)

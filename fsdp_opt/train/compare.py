@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_opt.base import ConfigError
+from fsdp_opt.base import ConfigError, picked
 from fsdp_opt.checkpoint.atomic import atomic_save_text
 from fsdp_opt.checkpoint.loading import load_into
 from fsdp_opt.checkpoint.read import check_compatible, read_checkpoint
@@ -288,11 +288,7 @@ def compare(args: argparse.Namespace, env: DistEnv) -> dict[str, Any]:
                 tokenizer,
                 prompts,
                 env,
-                max_new_tokens=args.max_new_tokens,
-                do_sample=args.do_sample,
-                temperature=args.temperature,
-                top_p=args.top_p,
-                seed=args.seed,
+                **picked(args, "max_new_tokens", "do_sample", "temperature", "top_p", "seed"),
                 rendered=rendered,
                 stop=stop,
             )

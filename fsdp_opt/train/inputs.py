@@ -9,7 +9,7 @@ from typing import Any
 
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from fsdp_opt.base import ConfigError, DataError
+from fsdp_opt.base import ConfigError, DataError, picked
 from fsdp_opt.config.choices import AUTO
 from fsdp_opt.config.methods import METHOD_SPECS, MethodSpec
 from fsdp_opt.config.parse import Config
@@ -112,16 +112,9 @@ def data_spec(dc: DataConfig, table: Table, method: Method) -> tuple[RowSpec, st
 
 
 def _row_spec(dc: DataConfig, column_names, data_format: str, method: Method) -> RowSpec:
+    columns = ("text", "prompt", "completion", "messages", "chosen", "rejected")
     return resolve_spec(
-        column_names,
-        data_format,
-        text_column=dc.text_column,
-        prompt_column=dc.prompt_column,
-        completion_column=dc.completion_column,
-        messages_column=dc.messages_column,
-        chosen_column=dc.chosen_column,
-        rejected_column=dc.rejected_column,
-        prefer=method.spec.rows,
+        column_names, data_format, **picked(dc, *(f"{c}_column" for c in columns)), prefer=method.spec.rows
     )
 
 

@@ -85,6 +85,19 @@ class Scorer(Protocol):
     def table(self, results: dict[str, Any]) -> list[str]: ...  # the evaluate report's table of the models scored
 
 
+@dataclass
+class AgainstReference:
+    """What the held-out scorers of the methods with a reference (DPO, KTO) share: the reference's name, the
+    micro-batch and the ranks."""
+
+    reference_name: str
+    batch_size: int
+    env: DistEnv
+
+    def against(self) -> str:
+        return f"against the reference {self.reference_name}"
+
+
 class Method(ABC):
     """A training method: its spec, its settings, and its builders."""
 

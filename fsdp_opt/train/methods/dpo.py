@@ -11,8 +11,7 @@ import torch
 from fsdp_opt.config.methods.dpo import DPO
 from fsdp_opt.data.pairs import Pairs, pairs_from_rows
 from fsdp_opt.engine.dpo import PairLoss, evaluate_pairs
-from fsdp_opt.runtime.distributed import DistEnv
-from fsdp_opt.train.methods.base import Method, RunParts, SequenceInput
+from fsdp_opt.train.methods.base import AgainstReference, Method, RunParts, SequenceInput
 
 
 class Dpo(Method):
@@ -28,25 +27,22 @@ class Dpo(Method):
     def scorer(self, parts: RunParts) -> HeldOutPairs:
         reference = parts.components.reference
         return HeldOutPairs(
-            parts.held_out,
-            reference.found[1].for_pairs(parts.held_out),
             reference.name,
-            self.settings.beta,
             parts.batch_size,
             parts.env,
+            pairs=parts.held_out,
+            reference=reference.found[1].for_pairs(parts.held_out),
+            beta=self.settings.beta,
         )
 
 
 @dataclass
-class HeldOutPairs:
+class HeldOutPairs(AgainstReference):
     """The held-out pairs' DPO loss, rewards and accuracy against the reference's log-probabilities."""
 
     pairs: Pairs
     reference: torch.Tensor
-    reference_name: str
     beta: float
-    batch_size: int
-    env: DistEnv
     logged = ("loss", "rewards_chosen", "rewards_rejected", "margin", "accuracy")
 
     def score(self, model: Any) -> dict[str, Any]:  # noqa: ANN401
@@ -59,14 +55,12 @@ class HeldOutPairs:
         )
 
     def what(self) -> str:
-        return (
-            f"{len(self.pairs)} preference pairs against the reference {self.reference_name}, the loss on their answers"
-        )
+        return f"{len(self.pairs)} preference pairs {self.against()}, the loss on their answers"
 
     def table(self, results: dict[str, Any]) -> list[str]:
         lines = [
             f"Held-out preference pairs {results['rows']} of `{results['dataset']}` ({results['models'][0]['pairs']:,} "
-            f"pairs), against the reference {self.reference_name} (beta {self.beta:g}):",
+            f"pairs), {self.against()} (beta {self.beta:g}):",
             "",
             "| model | DPO loss | accuracy | reward margin | chosen reward | rejected reward |",
             "| --- | --- | --- | --- | --- | --- |",

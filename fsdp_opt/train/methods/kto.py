@@ -17,8 +17,7 @@ import torch
 from fsdp_opt.config.methods.kto import KTO
 from fsdp_opt.data.unpaired import Unpaired, items_from_rows
 from fsdp_opt.engine.kto import UnpairedLoss, evaluate_items
-from fsdp_opt.runtime.distributed import DistEnv
-from fsdp_opt.train.methods.base import Method, RunParts, SequenceInput
+from fsdp_opt.train.methods.base import AgainstReference, Method, RunParts, SequenceInput
 
 
 class Kto(Method):
@@ -37,7 +36,9 @@ class Kto(Method):
     def scorer(self, parts: RunParts) -> HeldOutItems:
         reference = parts.components.reference
         held = by_unit(reference.held, reference.found[1])
-        return HeldOutItems(parts.held_out, held, reference.name, self.settings, parts.batch_size, parts.env)
+        return HeldOutItems(
+            reference.name, parts.batch_size, parts.env, items=parts.held_out, reference=held, settings=self.settings
+        )
 
 
 def by_unit(units, found) -> dict[tuple[int, int], float]:  # noqa: ANN001
@@ -46,16 +47,13 @@ def by_unit(units, found) -> dict[tuple[int, int], float]:  # noqa: ANN001
 
 
 @dataclass
-class HeldOutItems:
+class HeldOutItems(AgainstReference):
     """The held-out items' KTO loss, rewards and KL estimate against the reference's log-probabilities, each
     micro-batch's KL estimate as in training."""
 
     items: Unpaired
     reference: dict[tuple[int, int], float]
-    reference_name: str
     settings: Any
-    batch_size: int
-    env: DistEnv
     logged = ("loss", "rewards_chosen", "rewards_rejected", "margin", "kl")
 
     def score(self, model: Any) -> dict[str, Any]:  # noqa: ANN401
@@ -79,15 +77,12 @@ class HeldOutItems:
         )
 
     def what(self) -> str:
-        return (
-            f"{len(self.items)} items against the reference {self.reference_name}, each micro-batch's KL estimate as in "
-            "training"
-        )
+        return f"{len(self.items)} items {self.against()}, each micro-batch's KL estimate as in training"
 
     def table(self, results: dict[str, Any]) -> list[str]:
         lines = [
             f"Held-out items {results['rows']} of `{results['dataset']}` ({results['models'][0]['items']:,} items), "
-            f"against the reference {self.reference_name} (beta {self.settings.beta:g}):",
+            f"{self.against()} (beta {self.settings.beta:g}):",
             "",
             "| model | KTO loss | reward margin | desirable reward | undesirable reward | KL |",
             "| --- | --- | --- | --- | --- | --- |",
