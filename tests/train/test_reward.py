@@ -144,32 +144,20 @@ def test_a_reward_model_learns_exports_and_scores_grpo_completions(tmp_path, fil
         )
     assert good > bad
     prompts = write(tmp_path / "prompts.jsonl", [{"prompt": f"Pick {k}: "} for k in range(8)])
-    grpo = [
-        "--model",
-        str(files["policy"]),
-        "--dataset",
-        str(prompts),
-        "--method",
-        "grpo",
-        "--reward_model",
-        str(export),
-        "--num_generations",
-        "4",
-        "--max_completion_length",
-        "6",
-        "--max_length",
-        "64",
-        "--batch_size",
-        "4",
-        "--accum_steps",
-        "1",
-        "--precision",
-        "fp32",
-        "--wandb_mode",
-        "disabled",
-        "--output_dir",
-        str(tmp_path / "grpo"),
-    ]
+    grpo = as_flags(
+        model=files["policy"],
+        dataset=prompts,
+        method="grpo",
+        reward_model=export,
+        num_generations=4,
+        max_completion_length=6,
+        max_length=64,
+        batch_size=4,
+        accum_steps=1,
+        precision="fp32",
+        wandb_mode="disabled",
+        output_dir=tmp_path / "grpo",
+    )
     scored = run_cli(grpo, tmp_path, nproc=2)
     assert scored.returncode == 0, scored.stdout[-2000:] + scored.stderr[-3000:]
     label = export.name
