@@ -287,17 +287,9 @@ def with_generation_phase(
     the old log-probabilities' forward (planner/generation.py), as `plan` counts them."""
     if layout.prediction is None:
         return layout
-    config, env = run.config, run.env
-    m, lc = config.method, config.lora
-    inputs = Inputs(
-        gpus=env.world_size,
-        nodes=env.num_nodes,
-        max_length=config.data.max_length,
-        precision=run.precision,
-        lora_rank=lc.lora_rank,
-        lora_targets=lc.lora_targets,
-        base_bits=lc.base_bits,
-    )
+    config, m = run.config, run.config.method
+    attention = getattr(run.model_config, "_attn_implementation", None)
+    inputs = run_inputs(config, run.env, run.precision, run.gpu, attention=attention)
     phase = Phase(
         global_batch,
         m.completions_per_prompt,
@@ -318,14 +310,5 @@ def gathered_generation_fits(run: Run, global_batch: int) -> bool:
     config, env, model_config, precision = run.config, run.env, run.model_config, run.precision
     if env.device.type != "cuda":
         return True
-    gpu = cap_gpu_memory(config, env)
-    sizes = Inputs(
-        gpus=env.world_size,
-        nodes=env.num_nodes,
-        max_length=config.data.max_length,
-        cuda=True,
-        precision=precision,
-        gpu_memory=gpu[0],
-        **picked(config.lora, "lora_rank", "base_bits"),
-    )
-    return gathered_fits(model_config, sizes, config.method.completions_per_prompt, global_batch)
+    inputs = run_inputs(config, env, precision, cap_gpu_memory(config, env))
+    return gathered_fits(model_config, inputs, config.method.completions_per_prompt, global_batch)

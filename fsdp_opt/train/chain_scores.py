@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsdp_opt.base import ConfigError
+from fsdp_opt.base import ConfigError, picked
 from fsdp_opt.config.benchmarks import BenchmarkConfig
 from fsdp_opt.config.parse import Config
 from fsdp_opt.engine.benchmarks import (
@@ -39,8 +39,8 @@ from fsdp_opt.model.shapes import Shape, model_config
 from fsdp_opt.model.sources import load_tokenizer, max_positions, resolve_model
 from fsdp_opt.planner.benchmarks import gathered_scoring_fits, scoring_line, scoring_plan
 from fsdp_opt.planner.inputs import Inputs
-from fsdp_opt.planner.layout import Layout
-from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, broadcast_object, print0
+from fsdp_opt.planner.layout import Layout, run_inputs
+from fsdp_opt.runtime.distributed import DistEnv, all_ranks_ok, broadcast_object, cap_gpu_memory, print0
 from fsdp_opt.tracking.metrics import EVAL_FILE
 from fsdp_opt.tracking.scoretable import BENCHMARKS_KEY, Table, row_line
 from fsdp_opt.train.scores import read_tasks
@@ -97,16 +97,7 @@ def start_scores(
         return None
     context = max_positions(model_config) or MAX_CONTEXT
     counts = all_ranks_ok(lambda: request_counts(tasks, tokenizer, context))
-    lc = config.lora
-    inputs = Inputs(
-        gpus=env.world_size,
-        nodes=env.num_nodes,
-        precision=precision,
-        lora_rank=lc.lora_rank,
-        lora_targets=lc.lora_targets,
-        base_bits=lc.base_bits,
-        cuda=env.device.type == "cuda",
-    )
+    inputs = run_inputs(config, env, precision, cap_gpu_memory(config, env))
     gather = all_ranks_ok(
         lambda: gathered_scoring_fits(model_config, env, precision, layout.batch_size, layout.strategy)
     )
@@ -167,7 +158,7 @@ def scoring_seconds(s: Session) -> float:
 def planned_scoring(flags: Any, inputs: Inputs, rates: Any) -> dict[str, Any]:
     """`fsdp-opt plan --eval_tasks ...`: the tasks read, their requests counted (with the model's tokenizer where it
     can be had offline), and the scoring's memory and time at each save (FULL_SHARD, gathered)."""
-    bc = BenchmarkConfig(**{f.name: getattr(flags, f.name) for f in dataclasses.fields(BenchmarkConfig)})
+    bc = BenchmarkConfig(**picked(flags, *(f.name for f in dataclasses.fields(BenchmarkConfig))))
     tasks = load_tasks(run_settings(Config(benchmark=bc)))
     config = model_config(flags.model)  # the planner's: offline for the shapes it knows
     try:
